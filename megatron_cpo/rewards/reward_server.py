@@ -2,8 +2,9 @@
 
 Protocol: ``POST /score`` with ``{"items": [{"prompt", "response", "data_source", "ground_truth", "extra_info"}]}``
 answers ``{"scores": [float, ...]}`` in item order; ``GET /health`` answers ``{"status": "ok"}``. A bad request (or
-a ``ValueError`` from the scorer) is 400 with ``{"error": ...}``, any other scorer failure 500. The default scorer grades verifiable items with
-``megatron_cpo.rewards.compute_score``; a real reward model plugs in as ``score_fn(items) -> list[float]``.
+a ``ValueError`` from the scorer) is 400 with ``{"error": ...}``, any other scorer failure 500. The default scorer
+grades verifiable items with ``megatron_cpo.rewards.compute_score`` (on handler threads, so math-verify runs without
+its alarm there); a real reward model plugs in as ``score_fn(items) -> list[float]``.
 
 Run one with ``python -m megatron_cpo.rewards.reward_server --port 8000 [--scorer pkg.module:fn]``.
 """

@@ -1,4 +1,6 @@
 """RewardManager: a real grading pool; graders that raise, hang and kill their worker; metrics; token rewards."""
+import json
+
 import pytest
 import torch
 
@@ -40,6 +42,14 @@ def test_batch_with_failing_graders_is_scored_and_counted(manager):
     assert result.metrics["reward/worker_restarts"] >= 2
     again = manager.score(["tests/exact"] * 4, ["a", "b", "a", "a"], ["a"] * 4)
     assert again.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_code_samples_are_sandboxed_inside_pool_workers(manager):
+    tests = json.dumps({"inputs": ["2\n", "5\n"], "outputs": ["4\n", "10\n"]})
+    solutions = ["```python\nprint(int(input()) * 2)\n```", "```python\nimport os\nos.fork()\n```"]
+    result = manager.score(["codecontests", "apps"], solutions, [tests, tests])
+    assert result.scores.tolist() == [1.0, 0.0]
+    assert result.details[1]["test_statuses"] == ["runtime_error", "runtime_error"]
 
 
 def test_failure_scores_follow_the_grader_convention(manager):

@@ -68,7 +68,7 @@ def test_pathological_expression_is_bounded_by_the_symbolic_timeout():
     started = time.monotonic()
     result = compute_math_score("math", r"\boxed{10^{10^{10^{10}}}}", "5", symbolic_timeout_s=1)
     assert not result["acc"]
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30
 
 
 def test_scores_are_plus_minus_one_by_default_and_one_zero_on_request():

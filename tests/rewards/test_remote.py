@@ -64,7 +64,7 @@ def test_stalling_server_times_out_and_fails_after_the_last_retry():
         started = time.monotonic()
         with pytest.raises(RemoteRewardError, match="failed 2 attempts.*timed out"):
             client.score(["p"], ["r"])
-        assert time.monotonic() - started < 2.5
+        assert time.monotonic() - started < 5
 
 
 class _MalformedHandler(BaseHTTPRequestHandler):
@@ -108,7 +108,7 @@ def test_wrong_number_of_scores_and_client_errors():
         started = time.monotonic()
         with pytest.raises(RemoteRewardError, match="HTTP 404"):
             bad_path.score(["p"], ["r"])
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 4
 
 
 def test_unreachable_server_and_config_validation():
