@@ -8,6 +8,7 @@ rest of the batch carries on. Each worker grades on its main thread, so math-ver
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -30,10 +31,12 @@ class TaskOutcome:
 
 
 def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict]) -> None:
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None) -> None:
     """Grade tasks received on ``connection`` until it sends None."""
     from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_grader
 
+    if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
     for source, path in custom_graders.items():
         register_grader(source, path, overwrite=True)
     override = load_callable(custom_reward_function) if custom_reward_function else None
@@ -87,8 +90,8 @@ class GraderPool:
     """``num_workers`` grading processes; ``run`` grades a batch and returns one ``TaskOutcome`` per task, in order."""
 
     def __init__(self, num_workers: int, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict]) -> None:
-        self._init_args = (custom_graders, custom_reward_function, grader_kwargs)
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None = None) -> None:
+        self._init_args = (custom_graders, custom_reward_function, grader_kwargs, memory_limit_mb)
         self._workers = [_Worker(self._init_args) for _ in range(num_workers)]
         self.restarts = 0
 

@@ -136,6 +136,7 @@ def run_python(program: str, stdin: str = "", *, limits: SandboxLimits | None = 
         raise ValueError(f"run_python mode={mode!r}, fn_name={fn_name!r}: use mode='stdio', or 'call' with fn_name")
     limits = limits or SandboxLimits()
     use_namespace = limits.isolate_network and network_namespace_mode() == "namespace"
+    _libc()  # load libc here: the forked child must not dlopen between fork and exec
     workdir = Path(tempfile.mkdtemp(prefix="mcpo-sandbox-"))
     try:
         (workdir / "solution.py").write_text(program, encoding="utf-8")

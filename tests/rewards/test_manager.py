@@ -11,13 +11,15 @@ HOSTILE = {
     "tests/raises": "tests.rewards.hostile_graders:raises",
     "tests/kills": "tests.rewards.hostile_graders:kills_worker",
     "tests/exact": "tests.rewards.hostile_graders:exact_match",
+    "tests/hogs": "tests.rewards.hostile_graders:hogs_memory",
 }
 
 
 @pytest.fixture(scope="module")
 def manager():
-    config = RewardConfig(num_workers=2, reward_fn_timeout_s=3.0, custom_graders=HOSTILE,
-                          grader_kwargs={"openai/gsm8k": {"wrong_score": -0.5}})
+    config = RewardConfig(num_workers=2, reward_fn_timeout_s=3.0, custom_graders=HOSTILE, worker_memory_limit_mb=1024,
+                          grader_kwargs={"openai/gsm8k": {"wrong_score": -0.5},
+                                         "apps": {"continuous": False, "limits": {"wall_timeout_s": 2.0}}})
     with RewardManager(config) as reward_manager:
         yield reward_manager
 
@@ -48,8 +50,14 @@ def test_code_samples_are_sandboxed_inside_pool_workers(manager):
     tests = json.dumps({"inputs": ["2\n", "5\n"], "outputs": ["4\n", "10\n"]})
     solutions = ["```python\nprint(int(input()) * 2)\n```", "```python\nimport os\nos.fork()\n```"]
     result = manager.score(["codecontests", "apps"], solutions, [tests, tests])
-    assert result.scores.tolist() == [1.0, 0.0]
-    assert result.details[1]["test_statuses"] == ["runtime_error", "runtime_error"]
+    assert result.scores.tolist() == [1.0, -1.0]
+    assert result.details[1]["test_statuses"] == ["runtime_error"]
+
+
+def test_memory_hungry_grader_fails_its_sample_only(manager):
+    result = manager.score(["tests/hogs", "tests/exact"], ["x", "y"], ["x", "y"])
+    assert result.details[0]["status"] == "error" and "MemoryError" in result.details[0]["reason"]
+    assert result.scores.tolist() == [0.0, 1.0]
 
 
 def test_failure_scores_follow_the_grader_convention(manager):
@@ -79,6 +87,7 @@ def test_token_level_rewards_sit_on_the_last_valid_token():
 @pytest.mark.parametrize("overrides, message", [
     ({"num_workers": 0}, "num_workers=0"),
     ({"reward_fn_timeout_s": 0}, "reward_fn_timeout_s=0"),
+    ({"worker_memory_limit_mb": 100}, "worker_memory_limit_mb=100"),
     ({"custom_graders": {"s": "tests.rewards.hostile_graders:nope"}}, "no callable 'nope'"),
 ])
 def test_config_errors_name_the_field(overrides, message):
