@@ -132,6 +132,9 @@ class RewardManager:
         if not (len(data_sources) == len(ground_truths) == len(extra_infos) == count):
             raise ValueError(f"batch fields differ in length: data_sources={len(data_sources)}, solution_strs="
                              f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}")
+        if count == 0:
+            empty = torch.zeros(0)
+            return RewardResult(scores=empty, acc=empty.bool(), details=[], metrics={})
         graders = [self._grader_for(source) for source in data_sources]
         started = time.monotonic()
         outcomes: list[TaskOutcome] = self._pool.run(

@@ -10,7 +10,7 @@ What is enforced, and by what:
 - Operating system, where the kernel allows it (root, or unprivileged user namespaces): a new, empty network
   namespace, so no socket can reach any host, loopback included. ``network_namespace_mode()`` says which applies.
 - Python audit hook (``sandbox_guard.py``), always: refuses sockets, ctypes, process creation, writes outside the
-  working directory and reads of other processes' ``/proc`` entries.
+  working directory and reads outside it and the standard library (other processes' ``/proc`` entries included).
 """
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ def test_unknown_source_and_length_mismatch_fail_before_grading(manager):
         manager.score(["nope"], ["x"], ["y"])
     with pytest.raises(ValueError, match="differ in length"):
         manager.score(["math500", "math500"], ["x"], ["y"])
+    assert manager.score([], [], []).scores.shape == (0,)
 
 
 def test_token_level_rewards_sit_on_the_last_valid_token():

@@ -132,6 +132,14 @@ def test_network_namespace_blocks_sockets_without_the_audit_hook(loopback_listen
     assert connections == []
 
 
+def test_reading_files_outside_the_sandbox_is_refused(tmp_path):
+    secret = tmp_path / "credentials.txt"
+    secret.write_text("token-do-not-leak")
+    result = run_python(f"import fractions, json\nprint(open({str(secret)!r}).read())", limits=FAST)
+    assert result.status == "runtime_error" and "token-do-not-leak" not in result.stdout + result.stderr
+    assert "not allowed" in result.stderr
+
+
 def test_stdout_flood_is_capped():
     result = run_python("while True:\n    print('x' * 1000)", limits=FAST)
     assert result.status == "output_limit"
