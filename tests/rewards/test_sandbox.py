@@ -1,7 +1,17 @@
 """Hostile programs in the code sandbox: each is contained, fails, and leaves no process behind.
 
-What enforces each containment is named per test (see ``megatron_cpo/rewards/sandbox.py``): OS limits (rlimits,
-process group, network namespace where the kernel allows it) and the in-process audit hook.
+What contains each one (see ``megatron_cpo/rewards/sandbox.py``); "OS" holds even for code past the audit hook:
+
+- infinite loop / sleep: OS, ``RLIMIT_CPU`` and the wall timeout that SIGKILLs the child's process group.
+- memory bomb: OS, ``RLIMIT_AS``.
+- fork bomb, subprocesses: the audit hook (os.fork, subprocess, ...). ``RLIMIT_NPROC`` is also set but the kernel
+  does not apply it to root, which is how this machine runs the tests, so it is not what these tests exercise.
+- writing or deleting outside the working directory: the audit hook (as root, file permissions would not stop it).
+- sockets: the audit hook, and (tested alone below) an empty network namespace where the kernel allows one.
+- stdout flood: OS, ``RLIMIT_FSIZE`` on the files that stdout and stderr are redirected to.
+- the parent's secrets: OS, a cleared environment; the audit hook refuses ``/proc/<pid>/environ`` and other files
+  outside the working directory and the standard library.
+- stray processes: every test checks that no sandboxed interpreter outlives its run (``no_stray_processes``).
 """
 import functools
 import os
