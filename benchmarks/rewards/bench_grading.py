@@ -63,17 +63,19 @@ def main() -> None:
     math_samples, code_samples = math_batch(arguments.math_samples), code_batch(arguments.code_samples)
     compute_score("math500", "\\boxed{(x+1)^2}", "x^2+2x+1")  # imports and first-use set-up
     inline_batch = math_batch(128)
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     for source, solution, truth in zip(*inline_batch):
         compute_score(source, solution, truth)
     inline_math = 128 / (time.perf_counter() - started)
+    inline_cpu_ms = 1000 * (time.process_time() - started_cpu) / 128
     config = RewardConfig(num_workers=arguments.workers, reward_fn_timeout_s=60.0)
     with RewardManager(config) as manager:
         manager.score(*math_batch(16))  # workers up and warm
         math_rate, math_acc = timed_manager_run(manager, math_samples)
         code_rate, code_acc = timed_manager_run(manager, code_samples)
     print(f"cores={os.cpu_count()} workers={arguments.workers} load_avg_1m={os.getloadavg()[0]:.1f}")
-    print(f"math inline (1 process, no pool): {inline_math:.1f} samples/s")
+    print(f"math inline (1 process, no pool): {inline_math:.1f} samples/s, {inline_cpu_ms:.1f} CPU ms/sample "
+          f"(load-independent: {1000 / inline_cpu_ms:.0f} samples per CPU-second)")
     print(f"math via RewardManager: {math_rate:.1f} samples/s over {arguments.math_samples} (acc {math_acc:.2f})")
     print(f"code via RewardManager: {code_rate:.2f} samples/s over {arguments.code_samples}, 3 tests each "
           f"(acc {code_acc:.2f})")
