@@ -51,8 +51,12 @@ def numeric_value(normalised: str) -> float | None:
     return None
 
 
-class SymbolicTimeout(Exception):
-    """The symbolic check used up its CPU-time budget."""
+class SymbolicTimeout(BaseException):
+    """The symbolic check used up its CPU-time budget.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) because math-verify catches ``Exception`` around its parsing and
+    comparison, which would turn the interrupt into an ordinary "not equal" and let the work continue.
+    """
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -70,7 +74,7 @@ for _logger_name in ("math_verify.parser", "math_verify.grader"):
 def cpu_time_budget(seconds: float) -> Iterator[None]:
     """Raise ``SymbolicTimeout`` in the main thread once it has used ``seconds`` of CPU; no-op on other threads.
 
-    After the first expiry the timer keeps firing every 50 ms, so code that swallows the exception still stops soon.
+    The timer is one-shot, so an expiry racing with the ``finally`` below raises at most once and leaves nothing armed.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -80,7 +84,7 @@ def cpu_time_budget(seconds: float) -> Iterator[None]:
         raise SymbolicTimeout(f"symbolic check exceeded {seconds:g} CPU seconds")
 
     previous = signal.signal(signal.SIGPROF, expire)
-    signal.setitimer(signal.ITIMER_PROF, seconds, 0.05)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:

@@ -3,7 +3,8 @@
 ``concurrent.futures.ProcessPoolExecutor`` cannot stop a hung task and breaks the whole pool when one worker dies, so
 this pool keeps one pipe per worker and does its own scheduling: a task past its deadline gets its worker SIGKILLed
 and replaced, a worker that dies mid-task is replaced, and in both cases the sample is reported as failed while the
-rest of the batch carries on. Each worker grades on its main thread, so math-verify's alarms work there.
+rest of the batch carries on. Each worker grades on its main thread, where the math grader's CPU-time budget (a
+signal) works.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class _Worker:
     """One grading process: a fresh ``python -m megatron_cpo.rewards.pool`` talking over a socket pair.
 
     A fresh interpreter (not fork/forkserver) keeps the worker independent of the trainer's ``__main__`` and threads:
-    it imports only the graders, so a replacement is ready in about a second.
+    it imports only the graders (no torch), so a replacement starts quickly; forkserver children re-imported the
+    trainer's ``__main__`` (torch) and took several seconds each.
     """
 
     def __init__(self, init_args: tuple) -> None:

@@ -20,7 +20,7 @@ def test_math_grader_agrees_with_labelled_table(group):
     disagreements = []
     for prediction, truth, expected in GROUPS[group]:
         result = compute_math_score("math", f"Some reasoning.\nSo the result is \\boxed{{{prediction}}}.", truth,
-                                    symbolic_timeout_s=1)
+                                    symbolic_timeout_s=3)
         if result["acc"] is not expected:
             disagreements.append((prediction, truth, expected, result))
         assert result["score"] == (1.0 if expected else -1.0) or result["acc"] is not expected
