@@ -1,0 +1,159 @@
+"""Math graders: MATH-style equivalence (exact, numeric, symbolic) and strict AIME/AMC matching.
+
+Equivalence is decided in three stages, cheapest first: the normalised strings match (``strip_string``); both sides
+are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
+(sets, intervals, matrices, roots, pi, expressions). math-verify's own timeout is a wall-clock ``signal.alarm`` in
+whole seconds, which on a loaded machine fires on checks that merely waited for a core; the symbolic stage therefore
+runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Signals
+only reach the main thread, so on other threads there is no budget and the hard bound is the reward manager's
+per-sample wall timeout, which kills the worker process (``megatron_cpo.rewards.manager``).
+
+Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from math_verify import parse as mv_parse
+from math_verify import verify as mv_verify
+
+from megatron_cpo.rewards.math_answer import extract_answer, strip_string
+
+MAX_SYMBOLIC_CHARS = 400
+_INTEGER = re.compile(r"^-?\d+$")
+_FRACTION = re.compile(r"^(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
+_SCIENTIFIC = re.compile(r"^(-?[\d.]+)\\(?:times|cdot)10\^\{?(-?\d+)\}?$")
+
+
+def numeric_value(normalised: str) -> float | None:
+    """The value of a normalised answer that is a plain number, fraction or scientific literal, else None."""
+    text = normalised
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    fraction = _FRACTION.match(text)
+    if fraction:
+        denominator = float(fraction.group(3))
+        if denominator == 0:
+            return None
+        value = float(fraction.group(2)) / denominator
+        return -value if fraction.group(1) else value
+    scientific = _SCIENTIFIC.match(text)
+    if scientific:
+        return float(scientific.group(1)) * 10.0 ** int(scientific.group(2))
+    return None
+
+
+class SymbolicTimeout(BaseException):
+    """The symbolic check used up its CPU-time budget.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) because math-verify catches ``Exception`` around its parsing and
+    comparison, which would turn the interrupt into an ordinary "not equal" and let the work continue.
+    """
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns when its own timeout is off; here the CPU-time budget replaces it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _logger_name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+@contextmanager
+def cpu_time_budget(seconds: float) -> Iterator[None]:
+    """Raise ``SymbolicTimeout`` in the main thread once it has used ``seconds`` of CPU; no-op on other threads.
+
+    The timer is one-shot, so an expiry racing with the ``finally`` below raises at most once and leaves nothing armed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise SymbolicTimeout(f"symbolic check exceeded {seconds:g} CPU seconds")
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
+def _symbolic_equal(prediction: str, ground_truth: str, timeout_s: float) -> bool:
+    """math-verify equivalence of two LaTeX answers within a CPU-time budget (main thread)."""
+    with cpu_time_budget(timeout_s):
+        gold = mv_parse("\\boxed{" + ground_truth + "}", parsing_timeout=None)
+        predicted = mv_parse("\\boxed{" + prediction + "}", parsing_timeout=None)
+        if not gold or not predicted:
+            return False
+        return bool(mv_verify(gold, predicted, timeout_seconds=None))
+
+
+def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_s: float = 5.0) -> tuple[bool, str]:
+    """Whether ``prediction`` equals ``ground_truth``; the second item names the stage that decided or why not."""
+    if prediction is None or not str(prediction).strip():
+        return False, "no answer found in the response"
+    normalised_prediction, normalised_truth = strip_string(prediction), strip_string(ground_truth)
+    if not normalised_prediction:
+        return False, "empty answer after normalisation"
+    if normalised_prediction == normalised_truth:
+        return True, "exact"
+    predicted_value, true_value = numeric_value(normalised_prediction), numeric_value(normalised_truth)
+    if predicted_value is not None and true_value is not None:
+        if math.isclose(predicted_value, true_value, rel_tol=1e-6, abs_tol=1e-9):
+            return True, "numeric"
+        return False, f"numeric mismatch: {predicted_value!r} != {true_value!r}"
+    if len(prediction) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
+        return False, f"answer longer than {MAX_SYMBOLIC_CHARS} characters; symbolic check skipped"
+    try:
+        if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
+            return True, "symbolic"
+    except SymbolicTimeout as timeout:
+        return False, str(timeout)
+    return False, f"not equivalent: {normalised_prediction!r} vs {normalised_truth!r}"
+
+
+def _result(correct: bool, prediction: str | None, how: str, wrong_score: float) -> dict:
+    result = {"score": 1.0 if correct else float(wrong_score), "acc": correct, "pred": prediction}
+    result["method" if correct else "reason"] = how
+    return result
+
+
+def compute_math_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *,
+    wrong_score: float = -1.0, symbolic_timeout_s: float = 5.0,
+) -> dict:
+    """MATH-style grade (hendrycks_math, math500, the synthetic arithmetic task): +1 if equivalent else wrong_score."""
+    prediction = extract_answer(solution_str)
+    correct, how = math_equivalent(prediction, str(ground_truth), symbolic_timeout_s)
+    return _result(correct, prediction, how, wrong_score)
+
+
+def compute_strict_math_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *,
+    wrong_score: float = -1.0,
+) -> dict:
+    """AIME/AMC grade: the normalised strings must match exactly (answers are integers, no symbolic slack)."""
+    prediction = extract_answer(solution_str)
+    if prediction is None:
+        return _result(False, None, "no answer found in the response", wrong_score)
+    normalised_prediction, normalised_truth = strip_string(prediction), strip_string(str(ground_truth))
+    both_integers = _INTEGER.match(normalised_prediction) and _INTEGER.match(normalised_truth)
+    if normalised_prediction == normalised_truth or (both_integers and int(normalised_prediction) == int(
+            normalised_truth)):
+        return _result(True, prediction, "exact", wrong_score)
+    return _result(False, prediction, f"strict mismatch: {normalised_prediction!r} vs {normalised_truth!r}",
+                   wrong_score)
