@@ -121,9 +121,10 @@ class _Inputs:
         self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
         self.hint_correct = None if hint_correct is None else hint_correct.bool()[:, None]
 
-    def hint_ratio(self) -> torch.Tensor:
-        lam = torch.tensor(self.cpo_lambda, dtype=self.signals.kl.dtype, device=self.signals.kl.device)
-        return torch.exp(self.signals.kl).clamp(1.0 / lam, lam), lam
+    def hint_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`clamp(p_hint / p, 1/lam, lam)` and lam as a tensor of the same dtype, so that the bound tests are exact."""
+        lam = torch.tensor(self.cpo_lambda, dtype=self.log_probs.dtype, device=self.log_probs.device)
+        return torch.exp(self.hint_log_probs - self.log_probs).clamp(1.0 / lam, lam), lam
 
     def wrong(self) -> torch.Tensor:
         wrong = ~self.correct
