@@ -8,7 +8,7 @@ from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, hint_sig
 from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=25, deadline=None)
 
 
 @st.composite
