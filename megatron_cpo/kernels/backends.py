@@ -63,8 +63,8 @@ class TorchChunkedBackend:
         for b, e in _chunks(logits.shape[0], self._token_chunk(max(n_valid, 1))):
             r = row_grads.rows(b, e)
             z = logits[b:e, :n_valid].float() * inv_temp
-            grad[b:e, :n_valid] = (grad_of_z(z, r.local_targets, r.max, r.log_sum_exp, r.entropy, r.grad_log_probs,
-                                             r.grad_entropy) * inv_temp).to(logits.dtype)
+            grad[b:e, :n_valid] = grad_of_z(z, r.local_targets, r.max, r.log_sum_exp, r.entropy, r.grad_log_probs,
+                                            r.grad_entropy).mul_(inv_temp)
         return grad
 
     def linear_stats(self, hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
@@ -75,7 +75,7 @@ class TorchChunkedBackend:
         per_chunk = []
         for b, e in _chunks(hidden.shape[0], self._token_chunk(vocab_tile)):
             h = hidden[b:e].float()
-            parts = [tile_stats((h @ weight[vb:ve].float().T) * inv_temp, local_targets[b:e] - vb)
+            parts = [tile_stats((h @ weight[vb:ve].float().T).mul_(inv_temp), local_targets[b:e] - vb)
                      for vb, ve in _chunks(n_valid, vocab_tile)]
             per_chunk.append(combine_partials(SoftmaxStats(*(torch.stack(column) for column in zip(*parts)))))
         return SoftmaxStats(*(torch.cat(column) for column in zip(*per_chunk)))
@@ -91,8 +91,8 @@ class TorchChunkedBackend:
             grad_h = torch.zeros_like(h)
             for vb, ve in _chunks(n_valid, vocab_tile):
                 w = weight[vb:ve].float()
-                grad_z = grad_of_z((h @ w.T) * inv_temp, r.local_targets - vb, r.max, r.log_sum_exp, r.entropy,
-                                   r.grad_log_probs, r.grad_entropy) * inv_temp
+                grad_z = grad_of_z((h @ w.T).mul_(inv_temp), r.local_targets - vb, r.max, r.log_sum_exp, r.entropy,
+                                   r.grad_log_probs, r.grad_entropy).mul_(inv_temp)
                 grad_h += grad_z @ w
                 grad_weight[vb:ve] += (grad_z.T @ h).to(weight.dtype)
             grad_hidden[b:e] = grad_h.to(hidden.dtype)
