@@ -9,6 +9,9 @@ One spawned run (layout_worker.check_layouts) does all the work; the tests below
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +26,12 @@ TOLERANCE = 1e-4
 MAX_NEW_TOKENS = 6
 
 
-def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
     tokens = list(prompt_ids)
     for _ in range(max_new_tokens):
         tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        if tokens[-1] == eos_token_id:
+            break
     return tokens[len(prompt_ids):]
 
 
@@ -48,7 +53,7 @@ def layout_run(tmp_path_factory):
             hf_greedy[family] = _hf_greedy(model, prompt_ids, MAX_NEW_TOKENS)
     torch.save(hf_logits, work / "hf_logits.pt")
     results = run_processes(check_layouts, 2, hf_dirs, str(work), input_ids, prompt_ids, MAX_NEW_TOKENS)
-    return {"ranks": results, "hf_dirs": hf_dirs, "hf_greedy": hf_greedy}
+    return {"ranks": results, "hf_dirs": hf_dirs, "hf_greedy": hf_greedy, "work": work}
 
 
 def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -126,3 +131,28 @@ def test_tp_not_dividing_kv_heads_is_a_clear_error(layout_run):
 def test_checkpoint_of_another_architecture_is_a_clear_error(layout_run):
     message = layout_run["ranks"][0]["tp1"]["wrong_checkpoint_error"]
     assert message is not None and "model_type='qwen2'" in message and "'llama'" in message
+
+
+def test_cli_generate_from_checkpoint_matches_transformers(layout_run):
+    """`megatron-cpo generate` as one plain process (no torchrun): loads the TP=2 checkpoint at TP=1 and greedily
+    continues a chat prompt exactly as transformers does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir = layout_run["hf_dirs"]["qwen2"]
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                           add_generation_prompt=True)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = _hf_greedy(model, tokenizer(prompt, add_special_tokens=False)["input_ids"], MAX_NEW_TOKENS,
+                              tokenizer.eos_token_id)
+    repo = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "megatron_cpo.cli", "generate", "--mcore",
+                           str(layout_run["work"] / "mcore_tp2_qwen2"), "--hf-config", hf_dir, "--prompt", "2+2?",
+                           "--max-new-tokens", str(MAX_NEW_TOKENS)], capture_output=True, text=True, timeout=600,
+                          env={**env, "PYTHONPATH": str(repo)}, cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forward: " in done.stdout and "prompt next-token NLL" in done.stdout
+    generated = tokenizer.decode(expected, skip_special_tokens=False)
+    assert f"generation ({len(expected)} tokens): {generated!r}" in done.stdout, done.stdout
