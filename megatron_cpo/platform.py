@@ -133,6 +133,12 @@ def apply_cpu_adaptations() -> None:
     _CPU_ADAPTED = True
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                      seed: int = 1234) -> None:
     """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP groups.
@@ -153,15 +159,14 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
                                f"PP={pipeline_model_parallel_size}")
         return
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                              LOCAL_RANK="0")
         if has_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend(), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
     world_size = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world_size % model_parallel:

@@ -59,10 +59,12 @@ def family_of(hf_config: Any) -> Family:
 
 
 def head_dim_of(hf_config: Any) -> int:
+    """Per-head width: the config's `head_dim` when set (Qwen3-style configs), else hidden_size / heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def has_qkv_bias(hf_config: Any) -> bool:
+    """Whether q/k/v projections carry a bias (always for Qwen2, `attention_bias` for Llama)."""
     family = family_of(hf_config)
     if family.always_qkv_bias:
         return True
@@ -141,6 +143,7 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         perform_initialization=True,
+        cuda_graph_scope=[],
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

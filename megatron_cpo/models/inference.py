@@ -78,6 +78,7 @@ def greedy_generate(model: Any, prompt_ids: list[int], max_new_tokens: int, eos_
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `megatron-cpo generate`."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="Hugging Face model directory to load")
     source.add_argument("--mcore", help="torch_dist checkpoint to load (needs --hf-config)")
