@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _CPU_ADAPTED = False
-_CPU_DEVICE_MODE: "_CudaToCpuMode | None" = None
+_THREAD_STATE = threading.local()  # holds this thread's device-redirecting TorchFunctionMode once entered
 
 
 def has_cuda() -> bool:
@@ -116,21 +117,27 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = None, graph_safe: 
 
 
 def apply_cpu_adaptations() -> None:
-    """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present."""
-    global _CPU_ADAPTED, _CPU_DEVICE_MODE
-    if has_cuda() or _CPU_ADAPTED:
-        return
-    from megatron.core.tensor_parallel import random as mpu_random
+    """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present.
 
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None
-    mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
-    mpu_random._get_cuda_rng_state = _cpu_get_rng_state
-    mpu_random._set_cuda_rng_state = _cpu_set_rng_state
-    mpu_random.initialize_rng_tracker(force_reset=True)
-    _CPU_DEVICE_MODE = _CudaToCpuMode()
-    _CPU_DEVICE_MODE.__enter__()
-    _CPU_ADAPTED = True
+    The patches are process-wide; torch keeps function modes per thread, so a thread other than the one that called
+    `init_distributed` and runs Megatron code calls this once itself.
+    """
+    global _CPU_ADAPTED
+    if has_cuda():
+        return
+    if not _CPU_ADAPTED:
+        from megatron.core.tensor_parallel import random as mpu_random
+
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda device=None: None
+        mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
+        mpu_random._get_cuda_rng_state = _cpu_get_rng_state
+        mpu_random._set_cuda_rng_state = _cpu_set_rng_state
+        mpu_random.initialize_rng_tracker(force_reset=True)
+        _CPU_ADAPTED = True
+    if getattr(_THREAD_STATE, "device_mode", None) is None:
+        _THREAD_STATE.device_mode = _CudaToCpuMode()
+        _THREAD_STATE.device_mode.__enter__()
 
 
 def _free_port() -> int:

@@ -244,13 +244,14 @@ def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Ten
     shape = _shape(model, hf_config)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     is_tp_leader = parallel_state.get_tensor_model_parallel_rank() == 0
+    tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
     for mapping, hf_prefix, _, param in _model_entries(model, hf_config):
         if not mapping.exported:
             continue
         shard = param.detach()
         if mapping.tp_dim is not None and shape.tp_size > 1:
-            pieces = [torch.empty_like(shard) for _ in range(shape.tp_size)]
-            dist.all_gather(pieces, shard.contiguous(), group=tp_group)
+            pieces = [torch.empty_like(shard) for _ in range(shape.tp_size)] if is_tp_leader else None
+            dist.gather(shard.contiguous(), pieces, dst=tp_leader, group=tp_group)
             full = torch.cat(pieces, dim=mapping.tp_dim) if is_tp_leader else None
             del pieces
         else:
