@@ -105,6 +105,12 @@ class RolloutManager:
     def num_outstanding(self) -> int:
         return len(self._pending)
 
+    def num_outstanding_per_engine(self) -> list[int]:
+        counts = [0] * len(self.engines)
+        for request in self._pending.values():
+            counts[request.engine_index] += 1
+        return counts
+
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
         """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
         group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
@@ -238,10 +244,9 @@ class RolloutManager:
 
 
 def _root_cause(err: BaseException) -> str:
-    """The innermost error message of a Ray failure (the actor's own exception, not Ray's wrapper)."""
-    text = str(err).strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line.strip()
+    """The innermost error of a Ray failure (the actor's own exception and its detail lines, not Ray's wrapper)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for index in range(len(lines) - 1, -1, -1):
+        if "Error" in lines[index] or "Exception" in lines[index]:
+            return " | ".join(lines[index:index + 4])
     return lines[-1] if lines else type(err).__name__
