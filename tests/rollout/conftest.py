@@ -13,7 +13,7 @@ def tiny_rollout_config(model_dir, **overrides):
     from megatron_cpo.rollout import RolloutConfig
 
     settings = dict(model_path=str(model_dir), num_engines=2, dtype="float32", max_model_len=512,
-                    cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=420, weight_sync_bucket_mb=0.25)
+                    cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
     settings.update(overrides)
     return RolloutConfig(**settings)
 

@@ -26,7 +26,7 @@ def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a
         ids = [f"kill-{i}" for i in range(10)]
         for i, request_id in enumerate(ids):
             manager.submit(request_id, [1, 30 + i, 31 + i], params)
-        on_killed_engine = {r.request_id for r in manager._pending.values() if r.engine_index == 0}
+        on_killed_engine = {rid for rid, engine in manager.outstanding_requests().items() if engine == 0}
         assert manager.num_outstanding_per_engine() == [5, 5]
         time.sleep(0.5)  # let generation start
         ray.kill(manager.engines[0])
