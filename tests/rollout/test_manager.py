@@ -39,6 +39,16 @@ def test_seeded_groups_reproduce_on_either_engine_and_samples_differ(manager):
     assert len({tuple(s.token_ids) for s in first.samples}) > 1
 
 
+def test_seeded_batch_larger_than_one_prefill_step_completes(manager):
+    """Seeded samples whose prompts do not fit one scheduler step (prefill chunking crashed vLLM's CPU sampler)."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=9)
+    for i in range(8):
+        manager.submit(f"wide-{i}", [1] + [40 + (i + j) % 60 for j in range(99)], params)
+    groups = _collect(manager)
+    assert sorted(g.request_id for g in groups) == sorted(f"wide-{i}" for i in range(8))
+    assert manager.health() == [True, True]
+
+
 def test_max_tokens_truncates_and_stop_tokens_stop(manager):
     manager.submit("long", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=5))
     (group,) = _collect(manager)
