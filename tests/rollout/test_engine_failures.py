@@ -3,20 +3,12 @@ engine raises a clear error naming the prompts, and an engine that cannot start 
 import json
 import time
 
-import psutil
 import pytest
 import ray
 
 from megatron_cpo.rollout import RolloutEngineStartError, RolloutEnginesLostError, RolloutManager, SamplingParams
 
 from tests.rollout.conftest import tiny_rollout_config
-
-
-def _engine_processes() -> list[psutil.Process]:
-    """vLLM engine-core and worker processes on this machine that descend from this test's Ray workers."""
-    me = psutil.Process()
-    return [p for p in me.children(recursive=True) if "EngineCore" in " ".join(p.cmdline() or [p.name()])
-            or "VllmWorker" in p.name() or "EngineCore" in p.name()]
 
 
 def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a_clear_error(ray_cluster,
