@@ -148,7 +148,7 @@ class RolloutController:
             request = _Request(len(requests), position, record)
             request_id = f"step{step}-e{position.epoch}-o{position.offset}"
             params = self.sampling_params_for(self._request_seed(step, position))
-            self.manager.submit(request_id, list(record.prompt_token_ids), params)
+            self.manager.submit(request_id, list(record.prompt_ids), params)
             requests.append(request)
             inflight[request_id] = request
         return False
