@@ -1,0 +1,337 @@
+"""CPO: hint-conditioned advantage shaping on top of GRPO (semantics: shared/spec/cpo.md).
+
+The policy scores each sampled response twice: as sampled (`log_probs`) and with the gold solution in the context
+(`hint_log_probs`). Where the hint makes a token much more (or less) likely, the token carries information the model
+lacked; the shaping rules move the GRPO advantage of such tokens, weighted by the model's uncertainty.
+
+The 18 rules of the reference are rows of data (`SHAPING_RULES`): each rule is a few `Term`s, a term is
+"on responses/tokens selected by these selectors, add alpha times the product of these signals, in this way", plus a
+sign-clamp flag. Every term's change is computed from the GRPO advantage and the changes are summed; within each rule
+the terms select disjoint tokens or only add, so this equals applying them one after another.
+
+Differences from the reference, all deliberate (see the spec): the difficulty mask has its intended meaning (the
+reference's was always 0); `wrong` is `not correct`; signals are 0 on padding.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
+
+U_EPS = 1e-8
+MEAN_EPS = 1e-10
+MI_CLAMP = 10.0
+KL_CLAMP = 10.0
+CONFIDENT_PROB = 0.1
+LEGACY_SUFFIX = "_qwen3"
+
+
+@dataclass
+class HintSignals:
+    """Per-token and per-response signals of how the hint changes the policy (0 on padding).
+
+    mi: `exp(lp_h) * (lp_h - lp)`, Tensor[N, T].  kl: `lp_h - lp`, Tensor[N, T].
+    u: entropy min-max normalised within each response over its unmasked tokens, Tensor[N, T].
+    ubar: masked mean entropy per response, Tensor[N].  s: masked mean of `kl` per response, Tensor[N].
+    """
+
+    mi: torch.Tensor
+    kl: torch.Tensor
+    u: torch.Tensor
+    ubar: torch.Tensor
+    s: torch.Tensor
+
+
+def hint_signals(
+    log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor
+) -> HintSignals:
+    """Compute `mi, kl, u, ubar, s` from the no-hint and hint log-probs of the sampled tokens and the entropy.
+
+    All inputs are Tensor[N, T]; values on padding (mask 0) are ignored, whatever they hold.
+    """
+    if not (log_probs.shape == hint_log_probs.shape == entropy.shape == mask.shape) or log_probs.dim() != 2:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)}, hint_log_probs {tuple(hint_log_probs.shape)}, entropy "
+            f"{tuple(entropy.shape)} and mask {tuple(mask.shape)} must all have the same shape (N, T)"
+        )
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    kl = torch.where(valid, hint_log_probs - log_probs, zero)
+    mi = torch.where(valid, torch.exp(hint_log_probs) * (hint_log_probs - log_probs), zero)
+    h = torch.where(valid, entropy, zero)
+    h_max = entropy.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)
+    h_min = entropy.masked_fill(~valid, float("inf")).amin(-1, keepdim=True)
+    nonempty = valid.any(-1, keepdim=True)
+    h_max, h_min = torch.where(nonempty, h_max, zero), torch.where(nonempty, h_min, zero)
+    u = torch.where(valid, (h - h_min) / (h_max - h_min + U_EPS), zero)
+    count = valid.to(log_probs.dtype).sum(-1)
+    return HintSignals(mi=mi, kl=kl, u=u, ubar=h.sum(-1) / (count + MEAN_EPS), s=kl.sum(-1) / (count + MEAN_EPS))
+
+
+def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3) -> torch.Tensor:
+    """Difficulty of each response's prompt over its rollouts, LongTensor[N].
+
+    levels=3: -1 every rollout wrong, +1 every rollout correct, 0 mixed.
+    levels=5: by the count c of correct rollouts out of n: c = 0 -> -2, c <= n/4 -> -1, c < 3n/4 -> 0, c < n -> 1,
+    c = n -> 2.
+    """
+    if correct.dim() != 1:
+        raise ValueError(f"correct has shape {tuple(correct.shape)}; pass one bool per response, shape (N,)")
+    check_group(group, correct.shape[0])
+    n = group_count(group)[group]
+    c = group_sum(correct.long(), group)[group]
+    if levels == 3:
+        return torch.where(c == 0, -1, torch.where(c == n, 1, 0)).long()
+    if levels == 5:
+        level = torch.where(c < n, 1, 2)
+        level = torch.where(4 * c < 3 * n, 0, level)
+        level = torch.where(4 * c <= n, -1, level)
+        return torch.where(c == 0, -2, level).long()
+    raise ValueError(f"difficulty levels={levels} is not supported; use 3 (-1/0/+1) or 5 (-2..2)")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of a shaping rule: on tokens where all `where` selectors hold, change A by
+    `apply(alpha * prod(factors), A)`. `alpha` is "pos" (pos_alpha) or "neg" (neg_alpha)."""
+
+    alpha: str
+    where: tuple[str, ...]
+    factors: tuple[str, ...]
+    apply: str = "add"
+
+
+@dataclass(frozen=True)
+class ShapingRule:
+    """A named shaping rule: its terms and whether the GRPO sign is restored afterwards (sign clamp)."""
+
+    name: str
+    terms: tuple[Term, ...]
+    sign_clamp: bool
+
+
+class _Inputs:
+    """The tensors a rule reads, with the selectors and factors it names computed on demand."""
+
+    def __init__(self, advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
+                 cpo_lambda, hint_correct):
+        self.advantages, self.signals, self.entropy, self.mask = advantages, signals, entropy, mask.bool()
+        self.correct, self.difficulty = correct.bool()[:, None], difficulty[:, None]
+        self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
+        self.hint_correct = None if hint_correct is None else hint_correct.bool()[:, None]
+
+    def hint_ratio(self) -> torch.Tensor:
+        lam = torch.tensor(self.cpo_lambda, dtype=self.signals.kl.dtype, device=self.signals.kl.device)
+        return torch.exp(self.signals.kl).clamp(1.0 / lam, lam), lam
+
+    def wrong(self) -> torch.Tensor:
+        wrong = ~self.correct
+        return wrong if self.hint_correct is None else wrong & self.hint_correct
+
+    def entropy_gap(self) -> torch.Tensor:
+        h_max = self.entropy.masked_fill(~self.mask, float("-inf")).amax(-1, keepdim=True)
+        return torch.where(self.mask, h_max - self.entropy, torch.zeros_like(self.entropy))
+
+
+def _hint_raises(x: _Inputs) -> torch.Tensor:
+    ratio, lam = x.hint_ratio()
+    return (ratio >= lam) & (torch.exp(x.hint_log_probs) > CONFIDENT_PROB)
+
+
+def _hint_lowers(x: _Inputs) -> torch.Tensor:
+    ratio, lam = x.hint_ratio()
+    return (ratio <= 1.0 / lam) & (torch.exp(x.log_probs) > CONFIDENT_PROB)
+
+
+SELECTORS: dict[str, Callable[[_Inputs], torch.Tensor]] = {
+    "correct": lambda x: x.correct,
+    "wrong": _Inputs.wrong,
+    "all_wrong": lambda x: x.difficulty == -1,
+    "all_correct": lambda x: x.difficulty == 1,
+    "mixed": lambda x: x.difficulty == 0,
+    "not_all_wrong": lambda x: x.difficulty != -1,
+    "not_all_correct": lambda x: x.difficulty != 1,
+    "not_mixed": lambda x: x.difficulty != 0,
+    "mi_nonneg": lambda x: x.signals.mi >= 0,
+    "mi_neg": lambda x: x.signals.mi < 0,
+    "hint_raises": _hint_raises,
+    "hint_lowers": _hint_lowers,
+}
+
+FACTORS: dict[str, Callable[[_Inputs], torch.Tensor]] = {
+    "H": lambda x: x.entropy,
+    "H_gap": _Inputs.entropy_gap,
+    "u": lambda x: x.signals.u,
+    "1-u": lambda x: 1.0 - x.signals.u,
+    "1+u": lambda x: 1.0 + x.signals.u,
+    "2-u": lambda x: 2.0 - x.signals.u,
+    "mi": lambda x: x.signals.mi,
+    "mi_clamped": lambda x: x.signals.mi.clamp(max=MI_CLAMP),
+    "kl_clamped": lambda x: x.signals.kl.clamp(-KL_CLAMP, KL_CLAMP),
+    "s": lambda x: x.signals.s[:, None],
+    "ubar": lambda x: x.signals.ubar[:, None],
+}
+
+APPLY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add": lambda change, a: change,
+    "sub": lambda change, a: -change,
+    "add_floor_half_abs": lambda change, a: torch.maximum(change, -a.abs() / 2),
+    "add_cap_half_abs": lambda change, a: torch.minimum(change, a.abs() / 2),
+}
+
+
+def _mi3_wrong(where: tuple[str, ...] = ("wrong",), apply: str = "add", negative_part: bool = True) -> tuple:
+    """The wrong-response half of the mi3 family: mi * u where mi >= 0, mi * (1 - u) where mi < 0."""
+    terms = (Term("neg", where + ("mi_nonneg",), ("mi", "u"), apply),)
+    if negative_part:
+        terms += (Term("neg", where + ("mi_neg",), ("mi", "1-u"), apply),)
+    return terms
+
+
+_BONUS_U = Term("pos", ("correct",), ("u",))
+_NAIVE = (Term("pos", ("hint_raises",), ("H",)), Term("neg", ("hint_lowers",), ("H_gap",), "sub"))
+
+SHAPING_RULES: dict[str, ShapingRule] = {rule.name: rule for rule in (
+    ShapingRule("naive", _NAIVE, sign_clamp=False),
+    ShapingRule("naive_qwen3", (Term("pos", ("correct", "hint_raises"), ("H",)),
+                                Term("neg", ("wrong", "hint_lowers"), ("H_gap",), "sub")), sign_clamp=True),
+    ShapingRule("noaccmask_qwen3", _NAIVE, sign_clamp=True),
+    ShapingRule("mi_qwen3", (Term("pos", ("mi_nonneg",), ("mi", "u")),
+                             Term("neg", ("mi_neg",), ("mi", "1-u"))), sign_clamp=True),
+    ShapingRule("mi_accmask_qwen3", (Term("pos", ("mi_nonneg",), ("mi", "1+u")),
+                                     Term("neg", ("mi_neg",), ("mi", "2-u"))), sign_clamp=True),
+    ShapingRule("mi_unify_qwen3", (Term("pos", ("correct",), ("mi", "1-u")),
+                                   Term("neg", ("wrong",), ("mi", "1-u"))), sign_clamp=True),
+    ShapingRule("mi_clamp_unify_qwen3", (Term("pos", ("correct",), ("mi_clamped", "1-u")),
+                                         Term("neg", ("wrong",), ("mi_clamped", "1-u"))), sign_clamp=True),
+    ShapingRule("mi_clamp_unify_difficulty_qwen3", (Term("pos", ("not_mixed",), ("mi_clamped", "1-u")),
+                                                    Term("neg", ("mixed",), ("mi_clamped", "1-u"))), sign_clamp=False),
+    ShapingRule("mi3_qwen3", (_BONUS_U,) + _mi3_wrong(), sign_clamp=False),
+    ShapingRule("negonly_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(("wrong", "all_wrong")), sign_clamp=False),
+    ShapingRule("negonly_mi_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("mi",))), sign_clamp=False),
+    ShapingRule("reverse_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(apply="sub"), sign_clamp=False),
+    ShapingRule("addition_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(negative_part=False), sign_clamp=False),
+    ShapingRule("mi2_qwen3", (_BONUS_U, Term("neg", ("wrong",), ("mi",))), sign_clamp=False),
+    ShapingRule("negonly_seq_kl_qwen3", (Term("pos", ("correct",), ("s",)),
+                                         Term("neg", ("wrong", "all_wrong"), ("s",))), sign_clamp=False),
+    ShapingRule("seq_kl_qwen3", (Term("pos", ("correct", "all_correct"), ("ubar",)),
+                                 Term("pos", ("correct", "not_all_correct"), ("ubar",), "add_floor_half_abs"),
+                                 Term("neg", ("wrong", "all_wrong"), ("s",)),
+                                 Term("neg", ("wrong", "not_all_wrong"), ("s",), "add_cap_half_abs")),
+                sign_clamp=False),
+    ShapingRule("negonly_tok_kl_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("kl_clamped",))),
+                sign_clamp=False),
+    ShapingRule("tok_kl_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("kl_clamped",)),
+                                 Term("neg", ("wrong", "not_all_wrong"), ("kl_clamped",), "add_cap_half_abs")),
+                sign_clamp=False),
+)}
+
+
+def known_rules() -> list[str]:
+    """Every accepted rule name: the spec's names and the same names without the historical `_qwen3` suffix."""
+    short = {name.removesuffix(LEGACY_SUFFIX) for name in SHAPING_RULES} - set(SHAPING_RULES)
+    return sorted(set(SHAPING_RULES) | short)
+
+
+def resolve_rule(name: str) -> ShapingRule:
+    """Look a rule up by name; the exact name wins (`naive` and `naive_qwen3` are different rules), else the name
+    with the `_qwen3` suffix added."""
+    rule = SHAPING_RULES.get(name) or SHAPING_RULES.get(name + LEGACY_SUFFIX)
+    if rule is None:
+        raise ValueError(f"unknown CPO shaping rule (algorithm.wrap_method) {name!r}; known rules: {known_rules()}")
+    return rule
+
+
+@dataclass
+class CPOShapingConfig:
+    """CPO shaping options. rule: a name of `known_rules()` (negonly_mi3 is the seed's recommended default);
+    pos_alpha / neg_alpha: weights of the terms on the positive / negative side (0 or None switches a side off);
+    cpo_lambda: bound of the hint ratio in the naive rules (>= 1)."""
+
+    rule: str = "negonly_mi3"
+    pos_alpha: Optional[float] = None
+    neg_alpha: Optional[float] = None
+    cpo_lambda: float = 5.0
+
+    def __post_init__(self) -> None:
+        resolve_rule(self.rule)
+        if self.cpo_lambda < 1.0:
+            raise ValueError(f"cpo_lambda={self.cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
+
+
+def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
+                          hint_correct) -> None:
+    shape = tuple(advantages.shape)
+    for name, tensor in (("signals.mi", signals.mi), ("signals.kl", signals.kl), ("signals.u", signals.u),
+                         ("entropy", entropy), ("mask", mask), ("log_probs", log_probs),
+                         ("hint_log_probs", hint_log_probs)):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {shape} like advantages")
+    for name, tensor in (("signals.ubar", signals.ubar), ("signals.s", signals.s), ("correct", correct),
+                         ("difficulty", difficulty), ("hint_correct", hint_correct)):
+        if tensor is not None and tuple(tensor.shape) != shape[:1]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected ({shape[0]},), one per response")
+    if difficulty.numel() and (int(difficulty.min()) < -1 or int(difficulty.max()) > 1):
+        raise ValueError(
+            f"difficulty holds values in [{int(difficulty.min())}, {int(difficulty.max())}]; the shaping rules read "
+            "the 3-level mask (-1/0/+1): pass difficulty_mask(correct, group, levels=3)"
+        )
+
+
+def shape_advantages(
+    rule_name: str,
+    advantages: torch.Tensor,
+    signals: HintSignals,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    correct: torch.Tensor,
+    difficulty: torch.Tensor,
+    log_probs: torch.Tensor,
+    hint_log_probs: torch.Tensor,
+    pos_alpha: Optional[float],
+    neg_alpha: Optional[float],
+    cpo_lambda: float,
+    hint_correct: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
+
+    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from `hint_signals`;
+    correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`, LongTensor[N]; hint_correct: optional
+    BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms on wrong responses then also
+    require it). Values on padding are returned unchanged. Nothing here needs gradients.
+    """
+    rule = resolve_rule(rule_name)
+    _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
+                          hint_correct)
+    if cpo_lambda < 1.0:
+        raise ValueError(f"cpo_lambda={cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
+    with torch.no_grad():
+        x = _Inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
+                    cpo_lambda, hint_correct)
+        alphas = {"pos": pos_alpha or 0.0, "neg": neg_alpha or 0.0}
+        change = torch.zeros_like(advantages)
+        for term in rule.terms:
+            if alphas[term.alpha] == 0.0:
+                continue
+            where = x.mask
+            for selector in term.where:
+                where = where & SELECTORS[selector](x)
+            value = alphas[term.alpha] * FACTORS[term.factors[0]](x)
+            for factor in term.factors[1:]:
+                value = value * FACTORS[factor](x)
+            change = change + torch.where(where, APPLY[term.apply](value, advantages), torch.zeros_like(change))
+        shaped = advantages + change
+        if rule.sign_clamp:
+            restored = torch.where(x.correct, shaped.clamp(min=0), shaped.clamp(max=0))
+            shaped = torch.where(x.mask, restored, shaped)
+        tokens = x.mask.sum().clamp(min=1)
+        moved = (shaped != advantages) & x.mask
+        metrics = {
+            "cpo/adv_change_mean": float(((shaped - advantages) * x.mask).sum() / tokens),
+            "cpo/shaped_token_frac": float(moved.sum() / tokens),
+            "cpo/mi_mean": float((signals.mi * x.mask).sum() / tokens),
+            "cpo/kl_mean": float((signals.kl * x.mask).sum() / tokens),
+            "cpo/u_mean": float((signals.u * x.mask).sum() / tokens),
+        }
+    return shaped, metrics

@@ -1,0 +1,86 @@
+"""KL estimators between the policy and a reference, per token, and the in-reward KL penalty.
+
+Names and numerics follow verl's `kl_penalty` so users see the same numbers:
+- `k1` / `kl`: `lp - ref` (unbiased, high variance).
+- `abs`: `|lp - ref|`.
+- `k2` / `mse`: `0.5 * (lp - ref)^2`.
+- `k3` / `low_var_kl`: Schulman's low-variance estimator `exp(ref - lp) - (ref - lp) - 1`, log-ratio clamped to +-20
+  and the result clamped to [-10, 10].
+A trailing `+` (e.g. `k3+`) gives the straight-through variant: the forward value of the named estimator with the
+gradient of `k2`, whose gradient is the unbiased gradient of KL (Tang & Munos, 2025; verl's "+" kinds).
+"""
+from typing import Callable
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+
+
+def _k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return log_probs - ref_log_probs
+
+
+def _abs(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return (log_probs - ref_log_probs).abs()
+
+
+def _k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+def _k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    log_ratio = torch.clamp(ref_log_probs - log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -K3_CLAMP, K3_CLAMP)
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": _k1,
+    "kl": _k1,
+    "abs": _abs,
+    "k2": _k2,
+    "mse": _k2,
+    "k3": _k3,
+    "low_var_kl": _k3,
+}
+
+
+def known_kl_kinds() -> list[str]:
+    """Every accepted `kind`, straight-through variants included."""
+    return sorted(KL_ESTIMATORS) + sorted(f"{name}+" for name in KL_ESTIMATORS)
+
+
+def check_kl_kind(kind: str) -> None:
+    """Raise a clear error for an unknown KL estimator name."""
+    if kind.removesuffix("+") not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {known_kl_kinds()}")
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of the policy against the reference, same shape as the inputs."""
+    check_kl_kind(kind)
+    base = kind.removesuffix("+")
+    forward = KL_ESTIMATORS[base](log_probs, ref_log_probs)
+    if not kind.endswith("+") or base in ("k2", "mse"):
+        return forward
+    backward = _k2(log_probs, ref_log_probs)
+    return backward - backward.detach() + forward.detach()
+
+
+def kl_in_reward(
+    token_level_scores: torch.Tensor,
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str,
+    coef: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Subtract `coef * KL` from the token-level scores (verl's `use_kl_in_reward`); returns rewards and metrics.
+
+    The rewards are computed without gradient: the penalty shapes the return, it is not a loss term.
+    """
+    with torch.no_grad():
+        kl = kl_penalty(log_probs, ref_log_probs, kind) * mask
+        rewards = token_level_scores - coef * kl
+        seq_kl = kl.sum(-1) / mask.sum(-1).clamp(min=1)
+    return rewards, {"actor/reward_kl_penalty": float(seq_kl.mean()), "actor/reward_kl_penalty_coeff": float(coef)}

@@ -1,0 +1,83 @@
+"""Rollout-engine vs trainer log-prob mismatch: metrics and truncated importance sampling (TIS).
+
+The rollout engine (vLLM) and the trainer (Megatron) compute slightly different probabilities for the same tokens
+(kernels, precision, batch invariance). The sampled data are then off-policy for the trainer. TIS (Yao et al., 2025,
+"Your efficient RL framework secretly brings you off-policy RL training") re-weights the policy-gradient term by
+`pi_trainer / pi_rollout`, truncated at C so that a few tokens cannot dominate: per token, or once per sequence from
+the product of the token ratios.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
+
+TIS_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class TISConfig:
+    """Truncated importance sampling on the policy loss.
+
+    level: `token` truncates each token's ratio; `sequence` truncates the product of a response's token ratios.
+    threshold: the truncation C (weights are min(ratio, C)); 2.0 is the value the TIS authors recommend.
+    """
+
+    level: str = "token"
+    threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.level not in TIS_LEVELS:
+            raise ValueError(f"tis.level={self.level!r} is unknown; choose one of {list(TIS_LEVELS)}")
+        if not self.threshold > 0:
+            raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def rollout_mismatch_metrics(
+    trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's on the sampled response tokens.
+
+    Reports the mean and max absolute difference of the probabilities (verl's `rollout_probs_diff`), of the log-probs,
+    and the k3 estimate of KL(rollout || trainer) from the samples.
+    """
+    with torch.no_grad():
+        mask = mask.to(trainer_log_probs.dtype)
+        valid = mask > 0
+        log_ratio = torch.clamp(trainer_log_probs - rollout_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        prob_diff = (trainer_log_probs.exp() - rollout_log_probs.exp()).abs()
+        log_prob_diff = log_ratio.abs()
+        k3 = torch.exp(log_ratio) - log_ratio - 1.0
+        has_tokens = bool(valid.any())
+        return {
+            "mismatch/probs_diff_mean": float(_masked_mean(prob_diff, mask)),
+            "mismatch/probs_diff_max": float(prob_diff[valid].max()) if has_tokens else 0.0,
+            "mismatch/log_probs_diff_mean": float(_masked_mean(log_prob_diff, mask)),
+            "mismatch/log_probs_diff_max": float(log_prob_diff[valid].max()) if has_tokens else 0.0,
+            "mismatch/k3_kl": float(_masked_mean(k3, mask)),
+        }
+
+
+def truncated_importance_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    config: TISConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Detached TIS weights `min(pi_trainer / pi_rollout, C)`, Tensor[N, T] (1 on padding), and their metrics."""
+    with torch.no_grad():
+        mask_f = mask.to(old_log_probs.dtype)
+        log_ratio = (old_log_probs - rollout_log_probs) * mask_f
+        if config.level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_log_probs)
+        ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weights = torch.where(mask_f > 0, ratio.clamp(max=config.threshold), torch.ones_like(ratio))
+        metrics = {
+            "tis/weight_mean": float(_masked_mean(weights, mask_f)),
+            "tis/truncated_frac": float(_masked_mean((ratio > config.threshold).to(mask_f.dtype), mask_f)),
+        }
+    return weights, metrics

@@ -1,0 +1,58 @@
+"""The hint mutual-information signals of CPO (see shared/spec/cpo.md) from per-token log-probs and entropy.
+
+All five signals are elementwise or per-row masked reductions over ``[responses, T]`` tensors: a handful of fused
+elementwise/reduction ops that read each input once, memory-bound and negligible next to the log-prob passes that
+produce their inputs. They are therefore plain vectorised torch (see benchmarks/kernels/README.md for timings).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+ENTROPY_RANGE_EPS = 1e-8
+MASKED_MEAN_EPS = 1e-10
+
+
+class HintSignals(NamedTuple):
+    """``mi``, ``kl``, ``u``: [N, T] float32; ``ubar``, ``s``: [N] float32."""
+
+    mi: torch.Tensor
+    kl: torch.Tensor
+    u: torch.Tensor
+    ubar: torch.Tensor
+    s: torch.Tensor
+
+
+def hint_mi_signals(log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entropy: torch.Tensor,
+                    mask: torch.Tensor) -> HintSignals:
+    """CPO's per-token and per-response signals of how much the hint changes the policy.
+
+    Args:
+        log_probs: ``lp`` [N, T], log-prob of each response token without the hint.
+        hint_log_probs: ``lp_h`` [N, T], the same tokens' log-probs with the hint in the context.
+        entropy: ``H`` [N, T], the policy's entropy at each token (no hint).
+        mask: ``m`` [N, T], 1 (or True) on real response tokens.
+
+    Returns:
+        ``HintSignals(mi, kl, u, ubar, s)`` with ``kl = lp_h - lp`` and ``mi = exp(lp_h) * kl`` at every position;
+        ``u = (H - min_m H) / (max_m H - min_m H + 1e-8)`` on masked tokens and 0 elsewhere (and 0 for a response
+        with no masked token); ``ubar = sum(H * m) / (sum(m) + 1e-10)``; ``s = sum(kl * m) / (sum(m) + 1e-10)``.
+    """
+    shapes = {t.shape for t in (log_probs, hint_log_probs, entropy, mask)}
+    if len(shapes) != 1 or log_probs.dim() != 2:
+        raise ValueError(f"log_probs, hint_log_probs, entropy and mask must share one [N, T] shape; got "
+                         f"{[tuple(t.shape) for t in (log_probs, hint_log_probs, entropy, mask)]}")
+    lp, lp_h, ent = log_probs.float(), hint_log_probs.float(), entropy.float()
+    on = mask.bool()
+    m = on.float()
+    kl = lp_h - lp
+    mi = lp_h.exp() * kl
+    ent_min = torch.where(on, ent, float("inf")).amin(dim=-1, keepdim=True)
+    ent_max = torch.where(on, ent, float("-inf")).amax(dim=-1, keepdim=True)
+    has_tokens = on.any(dim=-1, keepdim=True)
+    ent_min = torch.where(has_tokens, ent_min, 0.0)
+    ent_max = torch.where(has_tokens, ent_max, 0.0)
+    u = torch.where(on, (ent - ent_min) / (ent_max - ent_min + ENTROPY_RANGE_EPS), 0.0)
+    count = m.sum(dim=-1) + MASKED_MEAN_EPS
+    return HintSignals(mi, kl, u, (ent * m).sum(dim=-1) / count, (kl * m).sum(dim=-1) / count)

@@ -1,0 +1,172 @@
+"""The one place that knows whether we run on CUDA (NCCL) or on CPU (gloo).
+
+Megatron-Core assumes a GPU in three places that matter for running it for real on a CPU machine:
+1. it asks `torch.cuda.current_device()` for the device of buffers it allocates;
+2. its model-parallel RNG tracker saves and restores the CUDA generator's state;
+3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
+When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
+the CPU generator and redirects (3) with a `TorchFunctionMode`. With CUDA present all of this is skipped, so GPU runs
+execute Megatron-Core unchanged. The rest of the package calls `device()` and `backend()` and never tests for CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_CPU_ADAPTED = False
+_CPU_DEVICE_MODE: "_CudaToCpuMode | None" = None
+
+
+def has_cuda() -> bool:
+    """Whether this process runs on a GPU."""
+    return torch.cuda.is_available()
+
+
+def backend() -> str:
+    """The torch.distributed backend for this machine: "nccl" with CUDA, "gloo" without."""
+    return "nccl" if has_cuda() else "gloo"
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local GPU, or the CPU."""
+    if has_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_cuda(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.split(":")[0] == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites `device="cuda"` (and `.cuda()` / `.to("cuda")`) to the CPU for code written for GPUs only."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_tracker_class():
+    """A Megatron RNG-states tracker that keeps its named states on the CPU generator."""
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    class CpuRNGStatesTracker(mpu_random.CudaRNGStatesTracker):
+        """Same contract as Megatron's tracker (named seeded streams, `fork`), over `torch`'s CPU generator."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"RNG seed {seed} is already tracked; every named stream needs its own seed")
+            if name in self.states_:
+                raise ValueError(f"RNG state {name!r} is already tracked")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise KeyError(f"RNG state {name!r} was never added; call model_parallel_cuda_manual_seed first")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    return CpuRNGStatesTracker
+
+
+def _cpu_get_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def apply_cpu_adaptations() -> None:
+    """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present."""
+    global _CPU_ADAPTED, _CPU_DEVICE_MODE
+    if has_cuda() or _CPU_ADAPTED:
+        return
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
+    mpu_random._get_cuda_rng_state = _cpu_get_rng_state
+    mpu_random._set_cuda_rng_state = _cpu_set_rng_state
+    mpu_random.initialize_rng_tracker(force_reset=True)
+    _CPU_DEVICE_MODE = _CudaToCpuMode()
+    _CPU_DEVICE_MODE.__enter__()
+    _CPU_ADAPTED = True
+
+
+def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                     seed: int = 1234) -> None:
+    """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP groups.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK as torchrun sets them; without WORLD_SIZE the
+    process runs alone on a free loopback port. Seeds Megatron's model-parallel RNG streams with `seed`. Calling it
+    again with the same sizes is a no-op; with different sizes, call `destroy_distributed()` first.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    apply_cpu_adaptations()
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if (tp, pp) != (tensor_model_parallel_size, pipeline_model_parallel_size):
+            raise RuntimeError(f"model parallelism is already initialised with TP={tp}, PP={pp}; call "
+                               f"destroy_distributed() before initialising TP={tensor_model_parallel_size}, "
+                               f"PP={pipeline_model_parallel_size}")
+        return
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+        if has_cuda():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=30))
+    world_size = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by TP={tensor_model_parallel_size} x "
+                         f"PP={pipeline_model_parallel_size} = {model_parallel}; launch a multiple of {model_parallel} "
+                         f"processes (torchrun --nproc-per-node) or change --tp/--pp")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                             pipeline_model_parallel_size=pipeline_model_parallel_size)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's model-parallel groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
