@@ -16,7 +16,7 @@
 # Environment: CONFIG (recipe YAML, required unless TRAIN_ENTRY is given), TRAINER_NODES, GPUS_PER_NODE,
 #   TRAINER_GPUS_PER_NODE, LOG_ROOT, MASTER_PORT, RAY_PORT, RAY_START_ARGS (extra `ray start` flags for every
 #   node), RAY_HEAD_ARGS (for the head only), REQUEUE, TRAIN_ENTRY (what torchrun runs; default
-#   "-m megatron_cpo.cli train"), RAY_WAIT_S. Extra arguments are dotted config overrides.
+#   "-m megatron_cpo.cli train"), RAY_WAIT_S, RAY_JOIN_ATTEMPTS. Extra arguments are dotted config overrides.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -96,15 +96,39 @@ on_preempt() {
     if [[ -n $TRAINER_PID ]]; then kill -TERM "$TRAINER_PID" 2>/dev/null || true; fi
 }
 
-# Wait until the Ray cluster at RAY_ADDRESS has $1 alive nodes (a worker started before the head is up gives up).
+declare -A WORKER_PID=() WORKER_STARTS=()
+
+# One Ray worker on `host` as its own srun step; its log is appended to across restarts.
+start_ray_worker() {
+    local host=$1
+    srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" \
+        env ${RAY_DEVICES:+CUDA_VISIBLE_DEVICES=$RAY_DEVICES} \
+        ray start --block --address="$RAY_ADDRESS" --node-ip-address="$host" --num-gpus="$RAY_GPUS" \
+        "${ray_extra[@]}" >>"$LOG_DIR/ray-worker-$host.log" 2>&1 &
+    WORKER_PID[$host]=$!
+    WORKER_STARTS[$host]=$(( ${WORKER_STARTS[$host]:-0} + 1 ))
+    STARTED_PIDS+=("$!")
+}
+
+# Wait until the Ray cluster at RAY_ADDRESS has $1 alive nodes. The head exiting is fatal; a worker that gives up
+# joining (Ray waits 30 s for its raylet to register, which a loaded node can miss) is started again, up to
+# RAY_JOIN_ATTEMPTS times.
 wait_for_ray_nodes() {
-    local expected=$1 deadline=$(( SECONDS + ${RAY_WAIT_S:-300} ))
+    local expected=$1 deadline=$(( SECONDS + ${RAY_WAIT_S:-300} )) host
     until [[ $(ray status --address="$RAY_ADDRESS" 2>/dev/null | grep -c " node_") -ge $expected ]]; do
-        local pid
-        for pid in "${STARTED_PIDS[@]}"; do
-            if ! kill -0 "$pid" 2>/dev/null; then
-                echo "error: a Ray node exited while starting; see $LOG_DIR/ray-*.log" >&2
-                exit 1
+        if ! kill -0 "$HEAD_PID" 2>/dev/null; then
+            echo "error: the Ray head exited while starting; see $LOG_DIR/ray-head.log" >&2
+            exit 1
+        fi
+        for host in "${!WORKER_PID[@]}"; do
+            if ! kill -0 "${WORKER_PID[$host]}" 2>/dev/null; then
+                if (( WORKER_STARTS[$host] >= ${RAY_JOIN_ATTEMPTS:-3} )); then
+                    echo "error: the Ray worker on $host failed to join ${WORKER_STARTS[$host]} times;" \
+                         "see $LOG_DIR/ray-worker-$host.log" >&2
+                    exit 1
+                fi
+                echo "ray worker on $host exited while joining; starting it again" | tee -a "$LOG_DIR/launch.log"
+                start_ray_worker "$host"
             fi
         done
         if (( SECONDS > deadline )); then
@@ -137,17 +161,15 @@ read -r -a ray_extra <<< "${RAY_START_ARGS:-}"
 read -r -a ray_head_extra <<< "${RAY_HEAD_ARGS:-}"
 srun --overlap --nodes=1 --ntasks=1 --nodelist="$HEAD_NODE" \
     env ${RAY_DEVICES:+CUDA_VISIBLE_DEVICES=$RAY_DEVICES} \
-    ray start --head --block --node-ip-address="$HEAD_NODE" --port="$RAY_PORT" --num-gpus="$HEAD_GPUS" "${ray_extra[@]}" "${ray_head_extra[@]}" \
+    ray start --head --block --node-ip-address="$HEAD_NODE" --port="$RAY_PORT" --num-gpus="$HEAD_GPUS" \
+    "${ray_extra[@]}" "${ray_head_extra[@]}" \
     >"$LOG_DIR/ray-head.log" 2>&1 &
-STARTED_PIDS+=("$!")
+HEAD_PID=$!
+STARTED_PIDS+=("$HEAD_PID")
 wait_for_ray_nodes 1
 
 for host in "${RAY_WORKER_HOSTS[@]}"; do
-    srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" \
-        env ${RAY_DEVICES:+CUDA_VISIBLE_DEVICES=$RAY_DEVICES} \
-        ray start --block --address="$RAY_ADDRESS" --node-ip-address="$host" --num-gpus="$RAY_GPUS" "${ray_extra[@]}" \
-        >"$LOG_DIR/ray-worker-$host.log" 2>&1 &
-    STARTED_PIDS+=("$!")
+    start_ray_worker "$host"
 done
 
 wait_for_ray_nodes $(( 1 + ${#RAY_WORKER_HOSTS[@]} ))
