@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_cpo.eval import add_eval_arguments, run_eval_command
 from megatron_cpo.models.converters import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
                                             run_mcore_to_hf)
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
@@ -35,6 +36,8 @@ COMMANDS: dict[str, Command] = {
                                    add_mcore_to_hf_arguments, run_mcore_to_hf),
     "generate": Command("load a model into Megatron, score a chat prompt and greedily continue it",
                         add_generate_arguments, run_generate),
+    "eval": Command("sample a model on parquet prompts with vLLM and report pass@k / mean@k per data source",
+                    add_eval_arguments, run_eval_command),
 }
 
 # Errors that mean bad input, not a bug: reported as one line instead of a traceback.
