@@ -1,0 +1,177 @@
+"""Answer extraction and LaTeX normalisation for math graders.
+
+Extraction takes the last ``\\boxed{...}`` or ``\\fbox{...}`` (braces may nest); without one it falls back to the
+answer a solution announces ("the final answer is ...", "Answer: ...") and finally to the last number in the text.
+Normalisation (``strip_string``) follows the Hendrycks MATH convention the seed describes, so that answers which
+differ only in typesetting compare equal as strings before any numeric or symbolic check runs.
+"""
+from __future__ import annotations
+
+import re
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+_ANSWER_PHRASES = re.compile(
+    r"(?:final answer|the answer|answer)\s*(?:is|:|=)?\s*[:]?\s*(.+)",
+    re.IGNORECASE,
+)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_UNIT_WORDS = (
+    "units", "unit", "sq", "square", "cubic", "cm", "mm", "km", "m", "meters", "meter", "inches", "inch", "feet",
+    "foot", "ft", "yards", "yard", "miles", "mile", "mph", "degrees", "degree", "seconds", "second", "minutes",
+    "minute", "hours", "hour", "days", "day", "dollars", "dollar", "cents", "cent", "pounds", "pound", "kg", "g",
+    "grams", "gram", "liters", "liter", "ml", "years", "year", "people", "students", "ways", "points", "times",
+)
+_TRAILING_UNITS = re.compile(
+    r"^(?P<value>[-+]?[\d.,]*\d(?:\\%|%)?)\s*(?:\\(?:text|mbox|mathrm)\{\s*(?:" + "|".join(_UNIT_WORDS)
+    + r")(?:\^\{?\d\}?)?\s*\}|(?:" + "|".join(_UNIT_WORDS) + r")(?:\^\{?\d\}?)?)(?:\s*\^\{?\d\}?)?$",
+    re.IGNORECASE,
+)
+_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+
+
+def _braced_argument(text: str, start: int) -> tuple[str, int] | None:
+    """Return the content of the brace group opening at ``text[start]`` and the index after it, or None."""
+    if start >= len(text) or text[start] != "{":
+        return None
+    depth = 0
+    for index in range(start, len(text)):
+        char = text[index]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:index], index + 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too), else None."""
+    best_position, best_content = -1, None
+    for command in _BOX_COMMANDS:
+        position = text.rfind(command)
+        while position != -1:
+            after = position + len(command)
+            if after < len(text) and text[after].isalpha():
+                position = text.rfind(command, 0, position)
+                continue
+            rest = text[after:]
+            stripped = rest.lstrip()
+            if stripped.startswith("{"):
+                group = _braced_argument(text, after + len(rest) - len(stripped))
+                content = group[0] if group is not None else None
+            elif rest.startswith(" "):
+                content = stripped.split("$")[0].split()[0] if stripped.split() else None
+            else:
+                content = None
+            if content is not None:
+                if position > best_position:
+                    best_position, best_content = position, content
+                break
+            position = text.rfind(command, 0, position)
+    return best_content
+
+
+def announced_answer(text: str) -> str | None:
+    """The answer a solution states in words ("The final answer is $x$", "Answer: x"), else None."""
+    matches = list(_ANSWER_PHRASES.finditer(text))
+    if not matches:
+        return None
+    candidate = matches[-1].group(1).strip()
+    dollar_span = re.match(r"^\$+(.+?)\$+", candidate)
+    if dollar_span:
+        candidate = dollar_span.group(1)
+    else:
+        candidate = candidate.split("\n")[0]
+        candidate = re.sub(r"(?<=\d)\.(?!\d).*$", "", candidate)
+    candidate = candidate.strip().rstrip(".").strip()
+    return candidate or None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: last boxed, else the announced answer, else the last number."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    announced = announced_answer(text)
+    if announced is not None:
+        return announced
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].rstrip(",") if numbers else None
+
+
+def _fix_fracs(text: str) -> str:
+    """``\\frac12`` -> ``\\frac{1}{2}`` and ``\\frac1{2}`` -> ``\\frac{1}{2}``."""
+    parts = text.split("\\frac")
+    rebuilt = parts[0]
+    for part in parts[1:]:
+        rebuilt += "\\frac"
+        if part.startswith("{"):
+            group = _braced_argument(part, 0)
+            if group is None:
+                rebuilt += part
+                continue
+            numerator, end = group
+            rest = part[end:]
+            if rest.startswith("{") or not rest:
+                rebuilt += part
+            else:
+                rebuilt += "{" + numerator + "}{" + rest[0] + "}" + rest[1:]
+        elif len(part) >= 2 and not part[1] == "{":
+            rebuilt += "{" + part[0] + "}{" + part[1] + "}" + part[2:]
+        elif len(part) >= 2:
+            rebuilt += "{" + part[0] + "}" + part[1:]
+        else:
+            rebuilt += part
+    return rebuilt
+
+
+def _fix_sqrt(text: str) -> str:
+    """``\\sqrt3`` -> ``\\sqrt{3}``."""
+    return re.sub(r"\\sqrt(?![{\[])\s*([A-Za-z0-9])", r"\\sqrt{\1}", text)
+
+
+def _slash_to_frac(text: str) -> str:
+    """``a/b`` of two integers -> ``\\frac{a}{b}``."""
+    match = re.fullmatch(r"(-?\d+)/(\d+)", text)
+    if match:
+        return "\\frac{" + match.group(1) + "}{" + match.group(2) + "}"
+    return text
+
+
+def _unwrap_text(text: str) -> str:
+    """``\\text{abc}`` / ``\\mbox{abc}`` / ``\\mathrm{abc}`` -> ``abc``."""
+    return re.sub(r"\\(?:text|mbox|mathrm|textbf|mathbf)\{([^{}]*)\}", r"\1", text)
+
+
+def strip_string(answer: str) -> str:
+    """Normalise a LaTeX answer so that typesetting variants of one value compare equal as strings."""
+    text = str(answer).strip()
+    text = text.replace("\n", "").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\ ", " ")
+    text = text.replace("\\\\", "\\")
+    text = text.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac")
+    text = text.replace("\\left", "").replace("\\right", "")
+    text = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°", "", text)
+    text = text.replace("\\$", "").replace("$", "")
+    units = _TRAILING_UNITS.match(text.strip())
+    if units:
+        text = units.group("value")
+    text = text.replace("\\%", "").replace("%", "")
+    text = _unwrap_text(text)
+    text = text.strip()
+    if _THOUSANDS.match(text):
+        text = text.replace(",", "")
+    text = re.sub(r"(^|[\s{(\[,=+\-])\.(\d)", r"\g<1>0.\2", text)
+    if re.fullmatch(r"[A-Za-z]\s*=\s*[^=]+", text) and len(text.split("=")[0].strip()) <= 2:
+        text = text.split("=", 1)[1]
+    text = _fix_sqrt(text)
+    text = text.replace(" ", "")
+    text = _fix_fracs(text)
+    if text == "0.5":
+        text = "\\frac{1}{2}"
+    text = _slash_to_frac(text)
+    text = text.rstrip(".")
+    return text
