@@ -1,0 +1,171 @@
+"""The CPO hint context: the same response, scored after a conversation that already shows the gold solution.
+
+Per ../shared/spec/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
+assistant turn holding the hint (the gold solution), a second user turn that repeats the question and adds an
+instruction, then the assistant generation prompt. It is rendered through the tokenizer's own chat template, so any
+model family works and no token id is hard-coded. The response token ids are appended unchanged.
+
+When the hinted prompt is longer than `max_prompt_length`, the hint is cut from the left (its end, with the answer,
+survives) and the number of truncated contexts is reported. A row without any hint source keeps its plain prompt and
+is flagged `has_hint=False`: the trainer then sets `hint_log_probs = old_log_probs` for it, so its MI is 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_cpo.data.dataset import encode_texts
+
+DEFAULT_INSTRUCTION = (
+    "Please refer to the above solution to derive your answer, reason step by step, and put your final answer "
+    "within \\boxed{}."
+)
+HINT_SOURCES = ("extra_info.solution", "extra_info.gold_solution", "reward_model.ground_truth")
+_SLOT = "\u2063HINT\u2063"  # invisible separator: marks where the template placed the hint text
+
+
+@dataclass
+class HintConfig:
+    """How the hint context reads: the hint text (`{solution}` is the gold solution), the second user turn
+    (`{question}`, `{instruction}`) and the prompt budget the hinted prompt must fit."""
+
+    max_prompt_length: int = 1024
+    hint_template: str = "{solution}"
+    second_turn_template: str = "{question}\n{instruction}"
+    instruction: str = DEFAULT_INSTRUCTION
+
+    def __post_init__(self) -> None:
+        if "{solution}" not in self.hint_template:
+            raise ValueError(f"hint_template={self.hint_template!r} must contain '{{solution}}'")
+        if "{question}" not in self.second_turn_template:
+            raise ValueError(f"second_turn_template={self.second_turn_template!r} must contain '{{question}}'")
+        if self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1")
+
+
+@dataclass
+class HintContexts:
+    """Hinted prompt ids per row (the plain prompt where `has_hint` is False) and truncation counts."""
+
+    prompt_ids: list[list[int]]
+    has_hint: torch.Tensor
+    truncated_tokens: torch.Tensor
+
+    @property
+    def num_truncated(self) -> int:
+        """How many hints were cut from the left to fit `max_prompt_length`."""
+        return int((self.truncated_tokens > 0).sum())
+
+
+def gold_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | None) -> str | None:
+    """The gold text used as hint: extra_info.solution, else extra_info.gold_solution, else reward_model.ground_truth;
+    None when none is present and non-empty."""
+    extra_info, reward_model = extra_info or {}, reward_model or {}
+    for value in (extra_info.get("solution"), extra_info.get("gold_solution"), reward_model.get("ground_truth")):
+        if value is not None and str(value).strip():
+            return str(value)
+    return None
+
+
+def _last_user_question(messages: list[dict[str, str]]) -> str:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"cannot build a hint context: the prompt has no user message ({messages!r})")
+    return users[-1]
+
+
+def _split_at_slot(text: str) -> tuple[str, str]:
+    parts = text.split(_SLOT)
+    if len(parts) != 2:
+        raise ValueError("the tokenizer's chat template did not keep the assistant hint turn verbatim (found "
+                         f"{len(parts) - 1} copies of it); use a template that renders earlier assistant turns")
+    return parts[0], parts[1]
+
+
+def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hints: list[str | None],
+                        plain_prompt_ids: list[list[int]], config: HintConfig) -> HintContexts:
+    """Hinted prompt ids for a batch: conversation + assistant(hint) + user(question, instruction) + generation prompt.
+
+    `plain_prompt_ids` are used unchanged for rows whose hint is None. Text before and after the hint is tokenized
+    in one batched call each; the hint is tokenized on its own so its tokens can be cut from the left exactly.
+    """
+    if not len(conversations) == len(hints) == len(plain_prompt_ids):
+        raise ValueError(f"batch sizes differ: {len(conversations)} conversations, {len(hints)} hints, "
+                         f"{len(plain_prompt_ids)} prompts")
+    hinted = [i for i, hint in enumerate(hints) if hint is not None]
+    texts = []
+    for i in hinted:
+        question = _last_user_question(conversations[i])
+        second_turn = config.second_turn_template.format(question=question, instruction=config.instruction)
+        messages = [*conversations[i], {"role": "assistant", "content": _SLOT}, {"role": "user", "content": second_turn}]
+        texts.append(_split_at_slot(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                  tokenize=False)))
+    before = encode_texts(tokenizer, [t[0] for t in texts])
+    after = encode_texts(tokenizer, [t[1] for t in texts])
+    hint_ids = encode_texts(tokenizer, [config.hint_template.format(solution=hints[i]) for i in hinted])
+
+    prompt_ids = [list(ids) for ids in plain_prompt_ids]
+    truncated = torch.zeros(len(hints), dtype=torch.long)
+    for row, head, tail, hint in zip(hinted, before, after, hint_ids):
+        excess = len(head) + len(hint) + len(tail) - config.max_prompt_length
+        if excess > len(hint):
+            raise ValueError(f"row {row}: the hint context needs {len(head) + len(tail)} tokens without any hint, more "
+                             f"than max_prompt_length={config.max_prompt_length}; raise the hint prompt length")
+        cut = max(excess, 0)
+        prompt_ids[row] = head + hint[cut:] + tail
+        truncated[row] = cut
+    has_hint = torch.zeros(len(hints), dtype=torch.bool)
+    has_hint[hinted] = True
+    return HintContexts(prompt_ids=prompt_ids, has_hint=has_hint, truncated_tokens=truncated)
+
+
+def pad_prompt_response(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
+                        prompt_width: int | None = None, response_width: int | None = None) -> dict[str, torch.Tensor]:
+    """verl's layout: prompts left-padded to `prompt_width`, responses right-padded to `response_width`.
+
+    Returns `input_ids` [B, P+R], `attention_mask`, `position_ids` (counting real tokens only) and `response_mask`
+    [B, R]; the response of every row starts at column P, so log-probs of the same response under the plain and the
+    hinted prompt line up column for column.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+    response_lengths = torch.tensor([len(r) for r in response_ids])
+    width_p = int(prompt_lengths.max()) if prompt_width is None else prompt_width
+    width_r = int(response_lengths.max()) if response_width is None else response_width
+    if int(prompt_lengths.max()) > width_p or int(response_lengths.max()) > width_r:
+        raise ValueError(f"sequences longer than the requested widths (prompt {int(prompt_lengths.max())} > "
+                         f"{width_p} or response {int(response_lengths.max())} > {width_r})")
+    flat_prompts = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
+    flat_responses = torch.tensor([t for r in response_ids for t in r], dtype=torch.long)
+    columns_p = torch.arange(width_p)
+    columns_r = torch.arange(width_r)
+    prompt_mask = columns_p >= (width_p - prompt_lengths)[:, None]
+    response_mask = columns_r < response_lengths[:, None]
+    prompts = torch.full((len(prompt_ids), width_p), pad_token_id, dtype=torch.long)
+    responses = torch.full((len(response_ids), width_r), pad_token_id, dtype=torch.long)
+    prompts[prompt_mask] = flat_prompts
+    responses[response_mask] = flat_responses
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask.long(),
+    }
+
+
+def hint_batch(tokenizer, conversations: list[list[dict[str, str]]], extra_infos: list[dict[str, Any] | None],
+               reward_models: list[dict[str, Any] | None], plain_prompt_ids: list[list[int]],
+               response_ids: list[list[int]], config: HintConfig,
+               response_width: int | None = None) -> tuple[dict[str, torch.Tensor], HintContexts]:
+    """The padded hinted batch the trainer scores `hint_log_probs` on, with `has_hint` [B] in the returned dict."""
+    hints = [gold_hint(e, r) for e, r in zip(extra_infos, reward_models)]
+    contexts = build_hint_contexts(tokenizer, conversations, hints, plain_prompt_ids, config)
+    batch = pad_prompt_response(contexts.prompt_ids, response_ids, tokenizer.pad_token_id,
+                                response_width=response_width)
+    batch["has_hint"] = contexts.has_hint
+    return batch, contexts
