@@ -1,0 +1,132 @@
+"""Prompt datasets from real parquet files and the real tiny tokenizer: tokenization, validation, truncation,
+shuffling and resumable sampling."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_cpo.data.dataset import (DataValidationError, DatasetConfig, PromptDataset, PromptSampler,
+                                       row_problems)
+
+
+def _write(tmp_path, rows, name="rows.parquet"):
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def _row(question="Compute 1+2. Answer in \\boxed{}.", **changes):
+    row = {"data_source": "megatron_cpo/arith",
+           "prompt": [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": question}],
+           "ability": "math", "reward_model": {"style": "rule", "ground_truth": "3"},
+           "extra_info": {"index": 0, "split": "train", "level": 1, "solution": "1+2=3\n\\boxed{3}"}}
+    row.update(changes)
+    return row
+
+
+def test_records_hold_chat_template_prompt_ids(arith_files, tokenizer):
+    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["train"])]), tokenizer)
+    assert len(dataset) == 100
+    record = dataset[5]
+    text = tokenizer.decode(record.prompt_ids)
+    assert text.startswith("<|im_start|>system\nYou are a calculator.<|im_end|>\n<|im_start|>user\nCompute ")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert record.data_source == "megatron_cpo/arith"
+    assert record.ground_truth == pq.read_table(arith_files["train"]).to_pylist()[5]["reward_model"]["ground_truth"]
+    assert record.extra_info["solution"].endswith("\\boxed{" + record.ground_truth + "}")
+
+
+def test_validator_names_every_bad_row_and_what_is_wrong(tmp_path, tokenizer):
+    rows = [
+        _row(),
+        _row(prompt=[]),
+        _row(data_source=""),
+        _row(reward_model={"style": "rule", "ground_truth": None}),
+        _row(prompt=[{"role": "system", "content": "hi"}]),
+        _row(prompt=[{"role": "narrator", "content": "hi"}]),
+        _row(prompt=[{"role": "system", "content": "   "}, {"role": "user", "content": ""}]),
+    ]
+    path = _write(tmp_path, rows)
+    with pytest.raises(DataValidationError) as caught:
+        PromptDataset(DatasetConfig(files=[path]), tokenizer)
+    message = str(caught.value)
+    assert f"6 bad row(s) in {path}" in message
+    assert "row 1: prompt is an empty list of messages" in message
+    assert "row 2: data_source must be a non-empty string, got ''" in message
+    assert "row 3: missing field 'reward_model.ground_truth'" in message
+    assert "row 4: prompt has no user message" in message
+    assert "row 5: prompt[0].role='narrator' is not one of" in message
+    assert "row 6: prompt has no message with non-empty content" in message
+    assert "row 0" not in message
+
+
+def test_missing_fields_and_wrong_types_are_named():
+    row = _row()
+    del row["prompt"]
+    assert row_problems(row) == ["missing field 'prompt'"]
+    assert row_problems(_row(extra_info="x")) == ["extra_info must be a dict, got str"]
+    assert row_problems(_row(prompt=[{"role": "user", "content": 5}])) == ["prompt[0].content must be a string, got int"]
+    assert row_problems(_row(prompt="Compute 1+2")) == ["prompt must be a list of chat messages, got str"]
+    assert row_problems(_row(reward_model={"ground_truth": ["3"]})) == [
+        "reward_model.ground_truth must be a string or number, got list"]
+
+
+def test_missing_file_is_a_clear_error(tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.parquet' does not exist"):
+        PromptDataset(DatasetConfig(files=[str(tmp_path / "nope.parquet")]), tokenizer)
+
+
+def test_overlong_prompt_policies(tmp_path, tokenizer):
+    long_question = "Compute " + "1+" * 60 + "1. Answer in \\boxed{}."
+    path = _write(tmp_path, [_row(), _row(question=long_question)])
+    short_length = len(PromptDataset(DatasetConfig(files=[path], max_prompt_length=1000), tokenizer)[0].prompt_ids)
+    limit = short_length + 10
+    with pytest.raises(ValueError, match=rf"row 1: prompt has \d+ tokens > max_prompt_length={limit}"):
+        PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit), tokenizer)
+    full = PromptDataset(DatasetConfig(files=[path], max_prompt_length=1000), tokenizer)[1].prompt_ids
+    left = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, truncation="left"), tokenizer)
+    assert left[1].prompt_ids == full[-limit:]
+    right = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, truncation="right"), tokenizer)
+    assert right[1].prompt_ids == full[:limit]
+    filtered = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, filter_overlong_prompts=True),
+                             tokenizer)
+    assert len(filtered) == 1 and filtered.num_filtered == 1
+    with pytest.raises(ValueError, match="truncation='middle' is not supported"):
+        DatasetConfig(files=[path], truncation="middle")
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch(arith_files, tokenizer):
+    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["train"])], seed=11), tokenizer)
+    sampler = PromptSampler(dataset, total_epochs=2)
+    again = PromptSampler(PromptDataset(DatasetConfig(files=[str(arith_files["train"])], seed=11), tokenizer))
+    assert list(sampler.epoch_order(0)) == list(again.epoch_order(0))
+    assert list(sampler.epoch_order(0)) != list(sampler.epoch_order(1))
+    assert sorted(sampler.epoch_order(1)) == list(range(100))
+    unshuffled = PromptDataset(DatasetConfig(files=[str(arith_files["train"])], shuffle=False), tokenizer)
+    assert [r.index for r in PromptSampler(unshuffled).take(5)] == [0, 1, 2, 3, 4]
+
+
+def test_sampler_crosses_epochs_and_stops_when_exhausted(arith_files, tokenizer):
+    sampler = PromptSampler(PromptDataset(DatasetConfig(files=[str(arith_files["test"])]), tokenizer), total_epochs=2)
+    first = sampler.take(15)
+    second = sampler.take(15)
+    assert [r.uid.split("-")[0] for r in second] == ["0"] * 5 + ["1"] * 10
+    rest = sampler.take(100)
+    assert len(first) + len(second) + len(rest) == 40 and sampler.exhausted
+    assert sampler.take(3) == []
+    uids = [r.uid for r in first + second + rest]
+    assert len(set(uids)) == 40
+
+
+def test_sampler_resumes_exactly(arith_files, tokenizer):
+    config = DatasetConfig(files=[str(arith_files["train"])], seed=4)
+    straight = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
+    expected = [r.uid for r in straight.take(70)] + [r.uid for r in straight.take(70)]
+    interrupted = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
+    head = [r.uid for r in interrupted.take(70)]
+    state = interrupted.state_dict()
+    resumed = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
+    resumed.load_state_dict(state)
+    assert head + [r.uid for r in resumed.take(70)] == expected
+    other_seed = PromptSampler(PromptDataset(DatasetConfig(files=config.files, seed=5), tokenizer))
+    with pytest.raises(ValueError, match="cannot resume the data sampler"):
+        other_seed.load_state_dict(state)

@@ -1,0 +1,114 @@
+"""CPO hint contexts through the real tiny tokenizer's chat template: contents, truncation, unchanged responses,
+the gold-hint fallback chain and the padded batch layout."""
+import pytest
+import torch
+
+from megatron_cpo.data.dataset import DatasetConfig, PromptDataset, PromptSampler
+from megatron_cpo.data.hints import (DEFAULT_INSTRUCTION, HintConfig, build_hint_contexts, gold_hint, hint_batch,
+                                     pad_prompt_response)
+
+
+@pytest.fixture(scope="module")
+def records(arith_files, tokenizer):
+    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["test"])], shuffle=False), tokenizer)
+    return PromptSampler(dataset).take(6)
+
+
+def _responses(tokenizer, records):
+    return [tokenizer.encode(f"guess {i}\n\\boxed{{{i}}}", add_special_tokens=False) + [tokenizer.eos_token_id]
+            for i, _ in enumerate(records)]
+
+
+def _build(tokenizer, records, config, hints=None):
+    hints = [r.extra_info["solution"] for r in records] if hints is None else hints
+    return build_hint_contexts(tokenizer, [r.messages for r in records], hints, [r.prompt_ids for r in records], config)
+
+
+def test_hint_context_reads_as_the_spec_says(tokenizer, records):
+    contexts = _build(tokenizer, records, HintConfig())
+    record = records[1]
+    question = record.messages[1]["content"]
+    expected = (
+        "<|im_start|>system\nYou are a calculator.<|im_end|>\n"
+        f"<|im_start|>user\n{question}<|im_end|>\n"
+        f"<|im_start|>assistant\n{record.extra_info['solution']}<|im_end|>\n"
+        f"<|im_start|>user\n{question}\n{DEFAULT_INSTRUCTION}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.decode(contexts.prompt_ids[1]) == expected
+    assert contexts.has_hint.tolist() == [True] * 6 and contexts.num_truncated == 0
+    assert DEFAULT_INSTRUCTION == ("Please refer to the above solution to derive your answer, reason step by step, "
+                                   "and put your final answer within \\boxed{}.")
+
+
+def test_hint_and_instruction_are_configurable(tokenizer, records):
+    config = HintConfig(hint_template="Reference: {solution}", second_turn_template="{instruction} {question}",
+                        instruction="Use it.")
+    text = tokenizer.decode(_build(tokenizer, records, config).prompt_ids[0])
+    assert f"<|im_start|>assistant\nReference: {records[0].extra_info['solution']}<|im_end|>" in text
+    assert f"<|im_start|>user\nUse it. {records[0].messages[1]['content']}<|im_end|>" in text
+    with pytest.raises(ValueError, match="must contain '{solution}'"):
+        HintConfig(hint_template="no slot")
+
+
+def test_long_hints_are_cut_from_the_left_to_fit(tokenizer, records):
+    full = _build(tokenizer, records, HintConfig())
+    lengths = [len(ids) for ids in full.prompt_ids]
+    limit = sorted(lengths)[2]
+    cut = _build(tokenizer, records, HintConfig(max_prompt_length=limit))
+    assert max(len(ids) for ids in cut.prompt_ids) == limit
+    expected_cut = [max(0, n - limit) for n in lengths]
+    assert cut.truncated_tokens.tolist() == expected_cut
+    assert cut.num_truncated == sum(n > 0 for n in expected_cut) >= 1
+    longest = lengths.index(max(lengths))
+    solution = records[longest].extra_info["solution"]
+    text = tokenizer.decode(cut.prompt_ids[longest])
+    kept = solution[expected_cut[longest]:]
+    assert f"<|im_start|>assistant\n{kept}<|im_end|>" in text and kept.endswith("}")
+    with pytest.raises(ValueError, match="without any hint, more than max_prompt_length=50"):
+        _build(tokenizer, records, HintConfig(max_prompt_length=50))
+
+
+def test_gold_hint_fallback_chain():
+    assert gold_hint({"solution": "s", "gold_solution": "g"}, {"ground_truth": "7"}) == "s"
+    assert gold_hint({"solution": "", "gold_solution": "g"}, {"ground_truth": "7"}) == "g"
+    assert gold_hint({"level": 1}, {"ground_truth": 7}) == "7"
+    assert gold_hint(None, {"style": "rule"}) is None
+    assert gold_hint({}, None) is None
+
+
+def test_rows_without_hint_keep_their_prompt_and_are_flagged(tokenizer, records):
+    hints = [None, records[1].extra_info["solution"], None, "42", None, None]
+    contexts = _build(tokenizer, records, HintConfig(), hints=hints)
+    assert contexts.has_hint.tolist() == [False, True, False, True, False, False]
+    assert contexts.prompt_ids[0] == records[0].prompt_ids
+    assert "<|im_start|>assistant\n42<|im_end|>" in tokenizer.decode(contexts.prompt_ids[3])
+
+
+def test_padded_hint_batch_keeps_response_tokens_identical(tokenizer, records):
+    responses = _responses(tokenizer, records)
+    extra_infos = [r.extra_info for r in records]
+    extra_infos[2] = {}
+    reward_models = [r.reward_model for r in records]
+    reward_models[2] = {}
+    plain = pad_prompt_response([r.prompt_ids for r in records], responses, tokenizer.pad_token_id)
+    hinted, contexts = hint_batch(tokenizer, [r.messages for r in records], extra_infos, reward_models,
+                                  [r.prompt_ids for r in records], responses, HintConfig())
+    width = plain["response_mask"].shape[1]
+    assert torch.equal(hinted["input_ids"][:, -width:], plain["input_ids"][:, -width:])
+    assert torch.equal(hinted["response_mask"], plain["response_mask"])
+    assert hinted["has_hint"].tolist() == [True, True, False, True, True, True]
+    for row, response in enumerate(responses):
+        assert hinted["input_ids"][row, -width:][: len(response)].tolist() == response
+        assert tokenizer.decode(hinted["input_ids"][row][hinted["attention_mask"][row].bool()]) == \
+            tokenizer.decode(contexts.prompt_ids[row] + response)
+
+
+def test_pad_prompt_response_layout(tokenizer):
+    batch = pad_prompt_response([[5, 6, 7], [8]], [[9], [10, 11]], pad_token_id=0, response_width=3)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 0, 0], [0, 0, 8, 10, 11, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 2]]
+    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 0]]
+    with pytest.raises(ValueError, match="longer than the requested widths"):
+        pad_prompt_response([[1, 2]], [[3]], pad_token_id=0, prompt_width=1)
