@@ -1,7 +1,8 @@
 """The one place that knows whether we run on CUDA (NCCL) or on CPU (gloo).
 
 Megatron-Core assumes a GPU in three places that matter for running it for real on a CPU machine:
-1. it asks `torch.cuda.current_device()` for the device of buffers it allocates;
+1. it asks `torch.cuda.current_device()` for the device of buffers it allocates, and calls `torch.cuda.synchronize()`
+   (checkpoint saving) where a CPU has nothing to wait for;
 2. its model-parallel RNG tracker saves and restores the CUDA generator's state;
 3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
 When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
@@ -113,6 +114,7 @@ def apply_cpu_adaptations() -> None:
     from megatron.core.tensor_parallel import random as mpu_random
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
     mpu_random._get_cuda_rng_state = _cpu_get_rng_state
     mpu_random._set_cuda_rng_state = _cpu_set_rng_state

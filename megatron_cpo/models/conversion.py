@@ -162,7 +162,7 @@ def _model_entries(model: Any, hf_config: Any) -> Iterator[tuple[Mapping, str, s
             yield (TIED_LM_HEAD, "", *_bound(TIED_LM_HEAD, model))
 
 
-class _SafetensorsReader:
+class SafetensorsReader:
     """Reads named tensors from a single or sharded (`model.safetensors.index.json`) safetensors checkpoint."""
 
     def __init__(self, hf_dir: str | Path):
@@ -212,7 +212,7 @@ def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     hf_config = model.hf_config
     shape = _shape(model, hf_config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    reader = _SafetensorsReader(hf_dir)
+    reader = SafetensorsReader(hf_dir)
     loaded = set()
     for mapping, hf_prefix, name, param in _model_entries(model, hf_config):
         full = mapping.merge([reader.get(hf_prefix + n) for n in mapping.hf_names], shape)

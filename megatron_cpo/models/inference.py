@@ -5,6 +5,7 @@ a converted model and to eyeball its text, not to serve it; rollouts use vLLM.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
@@ -72,3 +73,58 @@ def greedy_generate(model: Any, prompt_ids: list[int], max_new_tokens: int, eos_
         if token == eos_token_id:
             break
     return new_tokens
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="Hugging Face model directory to load")
+    source.add_argument("--mcore", help="torch_dist checkpoint to load (needs --hf-config)")
+    parser.add_argument("--hf-config", help="HF directory with the config and tokenizer of --mcore")
+    parser.add_argument("--prompt", default="What is 2 + 3?", help="user message")
+    parser.add_argument("--system", default=None, help="optional system message")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    """Load a model (HF dir or Megatron checkpoint), score the chat prompt, greedily continue it and print the text."""
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_cpo.models.checkpoint import load_checkpoint, read_checkpoint_info
+    from megatron_cpo.models.conversion import load_hf_weights
+
+    if args.mcore and not args.hf_config:
+        raise ValueError("--mcore needs --hf-config DIR (the HF directory with the model's config and tokenizer)")
+    hf_dir = args.hf or args.hf_config
+    hf_config = load_hf_config(hf_dir)
+    if args.mcore:
+        read_checkpoint_info(args.mcore)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    try:
+        platform.init_distributed(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+        model = build_gpt_model(hf_config)
+        if args.mcore:
+            load_checkpoint(model, args.mcore)
+        else:
+            load_hf_weights(model, hf_dir)
+        logits = forward_logits(model, torch.tensor([prompt_ids]))
+        if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+                parallel_state.get_data_parallel_rank() == 0:
+            targets = torch.tensor(prompt_ids[1:], device=logits.device)
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], targets)
+            print(f"forward: {len(prompt_ids)} prompt tokens, logits {tuple(logits.shape)}, "
+                  f"prompt next-token NLL {nll.item():.4f}", flush=True)
+        new_tokens = greedy_generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_token_id)
+        if dist.get_rank() == 0:
+            print(f"prompt: {prompt_text!r}\ngeneration ({len(new_tokens)} tokens): "
+                  f"{tokenizer.decode(new_tokens, skip_special_tokens=False)!r}", flush=True)
+    finally:
+        platform.destroy_distributed()

@@ -1,0 +1,68 @@
+"""`megatron-cpo` command line: one subcommand per row of `COMMANDS`.
+
+Adding a subcommand touches only the table: a help line, a function that adds its flags to a parser, and a function
+that runs it with the parsed arguments. Multi-process commands run under torchrun (`torchrun ... -m megatron_cpo.cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_cpo.models.converters import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
+                                            run_mcore_to_hf)
+from megatron_cpo.models.inference import add_generate_arguments, run_generate
+
+# Megatron-Core announces its pure-PyTorch fallbacks on import; without Apex/Transformer Engine they are expected.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, how it declares its flags and what it runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace], None]
+
+
+COMMANDS: dict[str, Command] = {
+    "convert-hf-to-mcore": Command("HF model directory -> Megatron torch_dist checkpoint (run under torchrun)",
+                                   add_hf_to_mcore_arguments, run_hf_to_mcore),
+    "convert-mcore-to-hf": Command("Megatron torch_dist checkpoint -> HF model directory with config and tokenizer",
+                                   add_mcore_to_hf_arguments, run_mcore_to_hf),
+    "generate": Command("load a model into Megatron, score a chat prompt and greedily continue it",
+                        add_generate_arguments, run_generate),
+}
+
+# Errors that mean bad input, not a bug: reported as one line instead of a traceback.
+USER_ERRORS = (FileExistsError, FileNotFoundError, ValueError)
+
+
+def run_reporting_errors(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """Run a command; on bad input print `error: ...` and exit with status 2."""
+    try:
+        run(args)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-cpo", description=__doc__.strip().splitlines()[0])
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add_arguments(subcommands.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse `argv` (default: sys.argv) and run the chosen subcommand."""
+    args = build_parser().parse_args(argv)
+    run_reporting_errors(COMMANDS[args.command].run, args)
+
+
+if __name__ == "__main__":
+    main()

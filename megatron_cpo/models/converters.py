@@ -1,0 +1,222 @@
+"""The two conversion commands (HF -> Megatron torch_dist, Megatron -> HF), shared by `tools/` and `megatron-cpo`.
+
+Both run under torchrun (or as one process), print progress on rank 0, refuse a non-empty output directory unless
+`force` is set, and write into `<out>.partial` first, moving it into place only when everything is written, so an
+interrupted run never leaves a half-written checkpoint where a good one was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_cpo import platform
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def check_output_dir(out_dir: str | Path, force: bool) -> Path:
+    """The output path, or an error when it holds files and `force` is not set (nothing is deleted here)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {str(out)!r} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"output directory {str(out)!r} is not empty; pass --force to replace it or choose "
+                              f"another --out")
+    return out
+
+
+def _init_model_parallel(tp: int, pp: int) -> None:
+    """Join the torchrun group at exactly TP x PP processes (replicas would write the same files twice)."""
+    platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if dist.get_world_size() != tp * pp:
+        raise ValueError(f"conversion runs at exactly TP x PP = {tp * pp} process(es) but torchrun started "
+                         f"{dist.get_world_size()}; use torchrun --nproc-per-node {tp * pp}")
+
+
+def _rank0_log(log: Callable[[str], None]) -> Callable[[str], None]:
+    return lambda message: log(message) if dist.get_rank() == 0 else None
+
+
+def _staging_dir(out: Path) -> Path:
+    """Create a fresh `<out>.partial` on rank 0 and wait for every rank to see it."""
+    staging = out.with_name(out.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the finished `staging` directory to `out` (replacing it), once every rank has finished writing."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    dist.barrier()
+
+
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
+                        dtype: str = "float32", force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Write the HF model in `hf_dir` as a torch_dist Megatron checkpoint (loadable at any TP/PP) to `out_dir`."""
+    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_cpo.models.checkpoint import save_checkpoint
+    from megatron_cpo.models.conversion import load_hf_weights
+
+    out = check_output_dir(out_dir, force)
+    hf_config = load_hf_config(hf_dir)
+    _init_model_parallel(tp, pp)
+    say = _rank0_log(log)
+    start = time.perf_counter()
+    say(f"[1/3] building {hf_config.model_type} GPTModel ({hf_config.num_hidden_layers} layers) at TP={tp} PP={pp}, "
+        f"{dist.get_world_size()} process(es), {platform.backend()}")
+    model = build_gpt_model(hf_config, params_dtype=DTYPES[dtype])
+    say(f"[2/3] loading HF weights from {hf_dir}")
+    load_hf_weights(model, hf_dir)
+    say(f"[3/3] saving torch_dist checkpoint to {out}")
+    staging = _staging_dir(out)
+    save_checkpoint(model, staging)
+    _publish(staging, out)
+    say(f"done in {time.perf_counter() - start:.1f} s: {out}")
+    return out
+
+
+def _copy_non_weight_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for path in sorted(src.iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(path, dst / path.name)
+            copied.append(path.name)
+    return copied
+
+
+def _write_stage_shards(model, hf_config, staging: Path, dtype: torch.dtype, max_shard_bytes: int,
+                        say: Callable[[str], None]) -> list[dict]:
+    """Stream this stage's HF tensors into safetensors files `stage{pp}-part{k}`; returns what each file holds."""
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    from megatron_cpo.models.conversion import iter_hf_weights
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    files: list[dict] = []
+    buffer: dict[str, torch.Tensor] = {}
+    buffered_bytes = 0
+
+    def flush() -> None:
+        nonlocal buffer, buffered_bytes
+        if buffer:
+            name = f"stage{stage:03d}-part{len(files):05d}.safetensors"
+            save_file(buffer, str(staging / name), metadata={"format": "pt"})
+            files.append({"file": name, "tensors": list(buffer), "bytes": buffered_bytes})
+            buffer, buffered_bytes = {}, 0
+
+    for name, tensor in iter_hf_weights(model, hf_config):
+        say(f"  {name} {tuple(tensor.shape)}")
+        buffer[name] = tensor.to(device="cpu", dtype=dtype, copy=True).contiguous()
+        buffered_bytes += buffer[name].numel() * buffer[name].element_size()
+        if buffered_bytes >= max_shard_bytes:
+            flush()
+    flush()
+    return files
+
+
+def _name_shards(staging: Path, files: list[dict]) -> None:
+    """Rename the stage files to HF's `model-0000k-of-0000n.safetensors` (or `model.safetensors`) and index them."""
+    if len(files) == 1:
+        (staging / files[0]["file"]).rename(staging / "model.safetensors")
+        return
+    weight_map = {}
+    for number, entry in enumerate(files, start=1):
+        final = f"model-{number:05d}-of-{len(files):05d}.safetensors"
+        (staging / entry["file"]).rename(staging / final)
+        weight_map.update({tensor: final for tensor in entry["tensors"]})
+    index = {"metadata": {"total_size": sum(entry["bytes"] for entry in files)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_dir: str | Path, *, tp: int = 1,
+                        pp: int = 1, dtype: str | None = None, force: bool = False, max_shard_gb: float = 5.0,
+                        log: Callable[[str], None] = print) -> Path:
+    """Write the torch_dist checkpoint in `mcore_dir` as an HF model directory (weights, config, tokenizer).
+
+    `hf_config_dir` is the HF directory the checkpoint came from: its config and tokenizer files are copied. Tensors
+    are saved in `dtype` (default: the config's dtype, else float32).
+    """
+    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_cpo.models.checkpoint import load_checkpoint, read_checkpoint_info
+
+    out = check_output_dir(out_dir, force)
+    hf_config = load_hf_config(hf_config_dir)
+    read_checkpoint_info(mcore_dir)
+    config_dtype = str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
+    save_dtype = DTYPES[dtype or (config_dtype if config_dtype in DTYPES else "float32")]
+    _init_model_parallel(tp, pp)
+    say = _rank0_log(log)
+    start = time.perf_counter()
+    say(f"[1/3] loading torch_dist checkpoint {mcore_dir} at TP={tp} PP={pp}")
+    model = build_gpt_model(hf_config)
+    load_checkpoint(model, mcore_dir)
+    staging = _staging_dir(out)
+    say(f"[2/3] writing HF tensors ({save_dtype}) to {out}")
+    files = _write_stage_shards(model, hf_config, staging, save_dtype, int(max_shard_gb * 2**30), say)
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, files)
+    if dist.get_rank() == 0:
+        _name_shards(staging, [entry for rank_files in per_rank for entry in rank_files])
+        say(f"[3/3] copying config and tokenizer from {hf_config_dir}: "
+            f"{', '.join(_copy_non_weight_files(Path(hf_config_dir), staging))}")
+    _publish(staging, out)
+    say(f"done in {time.perf_counter() - start:.1f} s: {out}")
+    return out
+
+
+def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="output directory for the torch_dist checkpoint")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype of the checkpoint")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    return parser
+
+
+def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--mcore", required=True, help="torch_dist checkpoint directory")
+    parser.add_argument("--out", required=True, help="output Hugging Face model directory")
+    parser.add_argument("--hf-config", required=True,
+                        help="HF directory the checkpoint came from (its config and tokenizer are copied)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="dtype of the written tensors (default: the config's dtype)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file to write")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    return parser
+
+
+def run_hf_to_mcore(args: argparse.Namespace) -> None:
+    """Entry for `tools/convert_hf_to_mcore.py` and `megatron-cpo convert-hf-to-mcore`."""
+    try:
+        convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force)
+    finally:
+        platform.destroy_distributed()
+
+
+def run_mcore_to_hf(args: argparse.Namespace) -> None:
+    """Entry for `tools/convert_mcore_to_hf.py` and `megatron-cpo convert-mcore-to-hf`."""
+    try:
+        convert_mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                            force=args.force, max_shard_gb=args.max_shard_gb)
+    finally:
+        platform.destroy_distributed()

@@ -1,0 +1,97 @@
+"""Runs in each of 2 spawned gloo processes: one Megatron import, then every check at TP=2, TP=1 and PP=2 in turn.
+
+Spawning and importing Megatron-Core costs tens of seconds on a 2-core machine, so one run collects all the numbers
+and the tests in test_parallel_layouts.py assert on them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+FAMILIES = ("qwen2", "llama")
+
+
+def _switch_layout(tp: int, pp: int) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_cpo import platform
+
+    parallel_state.destroy_model_parallel()
+    platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float | None:
+    return None if logits is None else (logits - reference).abs().max().item()
+
+
+def _exported_matches(model, hf_dir: Path) -> dict:
+    """Names this rank exported, and whether each equals the HF file's tensor bit for bit (dtype included)."""
+    from megatron_cpo.models import iter_hf_weights
+
+    hf = load_file(hf_dir / "model.safetensors")
+    exported = {name: tensor.clone() for name, tensor in iter_hf_weights(model, model.hf_config)}
+    return {"names": sorted(exported),
+            "all_equal": all(torch.equal(t, hf[n]) and t.dtype == hf[n].dtype for n, t in exported.items())}
+
+
+def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, input_ids: torch.Tensor,
+                  prompt_ids: list[int], max_new_tokens: int) -> dict:
+    """All layout checks; returns {layout: {family: results}} plus the converter outputs' paths."""
+    from megatron_cpo import platform
+    from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, load_checkpoint, load_hf_config,
+                                     load_hf_weights)
+    from megatron_cpo.models.converters import convert_hf_to_mcore, convert_mcore_to_hf
+
+    work = Path(work_dir)
+    configs = {family: load_hf_config(hf_dirs[family]) for family in FAMILIES}
+    hf_logits = torch.load(work / "hf_logits.pt")
+    results: dict = {"tp2": {}, "tp1": {}, "pp2": {}}
+
+    platform.init_distributed(tensor_model_parallel_size=2)
+    for family in FAMILIES:
+        checkpoint = convert_hf_to_mcore(hf_dirs[family], work / f"mcore_tp2_{family}", tp=2, log=lambda _: None)
+        model = build_gpt_model(configs[family])
+        load_hf_weights(model, hf_dirs[family])
+        results["tp2"][family] = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family]),
+                                  "export": _exported_matches(model, Path(hf_dirs[family])),
+                                  "checkpoint": str(checkpoint)}
+    try:
+        build_gpt_model(load_hf_config(hf_dirs["one_kv_head"]))
+        results["tp2"]["one_kv_head_error"] = None
+    except ValueError as error:
+        results["tp2"]["one_kv_head_error"] = str(error)
+
+    _switch_layout(tp=1, pp=1)
+    for family in FAMILIES:
+        model = build_gpt_model(configs[family])
+        load_hf_weights(model, hf_dirs[family])
+        hf_diff = _max_diff(forward_logits(model, input_ids), hf_logits[family])
+        export = _exported_matches(model, Path(hf_dirs[family]))
+        load_checkpoint(model, work / f"mcore_tp2_{family}")
+        results["tp1"][family] = {"hf_diff": hf_diff, "export": export,
+                                  "checkpoint_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family])}
+    other = build_gpt_model(configs["llama"])
+    try:
+        load_checkpoint(other, work / "mcore_tp2_qwen2")
+        results["tp1"]["wrong_checkpoint_error"] = None
+    except ValueError as error:
+        results["tp1"]["wrong_checkpoint_error"] = str(error)
+
+    _switch_layout(tp=1, pp=2)
+    for family in FAMILIES:
+        model = build_gpt_model(configs[family])
+        load_hf_weights(model, hf_dirs[family])
+        hf_diff = _max_diff(forward_logits(model, input_ids), hf_logits[family])
+        export = _exported_matches(model, Path(hf_dirs[family]))
+        load_checkpoint(model, work / f"mcore_tp2_{family}")
+        results["pp2"][family] = {
+            "hf_diff": hf_diff, "export": export,
+            "checkpoint_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family]),
+            "greedy": greedy_generate(model, prompt_ids, max_new_tokens, eos_token_id=None),
+            "round_trip": str(convert_mcore_to_hf(work / f"mcore_tp2_{family}", work / f"hf_round_trip_{family}",
+                                                  hf_dirs[family], pp=2, log=lambda _: None)),
+        }
+    platform.destroy_distributed()
+    return results

@@ -1,0 +1,96 @@
+"""Bad input fails early with a message that names the offending value and the fix (no distributed setup needed)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_cpo.models.builder import build_gpt_model, check_parallel_sizes, load_hf_config, rope_settings
+from megatron_cpo.models.checkpoint import read_checkpoint_info
+from megatron_cpo.models.conversion import SafetensorsReader
+from megatron_cpo.models.converters import convert_mcore_to_hf
+from megatron_cpo.models.tiny import tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_unsupported_architecture():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='gpt2'.*supported: \['llama', 'qwen2'\]"):
+        build_gpt_model(GPT2Config())
+
+
+def test_unsupported_activation_and_rope_scaling():
+    with pytest.raises(ValueError, match=r"hidden_act='gelu'.*SwiGLU"):
+        build_gpt_model(tiny_config("llama", hidden_act="gelu"))
+    yarn = tiny_config("qwen2", rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope_type='yarn'"):
+        rope_settings(yarn)
+
+
+def test_llama3_rope_scaling_maps_to_megatron():
+    scaled = tiny_config("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})
+    assert rope_settings(scaled) == {"rotary_base": 5e5, "rope_scaling": True, "rope_scaling_factor": 8.0}
+    scaled.rope_parameters["high_freq_factor"] = 2.0
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        rope_settings(scaled)
+
+
+@pytest.mark.parametrize("tp, pp, message", [
+    (3, 1, r"TP=3 does not divide num_attention_heads=4"),
+    (4, 1, r"TP=4 does not divide num_key_value_heads=2"),
+    (1, 3, r"PP=3 does not divide num_hidden_layers=2"),
+])
+def test_parallel_sizes_that_do_not_divide_the_model(tp, pp, message):
+    with pytest.raises(ValueError, match=message):
+        check_parallel_sizes(tiny_config("qwen2"), tp, pp)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        SafetensorsReader(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a megatron-cpo checkpoint"):
+        read_checkpoint_info(tmp_path)
+    save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    reader = SafetensorsReader(tmp_path)
+    assert torch.equal(reader.get("a"), torch.zeros(2))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        reader.get("b")
+    with pytest.raises(KeyError, match="'c' is missing"):
+        reader.get("c")
+
+
+@pytest.fixture
+def earlier_output(tmp_path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier work")
+    return out
+
+
+def test_tool_refuses_to_overwrite_without_force(tmp_path, earlier_output):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), "--hf", str(tmp_path),
+                           "--out", str(earlier_output)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "is not empty; pass --force" in done.stderr and "Traceback" not in done.stderr
+    assert (earlier_output / "keep.txt").read_text() == "earlier work"
+
+
+def test_export_refuses_to_overwrite_without_force(tmp_path, earlier_output):
+    with pytest.raises(FileExistsError, match="is not empty; pass --force"):
+        convert_mcore_to_hf(tmp_path, earlier_output, tmp_path)
+    assert (earlier_output / "keep.txt").read_text() == "earlier work"

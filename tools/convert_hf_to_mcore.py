@@ -1,0 +1,19 @@
+"""Convert a Hugging Face Qwen2/Llama model to a Megatron-Core torch_dist checkpoint that loads at any TP/PP.
+
+    torchrun --nproc-per-node N*M tools/convert_hf_to_mcore.py --hf DIR --out DIR --tp N --pp M [--force]
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_cpo.cli import run_reporting_errors
+from megatron_cpo.models.converters import add_hf_to_mcore_arguments, run_hf_to_mcore
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_hf_to_mcore_arguments(argparse.ArgumentParser(description=__doc__.strip().splitlines()[0]))
+    run_reporting_errors(run_hf_to_mcore, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
