@@ -1,0 +1,115 @@
+"""One vLLM engine inside a Ray actor: generates groups of samples, aborts them, reports health, loads weights.
+
+The actor is asynchronous: every `generate` call is a coroutine awaiting vLLM's `AsyncLLM`, so many prompts are
+batched by vLLM's scheduler while the controller receives each group as soon as its last sample finishes.
+The same code runs the CPU build of vLLM and the CUDA build; with tensor_parallel_size > 1, vLLM's multiprocessing
+executor spreads the engine over the GPUs Ray assigned to this actor.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+from megatron_cpo.rollout.buckets import BucketSpec
+from megatron_cpo.rollout.types import RolloutConfig, RolloutGroup, RolloutSample, SamplingParams
+
+WORKER_EXTENSION = "megatron_cpo.rollout.worker_extension.WeightReloadExtension"
+
+
+class VLLMEngine:
+    """Wrapped by `ray.remote` in the manager; constructing it starts the vLLM engine (tens of seconds)."""
+
+    def __init__(self, config: RolloutConfig, engine_index: int) -> None:
+        if not config.uses_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=config.model_path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            seed=config.seed + engine_index,
+            enforce_eager=not config.uses_gpu,
+        )
+        self.engine_index = engine_index
+        self.engine = AsyncLLM.from_engine_args(args)
+        self._active: dict[str, list[str]] = {}  # group request id -> its per-sample vLLM request ids
+        self._weight_lock = asyncio.Lock()
+
+    def ready(self) -> int:
+        return self.engine_index
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> RolloutGroup | None:
+        """Generate the group's n samples (one vLLM request each, with its derived seed). Returns None when the
+        group was cancelled by `cancel_all`."""
+        sample_ids = [f"{request_id}/sample{i}" for i in range(params.n)]
+        self._active[request_id] = sample_ids
+        try:
+            outputs = await asyncio.gather(*(
+                self._generate_one(sample_id, prompt_token_ids, params, seed)
+                for sample_id, seed in zip(sample_ids, params.sample_seeds())))
+        finally:
+            self._active.pop(request_id, None)
+        if any(output is None for output in outputs):
+            return None
+        return RolloutGroup(request_id=request_id, prompt_token_ids=list(prompt_token_ids), samples=outputs,
+                            engine_index=self.engine_index)
+
+    async def _generate_one(self, sample_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            seed: int | None) -> RolloutSample | None:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        vllm_params = VllmSamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, vllm_params,
+                                                 sample_id):
+            final = output
+        completion = final.outputs[0] if final is not None and final.outputs else None
+        if completion is None or completion.finish_reason not in ("stop", "length"):
+            return None
+        token_ids = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
+        return RolloutSample(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason,
+                             truncated=completion.finish_reason == "length")
+
+    async def cancel_all(self) -> int:
+        """Abort every group in flight; their `generate` calls return None. Returns how many groups."""
+        groups = list(self._active)
+        sample_ids = [sample for group in groups for sample in self._active[group]]
+        if sample_ids:
+            await self.engine.abort(sample_ids)
+        return len(groups)
+
+    async def is_healthy(self) -> bool:
+        await self.engine.check_health()
+        return True
+
+    async def begin_weight_reload(self) -> None:
+        if self._active:
+            raise RuntimeError(f"engine {self.engine_index} has {len(self._active)} groups in flight; weights can "
+                               "only change when it is idle (cancel_all() or drain completed() first)")
+        await self.engine.collective_rpc("rollout_begin_weight_reload")
+
+    async def load_weight_bucket(self, spec: BucketSpec) -> int:
+        async with self._weight_lock:
+            counts = await self.engine.collective_rpc("rollout_load_weight_bucket", args=(spec.to_wire(),))
+        return counts[0]
+
+    async def finish_weight_reload(self) -> None:
+        await self.engine.collective_rpc("rollout_finish_weight_reload")
+        await self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

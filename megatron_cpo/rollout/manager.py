@@ -1,0 +1,247 @@
+"""The rollout controller's view of the engines: submit prompts, stream finished groups, survive engine deaths.
+
+Lives on trainer rank 0. It joins (or starts) a Ray cluster, spawns `num_engines` vLLM engine actors, sends each
+prompt to the least-loaded live engine and yields groups in the order they finish. When an engine dies, the
+prompts it held are sent again to the others, so every submitted prompt comes back exactly once; when no engine
+is left, `RolloutEnginesLostError` names the prompts that could not be served.
+"""
+from __future__ import annotations
+
+import atexit
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from megatron_cpo.rollout.engine import VLLMEngine
+from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
+                                        RolloutGroup, SamplingParams)
+from megatron_cpo.rollout.weight_sync import WeightSender, WeightSenderSpec
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_index: int
+
+
+def _connect_ray(config: RolloutConfig) -> bool:
+    """Join or start Ray as configured; returns True when this process started it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    common = dict(namespace=config.ray_namespace, log_to_driver=False, include_dashboard=False)
+    if config.ray_address == "local":
+        ray.init(address="local", **common)
+        return True
+    if config.ray_address == "auto":
+        try:
+            ray.init(address="auto", **common)
+            return True
+        except ConnectionError:
+            ray.init(address="local", **common)
+            return True
+    ray.init(address=config.ray_address, **common)
+    return True
+
+
+class RolloutManager:
+    """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        import ray
+
+        self.config = config
+        self._owns_ray = _connect_ray(config)
+        self._name_prefix = f"rollout-engine-{uuid.uuid4().hex[:8]}"
+        self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.num_engines))
+        self.engines: list = []
+        self._alive: list[bool] = []
+        self._pending: dict = {}  # Ray ObjectRef -> _Request
+        self._closed = False
+        atexit.register(self.shutdown)
+        try:
+            self._spawn_engines(ray)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn_engines(self, ray) -> None:
+        resources = ({"num_gpus": self.config.tensor_parallel_size, "num_cpus": 1} if self.config.uses_gpu
+                     else {"num_cpus": self.config.cpus_per_engine})
+        actor_cls = ray.remote(VLLMEngine)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kv_cache_gib), **self.config.engine_env}
+        for index, name in enumerate(self.engine_names):
+            self.engines.append(actor_cls.options(name=name, namespace=self.config.ray_namespace,
+                                                  max_concurrency=10_000, runtime_env={"env_vars": env},
+                                                  **resources).remote(self.config, index))
+        self._alive = [True] * len(self.engines)
+        readiness = [engine.ready.remote() for engine in self.engines]
+        for index, ref in enumerate(readiness):
+            try:
+                ray.get(ref, timeout=self.config.engine_start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RolloutEngineStartError(
+                    f"rollout engine {index} ({self.config.model_path}) did not start within "
+                    f"rollout.engine_start_timeout_s={self.config.engine_start_timeout_s}s; check that Ray has "
+                    f"free resources for it ({resources}) or raise the timeout") from None
+            except ray.exceptions.RayError as err:
+                raise RolloutEngineStartError(
+                    f"rollout engine {index} failed to start for model {self.config.model_path!r}: "
+                    f"{_root_cause(err)}") from err
+
+    # --- generation -----------------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one prompt for `params.n` samples on the least-loaded live engine."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
+        self._dispatch(_Request(request_id, list(prompt_token_ids), params, -1))
+
+    def num_outstanding(self) -> int:
+        return len(self._pending)
+
+    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
+        """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
+        group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
+        import ray
+
+        while self._pending:
+            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} "
+                                   "requests outstanding (raise the timeout or check health())")
+            request = self._pending.pop(ready[0])
+            try:
+                group = ray.get(ready[0])
+            except ray.exceptions.RayError as err:
+                if self._engine_is_healthy(request.engine_index):
+                    raise
+                self._mark_dead(request.engine_index, err)
+                self._dispatch(request)
+                continue
+            if group is not None:
+                yield group
+
+    def cancel_all(self) -> int:
+        """Abort everything outstanding on every engine; returns how many groups were dropped."""
+        import ray
+
+        dropped = list(self._pending)
+        self._pending.clear()
+        live = [engine for engine, alive in zip(self.engines, self._alive) if alive]
+        ray.wait([engine.cancel_all.remote() for engine in live], num_returns=len(live),
+                 timeout=self.config.health_timeout_s)
+        ray.wait(dropped, num_returns=len(dropped), timeout=self.config.health_timeout_s)
+        return len(dropped)
+
+    def health(self) -> list[bool]:
+        """Whether each engine answers a health check within `health_timeout_s` (dead engines stay False)."""
+        return [self._alive[i] and self._engine_is_healthy(i) for i in range(len(self.engines))]
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def sender_spec(self) -> WeightSenderSpec:
+        """What other trainer ranks need to push their own layers (see `weight_sync`)."""
+        import ray
+
+        names = tuple(name for name, alive in zip(self.engine_names, self._alive) if alive)
+        return WeightSenderSpec(ray_address=ray.get_runtime_context().gcs_address,
+                                ray_namespace=self.config.ray_namespace, engine_names=names,
+                                bucket_bytes=self.config.weight_sync_bucket_bytes)
+
+    def begin_weight_sync(self) -> None:
+        """Open an in-place reload on every live engine; engines must be idle."""
+        import ray
+
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
+                               "between rounds: drain completed() or call cancel_all() first")
+        ray.get([self.engines[i].begin_weight_reload.remote() for i in self._live_indices()])
+
+    def finish_weight_sync(self) -> None:
+        """Close the reload (layers that received no tensors keep their weights) and clear the prefix cache."""
+        import ray
+
+        ray.get([self.engines[i].finish_weight_reload.remote() for i in self._live_indices()])
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load HF-named full tensors (all of them from this rank) into every engine; returns bytes, seconds,
+        buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`."""
+        start = time.perf_counter()
+        self.begin_weight_sync()
+        live = self._live_indices()
+        sender = WeightSender(self.sender_spec(), engine_handles=[self.engines[i] for i in live])
+        metrics = sender.send(named_tensors)
+        self.finish_weight_sync()
+        metrics["seconds"] = time.perf_counter() - start
+        return metrics
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every engine and, when this manager started Ray, Ray itself. Safe to call twice."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if ray.is_initialized():
+            stops = [engine.shutdown.remote() for engine, alive in zip(self.engines, self._alive) if alive]
+            ray.wait(stops, num_returns=len(stops), timeout=self.config.health_timeout_s)
+            for engine in self.engines:
+                ray.kill(engine)
+            if self._owns_ray:
+                ray.shutdown()
+        self._pending.clear()
+
+    def __enter__(self) -> "RolloutManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _live_indices(self) -> list[int]:
+        return [i for i, alive in enumerate(self._alive) if alive]
+
+    def _dispatch(self, request: _Request) -> None:
+        live = self._live_indices()
+        if not live:
+            lost = sorted({request.request_id, *(r.request_id for r in self._pending.values())})
+            raise RolloutEnginesLostError(
+                f"all {len(self.engines)} rollout engines are dead; {len(lost)} requests could not be served: "
+                f"{lost[:20]}{' ...' if len(lost) > 20 else ''}. Create a new RolloutManager and resubmit them")
+        load = {i: 0 for i in live}
+        for pending in self._pending.values():
+            if pending.engine_index in load:
+                load[pending.engine_index] += 1
+        request.engine_index = min(live, key=lambda i: (load[i], i))
+        ref = self.engines[request.engine_index].generate.remote(request.request_id, request.prompt_token_ids,
+                                                                 request.params)
+        self._pending[ref] = request
+
+    def _engine_is_healthy(self, index: int) -> bool:
+        import ray
+
+        try:
+            return bool(ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def _mark_dead(self, index: int, err: BaseException) -> None:
+        self._alive[index] = False
+        self.last_engine_failure = f"engine {index}: {_root_cause(err)}"
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error message of a Ray failure (the actor's own exception, not Ray's wrapper)."""
+    text = str(err).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "Exception" in line:
+            return line.strip()
+    return lines[-1] if lines else type(err).__name__

@@ -1,0 +1,144 @@
+"""Typed requests, results and configuration of the rollout engines.
+
+These are the only types the trainer's controller needs: it submits a prompt (token ids) with `SamplingParams`,
+and receives a `RolloutGroup` of `n` `RolloutSample`s when every sample of that prompt has finished.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+class RolloutEngineStartError(RuntimeError):
+    """A rollout engine could not be created (bad model path, out of memory, start timeout...)."""
+
+
+class RolloutEnginesLostError(RuntimeError):
+    """Every rollout engine died while requests were outstanding; the message names the requests."""
+
+
+def derive_sample_seeds(seed: int, n: int) -> list[int]:
+    """Per-sample seeds of a group: a splitmix64 hash of (seed, index), so groups with nearby seeds do not share
+    samples and a group's samples are the same whichever engine serves it."""
+    seeds = []
+    for index in range(n):
+        z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        seeds.append((z ^ (z >> 31)) & 0x7FFFFFFF)
+    return seeds
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the `n` completions of one prompt. temperature=0 is greedy; top_k=-1 disables top-k.
+
+    With `seed` set, the group's samples are reproducible: sample i uses `derive_sample_seeds(seed, n)[i]`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n}: a group needs at least one sample; set n >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} is negative; use 0 for greedy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must lie in (0, 1]; use 1.0 to disable")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: use -1 to disable top-k or a positive k")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens} must be >= 1")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    def sample_seeds(self) -> list[int | None]:
+        """The seed of each of the n samples (None everywhere when the group is unseeded)."""
+        if self.seed is None:
+            return [None] * self.n
+        return list(derive_sample_seeds(self.seed, self.n))
+
+
+@dataclass
+class RolloutSample:
+    """One completion: generated token ids, the engine's log-prob of each of them, why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    truncated: bool  # True when generation hit max_tokens or the model's max length
+
+
+@dataclass
+class RolloutGroup:
+    """The n samples of one submitted prompt; `engine_index` says which engine produced them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[RolloutSample]
+    engine_index: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines: what model they serve, how many, where, and how weights reach them.
+
+    `ray_address`: "auto" joins the running Ray cluster (as under SLURM) and starts a local one when none is
+    found; "local" always starts a private local cluster; "host:port" joins that cluster.
+    On CPU each engine takes `cpus_per_engine` Ray CPU slots and `cpu_kv_cache_gib` GiB of KV cache; on GPU it takes
+    `tensor_parallel_size` GPUs and `gpu_memory_utilization` of their memory.
+    `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);
+    "processed_logprobs" apply temperature/top-k/top-p first.
+    """
+
+    model_path: str
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.6
+    cpu_kv_cache_gib: int = 1
+    cpus_per_engine: float = 1.0
+    enable_prefix_caching: bool = True
+    logprobs_mode: str = "raw_logprobs"
+    weight_sync_bucket_mb: float = 256.0
+    ray_address: str = "auto"
+    ray_namespace: str = "megatron_cpo_rollout"
+    engine_start_timeout_s: float = 600.0
+    health_timeout_s: float = 30.0
+    seed: int = 0
+    engine_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model_path):
+            raise ValueError(f"rollout.model_path={self.model_path!r} is not a directory; point it at an HF model "
+                             "directory (config.json + weights + tokenizer)")
+        if self.num_engines < 1:
+            raise ValueError(f"rollout.num_engines={self.num_engines}; set rollout.num_engines >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size}; set it >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.dtype={self.dtype!r}; use float32, bfloat16 or float16")
+        if self.weight_sync_bucket_mb <= 0:
+            raise ValueError(f"rollout.weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
+        if self.engine_start_timeout_s <= 0:
+            raise ValueError(f"rollout.engine_start_timeout_s={self.engine_start_timeout_s}; set a positive timeout")
+
+    @property
+    def uses_gpu(self) -> bool:
+        return torch.cuda.is_available()
+
+    @property
+    def weight_sync_bucket_bytes(self) -> int:
+        return int(self.weight_sync_bucket_mb * 1024 * 1024)
