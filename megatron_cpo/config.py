@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from megatron_cpo.algorithms.cpo import known_rules
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which value and how to fix it."""
@@ -216,11 +218,12 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gold_as_hint: bool = True
     wrap_method: str = "negonly_mi3"
-    difficulty_levels: int = 3
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo", "cpo"))
-        _check_choice("algorithm.difficulty_levels", self.difficulty_levels, (3, 5))
+        rules = known_rules()
+        _check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
+                                          f"choose one of {rules}")
 
 
 @dataclass
@@ -315,8 +318,6 @@ ALIASES: dict[str, str] = {
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {
     "algorithm.dynamic_sample_max_gen_batches": ("algorithm.filter_groups.on_limit", "use_partial"),
 }
-# The CPO shaping rule names are accepted with and without the historical "_qwen3" suffix.
-WRAP_METHOD_SUFFIX = "_qwen3"
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -419,9 +420,6 @@ def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else "; see megatron_cpo/config.py for the accepted names"
             raise ConfigError(f"unknown config key {name!r}{hint}")
-    wrap = flat.get("algorithm.wrap_method")
-    if isinstance(wrap, str) and wrap.endswith(WRAP_METHOD_SUFFIX):
-        flat["algorithm.wrap_method"] = wrap[: -len(WRAP_METHOD_SUFFIX)]
     return _build(Config, flat)
 
 

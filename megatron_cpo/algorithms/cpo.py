@@ -10,7 +10,9 @@ sign-clamp flag. Every term's change is computed from the GRPO advantage and the
 the terms select disjoint tokens or only add, so this equals applying them one after another.
 
 Differences from the reference, all deliberate (see the spec): the difficulty mask has its intended meaning (the
-reference's was always 0); `wrong` is `not correct`; signals are 0 on padding.
+reference's was always 0); `wrong` is `not correct`; signals are 0 on padding. With `hint_correct` (the spec's `yw`),
+the terms that select wrong responses also require it; terms that act on any response (naive, mi, mi_accmask, the
+difficulty rule) are not gated, as they do not look at correctness.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -121,9 +123,10 @@ class _Inputs:
         self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
         self.hint_correct = None if hint_correct is None else hint_correct.bool()[:, None]
 
-    def hint_ratio(self) -> torch.Tensor:
-        lam = torch.tensor(self.cpo_lambda, dtype=self.signals.kl.dtype, device=self.signals.kl.device)
-        return torch.exp(self.signals.kl).clamp(1.0 / lam, lam), lam
+    def hint_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`clamp(p_hint / p, 1/lam, lam)` and lam as a tensor of the same dtype, so that the bound tests are exact."""
+        lam = torch.tensor(self.cpo_lambda, dtype=self.log_probs.dtype, device=self.log_probs.device)
+        return torch.exp(self.hint_log_probs - self.log_probs).clamp(1.0 / lam, lam), lam
 
     def wrong(self) -> torch.Tensor:
         wrong = ~self.correct
@@ -326,12 +329,15 @@ def shape_advantages(
             restored = torch.where(x.correct, shaped.clamp(min=0), shaped.clamp(max=0))
             shaped = torch.where(x.mask, restored, shaped)
         tokens = x.mask.sum().clamp(min=1)
-        moved = (shaped != advantages) & x.mask
+
+        def masked_mean(values: torch.Tensor) -> float:
+            return float(torch.where(x.mask, values, 0.0).sum() / tokens)
+
         metrics = {
-            "cpo/adv_change_mean": float(((shaped - advantages) * x.mask).sum() / tokens),
-            "cpo/shaped_token_frac": float(moved.sum() / tokens),
-            "cpo/mi_mean": float((signals.mi * x.mask).sum() / tokens),
-            "cpo/kl_mean": float((signals.kl * x.mask).sum() / tokens),
-            "cpo/u_mean": float((signals.u * x.mask).sum() / tokens),
+            "cpo/adv_change_mean": masked_mean(shaped - advantages),
+            "cpo/shaped_token_frac": float(((shaped != advantages) & x.mask).sum() / tokens),
+            "cpo/mi_mean": masked_mean(signals.mi),
+            "cpo/kl_mean": masked_mean(signals.kl),
+            "cpo/u_mean": masked_mean(signals.u),
         }
     return shaped, metrics

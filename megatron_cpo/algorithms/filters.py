@@ -28,7 +28,9 @@ class GroupFilterResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _result(keep_group: torch.Tensor, present: torch.Tensor, group: torch.Tensor, std: torch.Tensor) -> GroupFilterResult:
+def _result(
+    keep_group: torch.Tensor, present: torch.Tensor, group: torch.Tensor, std: torch.Tensor
+) -> GroupFilterResult:
     total = int(present.sum())
     kept = int((keep_group & present).sum())
     return GroupFilterResult(
@@ -124,7 +126,9 @@ class RagenFilterConfig:
 
     def __post_init__(self) -> None:
         if self.strategy not in RAGEN_STRATEGIES:
-            raise ValueError(f"rollout_filter_strategy={self.strategy!r} is unknown; choose one of {list(RAGEN_STRATEGIES)}")
+            raise ValueError(
+                f"rollout_filter_strategy={self.strategy!r} is unknown; choose one of {list(RAGEN_STRATEGIES)}"
+            )
         if self.filter_type not in ("largest", "smallest"):
             raise ValueError(f"rollout_filter_type={self.filter_type!r} is unknown; choose 'largest' or 'smallest'")
         if self.group_score not in GROUP_SCORES:

@@ -124,32 +124,34 @@ def clipped_policy_loss(
     fractions `clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean}` (low: ratio < 1 - low with A < 0;
     high: ratio > 1 + high with A > 0).
     """
-    mask_f = mask.to(log_probs.dtype)
+    valid = mask.bool()
     log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    neg_advantages = -advantages
+    loss_unclipped = neg_advantages * ratio
+    loss_clipped = neg_advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    loss_dual = torch.minimum(-advantages * clip_ratio_c, loss_ppo)
+    dual_bound = neg_advantages * clip_ratio_c
     negative = advantages < 0
-    losses = torch.where(negative, loss_dual, loss_ppo)
+    losses = torch.where(negative, torch.minimum(dual_bound, loss_ppo), loss_ppo)
     with torch.no_grad():
-        tokens = mask_f.sum().clamp(min=1)
-        low = (ratio < 1.0 - clip_ratio_low) & negative
-        high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0)
-        seq_tokens = mask_f.sum(-1)
+        seq_tokens = valid.sum(-1)
+        tokens = seq_tokens.sum().clamp(min=1)
         nonempty = seq_tokens > 0
+        low = (ratio < 1.0 - clip_ratio_low) & negative & valid
+        high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0) & valid
+        low_count, high_count = low.sum(-1), high.sum(-1)
 
-        def per_seq(flags: torch.Tensor) -> torch.Tensor:
-            return ((flags.to(mask_f.dtype) * mask_f).sum(-1) / seq_tokens.clamp(min=1))[nonempty]
+        def per_seq(count: torch.Tensor) -> torch.Tensor:
+            return (count / seq_tokens.clamp(min=1))[nonempty]
 
-        low_seq, high_seq, region_seq = per_seq(low), per_seq(high), per_seq(low | high)
+        # low and high never overlap (they need opposite advantage signs), so the region count is their sum
+        low_seq, high_seq, region_seq = per_seq(low_count), per_seq(high_count), per_seq(low_count + high_count)
         any_seq = bool(nonempty.any())
         metrics = {
-            "pg_clipfrac": float(((loss_clipped > loss_unclipped).to(mask_f.dtype) * mask_f).sum() / tokens),
-            "pg_clipfrac_lower": float(((loss_ppo > -advantages * clip_ratio_c) & negative).to(mask_f.dtype)
-                                       .mul(mask_f).sum() / tokens),
-            "ppo_kl": float((-log_ratio * mask_f).sum() / tokens),
+            "pg_clipfrac": float(((loss_clipped > loss_unclipped) & valid).sum() / tokens),
+            "pg_clipfrac_lower": float(((loss_ppo > dual_bound) & negative & valid).sum() / tokens),
+            "ppo_kl": float(-torch.where(valid, log_ratio, 0.0).sum() / tokens),
             "clip_ratio/low_mean": float(low_seq.mean()) if any_seq else 0.0,
             "clip_ratio/low_min": float(low_seq.min()) if any_seq else 0.0,
             "clip_ratio/high_mean": float(high_seq.mean()) if any_seq else 0.0,

@@ -18,16 +18,18 @@ from megatron_cpo.kernels.softmax_stats import SoftmaxStats, combine_partials, e
 
 @dataclass(frozen=True)
 class RowGrads:
-    """What backward needs per token (float32): targets local to the slice, log-sum-exp, entropy, incoming grads."""
+    """What backward needs per token (float32): targets local to the slice, the softmax's max and log-sum-exp
+    (``logsumexp(z) = max + log_sum_exp``), entropy, and the incoming gradients."""
 
     local_targets: torch.Tensor
-    logsumexp: torch.Tensor
+    max: torch.Tensor
+    log_sum_exp: torch.Tensor
     entropy: torch.Tensor
     grad_log_probs: torch.Tensor
     grad_entropy: torch.Tensor
 
     def rows(self, begin: int, end: int) -> "RowGrads":
-        return RowGrads(*(t[begin:end] for t in (self.local_targets, self.logsumexp, self.entropy,
+        return RowGrads(*(t[begin:end] for t in (self.local_targets, self.max, self.log_sum_exp, self.entropy,
                                                    self.grad_log_probs, self.grad_entropy)))
 
 
@@ -61,8 +63,8 @@ class TorchChunkedBackend:
         for b, e in _chunks(logits.shape[0], self._token_chunk(max(n_valid, 1))):
             r = row_grads.rows(b, e)
             z = logits[b:e, :n_valid].float() * inv_temp
-            grad[b:e, :n_valid] = (grad_of_z(z, r.local_targets, r.logsumexp, r.entropy, r.grad_log_probs,
-                                             r.grad_entropy) * inv_temp).to(logits.dtype)
+            grad[b:e, :n_valid] = grad_of_z(z, r.local_targets, r.max, r.log_sum_exp, r.entropy, r.grad_log_probs,
+                                            r.grad_entropy).mul_(inv_temp)
         return grad
 
     def linear_stats(self, hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
@@ -73,7 +75,7 @@ class TorchChunkedBackend:
         per_chunk = []
         for b, e in _chunks(hidden.shape[0], self._token_chunk(vocab_tile)):
             h = hidden[b:e].float()
-            parts = [tile_stats((h @ weight[vb:ve].float().T) * inv_temp, local_targets[b:e] - vb)
+            parts = [tile_stats((h @ weight[vb:ve].float().T).mul_(inv_temp), local_targets[b:e] - vb)
                      for vb, ve in _chunks(n_valid, vocab_tile)]
             per_chunk.append(combine_partials(SoftmaxStats(*(torch.stack(column) for column in zip(*parts)))))
         return SoftmaxStats(*(torch.cat(column) for column in zip(*per_chunk)))
@@ -89,8 +91,8 @@ class TorchChunkedBackend:
             grad_h = torch.zeros_like(h)
             for vb, ve in _chunks(n_valid, vocab_tile):
                 w = weight[vb:ve].float()
-                grad_z = grad_of_z((h @ w.T) * inv_temp, r.local_targets - vb, r.logsumexp, r.entropy,
-                                   r.grad_log_probs, r.grad_entropy) * inv_temp
+                grad_z = grad_of_z((h @ w.T).mul_(inv_temp), r.local_targets - vb, r.max, r.log_sum_exp, r.entropy,
+                                   r.grad_log_probs, r.grad_entropy).mul_(inv_temp)
                 grad_h += grad_z @ w
                 grad_weight[vb:ve] += (grad_z.T @ h).to(weight.dtype)
             grad_hidden[b:e] = grad_h.to(hidden.dtype)
@@ -142,7 +144,8 @@ class TritonBackend:
         if n_rows > 0 and n_cols > 0:
             grid = (n_rows, triton.cdiv(n_cols, self.logits_block_v))
             triton_kernels.logits_grad_kernel[grid](
-                logits, grad, logits.stride(0), row_grads.local_targets, row_grads.logsumexp, row_grads.entropy,
+                logits, grad, logits.stride(0), row_grads.local_targets, row_grads.max, row_grads.log_sum_exp,
+                row_grads.entropy,
                 row_grads.grad_log_probs, row_grads.grad_entropy, n_valid, n_cols, inv_temp,
                 BLOCK_V=self.logits_block_v)
         return grad
@@ -181,7 +184,7 @@ class TritonBackend:
             g = grad_logits[: e - b]
             grid = (triton.cdiv(e - b, self.block_n), triton.cdiv(n_cols, self.block_v))
             triton_kernels.linear_grad_logits_kernel[grid](
-                h, weight, g, r.local_targets, r.logsumexp, r.entropy, r.grad_log_probs, r.grad_entropy, e - b,
+                h, weight, g, r.local_targets, r.max, r.log_sum_exp, r.entropy, r.grad_log_probs, r.grad_entropy, e - b,
                 n_valid, n_cols, hidden_size, h.stride(0), weight.stride(0), g.stride(0), inv_temp,
                 BLOCK_N=self.block_n, BLOCK_V=self.block_v, BLOCK_K=self.block_k, DOT_FP32=not hidden.is_cuda,
                 **self._launch_options(hidden))

@@ -40,14 +40,14 @@ def _check_inputs(name: str, tensor: torch.Tensor, targets: torch.Tensor, temper
 
 
 def _row_grads(ctx, grad_log_probs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]) -> RowGrads:
-    local_targets, logsumexp, entropy, ignored = ctx.saved_tensors[-4:]
+    local_targets, z_max, log_sum_exp, entropy, ignored = ctx.saved_tensors[-5:]
 
     def incoming(grad: Optional[torch.Tensor]) -> torch.Tensor:
         if grad is None:
-            return torch.zeros_like(logsumexp)
+            return torch.zeros_like(entropy)
         return grad.reshape(-1).float().masked_fill(ignored, 0.0).contiguous()
 
-    return RowGrads(local_targets, logsumexp, entropy, incoming(grad_log_probs), incoming(grad_entropy))
+    return RowGrads(local_targets, z_max, log_sum_exp, entropy, incoming(grad_log_probs), incoming(grad_entropy))
 
 
 def _outputs(result, ignored: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ class _LogitsLogProbsEntropy(torch.autograd.Function):
         inv_temp = 1.0 / float(temperature)
         result = finalize(backend.logits_stats(logits2d, local_targets, inv_temp, shard.n_valid), tp_group)
         ignored = flat_targets == ignore_index
-        ctx.save_for_backward(logits2d, local_targets, result.logsumexp, result.entropy, ignored)
+        ctx.save_for_backward(logits2d, local_targets, result.max, result.log_sum_exp, result.entropy, ignored)
         ctx.setup = (backend, inv_temp, shard.n_valid, logits.shape)
         return _outputs(result, ignored, shape)
 
@@ -93,7 +93,8 @@ class _LinearLogProbsEntropy(torch.autograd.Function):
         inv_temp = 1.0 / float(temperature)
         result = finalize(backend.linear_stats(hidden2d, weight, local_targets, inv_temp, shard.n_valid), tp_group)
         ignored = flat_targets == ignore_index
-        ctx.save_for_backward(hidden2d, weight, local_targets, result.logsumexp, result.entropy, ignored)
+        ctx.save_for_backward(hidden2d, weight, local_targets, result.max, result.log_sum_exp, result.entropy,
+                              ignored)
         ctx.setup = (backend, inv_temp, shard.n_valid, hidden.shape, tp_group)
         return _outputs(result, ignored, shape)
 

@@ -32,11 +32,16 @@ class SoftmaxStats(NamedTuple):
 
 
 class LogProbsEntropy(NamedTuple):
-    """Per-token results in float32: log-prob of the target, entropy, and log-sum-exp of ``z`` (kept for backward)."""
+    """Per-token float32 results: log-prob of the target, entropy, and ``logsumexp(z) = max + log_sum_exp``.
+
+    Backward forms ``log p = (z - max) - log_sum_exp``: with logits near 1e4 a float32 ``logsumexp`` would already
+    carry an error of 5e-4, which ``z - max`` (exact) and a small ``log_sum_exp`` avoid.
+    """
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
-    logsumexp: torch.Tensor
+    max: torch.Tensor
+    log_sum_exp: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -84,13 +89,13 @@ def empty_stats(num_tokens: int, device: torch.device) -> SoftmaxStats:
 
 
 def tile_stats(z: torch.Tensor, local_targets: torch.Tensor) -> SoftmaxStats:
-    """Statistics of a float32 tile ``z`` [tokens, cols]; ``local_targets`` index the tile's columns (else ignored)."""
-    z_max = z.amax(dim=-1)
-    shifted = z - z_max.unsqueeze(-1)
-    exp = shifted.exp()
+    """Statistics of a float32 scratch tile ``z`` [tokens, cols] (overwritten); ``local_targets`` index its columns."""
     held = (local_targets >= 0) & (local_targets < z.shape[-1])
     picked = z.gather(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    return SoftmaxStats(z_max, exp.sum(-1), (exp * shifted).sum(-1), torch.where(held, picked, torch.zeros_like(picked)))
+    z_max = z.amax(dim=-1)
+    shifted = z.sub_(z_max.unsqueeze(-1))
+    exp = shifted.exp()
+    return SoftmaxStats(z_max, exp.sum(-1), shifted.mul_(exp).sum(-1), torch.where(held, picked, 0.0))
 
 
 def _rescaled(stats: SoftmaxStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,17 +126,20 @@ def finalize(stats: SoftmaxStats, tp_group: Optional[dist.ProcessGroup]) -> LogP
     sum_exp, sum_exp_shift, target_z = sums.unbind(0)
     log_sum_exp = sum_exp.log()
     entropy = log_sum_exp - sum_exp_shift / sum_exp
-    return LogProbsEntropy(target_z - global_max - log_sum_exp, entropy, global_max + log_sum_exp)
+    return LogProbsEntropy(target_z - global_max - log_sum_exp, entropy, global_max, log_sum_exp)
 
 
-def grad_of_z(z: torch.Tensor, local_targets: torch.Tensor, logsumexp: torch.Tensor, entropy: torch.Tensor,
-              grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
+def grad_of_z(z: torch.Tensor, local_targets: torch.Tensor, z_max: torch.Tensor, log_sum_exp: torch.Tensor,
+              entropy: torch.Tensor, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
     """Gradient w.r.t. a float32 tile ``z`` [tokens, cols] of ``sum(g_lp * log_prob + g_H * entropy)``.
 
-    ``d log p_t / d z_j = 1[j = t] - p_j`` and ``d H / d z_j = -p_j (log p_j + H)``.
+    ``d log p_t / d z_j = 1[j = t] - p_j`` and ``d H / d z_j = -p_j (log p_j + H)``. Overwrites ``z`` (a scratch
+    tile) with the result, so the tile costs two float32 buffers in all.
     """
-    log_p = z - logsumexp.unsqueeze(-1)
+    log_p = z.sub_(z_max.unsqueeze(-1)).sub_(log_sum_exp.unsqueeze(-1))
     p = log_p.exp()
-    grad = -p * (grad_log_probs.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (log_p + entropy.unsqueeze(-1)))
-    cols = torch.arange(z.shape[-1], device=z.device)
-    return grad + torch.where(cols == local_targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1), 0.0)
+    grad = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(grad_log_probs.unsqueeze(-1))
+    grad.mul_(p).neg_()
+    held = (local_targets >= 0) & (local_targets < z.shape[-1])
+    return grad.scatter_add_(-1, local_targets.clamp(0, z.shape[-1] - 1).unsqueeze(-1),
+                             torch.where(held, grad_log_probs, 0.0).unsqueeze(-1))

@@ -11,9 +11,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _grad_of_z(z, is_target, logsumexp, entropy, grad_lp, grad_ent):
+def _grad_of_z(z, is_target, z_max, log_sum_exp, entropy, grad_lp, grad_ent):
     """d(g_lp * log p_t + g_H * H) / dz for one tile; the row values broadcast against ``z``."""
-    log_p = z - logsumexp
+    log_p = (z - z_max) - log_sum_exp
     p = tl.exp(log_p)
     return -p * (grad_lp + grad_ent * (log_p + entropy)) + tl.where(is_target, grad_lp, 0.0)
 
@@ -49,15 +49,15 @@ def logits_stats_kernel(logits_ptr, stride_row, targets_ptr, max_ptr, sum_exp_pt
 
 
 @triton.jit
-def logits_grad_kernel(logits_ptr, grad_ptr, stride_row, targets_ptr, lse_ptr, entropy_ptr, grad_lp_ptr, grad_ent_ptr,
-                       n_valid, n_cols, inv_temp, BLOCK_V: tl.constexpr):
+def logits_grad_kernel(logits_ptr, grad_ptr, stride_row, targets_ptr, max_ptr, lse_ptr, entropy_ptr, grad_lp_ptr,
+                       grad_ent_ptr, n_valid, n_cols, inv_temp, BLOCK_V: tl.constexpr):
     """Grid (tokens, column tiles): gradient of the logits tile, written in the logits' dtype (zero on padding)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     valid = cols < n_valid
     z = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
     target = tl.load(targets_ptr + row)
-    grad = _grad_of_z(z, cols == target, tl.load(lse_ptr + row), tl.load(entropy_ptr + row),
+    grad = _grad_of_z(z, cols == target, tl.load(max_ptr + row), tl.load(lse_ptr + row), tl.load(entropy_ptr + row),
                       tl.load(grad_lp_ptr + row), tl.load(grad_ent_ptr + row))
     grad = tl.where(valid, grad * inv_temp, 0.0)
     tl.store(grad_ptr + row * stride_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
@@ -125,7 +125,7 @@ def linear_stats_kernel(hidden_ptr, weight_ptr, targets_ptr, max_ptr, sum_exp_pt
 
 
 @triton.jit
-def linear_grad_logits_kernel(hidden_ptr, weight_ptr, grad_ptr, targets_ptr, lse_ptr, entropy_ptr, grad_lp_ptr,
+def linear_grad_logits_kernel(hidden_ptr, weight_ptr, grad_ptr, targets_ptr, max_ptr, lse_ptr, entropy_ptr, grad_lp_ptr,
                               grad_ent_ptr, num_tokens, n_valid, n_cols, hidden_size, stride_h, stride_w, stride_g,
                               inv_temp, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT_FP32: tl.constexpr):
@@ -137,11 +137,12 @@ def linear_grad_logits_kernel(hidden_ptr, weight_ptr, grad_ptr, targets_ptr, lse
     acc = _logits_tile(hidden_ptr, weight_ptr, rows, cols, row_ok, col_ok, stride_h, stride_w, hidden_size,
                        BLOCK_N, BLOCK_V, BLOCK_K, DOT_FP32)
     targets = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
+    z_max = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     entropy = tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
     grad_lp = tl.load(grad_lp_ptr + rows, mask=row_ok, other=0.0)
     grad_ent = tl.load(grad_ent_ptr + rows, mask=row_ok, other=0.0)
-    grad = _grad_of_z(acc * inv_temp, cols[None, :] == targets[:, None], lse[:, None], entropy[:, None],
+    grad = _grad_of_z(acc * inv_temp, cols[None, :] == targets[:, None], z_max[:, None], lse[:, None], entropy[:, None],
                       grad_lp[:, None], grad_ent[:, None])
     grad = tl.where(row_ok[:, None] & col_ok[None, :], grad * inv_temp, 0.0)
     tl.store(grad_ptr + rows[:, None] * stride_g + cols[None, :], grad.to(grad_ptr.dtype.element_ty),

@@ -89,7 +89,7 @@ def get_grader(data_source: str) -> Grader:
     """The grader for ``data_source``; an unknown source is an error listing the known ones."""
     grader = _registered.get(data_source)
     if grader is None:
-        raise KeyError(f"no grader for data_source={data_source!r}; known sources: {', '.join(known_sources())}. "
+        raise ValueError(f"no grader for data_source={data_source!r}; known sources: {', '.join(known_sources())}. "
                        "Register one with reward.custom_graders={'<source>': 'pkg.module:fn'}")
     return grader
 

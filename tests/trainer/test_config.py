@@ -15,7 +15,7 @@ def test_yaml_and_overrides(tmp_path):
     assert config.algorithm.filter_groups.enable is True
     assert config.actor_rollout_ref.actor.optim.lr == pytest.approx(2e-5)
     assert config.trainer.logger == ["console"]
-    assert config.algorithm.wrap_method == "negonly_mi3"
+    assert config.algorithm.wrap_method == "negonly_mi3_qwen3"
 
 
 def test_seed_001_aliases_map_to_filter_groups():
@@ -37,6 +37,7 @@ def test_seed_001_aliases_map_to_filter_groups():
     (["actor_rollout_ref.actor.clip_ratio_low=1.5"], "clip_ratio_low=1.5 must be in [0, 1)"),
     (["trainer.logger=[console,mlflow]"], "trainer.logger entry='mlflow'"),
     (["data.train_batch_size"], "has no '='"),
+    (["algorithm.wrap_method=mi4"], "algorithm.wrap_method='mi4' is not a CPO shaping rule"),
     (["actor_rollout_ref.rollout.max_inflight_prompts=2", "data.train_batch_size=8"], "raise it or set 0"),
 ])
 def test_bad_values_are_rejected_with_the_fix(overrides, expected):

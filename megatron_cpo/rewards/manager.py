@@ -1,0 +1,157 @@
+"""Reward manager: scores a batch of responses in a grading pool and turns scores into sparse token rewards.
+
+A sample whose grader raises, hangs past ``reward_fn_timeout_s`` or kills its worker gets that grader's wrong-answer
+score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
+stops for it. Following the seed (section 2.2), the whole sequence reward sits on the last valid response token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
+from megatron_cpo.rewards.registry import get_grader, load_callable
+
+
+@dataclass
+class RewardConfig:
+    """Configuration of verifiable rewards (the trainer embeds it as ``reward``).
+
+    num_workers: grading processes (the pool is bounded; keep it at or below the free cores).
+    reward_fn_timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced.
+    custom_graders: ``{data_source: "pkg.module:fn"}``, graders with the built-ins' keyword signature.
+    custom_reward_function: ``"pkg.module:fn"`` that grades every source (verl's ``custom_reward_function``).
+    custom_failure_score: score given when a custom grader fails.
+    grader_kwargs: ``{data_source: {kwarg: value}}`` passed to that source's grader, e.g.
+        ``{"math500": {"wrong_score": 0.0}}`` for 1/0 math rewards.
+    """
+
+    num_workers: int = 2
+    reward_fn_timeout_s: float = 30.0
+    custom_graders: dict[str, str] = field(default_factory=dict)
+    custom_reward_function: str | None = None
+    custom_failure_score: float = 0.0
+    grader_kwargs: dict[str, dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"reward.num_workers={self.num_workers}; use >= 1")
+        if self.reward_fn_timeout_s <= 0:
+            raise ValueError(f"reward.reward_fn_timeout_s={self.reward_fn_timeout_s}; use a positive number of "
+                             "seconds (code graders need their total_timeout_s plus process start-up)")
+        for path in self.custom_graders.values():
+            load_callable(path)
+        if self.custom_reward_function:
+            load_callable(self.custom_reward_function)
+
+
+@dataclass
+class RewardResult:
+    """Per-sample ``scores`` [N] and ``acc`` [N], grader ``details`` (pred, reason, status) and batch ``metrics``."""
+
+    scores: torch.Tensor
+    acc: torch.Tensor
+    details: list[dict]
+    metrics: dict[str, float]
+
+    def token_level_rewards(self, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Sparse [N, max_len] rewards, each score at its last valid response token."""
+        return token_level_rewards(self.scores, response_lengths, max_len)
+
+
+def token_level_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Write ``scores[i]`` at position ``response_lengths[i] - 1`` of row ``i`` of a zero [N, max_len] tensor."""
+    if scores.dim() != 1 or response_lengths.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and response_lengths {tuple(response_lengths.shape)} must "
+                         "both be 1-D of the same length")
+    bad = (response_lengths < 1) | (response_lengths > max_len)
+    if bad.any():
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"response_lengths[{index}]={int(response_lengths[index])} is outside [1, {max_len}]; "
+                         "every response needs at least one valid token (its EOS) and at most max_len")
+    rewards = torch.zeros(scores.shape[0], max_len, dtype=scores.dtype, device=scores.device)
+    return rewards.scatter_(1, (response_lengths.long() - 1).unsqueeze(1), scores.unsqueeze(1))
+
+
+def _group_metrics(prefix: str, scores: torch.Tensor, acc: torch.Tensor, timeouts: torch.Tensor,
+                   errors: torch.Tensor) -> dict[str, float]:
+    return {
+        f"{prefix}/score_mean": scores.mean().item(),
+        f"{prefix}/score_std": scores.std(unbiased=False).item(),
+        f"{prefix}/acc": acc.float().mean().item(),
+        f"{prefix}/count": float(scores.numel()),
+        f"{prefix}/timeouts": timeouts.sum().item(),
+        f"{prefix}/errors": errors.sum().item(),
+    }
+
+
+def reward_metrics(scores: torch.Tensor, acc: torch.Tensor, statuses: list[str], sources: list[str],
+                   grader_names: list[str]) -> dict[str, float]:
+    """Mean/std/acc/timeouts/errors overall, per data source and per grader."""
+    timeouts = torch.tensor([status == "timeout" for status in statuses])
+    errors = torch.tensor([status in ("error", "crashed") for status in statuses])
+    metrics = _group_metrics("reward", scores, acc, timeouts, errors)
+    for kind, keys in (("source", sources), ("grader", grader_names)):
+        for key in sorted(set(keys)):
+            mask = torch.tensor([k == key for k in keys])
+            metrics.update(_group_metrics(f"reward/{kind}/{key}", scores[mask], acc[mask], timeouts[mask],
+                                          errors[mask]))
+    return metrics
+
+
+class RewardManager:
+    """Owns a ``GraderPool``; ``score`` grades a batch. Use as a context manager or call ``close``."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function,
+                                dict(config.grader_kwargs))
+
+    def _grader_for(self, data_source: str) -> tuple[str, float]:
+        """(grader name, failure score); unknown sources fail here, before any work is done."""
+        if self.config.custom_reward_function:
+            return self.config.custom_reward_function, self.config.custom_failure_score
+        if data_source in self.config.custom_graders:
+            return self.config.custom_graders[data_source], self.config.custom_failure_score
+        grader = get_grader(data_source)
+        return grader.name, grader.failure_score
+
+    def score(self, data_sources: list[str], solution_strs: list[str], ground_truths: list,
+              extra_infos: list | None = None) -> RewardResult:
+        """Grade N responses; returns scores, acc, per-sample details and metrics (see ``RewardResult``)."""
+        count = len(solution_strs)
+        extra_infos = extra_infos if extra_infos is not None else [None] * count
+        if not (len(data_sources) == len(ground_truths) == len(extra_infos) == count):
+            raise ValueError(f"batch fields differ in length: data_sources={len(data_sources)}, solution_strs="
+                             f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}")
+        graders = [self._grader_for(source) for source in data_sources]
+        started = time.monotonic()
+        outcomes: list[TaskOutcome] = self._pool.run(
+            list(zip(data_sources, solution_strs, ground_truths, extra_infos)), self.config.reward_fn_timeout_s)
+        details = []
+        for outcome, (name, failure_score) in zip(outcomes, graders):
+            if outcome.status == "ok":
+                detail = dict(outcome.result)
+            else:
+                detail = {"score": failure_score, "acc": False, "pred": None, "reason": outcome.message}
+            detail.update(status=outcome.status, grader=name, seconds=outcome.seconds)
+            details.append(detail)
+        scores = torch.tensor([detail["score"] for detail in details], dtype=torch.float32)
+        acc = torch.tensor([bool(detail["acc"]) for detail in details], dtype=torch.bool)
+        metrics = reward_metrics(scores, acc, [d["status"] for d in details], list(data_sources),
+                                 [name for name, _ in graders])
+        metrics["reward/grading_seconds"] = time.monotonic() - started
+        metrics["reward/worker_restarts"] = float(self._pool.restarts)
+        return RewardResult(scores=scores, acc=acc, details=details, metrics=metrics)
+
+    def close(self) -> None:
+        """Stop the grading processes."""
+        self._pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
