@@ -16,7 +16,7 @@
 # Environment: CONFIG (recipe YAML, required unless TRAIN_ENTRY is given), TRAINER_NODES, GPUS_PER_NODE,
 #   TRAINER_GPUS_PER_NODE, LOG_ROOT, MASTER_PORT, RAY_PORT, RAY_START_ARGS (extra `ray start` flags for every
 #   node), RAY_HEAD_ARGS (for the head only), REQUEUE, TRAIN_ENTRY (what torchrun runs; default
-#   "-m megatron_cpo.cli train"), RAY_WAIT_S, RAY_JOIN_ATTEMPTS. Extra arguments are dotted config overrides.
+#   "-m megatron_cpo.trainer"), RAY_WAIT_S, RAY_JOIN_ATTEMPTS. Extra arguments are dotted config overrides.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -44,8 +44,8 @@ if (( SHARED )); then
 else
     TRAINER_GPUS_PER_NODE=${TRAINER_GPUS_PER_NODE:-$GPUS_PER_NODE}
 fi
-TRAIN_ENTRY=${TRAIN_ENTRY:-"-m megatron_cpo.cli train"}
-if [[ $TRAIN_ENTRY == "-m megatron_cpo.cli train" ]]; then
+TRAIN_ENTRY=${TRAIN_ENTRY:-"-m megatron_cpo.trainer"}
+if [[ $TRAIN_ENTRY == "-m megatron_cpo.trainer" ]]; then
     : "${CONFIG:?set CONFIG to a recipe YAML, e.g. CONFIG=examples/qwen2.5-math-7b/cpo.yaml}"
     TRAIN_ENTRY="$TRAIN_ENTRY --config $CONFIG"
 fi
