@@ -7,7 +7,8 @@ Megatron-Core assumes a GPU in three places that matter for running it for real 
 3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
 When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
 the CPU generator and redirects (3) with a `TorchFunctionMode`. With CUDA present all of this is skipped, so GPU runs
-execute Megatron-Core unchanged. The rest of the package calls `device()` and `backend()` and never tests for CUDA.
+execute Megatron-Core unchanged. The rest of the package calls `device()`, `backend()` and
+`megatron_config_kwargs()` and never tests for CUDA.
 """
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def device() -> torch.device:
     if has_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def megatron_config_kwargs() -> dict:
+    """`TransformerConfig` settings this platform needs: on CPU, build weights on the CPU and send pipeline
+    activations with plain isend/irecv (gloo has no batched point-to-point); nothing on a GPU."""
+    if has_cuda():
+        return {}
+    return {"use_cpu_initialization": True, "batch_p2p_comm": False}
 
 
 def _is_cuda(value: Any) -> bool:
