@@ -228,9 +228,15 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward process pool: how many workers score responses and how long one grading may take."""
+    """The reward process pool: how many workers score responses and how long one grading may take.
+
+    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
+    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
+    returns a score or a dict with `score` and `acc`.
+    """
     num_workers: int = 2
     timeout_s: float = 10.0
+    custom_reward_function: str = ""
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
