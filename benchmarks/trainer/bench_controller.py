@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

@@ -75,7 +75,8 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
 
-    def score_groups(self, items: list[tuple[Any, list[list[int]]]]) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+    def score_groups(self, items: list[tuple[Any, list[list[int]]]]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         """Decode and grade every response of the given groups in one call to the grading pool."""
         texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
         flat_records = [record for (record, responses) in items for _ in responses]

@@ -40,7 +40,8 @@ def make_config(tiny_model, arith_data, tmp_path):
         return build_config({}, [
             f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={arith_data['train']}",
             f"data.val_files={arith_data['test']}", "data.train_batch_size=4", "data.max_prompt_length=384",
-            "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "data.max_response_length=12", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
             "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
             f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", *overrides])

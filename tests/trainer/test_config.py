@@ -8,7 +8,8 @@ def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  train_batch_size: 4\nactor_rollout_ref:\n  rollout:\n    n: 8\n"
                     "algorithm:\n  filter_groups:\n    enable: true\n")
-    config = load_config(path, ["actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    config = load_config(path, ["actor_rollout_ref.actor.optim.lr=2e-5",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                 "trainer.logger=[console]", "algorithm.wrap_method=negonly_mi3_qwen3"])
     assert config.data.train_batch_size == 4
     assert config.actor_rollout_ref.rollout.n == 8
