@@ -143,7 +143,8 @@ class ActorConfig:
 
 @dataclass
 class RolloutConfig:
-    """vLLM rollout engines and sampling, plus RAGEN's group filter strategy (applied per generation batch)."""
+    """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
+    (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -152,10 +153,6 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     kv_cache_gib: float = 1.0
     max_inflight_prompts: int = 0
-    rollout_filter_strategy: str = "none"
-    rollout_filter_value: float = 1.0
-    rollout_filter_type: str = "largest"
-    rollout_filter_include_zero: bool = True
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."
@@ -165,9 +162,6 @@ class RolloutConfig:
         _check(self.num_engines >= 1, f"{prefix}num_engines={self.num_engines} must be >= 1")
         _check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
                                                ">= 0 (0 means 2 * data.train_batch_size)")
-        _check_choice(prefix + "rollout_filter_strategy", self.rollout_filter_strategy,
-                      ("none", "top_p", "top_k", "min_p"))
-        _check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
 
 
 @dataclass
@@ -228,9 +222,15 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward process pool: how many workers score responses and how long one grading may take."""
+    """The reward process pool: how many workers score responses and how long one grading may take.
+
+    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
+    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
+    returns a score or a dict with `score` and `acc`.
+    """
     num_workers: int = 2
     timeout_s: float = 10.0
+    custom_reward_function: str = ""
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
@@ -290,15 +290,6 @@ class Config:
             _check(rollout.max_inflight_prompts >= self.data.train_batch_size,
                    f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
                    f"data.train_batch_size={self.data.train_batch_size}; raise it or set 0 for the default")
-        _check(not (rollout.rollout_filter_strategy == "top_k"
-                    and not 1 <= rollout.rollout_filter_value <= self.data.train_batch_size),
-               f"actor_rollout_ref.rollout.rollout_filter_value={rollout.rollout_filter_value} keeps no groups or more "
-               f"than a generation batch of data.train_batch_size={self.data.train_batch_size} under top_k; "
-               "set it to an integer in [1, train_batch_size]")
-        _check(not (rollout.rollout_filter_strategy in ("top_p", "min_p")
-                    and not 0 < rollout.rollout_filter_value <= 1),
-               f"actor_rollout_ref.rollout.rollout_filter_value={rollout.rollout_filter_value} must be in (0, 1] for "
-               f"rollout_filter_strategy={rollout.rollout_filter_strategy}")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
 

@@ -163,7 +163,8 @@ class RolloutController:
         while (logged + 1) * size <= acc.next_seq or (acc.full and logged * size < acc.next_seq):
             logged += 1
             logger.info("[filter_groups] step %d, gen batch %d: committed %d prompts, filtered %d trajectories, "
-                        "accumulated %d/%d", step, logged, acc.next_seq, acc.stats.filtered_trajectories, min(len(acc.kept), size), size)
+                        "accumulated %d/%d", step, logged, acc.next_seq, acc.stats.filtered_trajectories,
+                        min(len(acc.kept), size), size)
         return logged
 
     def _metrics(self, acc: GroupAccumulator, requested: int, generated_tokens: int, seconds: float

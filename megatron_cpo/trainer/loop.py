@@ -73,8 +73,12 @@ def _batch_reward_metrics(groups: list) -> dict[str, float]:
             "reward/acc": float(acc.mean())}
 
 
-def run_training(config: Config) -> dict[str, float]:
-    """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks)."""
+def run_training(config: Config, manager: Any = None) -> dict[str, float]:
+    """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
+
+    `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
+    The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    """
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
@@ -84,7 +88,7 @@ def run_training(config: Config) -> dict[str, float]:
                               seed=config.trainer.seed)
     is_rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    side = RolloutSide(config, tokenizer) if is_rank0 else None
+    side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
     total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
     actor_cfg = config.actor_rollout_ref.actor
     updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
@@ -97,8 +101,7 @@ def run_training(config: Config) -> dict[str, float]:
     stop = StopSignal()
     last: dict[str, float] = {}
     try:
-        if start_step > 0:
-            push_weights(actor.model, side)
+        push_weights(actor.model, side)
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
             last = side.validate()
             metric_logger.log(last, 0)

@@ -38,23 +38,26 @@ def load_dataset(files: str, tokenizer: Any, config: Config, shuffle: bool) -> P
 
 
 class RolloutSide:
-    """Rank 0's engines, reward pool, data and controller for one run."""
+    """Rank 0's engines, reward pool, data and controller for one run. A `manager` passed in (already running
+    engines, e.g. shared by tests or a notebook) is used and left running; otherwise engines are started here."""
 
-    def __init__(self, config: Config, tokenizer: Any) -> None:
+    def __init__(self, config: Config, tokenizer: Any, manager: RolloutManager | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         data, rollout = config.data, config.actor_rollout_ref.rollout
         self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
         self.val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
-        self.manager = RolloutManager(RolloutConfig(
+        self.owns_manager = manager is None
+        self.manager = manager or RolloutManager(RolloutConfig(
             model_path=config.actor_rollout_ref.model.path, num_engines=rollout.num_engines,
             tensor_parallel_size=rollout.tensor_model_parallel_size,
             dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
             max_model_len=data.max_prompt_length + data.max_response_length,
             cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed, ray_address="local"))
-        self.rewards = RewardManager(RewardConfig(num_workers=config.reward.num_workers,
-                                                  reward_fn_timeout_s=config.reward.timeout_s))
+        self.rewards = RewardManager(RewardConfig(
+            num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
+            custom_reward_function=config.reward.custom_reward_function or None))
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
             self.manager, self.stream, self.score_groups,
@@ -72,7 +75,8 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
 
-    def score_groups(self, items: list[tuple[Any, list[list[int]]]]) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+    def score_groups(self, items: list[tuple[Any, list[list[int]]]]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         """Decode and grade every response of the given groups in one call to the grading pool."""
         texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
         flat_records = [record for (record, responses) in items for _ in responses]
@@ -113,7 +117,10 @@ class RolloutSide:
 
     def close(self) -> None:
         self.rewards.close()
-        self.manager.shutdown()
+        if self.owns_manager:
+            self.manager.shutdown()
+        else:
+            self.manager.cancel_all()
 
 
 def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]:

@@ -8,7 +8,8 @@ def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("data:\n  train_batch_size: 4\nactor_rollout_ref:\n  rollout:\n    n: 8\n"
                     "algorithm:\n  filter_groups:\n    enable: true\n")
-    config = load_config(path, ["actor_rollout_ref.actor.optim.lr=2e-5", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    config = load_config(path, ["actor_rollout_ref.actor.optim.lr=2e-5",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                 "trainer.logger=[console]", "algorithm.wrap_method=negonly_mi3_qwen3"])
     assert config.data.train_batch_size == 4
     assert config.actor_rollout_ref.rollout.n == 8
@@ -54,3 +55,23 @@ def test_missing_file_is_named(tmp_path):
 def test_override_values_are_yaml():
     assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
     assert parse_override("+a.b=true") == ("a.b", True)
+
+
+def test_train_command_reports_a_bad_config_in_one_line(tmp_path, capsys):
+    from megatron_cpo.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(path)])
+    assert exit_info.value.code == 2
+    assert "error: actor_rollout_ref.rollout.n=1 cannot form groups" in capsys.readouterr().err
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "examples" / "tiny").glob("*_arith.yaml"))
+    assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml"]
+    estimators = {p.name: load_config(p).algorithm.adv_estimator for p in examples}
+    assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo"}
