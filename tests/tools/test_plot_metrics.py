@@ -68,3 +68,15 @@ def test_clear_errors(tmp_path):
     other.write_text(json.dumps({"step": 1, "something/else": 1.0}) + "\n")
     assert main([str(other), "--out", str(tmp_path / "y.png")]) == 2
     assert not (tmp_path / "y.png").exists()
+
+
+def test_renders_a_real_trainer_run(tmp_path, capsys):
+    """fixtures/tiny_grpo_run_metrics.jsonl was written by the trainer's JSONL sink during a real 2-step CPU run of
+    the tiny model (GRPO, vLLM rollouts); validation and training metrics of step 2 share a step."""
+    run = Path(__file__).parent / "fixtures" / "tiny_grpo_run_metrics.jsonl"
+    series = read_metrics(run)
+    assert list(series["val/acc"][0]) == [0, 2] and list(series["reward/mean"][0]) == [1, 2]
+    out = tmp_path / "real.png"
+    assert main([str(run), "--out", str(out)]) == 0
+    assert "Reward, Accuracy, Filter rate, Entropy, Response length" in capsys.readouterr().out
+    assert out.stat().st_size > 10_000
