@@ -97,6 +97,19 @@ on_preempt() {
 }
 
 declare -A WORKER_PID=() WORKER_STARTS=()
+HEAD_PID=""
+HEAD_STARTS=0
+
+# The Ray head on the first node as its own srun step; its log is appended to across restarts.
+start_ray_head() {
+    srun --overlap --nodes=1 --ntasks=1 --nodelist="$HEAD_NODE" \
+        env ${RAY_DEVICES:+CUDA_VISIBLE_DEVICES=$RAY_DEVICES} \
+        ray start --head --block --node-ip-address="$HEAD_NODE" --port="$RAY_PORT" --num-gpus="$HEAD_GPUS" \
+        "${ray_extra[@]}" "${ray_head_extra[@]}" >>"$LOG_DIR/ray-head.log" 2>&1 &
+    HEAD_PID=$!
+    HEAD_STARTS=$(( HEAD_STARTS + 1 ))
+    STARTED_PIDS+=("$HEAD_PID")
+}
 
 # One Ray worker on `host` as its own srun step; its log is appended to across restarts.
 start_ray_worker() {
@@ -110,15 +123,20 @@ start_ray_worker() {
     STARTED_PIDS+=("$!")
 }
 
-# Wait until the Ray cluster at RAY_ADDRESS has $1 alive nodes. The head exiting is fatal; a worker that gives up
-# joining (Ray waits 30 s for its raylet to register, which a loaded node can miss) is started again, up to
-# RAY_JOIN_ATTEMPTS times.
+# Wait until the Ray cluster at RAY_ADDRESS has $1 alive nodes. A node that exits while starting (Ray waits only 30 s
+# for its raylet to register, which a loaded node can miss) is started again, up to RAY_JOIN_ATTEMPTS times; the head
+# is restarted only before any worker was started.
 wait_for_ray_nodes() {
     local expected=$1 deadline=$(( SECONDS + ${RAY_WAIT_S:-300} )) host
     until [[ $(ray status --address="$RAY_ADDRESS" 2>/dev/null | grep -c " node_") -ge $expected ]]; do
         if ! kill -0 "$HEAD_PID" 2>/dev/null; then
-            echo "error: the Ray head exited while starting; see $LOG_DIR/ray-head.log" >&2
-            exit 1
+            if (( HEAD_STARTS >= ${RAY_JOIN_ATTEMPTS:-3} || ${#WORKER_PID[@]} > 0 )); then
+                echo "error: the Ray head exited while starting ($HEAD_STARTS attempt(s));" \
+                     "see $LOG_DIR/ray-head.log" >&2
+                exit 1
+            fi
+            echo "ray head exited while starting; starting it again" | tee -a "$LOG_DIR/launch.log"
+            start_ray_head
         fi
         for host in "${!WORKER_PID[@]}"; do
             if ! kill -0 "${WORKER_PID[$host]}" 2>/dev/null; then
@@ -159,13 +177,7 @@ fi
 export TRAINER_DEVICES
 read -r -a ray_extra <<< "${RAY_START_ARGS:-}"
 read -r -a ray_head_extra <<< "${RAY_HEAD_ARGS:-}"
-srun --overlap --nodes=1 --ntasks=1 --nodelist="$HEAD_NODE" \
-    env ${RAY_DEVICES:+CUDA_VISIBLE_DEVICES=$RAY_DEVICES} \
-    ray start --head --block --node-ip-address="$HEAD_NODE" --port="$RAY_PORT" --num-gpus="$HEAD_GPUS" \
-    "${ray_extra[@]}" "${ray_head_extra[@]}" \
-    >"$LOG_DIR/ray-head.log" 2>&1 &
-HEAD_PID=$!
-STARTED_PIDS+=("$HEAD_PID")
+start_ray_head
 wait_for_ray_nodes 1
 
 for host in "${RAY_WORKER_HOSTS[@]}"; do
