@@ -93,7 +93,11 @@ on_preempt() {
     echo "$(date -u +%FT%TZ) preemption signal: asking the trainer (pid $TRAINER_PID) to checkpoint" \
         | tee -a "$LOG_DIR/launch.log"
     touch "$LOG_DIR/preempted"
-    if [[ -n $TRAINER_PID ]]; then kill -TERM "$TRAINER_PID" 2>/dev/null || true; fi
+    if [[ -z $TRAINER_PID ]]; then
+        echo "the trainer has not started: stopping the job" | tee -a "$LOG_DIR/launch.log"
+        exit 143
+    fi
+    kill -TERM "$TRAINER_PID" 2>/dev/null || true
 }
 
 declare -A WORKER_PID=() WORKER_STARTS=()
