@@ -11,9 +11,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_cpo.eval import add_eval_arguments, run_eval_command
 from megatron_cpo.models.converters import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
                                             run_mcore_to_hf)
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
+from megatron_cpo.trainer.command import add_train_arguments, run_train
 
 # Megatron-Core announces its pure-PyTorch fallbacks on import; without Apex/Transformer Engine they are expected.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed")
@@ -33,8 +35,12 @@ COMMANDS: dict[str, Command] = {
                                    add_hf_to_mcore_arguments, run_hf_to_mcore),
     "convert-mcore-to-hf": Command("Megatron torch_dist checkpoint -> HF model directory with config and tokenizer",
                                    add_mcore_to_hf_arguments, run_mcore_to_hf),
+    "train": Command("RL post-training (GRPO, DAPO, CPO) from a YAML config and dotted overrides",
+                     add_train_arguments, run_train),
     "generate": Command("load a model into Megatron, score a chat prompt and greedily continue it",
                         add_generate_arguments, run_generate),
+    "eval": Command("sample a model on parquet prompts with vLLM and report pass@k / mean@k per data source",
+                    add_eval_arguments, run_eval_command),
 }
 
 # Errors that mean bad input, not a bug: reported as one line instead of a traceback.

@@ -1,0 +1,123 @@
+"""Streaming filter-accumulate controller vs verl's sequential generation batches, on one real vLLM engine.
+
+verl (DAPO recipe) generates a whole batch of `train_batch_size` prompts, waits for all of it, filters, and repeats
+until enough prompts are kept. The controller submits ahead by the observed keep rate and consumes groups as they
+finish. Both fill one batch of `train_batch_size` kept prompts from the same prompts, model and sampling; the table
+reports wall time and rollouts generated per filled batch at several keep rates (fraction of prompts whose group
+passes filter-groups).
+
+    python benchmarks/trainer/bench_controller.py --keep-rates 0.1 0.3 0.7 --batches 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, step):
+    """verl's loop: generate train_batch_size prompts at a time, wait for all, filter, accumulate, truncate."""
+    from megatron_cpo.trainer.rollout_side import keep_varied_groups
+
+    kept, rollouts = 0, 0
+    while kept < batch_size:
+        records = {}
+        for offset in range(batch_size):
+            position, record = stream.next()
+            request_id = f"seq-{step}-{position.epoch}-{position.offset}"
+            records[request_id] = record
+            manager.submit(request_id, record.prompt_ids, params(step * 100003 + position.offset))
+        groups = list(manager.completed(timeout=3600))
+        rollouts += sum(len(g.samples) for g in groups)
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g.samples]
+        recs = [records[g.request_id] for g in groups for _ in g.samples]
+        acc = rewards.score([r.data_source for r in recs], texts, [r.ground_truth for r in recs],
+                            [r.extra_info for r in recs]).acc.float()
+        kept += int(keep_varied_groups(acc.reshape(len(groups), -1)).sum())
+    return rollouts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3, 0.7])
+    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/trainer/controller_results.json")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
+    from megatron_cpo.models.tiny import write_tiny_model
+    from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+    from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
+    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.rollout_side import keep_varied_groups
+
+    work = Path(tempfile.mkdtemp(prefix="bench_controller_"))
+    model = write_tiny_model(work / "model")
+    data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
+    manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
+                                           ray_address="local", seed=1))
+
+    def params(seed):
+        return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
+                              stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
+
+    results = []
+    try:
+        manager.submit("warmup", dataset[0].prompt_ids, params(0))
+        list(manager.completed(timeout=3600))
+        for keep_rate in args.keep_rates:
+            source = dataset[0].data_source
+            rewards = RewardManager(RewardConfig(
+                num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
+                grader_kwargs={source: {"keep_rate": keep_rate}}))
+            row = {"keep_rate": keep_rate}
+            for mode in ("sequential", "streaming"):
+                stream = PromptStream(dataset, total_epochs=100, seed=7, shuffle=True)
+                start, rollouts = time.perf_counter(), 0
+                for step in range(1, args.batches + 1):
+                    if mode == "sequential":
+                        rollouts += sequential_batch(manager, stream, rewards, tokenizer, args.batch_size, params,
+                                                     step)
+                    else:
+                        def score(items):
+                            texts = [[tokenizer.decode(r, skip_special_tokens=True) for r in rs] for _, rs in items]
+                            recs = [rec for rec, rs in items for _ in rs]
+                            acc = rewards.score([r.data_source for r in recs], [t for ts in texts for t in ts],
+                                                [r.ground_truth for r in recs], [r.extra_info for r in recs]).acc
+                            acc = acc.float().reshape(len(items), -1)
+                            return [(a, a, t) for a, t in zip(acc, texts)]
+                        controller = RolloutController(manager, stream, score,
+                                                       ControllerSettings(train_batch_size=args.batch_size),
+                                                       keep_varied_groups, params)
+                        collected = controller.collect(step)
+                        rollouts += int(collected.metrics["timing/requested_prompts"]) * args.n
+                row[f"{mode}_s_per_batch"] = (time.perf_counter() - start) / args.batches
+                row[f"{mode}_rollouts_per_batch"] = rollouts / args.batches
+            row["time_ratio"] = row["streaming_s_per_batch"] / row["sequential_s_per_batch"]
+            rewards.close()
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    finally:
+        manager.shutdown()
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""One typed configuration tree for a training run, with verl-compatible dotted names.
+
+A run is described by a YAML file whose nesting follows verl's (`data.train_batch_size`,
+`actor_rollout_ref.rollout.n`, `algorithm.filter_groups.enable`, ...) plus dotted overrides on the command line
+(`actor_rollout_ref.actor.optim.lr=1e-5`). Each dataclass validates itself in `__post_init__`; cross-field checks
+live in `Config.__post_init__`. Every error names the offending value and says how to fix it.
+
+Accepted aliases (the seeds' names) are rewritten to the canonical names when the file is loaded, see `ALIASES`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_cpo.algorithms.cpo import known_rules
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which value and how to fix it."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, f"{name}={value!r} is not supported; choose one of {', '.join(map(repr, choices))}")
+
+
+@dataclass
+class DataConfig:
+    """Datasets (verl parquet schema) and batch geometry.
+
+    `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
+    """
+    train_files: str = ""
+    val_files: str = ""
+    train_batch_size: int = 8
+    max_prompt_length: int = 128
+    max_response_length: int = 32
+    shuffle: bool = True
+    val_max_samples: int = -1
+
+    def __post_init__(self) -> None:
+        _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        _check(self.max_response_length >= 1, f"data.max_response_length={self.max_response_length} must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    """The HF model directory the actor, the reference and the rollout engines start from."""
+    path: str = ""
+
+
+@dataclass
+class OptimConfig:
+    """Adam with linear warm-up then constant / linear / cosine decay, and global-norm gradient clipping."""
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        _check(self.lr > 0, f"actor_rollout_ref.actor.optim.lr={self.lr} must be > 0")
+        _check(0 <= self.min_lr <= self.lr, f"actor_rollout_ref.actor.optim.min_lr={self.min_lr} must be in [0, lr]")
+        _check(self.lr_warmup_steps >= 0, f"actor_rollout_ref.actor.optim.lr_warmup_steps={self.lr_warmup_steps} "
+                                          "must be >= 0")
+        _check_choice("actor_rollout_ref.actor.optim.lr_decay_style", self.lr_decay_style,
+                      ("constant", "linear", "cosine"))
+        _check(self.clip_grad > 0, f"actor_rollout_ref.actor.optim.clip_grad={self.clip_grad} must be > 0")
+
+
+@dataclass
+class MegatronConfig:
+    """Model parallelism of the trainer; data parallelism is what remains of the world size."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = True
+    params_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
+                                                     f"{self.tensor_model_parallel_size} must be >= 1")
+        _check(self.pipeline_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="
+                                                       f"{self.pipeline_model_parallel_size} must be >= 1")
+        _check_choice("actor_rollout_ref.actor.megatron.params_dtype", self.params_dtype,
+                      ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class ActorConfig:
+    """The policy update: PPO clipping (clip-higher), loss aggregation, KL, entropy, CPO weights.
+
+    `ppo_mini_batch_size` is in prompts like `data.train_batch_size` (one optimizer step per mini-batch);
+    `ppo_micro_batch_size_per_gpu` is in responses (one forward/backward per micro-batch).
+    """
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    cpo_lambda: float = 5.0
+    pos_alpha: float = 0.05
+    neg_alpha: float = 0.1
+    filter_loss_scaling: str = "none"
+    tis_imp_ratio_cap: float = -1.0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.actor."
+        _check(self.ppo_mini_batch_size >= 1, f"{prefix}ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1")
+        _check(self.ppo_micro_batch_size_per_gpu >= 1,
+               f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")
+        _check(self.ppo_epochs >= 1, f"{prefix}ppo_epochs={self.ppo_epochs} must be >= 1")
+        _check(0 <= self.clip_ratio_low < 1, f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
+        _check(self.clip_ratio_high >= 0, f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
+        _check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        _check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
+                      ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+        _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
+        _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
+
+
+@dataclass
+class RolloutConfig:
+    """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
+    (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache."""
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    num_engines: int = 1
+    tensor_model_parallel_size: int = 1
+    kv_cache_gib: float = 1.0
+    max_inflight_prompts: int = 0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout."
+        _check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
+        _check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
+        _check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
+        _check(self.num_engines >= 1, f"{prefix}num_engines={self.num_engines} must be >= 1")
+        _check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
+                                               ">= 0 (0 means 2 * data.train_batch_size)")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy; `sync_ref_model` mixes the actor into it every `ref_model_sync_steps` steps."""
+    sync_ref_model: bool = False
+    ref_model_sync_steps: int = 64
+    ref_model_mixup_alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        _check(self.ref_model_sync_steps >= 1,
+               f"actor_rollout_ref.ref.ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1")
+        _check(0 <= self.ref_model_mixup_alpha <= 1,
+               f"actor_rollout_ref.ref.ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1]")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompts whose responses all got the same `metric`, accumulate until full.
+
+    `max_num_gen_batches` counts prompts requested in units of `data.train_batch_size` (<= 0: no limit). When it is
+    reached before the batch is full, `on_limit="error"` stops the run (verl's behaviour) and `"use_partial"` trains
+    on the prompts kept so far (seed 001's behaviour).
+    """
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 0
+    on_limit: str = "error"
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.filter_groups.metric", self.metric, ("acc", "score", "seq_reward"))
+        _check_choice("algorithm.filter_groups.on_limit", self.on_limit, ("error", "use_partial"))
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and CPO shaping; see ../shared/spec/cpo.md for the rules behind `wrap_method`."""
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gold_as_hint: bool = True
+    wrap_method: str = "negonly_mi3"
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo", "cpo"))
+        rules = known_rules()
+        _check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
+                                          f"choose one of {rules}")
+
+
+@dataclass
+class RewardConfig:
+    """The reward process pool: how many workers score responses and how long one grading may take.
+
+    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
+    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
+    returns a score or a dict with `score` and `acc`.
+    """
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    custom_reward_function: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
+        _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass
+class TrainerConfig:
+    """Run length, evaluation, checkpoints, logging.
+
+    `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one.
+    """
+    total_epochs: int = 1
+    total_training_steps: int = 0
+    test_freq: int = -1
+    val_before_train: bool = True
+    save_freq: int = -1
+    default_local_dir: str = "outputs/run"
+    resume: str = "auto"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "megatron-cpo"
+    experiment_name: str = "run"
+    log_completions: int = 0
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")
+        _check(self.total_training_steps >= 0,
+               f"trainer.total_training_steps={self.total_training_steps} must be >= 0 (0: run total_epochs)")
+        _check_choice("trainer.resume", self.resume, ("auto", "disable"))
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        for sink in self.logger:
+            _check_choice("trainer.logger entry", sink, ("console", "jsonl", "tensorboard", "wandb"))
+        _check(self.log_completions >= 0, f"trainer.log_completions={self.log_completions} must be >= 0 (rows/step)")
+
+
+@dataclass
+class Config:
+    """The whole run."""
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
+        grouped = algo.filter_groups.enable or algo.adv_estimator in ("grpo", "cpo")
+        _check(not grouped or rollout.n >= 2,
+               f"actor_rollout_ref.rollout.n={rollout.n} cannot form groups for {algo.adv_estimator} advantages or "
+               "filter_groups; set actor_rollout_ref.rollout.n >= 2")
+        _check(self.data.train_batch_size % actor.ppo_mini_batch_size == 0,
+               f"data.train_batch_size={self.data.train_batch_size} is not a multiple of "
+               f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; make it one")
+        if rollout.max_inflight_prompts:
+            _check(rollout.max_inflight_prompts >= self.data.train_batch_size,
+                   f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
+                   f"data.train_batch_size={self.data.train_batch_size}; raise it or set 0 for the default")
+        _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
+               "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+
+    @property
+    def world_model_parallel_size(self) -> int:
+        meg = self.actor_rollout_ref.actor.megatron
+        return meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
+
+
+# Seed aliases: accepted spellings -> canonical dotted name. Values given under an alias are moved, never duplicated.
+ALIASES: dict[str, str] = {
+    "algorithm.use_dynamic_sample": "algorithm.filter_groups.enable",
+    "algorithm.dynamic_sample_max_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
+    "trainer.resume_mode": "trainer.resume",
+}
+# Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
+ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {
+    "algorithm.dynamic_sample_max_gen_batches": ("algorithm.filter_groups.on_limit", "use_partial"),
+}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse one `dotted.name=value` command-line override; the value is read as YAML (numbers, lists, bools)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} has no '='; write it as dotted.name=value, e.g. data.train_batch_size=8")
+    name, raw = text.split("=", 1)
+    name = name.strip().lstrip("+")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value {raw!r} is not valid YAML ({err}); quote it") from err
+    return name, value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _known_names(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            names.extend(_known_names(tp, f"{prefix}{name}."))
+        else:
+            names.append(prefix + name)
+    return names
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML value to the field's declared type, or explain what was expected."""
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if tp is str:
+            if isinstance(value, (dict, list)):
+                raise TypeError
+            return "" if value is None else str(value)
+        if origin in (list, tuple):
+            return list(value) if origin is list else tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"{name}={value!r} is not a valid {getattr(tp, '__name__', tp)}; give a value of that type")
+
+
+def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
+    kwargs = {}
+    for name, tp in _field_types(cls).items():
+        dotted = prefix + name
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, flat, dotted + ".")
+        elif dotted in flat:
+            kwargs[name] = _coerce(dotted, flat[dotted], tp)
+    return cls(**kwargs)
+
+
+def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build and validate a `Config` from a nested dict (a parsed YAML file) and dotted overrides applied after it."""
+    flat = _flatten(tree or {})
+    for text in overrides:
+        name, value = parse_override(text)
+        flat[name] = value
+    for alias, implied in ALIAS_IMPLIES.items():
+        if alias in flat and implied[0] not in flat:
+            flat[implied[0]] = implied[1]
+    for alias, canonical in ALIASES.items():
+        if alias in flat:
+            value = flat.pop(alias)
+            flat.setdefault(canonical, value)
+    known = _known_names(Config)
+    for name in flat:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see megatron_cpo/config.py for the accepted names"
+            raise ConfigError(f"unknown config key {name!r}{hint}")
+    return _build(Config, flat)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config file (optional) and apply dotted `name=value` overrides; validate the result."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return build_config(tree, overrides)
+
+
+def config_to_dict(config: Config) -> dict:
+    """The config as plain nested dicts (for logging and checkpoints)."""
+    return dataclasses.asdict(config)

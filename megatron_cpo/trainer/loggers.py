@@ -1,0 +1,129 @@
+"""Metric sinks: console (with a progress bar), JSONL, TensorBoard and Weights & Biases when installed.
+
+Every sink takes `log(metrics, step)`; `MetricLogger` fans out to the ones named in `trainer.logger`. A sink whose
+package is missing is reported once and skipped, so a config written for a cluster still runs on a laptop.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+CONSOLE_KEYS = ("val/acc", "reward/mean", "reward/acc", "filter/kept_prompts", "filter/num_gen_batches",
+                "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/step_s")
+
+
+class Sink(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ConsoleSink:
+    """One line per step with a progress bar and the headline metrics (the rest go to the file sinks)."""
+
+    def __init__(self, total_steps: int, stream=sys.stdout) -> None:
+        self.total_steps = max(total_steps, 1)
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        done = min(step / self.total_steps, 1.0)
+        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        shown = " ".join(f"{key}={metrics[key]:.4g}" for key in CONSOLE_KEYS if key in metrics)
+        elapsed = time.perf_counter() - self.start
+        print(f"[{bar}] step {step}/{self.total_steps} {elapsed:6.0f}s {shown}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends `{"step": s, **metrics}` per call to `metrics.jsonl` (append mode, so resumed runs continue it)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.file = path.open("a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, name: str, config: dict[str, Any], log_dir: Path) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, config=config, dir=str(log_dir), resume="allow")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class MetricLogger:
+    """Fans metrics out to the configured sinks; `log_table` writes completion tables as JSONL."""
+
+    def __init__(self, sinks: list[str], out_dir: Path, total_steps: int, project: str, name: str,
+                 config: dict[str, Any]) -> None:
+        self.out_dir = out_dir
+        self.sinks: list[Sink] = []
+        for sink in sinks:
+            if sink == "console":
+                self.sinks.append(ConsoleSink(total_steps))
+            elif sink == "jsonl":
+                self.sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
+            elif sink == "tensorboard" and _installed("tensorboard"):
+                self.sinks.append(TensorBoardSink(out_dir / "tensorboard"))
+            elif sink == "wandb" and _installed("wandb"):
+                self.sinks.append(WandbSink(project, name, config, out_dir))
+            else:
+                logger.warning("trainer.logger %r: its package is not installed; skipping that sink", sink)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Append rows (e.g. prompt / completion / reward) tagged with the step to `<name>.jsonl`."""
+        path = self.out_dir / f"{name}.jsonl"
+        with path.open("a", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps({"step": step, **row}, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

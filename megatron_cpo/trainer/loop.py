@@ -1,0 +1,173 @@
+"""The training run: SPMD under torchrun, rank 0 also drives the rollout engines.
+
+One step (ARCHITECTURE.md, "One training step"):
+1-3. rank 0's controller streams groups from the engines, scores and filters them until the batch is full;
+4-6. the batch is broadcast and every rank scores it (actor, hint, reference), shapes advantages and updates;
+7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM).
+`val/acc` (greedy accuracy on the held-out set) is logged before the first step and after the last.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_cpo import platform
+from megatron_cpo.config import Config, config_to_dict
+from megatron_cpo.trainer.checkpointing import CheckpointManager
+from megatron_cpo.trainer.loggers import MetricLogger
+from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
+from megatron_cpo.trainer.workers import build_policies
+
+logger = logging.getLogger(__name__)
+
+
+class StopSignal:
+    """Remembers a SIGTERM (SLURM preemption) so the loop can checkpoint and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
+        self.received = True
+
+    def agreed(self) -> bool:
+        """Whether any rank was signalled (collective)."""
+        flag = torch.tensor([float(self.received)])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _total_steps(config: Config, num_prompts: int) -> int:
+    if config.trainer.total_training_steps:
+        return config.trainer.total_training_steps
+    return config.trainer.total_epochs * math.ceil(num_prompts / config.data.train_batch_size)
+
+
+def _broadcast(value: Any) -> Any:
+    payload = [value]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _batch_reward_metrics(groups: list) -> dict[str, float]:
+    """ms-swift's reward, reward_std (mean in-group std), frac_reward_zero_std, and acc over the trained batch."""
+    scores = torch.stack([g.scores.float() for g in groups])
+    acc = torch.stack([g.acc.float() for g in groups])
+    group_std = scores.std(dim=1, unbiased=False)
+    return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
+            "reward_std": float(group_std.mean()), "frac_reward_zero_std": float((group_std == 0).float().mean()),
+            "reward/acc": float(acc.mean())}
+
+
+def run_training(config: Config, manager: Any = None) -> dict[str, float]:
+    """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
+
+    `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
+    The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
+
+    megatron = config.actor_rollout_ref.actor.megatron
+    platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                              seed=config.trainer.seed)
+    is_rank0 = dist.get_rank() == 0
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
+    total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
+    actor_cfg = config.actor_rollout_ref.actor
+    updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
+    actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
+    out_dir = Path(config.trainer.default_local_dir)
+    checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None)
+    start_step = checkpoints.maybe_resume(config.trainer.resume)
+    metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
+                                  config.trainer.experiment_name, config_to_dict(config)) if is_rank0 else None)
+    stop = StopSignal()
+    last: dict[str, float] = {}
+    try:
+        push_weights(actor.model, side)
+        if is_rank0 and config.trainer.val_before_train and start_step == 0:
+            last = side.validate()
+            metric_logger.log(last, 0)
+        step = start_step
+        while step < total_steps:
+            step += 1
+            step_start = time.perf_counter()
+            collected = side.controller.collect(step) if is_rank0 else None
+            batch = None
+            if collected is not None and collected.groups and (
+                    collected.full or config.algorithm.filter_groups.on_limit == "use_partial"):
+                kept_ratio = collected.metrics["filter/kept_prompts"] / max(
+                    collected.metrics["filter/committed_prompts"], 1.0)
+                hints = side.hint_contexts if config.algorithm.adv_estimator == "cpo" else None
+                batch = make_step_batch(collected.groups, kept_ratio, hints)
+            batch = broadcast_batch(batch)
+            if batch is None:
+                logger.info("no batch at step %d (data exhausted); ending the run", step)
+                step -= 1
+                break
+            metrics = train_on_batch(batch, actor, reference, config, tokenizer.pad_token_id)
+            metrics.update(push_weights(actor.model, side))
+            ref_cfg = config.actor_rollout_ref.ref
+            if reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
+                actor.mix_into(reference, ref_cfg.ref_model_mixup_alpha)
+            stopping = stop.agreed()
+            if (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0) or stopping:
+                checkpoints.save(step)
+            if is_rank0:
+                metrics.update(collected.metrics)
+                metrics.update(_batch_reward_metrics(collected.groups))
+                seconds = time.perf_counter() - step_start
+                metrics.update({"timing/step_s": seconds,
+                                "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
+                                "train/epoch": float(side.stream.epoch)})
+                if config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0 and step < total_steps:
+                    metrics.update(side.validate())
+                metric_logger.log(metrics, step)
+                _log_completions(metric_logger, collected.groups, config.trainer.log_completions, step)
+                last = metrics
+            if stopping:
+                logger.warning("stopped by SIGTERM after step %d; resume with trainer.resume=auto", step)
+                return last
+        step_done = _broadcast(step)
+        if is_rank0:
+            final = side.validate()
+            if final:
+                metric_logger.log(final, step_done)
+                last = {**last, **final}
+        return last
+    finally:
+        stop.restore()
+        if metric_logger is not None:
+            metric_logger.close()
+        if side is not None:
+            side.close()
+        platform.destroy_distributed()
+
+
+def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:
+    """Write up to `rows` prompt / completion / reward rows of this step to completions.jsonl."""
+    if rows <= 0:
+        return
+    table = []
+    for group in groups:
+        for text, score, acc in zip(group.response_texts, group.scores.tolist(), group.acc.tolist()):
+            table.append({"prompt": group.record.messages[-1]["content"], "completion": text, "score": score,
+                          "acc": acc})
+    metric_logger.log_table("completions", table[:rows], step)

@@ -1,0 +1,76 @@
+"""The actor's Megatron optimizer: DDP wrapper, (distributed) Adam, warm-up + decay schedule, gradient clipping.
+
+On a machine without CUDA one more adaptation is needed beyond `platform.apply_cpu_adaptations`: Megatron-Core's
+optimizers accept parameters and gradients by their legacy type string (`param.type() == "torch.cuda.FloatTensor"`)
+in the distributed optimizer and in gradient clipping. `_CudaTypeNamesMode` answers those queries with the CUDA name
+for CPU tensors; it is entered only when CUDA is absent.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_cpo import platform
+from megatron_cpo.config import ActorConfig
+
+_TYPE_NAMES_MODE: "_CudaTypeNamesMode | None" = None
+
+
+class _CudaTypeNamesMode(TorchFunctionMode):
+    """`tensor.type()` (no arguments) reports CPU tensors as their CUDA counterparts; everything else unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def apply_optimizer_cpu_adaptation() -> None:
+    """Let Megatron's optimizers accept CPU parameters (see the module docstring); no-op with CUDA, idempotent."""
+    global _TYPE_NAMES_MODE
+    if platform.has_cuda() or _TYPE_NAMES_MODE is not None:
+        return
+    _TYPE_NAMES_MODE = _CudaTypeNamesMode()
+    _TYPE_NAMES_MODE.__enter__()
+
+
+def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
+    """Megatron DDP around the actor: contiguous fp32 grad buffers, reduce-scatter for the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                               grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    wrapped = DistributedDataParallel(model.config, ddp_config, model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> tuple[Any, Any]:
+    """Adam (decoupled weight decay) over the DDP model and its schedule: linear warm-up then `lr_decay_style`.
+
+    `total_updates` is the number of optimizer steps of the whole run (steps x PPO epochs x mini-batches); the
+    schedule is advanced before each update, so the first update already uses a non-zero learning rate.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    apply_optimizer_cpu_adaptation()
+    optim = actor.optim
+    dtype = getattr(torch, actor.megatron.params_dtype)
+    config = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
+        use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype)
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    warmup = min(optim.lr_warmup_steps, max(total_updates - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, 1), lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant")
+    return optimizer, scheduler

@@ -1,0 +1,149 @@
+"""What rank 0 owns besides the model: engines, graders, the controller, validation, and the weight push.
+
+`RolloutSide` is built on rank 0 only; `push_weights` is collective (every rank exports its layers, the TP leader of
+each pipeline stage streams them into the engines).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_cpo.algorithms.filters import filter_groups
+from megatron_cpo.config import Config
+from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
+from megatron_cpo.models import iter_hf_weights
+from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, WeightSender
+from megatron_cpo.trainer.accumulator import ScoredGroup
+from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
+from megatron_cpo.trainer.prompt_stream import PromptStream
+
+
+def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
+    """DAPO filter-groups on a [groups, n] metric matrix via the algorithms' vectorised rule."""
+    groups, n = metric.shape
+    group = torch.arange(groups).repeat_interleave(n)
+    return filter_groups(metric.reshape(-1), group).keep.reshape(groups, n)[:, 0]
+
+
+def load_dataset(files: str, tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
+    return PromptDataset(DatasetConfig(files=[f for f in files.split(",") if f], shuffle=shuffle,
+                                       max_prompt_length=config.data.max_prompt_length, seed=config.trainer.seed),
+                         tokenizer)
+
+
+class RolloutSide:
+    """Rank 0's engines, reward pool, data and controller for one run. A `manager` passed in (already running
+    engines, e.g. shared by tests or a notebook) is used and left running; otherwise engines are started here."""
+
+    def __init__(self, config: Config, tokenizer: Any, manager: RolloutManager | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        data, rollout = config.data, config.actor_rollout_ref.rollout
+        self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
+        self.val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
+        self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
+        self.owns_manager = manager is None
+        self.manager = manager or RolloutManager(RolloutConfig(
+            model_path=config.actor_rollout_ref.model.path, num_engines=rollout.num_engines,
+            tensor_parallel_size=rollout.tensor_model_parallel_size,
+            dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
+            max_model_len=data.max_prompt_length + data.max_response_length,
+            cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed, ray_address="local"))
+        self.rewards = RewardManager(RewardConfig(
+            num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
+            custom_reward_function=config.reward.custom_reward_function or None))
+        groups = config.algorithm.filter_groups
+        self.controller = RolloutController(
+            self.manager, self.stream, self.score_groups,
+            ControllerSettings(train_batch_size=data.train_batch_size,
+                               max_num_gen_batches=groups.max_num_gen_batches if groups.enable else 0,
+                               on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
+                               filter_metric=groups.metric),
+            keep_varied_groups if groups.enable else None, self.sampling_params)
+        self.last_reward_metrics: dict[str, float] = {}
+
+    def sampling_params(self, seed: int | None, n: int | None = None, greedy: bool = False) -> SamplingParams:
+        rollout = self.config.actor_rollout_ref.rollout
+        return SamplingParams(n=n or rollout.n, temperature=0.0 if greedy else rollout.temperature,
+                              top_p=1.0 if greedy else rollout.top_p, top_k=-1 if greedy else rollout.top_k,
+                              max_tokens=self.config.data.max_response_length,
+                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
+
+    def score_groups(self, items: list[tuple[Any, list[list[int]]]]
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        """Decode and grade every response of the given groups in one call to the grading pool."""
+        texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
+        flat_records = [record for (record, responses) in items for _ in responses]
+        result = self.rewards.score([r.data_source for r in flat_records], [t for ts in texts for t in ts],
+                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records])
+        out, start = [], 0
+        for group_texts in texts:
+            stop = start + len(group_texts)
+            out.append((result.scores[start:stop], result.acc[start:stop].float(), group_texts))
+            start = stop
+        return out
+
+    def hint_contexts(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
+        """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
+        records = [g.record for g in groups for _ in range(g.n)]
+        hints = [gold_hint(r.extra_info, r.reward_model) if self.config.algorithm.gold_as_hint else None
+                 for r in records]
+        return build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
+                                   HintConfig(max_prompt_length=self.config.data.max_prompt_length))
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out set: `val/acc` and `val/score`."""
+        if self.val_data is None:
+            return {}
+        start = time.perf_counter()
+        records = {}
+        for index in range(len(self.val_data)):
+            record = self.val_data[index]
+            records[f"val-{index}"] = record
+            self.manager.submit(f"val-{index}", record.prompt_ids, self.sampling_params(None, n=1, greedy=True))
+        finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
+        items = [(records[rid], [finished[rid].samples[0].token_ids]) for rid in records]
+        scored = self.score_groups(items)
+        scores = torch.cat([s for s, _, _ in scored])
+        acc = torch.cat([a for _, a, _ in scored])
+        return {"val/acc": float(acc.mean()), "val/score": float(scores.mean()),
+                "val/count": float(len(records)), "timing/val_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.rewards.close()
+        if self.owns_manager:
+            self.manager.shutdown()
+        else:
+            self.manager.cancel_all()
+
+
+def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]:
+    """Collective: stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines."""
+    start = time.perf_counter()
+    spec = [None]
+    if side is not None:
+        side.manager.begin_weight_sync()
+        spec = [side.manager.sender_spec()]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(spec, src=0)
+    tensors = iter_hf_weights(actor_model, actor_model.hf_config)
+    first = next(tensors, None)
+    sent: dict[str, float] = {}
+    if first is not None:
+        sent = WeightSender(spec[0]).send(_chain(first, tensors))
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    if side is not None:
+        side.manager.finish_weight_sync()
+    return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/bytes": float(sent.get("bytes", 0))}
+
+
+def _chain(first: Any, rest: Any):
+    yield first
+    yield from rest

@@ -1,0 +1,73 @@
+"""Prompt + response token sequences packed for Megatron, and the map from positions to response tokens.
+
+Each row is `prompt tokens + response tokens`, right-padded to a common length. The causal mask makes right padding
+harmless. Response token j of row b sits at position `prompt_len[b] + j` and is predicted by the logits at
+`prompt_len[b] + j - 1`; `targets` holds that token at that position and `IGNORE_INDEX` everywhere else, so the
+log-prob kernel skips prompt and padding positions. `to_response` gathers per-position values into the
+response-aligned `[rows, max_response_length]` layout the algorithms use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedSequences:
+    tokens: torch.Tensor          # [rows, L] long
+    targets: torch.Tensor         # [rows, L] long, IGNORE_INDEX off the response
+    prompt_lengths: torch.Tensor  # [rows] long
+    response_lengths: torch.Tensor  # [rows] long
+    response_width: int           # R, the response-aligned width
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def response_mask(self) -> torch.Tensor:
+        """[rows, R] float, 1 on real response tokens."""
+        steps = torch.arange(self.response_width)
+        return (steps[None, :] < self.response_lengths[:, None]).float()
+
+    def to_response(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Gather a [rows, L] per-position tensor (indexed by the predicting position) into [rows, R]."""
+        steps = torch.arange(self.response_width, device=per_position.device)
+        index = (self.prompt_lengths.to(per_position.device)[:, None] - 1 + steps[None, :])
+        index = index.clamp(0, self.length - 1)
+        gathered = per_position.gather(1, index)
+        return gathered * self.response_mask().to(gathered.device, gathered.dtype)
+
+    def select(self, rows: torch.Tensor | slice) -> "PackedSequences":
+        return PackedSequences(self.tokens[rows], self.targets[rows], self.prompt_lengths[rows],
+                               self.response_lengths[rows], self.response_width)
+
+
+def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                   response_width: int) -> PackedSequences:
+    """Pack prompt/response token lists (same count) into right-padded tensors with response targets."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one prompt per response")
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    if int(prompt_lengths.min()) < 1:
+        raise ValueError("an empty prompt cannot predict its first response token; every prompt needs >= 1 token")
+    if int(response_lengths.max()) > response_width:
+        raise ValueError(f"a response has {int(response_lengths.max())} tokens, more than the response width "
+                         f"{response_width} (data.max_response_length); the rollout must cap max_tokens at it")
+    length = int((prompt_lengths + response_lengths).max())
+    tokens = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        tokens[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
+    positions = torch.arange(length)[None, :]
+    start = prompt_lengths[:, None] - 1
+    on_response = (positions >= start) & (positions < start + response_lengths[:, None])
+    shifted = torch.cat([tokens[:, 1:], torch.full((len(prompts), 1), pad_token_id, dtype=torch.long)], dim=1)
+    targets = torch.where(on_response, shifted, torch.full_like(shifted, IGNORE_INDEX))
+    return PackedSequences(tokens, targets, prompt_lengths, response_lengths, response_width)

@@ -1,0 +1,152 @@
+"""One training update on a collected batch, as every rank runs it (steps 4-6 of ARCHITECTURE.md).
+
+Rank 0 turns the kept groups into a `StepBatch` (plain lists and tensors, hint contexts included) and broadcasts it;
+then every rank computes, in lockstep: old log-probs and entropy, reference log-probs, hint log-probs (CPO), GRPO
+advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over mini-batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_cpo.algorithms.advantages import grpo_advantages
+from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.filters import scale_advantages
+from megatron_cpo.algorithms.kl import kl_penalty
+from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.mismatch import TISConfig
+from megatron_cpo.config import Config
+from megatron_cpo.kernels import hint_mi_signals
+from megatron_cpo.trainer.accumulator import ScoredGroup
+from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
+from megatron_cpo.trainer.sequences import pack_sequences
+
+
+@dataclass
+class StepBatch:
+    """Everything the ranks need for one update; one entry per response, responses of a prompt contiguous."""
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_log_probs: list[list[float]]
+    scores: torch.Tensor
+    acc: torch.Tensor
+    group: torch.Tensor
+    truncated: torch.Tensor
+    kept_ratio: float
+    hint_prompt_ids: list[list[int]] | None = None
+    has_hint: torch.Tensor | None = None
+    hints_truncated: int = 0
+
+
+def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
+    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
+    prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
+    responses = [r for g in groups for r in g.response_token_ids]
+    batch = StepBatch(
+        prompt_ids=prompts, response_ids=responses,
+        rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
+        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
+        group=torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups])),
+        truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio)
+    if hint_builder is not None:
+        contexts = hint_builder(groups, prompts, responses)
+        batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
+        batch.hints_truncated = contexts.num_truncated
+    return batch
+
+
+def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
+    """Rank 0's batch (or None: stop) on every rank."""
+    payload = [batch]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _right_pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+    return out
+
+
+def loss_config_of(config: Config) -> PolicyLossConfig:
+    actor = config.actor_rollout_ref.actor
+    tis = TISConfig(level="token", threshold=actor.tis_imp_ratio_cap) if actor.tis_imp_ratio_cap > 0 else None
+    return PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                            clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
+                            entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                            kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, tis=tis)
+
+
+def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}/mean": float(per_response.mean()), f"{prefix}/max": float(per_response.max()),
+            f"{prefix}/min": float(per_response.min())}
+
+
+def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
+                   pad_token_id: int) -> dict[str, float]:
+    """Score the batch under the actor (plain and hinted) and the reference, shape advantages, run the PPO epochs."""
+    rollout_cfg, actor_cfg, algo = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor, config.algorithm
+    temperature = rollout_cfg.temperature or 1.0
+    width = config.data.max_response_length
+    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
+    mask = seqs.response_mask()
+    metrics: dict[str, float] = {}
+
+    old_log_probs, entropy = actor.log_probs(seqs, temperature)
+    ref_log_probs = reference.log_probs(seqs, temperature)[0] if reference is not None else None
+    advantages = grpo_advantages(batch.scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
+
+    if algo.adv_estimator == "cpo":
+        hint_log_probs = old_log_probs
+        if batch.hint_prompt_ids is not None:
+            hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
+            hint_log_probs = actor.log_probs(hint_seqs, temperature)[0]
+            hint_log_probs = torch.where(batch.has_hint[:, None], hint_log_probs, old_log_probs)
+        signals = hint_mi_signals(old_log_probs, hint_log_probs, entropy, mask)
+        correct = batch.acc > 0
+        difficulty = difficulty_mask(correct, batch.group, levels=3)
+        advantages, cpo_metrics = shape_advantages(
+            algo.wrap_method, advantages, signals, entropy, mask.bool(), correct, difficulty, old_log_probs,
+            hint_log_probs, actor_cfg.pos_alpha, actor_cfg.neg_alpha, actor_cfg.cpo_lambda)
+        metrics.update(cpo_metrics)
+        mi = signals.mi[mask.bool()]
+        metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
+                        "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
+                        "cpo/hints_truncated": float(batch.hints_truncated)})
+        for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
+            metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
+    advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
+
+    rollout_log_probs = _right_pad(batch.rollout_log_probs, width)
+    loss_config = loss_config_of(config)
+    rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
+    update_metrics: list[dict[str, float]] = []
+    for _ in range(actor_cfg.ppo_epochs):
+        for start in range(0, seqs.rows, rows_per_mini):
+            rows = slice(start, start + rows_per_mini)
+            inputs = UpdateInputs(advantages[rows], old_log_probs[rows],
+                                  ref_log_probs[rows] if ref_log_probs is not None else None, rollout_log_probs[rows])
+            update_metrics.append(actor.update(seqs.select(rows), inputs, loss_config, temperature))
+    for key in update_metrics[0]:
+        metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
+
+    lengths = seqs.response_lengths.float()
+    per_response_entropy = (entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    metrics.update(_masked_stats("entropy", per_response_entropy))
+    metrics.update({
+        "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+        "completions/min_length": float(lengths.min()),
+        "completions/clipped_ratio": float(batch.truncated.float().mean()),
+        "advantages/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
+        "advantages/abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        "timing/train_tokens": float(mask.sum()),
+    })
+    if ref_log_probs is not None:
+        kl = kl_penalty(old_log_probs, ref_log_probs, actor_cfg.kl_loss_type)
+        metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    return metrics

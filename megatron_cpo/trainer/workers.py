@@ -1,0 +1,36 @@
+"""Build the trainable actor and the frozen reference from the HF model directory (every rank, after init)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_cpo.config import Config
+from megatron_cpo.models import build_gpt_model, load_hf_config, load_hf_weights
+from megatron_cpo.trainer.actor import MegatronPolicy
+from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
+
+
+def build_policies(config: Config, pad_token_id: int, total_updates: int
+                   ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
+    """The actor (DDP + optimizer + schedule) and, when a KL loss or reference sync needs it, the reference.
+
+    Both start from `actor_rollout_ref.model.path`; `total_updates` sizes the learning-rate schedule.
+    """
+    actor_cfg, ref_cfg = config.actor_rollout_ref.actor, config.actor_rollout_ref.ref
+    model_dir = config.actor_rollout_ref.model.path
+    hf_config = load_hf_config(model_dir)
+    dtype = getattr(torch, actor_cfg.megatron.params_dtype)
+    micro = actor_cfg.ppo_micro_batch_size_per_gpu
+
+    model = build_gpt_model(hf_config, params_dtype=dtype)
+    load_hf_weights(model, model_dir)
+    ddp_model = wrap_ddp(model, actor_cfg.megatron.use_distributed_optimizer)
+    optimizer, scheduler = build_optimizer(ddp_model, actor_cfg, total_updates)
+    actor = MegatronPolicy(model, pad_token_id, micro, ddp_model, optimizer, scheduler)
+
+    reference = None
+    if actor_cfg.use_kl_loss or ref_cfg.sync_ref_model:
+        ref_model = build_gpt_model(hf_config, params_dtype=dtype)
+        load_hf_weights(ref_model, model_dir)
+        ref_model.requires_grad_(False)
+        reference = MegatronPolicy(ref_model, pad_token_id, micro)
+    return actor, reference

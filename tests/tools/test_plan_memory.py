@@ -1,0 +1,107 @@
+"""tools/plan_memory.py: parameter count and memory per GPU against a measured CPU run of the tiny model.
+
+The measurement is a real Megatron-Core run on CPU: the tiny model built by the foundation builder, wrapped in
+Megatron DDP with the trainer's distributed Adam, one forward/backward/step on a micro-batch. It sums the unique
+storages of the weights, the fp32 main gradients, the optimizer state and every tensor autograd saved for backward
+(weights excluded) - what would sit in GPU memory. The planner must match that total within 20%.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess import run_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from plan_memory import Batch, Layout, ModelShape, main, step_time, trainer_memory  # noqa: E402
+
+MICRO_BATCH, SEQUENCE = 4, 64
+
+
+def _unique_bytes(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def measure_tiny_run(rank: int, world_size: int, model_dir: str) -> dict[str, int]:
+    import torch
+
+    from megatron_cpo import platform
+    from megatron_cpo.config import ActorConfig
+    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
+
+    platform.init_distributed(1, 1)
+    model = build_gpt_model(load_hf_config(model_dir), params_dtype=torch.float32)
+    ddp = wrap_ddp(model, use_distributed_optimizer=True)
+    optimizer, _ = build_optimizer(ddp, ActorConfig(), total_updates=10)
+    weights = _unique_bytes(model.parameters())
+    ids = torch.randint(0, 128, (MICRO_BATCH, SEQUENCE))
+    positions = torch.arange(SEQUENCE).expand(MICRO_BATCH, SEQUENCE)
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = ddp(ids, positions, None)
+        loss = logits.float().log_softmax(-1).gather(-1, ids[..., None]).mean()
+    loss.backward()
+    optimizer.step()
+    states = [v for state in optimizer.optimizer.state.values() for v in state.values()
+              if torch.is_tensor(v) and v.dim() > 0]
+    platform.destroy_distributed()
+    return {"weights": sum(weights.values()), "gradients": sum(_unique_bytes(p.main_grad for p in model.parameters())
+                                                                .values()),
+            "optimizer": sum(_unique_bytes(states).values()), "activations": sum(saved.values()),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("plan") / "tiny", seed=0)
+
+
+def test_memory_figure_matches_a_measured_cpu_run_of_the_tiny_model(tiny_dir):
+    measured = run_processes(measure_tiny_run, 1, str(tiny_dir))[0]
+    shape = ModelShape.from_hf_config(json.loads((tiny_dir / "config.json").read_text()))
+    planned = trainer_memory(shape, Layout(params_dtype="float32", reference_model=False, fused_attention=False),
+                             Batch(micro_batch=MICRO_BATCH, prompt_length=SEQUENCE // 2,
+                                   response_length=SEQUENCE // 2))
+    assert shape.total_params() == measured["params"]
+    assert planned["weights"] == measured["weights"] and planned["gradients"] == measured["gradients"]
+    assert planned["optimizer"] == measured["optimizer"]
+    measured_total = sum(v for k, v in measured.items() if k != "params")
+    assert abs(planned["total"] - measured_total) / measured_total < 0.2, (planned, measured)
+    print(f"planned {planned['total'] / 2**20:.2f} MiB, measured {measured_total / 2**20:.2f} MiB")
+
+
+def test_qwen_7b_layout_follows_the_sharding_rules():
+    shape = ModelShape(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                       intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
+    assert abs(shape.total_params() - 7.62e9) / 7.62e9 < 0.01  # Qwen2.5-7B's published 7.62 B
+    base = dict(tp=4, pp=1, trainer_gpus=16, params_dtype="bfloat16")
+    sharded = trainer_memory(shape, Layout(**base), Batch(micro_batch=4, prompt_length=1024, response_length=3072))
+    replicated = trainer_memory(shape, Layout(**base, distributed_optimizer=False), Batch())
+    assert sharded["optimizer"] * 4 == pytest.approx(replicated["optimizer"])  # DP = 16 / 4
+    assert sharded["weights"] * 2 == pytest.approx(sharded["gradients"])  # bf16 weights, fp32 grads
+    times = step_time(shape, Layout(**base, engines=8, rollout_tp=2), Batch(train_batch_size=1024, n=8),
+                      "h100-sxm", mfu=0.3)
+    assert times["total"] == pytest.approx(sum(v for k, v in times.items() if k != "total"))
+    with pytest.raises(ValueError, match="not a multiple of TP x PP"):
+        Layout(tp=3, trainer_gpus=16).dp
+
+
+def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
+    recipe = ROOT / "examples" / "qwen2.5-math-1.5b" / "cpo.yaml"
+    assert main(["--recipe", str(recipe), "--model", str(tiny_dir), "--trainer-gpus", "8", "--gpu", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 PP=1 DP=8" in out and "time/generation" in out and "activations/logits" in out
+    assert main(["--model", str(tiny_dir / "missing")]) == 2

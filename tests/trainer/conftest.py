@@ -1,0 +1,48 @@
+"""Session-wide real components for the trainer tests: a tiny model, the arithmetic data, one vLLM engine."""
+import os
+
+import pytest
+
+from megatron_cpo.config import build_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("trainer_tiny_model"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory):
+    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
+
+    paths = write_arith_parquet(tmp_path_factory.mktemp("trainer_arith"), ArithConfig(num_train=64, num_test=8))
+    return {split: str(path) for split, path in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def rollout_manager(tiny_model):
+    """One real vLLM engine (Ray actor) for every test of the session; runs reuse it and push their weights."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from megatron_cpo.rollout import RolloutConfig, RolloutManager
+
+    manager = RolloutManager(RolloutConfig(model_path=tiny_model, dtype="float32", max_model_len=512,
+                                           cpu_kv_cache_gib=1, seed=1, ray_address="local"))
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture
+def make_config(tiny_model, arith_data, tmp_path):
+    """A small run config on the session's model and data; keyword overrides use dotted names."""
+    def make(*overrides: str):
+        return build_config({}, [
+            f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={arith_data['train']}",
+            f"data.val_files={arith_data['test']}", "data.train_batch_size=4", "data.max_prompt_length=384",
+            "data.max_response_length=12", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
+            "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
+            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", *overrides])
+    return make

@@ -1,0 +1,77 @@
+"""The config tree: YAML + dotted overrides, seed aliases, and bad values rejected with messages that say the fix."""
+import pytest
+
+from megatron_cpo.config import ConfigError, build_config, load_config, parse_override
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_batch_size: 4\nactor_rollout_ref:\n  rollout:\n    n: 8\n"
+                    "algorithm:\n  filter_groups:\n    enable: true\n")
+    config = load_config(path, ["actor_rollout_ref.actor.optim.lr=2e-5",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                "trainer.logger=[console]", "algorithm.wrap_method=negonly_mi3_qwen3"])
+    assert config.data.train_batch_size == 4
+    assert config.actor_rollout_ref.rollout.n == 8
+    assert config.algorithm.filter_groups.enable is True
+    assert config.actor_rollout_ref.actor.optim.lr == pytest.approx(2e-5)
+    assert config.trainer.logger == ["console"]
+    assert config.algorithm.wrap_method == "negonly_mi3_qwen3"
+
+
+def test_seed_001_aliases_map_to_filter_groups():
+    config = build_config({"algorithm": {"use_dynamic_sample": True, "dynamic_sample_max_gen_batches": 3}})
+    groups = config.algorithm.filter_groups
+    assert (groups.enable, groups.max_num_gen_batches, groups.on_limit) == (True, 3, "use_partial")
+    explicit = build_config({"algorithm": {"dynamic_sample_max_gen_batches": 3,
+                                           "filter_groups": {"on_limit": "error"}}})
+    assert explicit.algorithm.filter_groups.on_limit == "error"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n >= 2"),
+    (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "not a multiple"),
+    (["algorithm.filter_groups.on_limit=partial"], "choose one of 'error', 'use_partial'"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo' is not supported"),
+    (["data.train_batch_size=eight"], "data.train_batch_size='eight' is not a valid int"),
+    (["data.train_bath_size=8"], "did you mean 'data.train_batch_size'"),
+    (["actor_rollout_ref.actor.clip_ratio_low=1.5"], "clip_ratio_low=1.5 must be in [0, 1)"),
+    (["trainer.logger=[console,mlflow]"], "trainer.logger entry='mlflow'"),
+    (["data.train_batch_size"], "has no '='"),
+    (["algorithm.wrap_method=mi4"], "algorithm.wrap_method='mi4' is not a CPO shaping rule"),
+    (["actor_rollout_ref.rollout.max_inflight_prompts=2", "data.train_batch_size=8"], "raise it or set 0"),
+])
+def test_bad_values_are_rejected_with_the_fix(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, overrides)
+    assert expected in str(err.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_override_values_are_yaml():
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+    assert parse_override("+a.b=true") == ("a.b", True)
+
+
+def test_train_command_reports_a_bad_config_in_one_line(tmp_path, capsys):
+    from megatron_cpo.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 1\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(path)])
+    assert exit_info.value.code == 2
+    assert "error: actor_rollout_ref.rollout.n=1 cannot form groups" in capsys.readouterr().err
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "examples" / "tiny").glob("*_arith.yaml"))
+    assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml"]
+    estimators = {p.name: load_config(p).algorithm.adv_estimator for p in examples}
+    assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo"}

@@ -1,0 +1,88 @@
+"""Whole training runs on CPU with real Megatron, a real vLLM engine and the real grading pool.
+
+The runs share the session's engine; each run pushes its own weights to it before the first rollout.
+"""
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_cpo.trainer.loop import run_training
+
+VARYING = ("timing/", "weight_sync/")
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """init_distributed records its one-process rendezvous in os.environ; give the next run a fresh one."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Per step, the merged metrics of every line logged for it (a resumed run appends to the same file)."""
+    merged: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        merged.setdefault(row.pop("step"), {}).update(row)
+    return merged
+
+
+def deterministic(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(VARYING)}
+
+
+def send_sigterm_after_first_step(run_dir: Path) -> threading.Thread:
+    """SIGTERM this process (as SLURM preemption would) once step 1 is logged."""
+    def watch():
+        path = run_dir / "metrics.jsonl"
+        while not (path.is_file() and any(json.loads(l)["step"] == 1 for l in path.read_text().splitlines())):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config, rollout_manager, tmp_path):
+    straight_dir, preempted_dir = tmp_path / "straight", tmp_path / "preempted"
+    overrides = ("trainer.total_training_steps=3", "trainer.val_before_train=true")
+    run_training(make_config(*overrides, f"trainer.default_local_dir={straight_dir}"), rollout_manager)
+    straight = read_metrics(straight_dir)
+    assert "val/acc" in straight[0] and "val/acc" in straight[3]
+    assert straight[1]["filter/kept_prompts"] == 4 and straight[3]["actor/grad_norm"] > 0
+
+    preempted = make_config(*overrides, f"trainer.default_local_dir={preempted_dir}", "trainer.resume=auto")
+    watcher = send_sigterm_after_first_step(preempted_dir)
+    run_training(preempted, rollout_manager)
+    watcher.join(timeout=5)
+    stopped_at = max(step for step in read_metrics(preempted_dir) if step > 0)
+    assert stopped_at < 3, "the run should have stopped early on SIGTERM"
+    assert (preempted_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
+    run_training(preempted, rollout_manager)
+    resumed = read_metrics(preempted_dir)
+    for step in (1, 2, 3):
+        expected, got = deterministic(straight[step]), deterministic(resumed[step])
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), (step, key)
+
+
+def test_cpo_with_dynamic_sampling_scores_hinted_contexts(make_config, rollout_manager, tmp_path):
+    run_dir = tmp_path / "cpo"
+    run_training(make_config("algorithm.adv_estimator=cpo", "algorithm.wrap_method=negonly_mi3",
+                             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
+                             "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                             "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.default_local_dir={run_dir}"),
+                 rollout_manager)
+    step = read_metrics(run_dir)[1]
+    assert step["cpo/hints_truncated"] == 0
+    assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0
+    assert step["cpo/difficulty_mixed"] == 1.0  # filter-groups kept only mixed prompts
+    assert step["filter/kept_prompts"] == 4 and "kl" in step

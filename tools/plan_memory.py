@@ -1,0 +1,258 @@
+"""Plan a run before booking GPUs: trainer memory per GPU and a step-time estimate from the model config and layout.
+
+    python tools/plan_memory.py --model Qwen2.5-Math-7B/ --tp 4 --pp 1 --trainer-gpus 16 --engines 8 --rollout-tp 2 \
+        --train-batch-size 1024 --n 8 --prompt-length 1024 --response-length 3072 --micro-batch 4 --gpu h100-sxm
+    python tools/plan_memory.py --recipe examples/qwen2.5-math-7b/cpo.yaml --trainer-gpus 16 --gpu h100-sxm
+
+Method (docs/planning.md has the derivation):
+- Parameters are counted from the HF config (embedding, per-layer attention with GQA and biases, SwiGLU MLP, norms,
+  untied output layer). A GPU holds 1/TP of the sharded matrices of its pipeline stage (layers/PP, plus the embedding
+  on the first stage and the output layer on the last; the larger stage is reported).
+- Resident state per parameter: the weights in `params_dtype`; fp32 gradients (Megatron DDP reduces in fp32); Adam
+  moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer;
+  a frozen reference copy of the weights when the KL loss is on.
+- Activations of one micro-batch of `micro_batch * (prompt + response)` tokens, counted from the tensors autograd
+  keeps per layer (norm inputs, QKV, attention output, MLP inputs and SwiGLU halves), plus attention scores and
+  probabilities when attention is not fused (CPU, or GPUs without flash attention), plus the fp32 logits and their
+  gradient for the log-prob kernel. Pipeline parallelism keeps up to PP micro-batches in flight on the first stage.
+- Step time = generation + log-prob forwards + training + weight sync. Generation is memory-bandwidth bound: a
+  decode step of an engine reads its weights once; training and forwards take 6 (resp. 2) x params x tokens FLOPs at
+  the GPU's datasheet peak times `--mfu`. These are model estimates, not measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Datasheet peaks (dense bf16 tensor TFLOP/s, HBM GB/s, GiB): inputs of the estimate, not measurements.
+GPUS = {"h100-sxm": (989.0, 3350.0, 80), "h200": (989.0, 4800.0, 141), "a100-80g": (312.0, 2039.0, 80)}
+GIB = 1024 ** 3
+
+
+@dataclass
+class ModelShape:
+    """The dimensions that decide memory and FLOPs."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelShape":
+        """From an HF `config.json` dict (Qwen2 / Llama families)."""
+        heads = config["num_attention_heads"]
+        return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                   num_layers=config["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=config.get("num_key_value_heads", heads),
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   intermediate_size=config["intermediate_size"],
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)))
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def layer_params(self, tp: int = 1) -> float:
+        """Parameters of one transformer layer on one TP rank (norms are replicated)."""
+        attention = self.hidden_size * self.qkv_width + self.num_heads * self.head_dim * self.hidden_size
+        bias = self.qkv_width if self.qkv_bias else 0
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return (attention + bias + mlp) / tp + 2 * self.hidden_size
+
+    def total_params(self) -> int:
+        """All parameters of the model (one copy of a tied embedding)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return int(self.num_layers * self.layer_params() + embeddings + self.hidden_size)
+
+    def stage_params(self, tp: int, pp: int, padded_vocab: int) -> float:
+        """Parameters on the GPU of the largest pipeline stage."""
+        layers = math.ceil(self.num_layers / pp) * self.layer_params(tp)
+        embedding = padded_vocab * self.hidden_size / tp
+        if pp == 1:
+            return layers + embedding * (1 if self.tied_embeddings else 2) + self.hidden_size
+        return layers + embedding + self.hidden_size
+
+
+@dataclass
+class Layout:
+    """Parallelism of trainer and engines, and what the run keeps in memory."""
+
+    tp: int = 1
+    pp: int = 1
+    trainer_gpus: int = 1
+    engines: int = 1
+    rollout_tp: int = 1
+    params_dtype: str = "bfloat16"
+    distributed_optimizer: bool = True
+    reference_model: bool = True
+    fused_attention: bool = True
+
+    @property
+    def dp(self) -> int:
+        if self.trainer_gpus % (self.tp * self.pp):
+            raise ValueError(f"--trainer-gpus={self.trainer_gpus} is not a multiple of TP x PP = {self.tp * self.pp}")
+        return self.trainer_gpus // (self.tp * self.pp)
+
+
+@dataclass
+class Batch:
+    """Batch geometry in the config's units: prompts for train/mini batches, responses for the micro-batch."""
+
+    train_batch_size: int = 8
+    n: int = 4
+    prompt_length: int = 128
+    response_length: int = 32
+    micro_batch: int = 8
+    ppo_epochs: int = 1
+    extra_forwards: int = 2  # old log-probs + reference (CPO adds one more for the hinted context)
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x TP."""
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: int) -> dict[str, float]:
+    """Activations autograd keeps for one micro-batch on the first pipeline stage (see the module docstring)."""
+    act = DTYPE_BYTES[layout.params_dtype]
+    tp, h = layout.tp, shape.hidden_size
+    attention_width = shape.num_heads * shape.head_dim
+    per_token = (4 * h + (shape.qkv_width + attention_width + 3 * shape.intermediate_size) / tp + 2 * attention_width
+                 / tp)
+    layers = math.ceil(shape.num_layers / layout.pp)
+    in_flight = layout.pp
+    result = {"layers": per_token * tokens * act * layers * in_flight}
+    if not layout.fused_attention:
+        # unfused attention also keeps the rotated q/k and k/v repeated to every query head (GQA), and the scores
+        per_token += ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + 2 * attention_width) / tp
+        result["layers"] = per_token * tokens * act * layers * in_flight
+        length = tokens / sequences
+        result["attention_scores"] = 2 * shape.num_heads / tp * length * length * sequences * act * layers * in_flight
+    result["logits"] = 2 * tokens * padded_vocab(shape.vocab_size, tp) / tp * 4
+    return result
+
+
+def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str, float]:
+    """Bytes per trainer GPU by component, and their total."""
+    params = shape.stage_params(layout.tp, layout.pp, padded_vocab(shape.vocab_size, layout.tp))
+    weight_bytes = DTYPE_BYTES[layout.params_dtype]
+    optimizer_per_param = 8 + (4 if weight_bytes < 4 else 0)
+    shards = layout.dp if layout.distributed_optimizer else 1
+    memory = {"weights": params * weight_bytes, "gradients": params * 4,
+              "optimizer": params * optimizer_per_param / shards,
+              "reference": params * weight_bytes if layout.reference_model else 0.0}
+    tokens = batch.micro_batch * (batch.prompt_length + batch.response_length)
+    for name, value in activation_bytes(shape, layout, tokens, batch.micro_batch).items():
+        memory[f"activations/{name}"] = value
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: float,
+              decode_efficiency: float = 0.5) -> dict[str, float]:
+    """Seconds per step by phase for `gpu` (a `GPUS` key), at `mfu` of peak FLOPs and `decode_efficiency` of HBM
+    bandwidth while decoding."""
+    peak_tflops, bandwidth_gbs, _ = GPUS[gpu]
+    params = shape.total_params()
+    responses = batch.train_batch_size * batch.n
+    prompts_per_engine = math.ceil(batch.train_batch_size / layout.engines)
+    decode_step_s = params * 2 / layout.rollout_tp / (bandwidth_gbs * 1e9 * decode_efficiency)
+    generation = batch.response_length * decode_step_s * max(1.0, prompts_per_engine * batch.n / 256)
+    tokens = responses * (batch.prompt_length + batch.response_length)
+    flops_per_s = layout.trainer_gpus * peak_tflops * 1e12 * mfu
+    forwards = batch.extra_forwards * 2 * params * tokens / flops_per_s
+    training = batch.ppo_epochs * 6 * params * tokens / flops_per_s
+    weight_sync = params * 2 / (bandwidth_gbs * 1e9 * 0.05)
+    times = {"generation": generation, "log_prob_forwards": forwards, "training": training,
+             "weight_sync": weight_sync}
+    times["total"] = sum(times.values())
+    return times
+
+
+def _from_recipe(path: str) -> tuple[dict, Layout, Batch]:
+    from megatron_cpo.config import load_config
+
+    config = load_config(path)
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    layout = Layout(tp=actor.megatron.tensor_model_parallel_size, pp=actor.megatron.pipeline_model_parallel_size,
+                    engines=rollout.num_engines, rollout_tp=rollout.tensor_model_parallel_size,
+                    params_dtype=actor.megatron.params_dtype,
+                    distributed_optimizer=actor.megatron.use_distributed_optimizer,
+                    reference_model=actor.use_kl_loss)
+    batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
+                  prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
+                  micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
+                  extra_forwards=2 + (config.algorithm.adv_estimator == "cpo"))
+    return {"model": config.actor_rollout_ref.model.path}, layout, batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--model", help="HF model directory or config.json (default: the recipe's model path)")
+    parser.add_argument("--recipe", help="a recipe YAML: layout and batch sizes come from it")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--trainer-gpus", type=int, default=1)
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--rollout-tp", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--no-reference", action="store_true", help="no KL loss: no reference copy")
+    parser.add_argument("--unfused-attention", action="store_true", help="attention scores materialised (CPU)")
+    parser.add_argument("--train-batch-size", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--gpu", choices=sorted(GPUS), help="estimate step time with this GPU's datasheet peaks")
+    parser.add_argument("--mfu", type=float, default=0.3, help="fraction of peak FLOPs training reaches")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        if args.recipe:
+            meta, layout, batch = _from_recipe(args.recipe)
+            layout.trainer_gpus = args.trainer_gpus
+            model = args.model or meta["model"]
+        else:
+            layout = Layout(args.tp, args.pp, args.trainer_gpus, args.engines, args.rollout_tp, args.dtype,
+                            reference_model=not args.no_reference)
+            batch = Batch(args.train_batch_size, args.n, args.prompt_length, args.response_length, args.micro_batch)
+            model = args.model
+        layout.fused_attention = not args.unfused_attention
+        config_path = Path(model or "") / "config.json" if not str(model).endswith(".json") else Path(model)
+        if not config_path.is_file():
+            raise ValueError(f"no HF config at {config_path}; pass --model with a local model directory")
+        shape = ModelShape.from_hf_config(json.loads(config_path.read_text()))
+        report = {"params": shape.total_params(), "dp": layout.dp,
+                  "memory_gib": {k: v / GIB for k, v in trainer_memory(shape, layout, batch).items()}}
+        if args.gpu:
+            report["step_time_s"] = step_time(shape, layout, batch, args.gpu, args.mfu)
+            report["gpu_memory_gib"] = GPUS[args.gpu][2]
+    except (ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"layout": asdict(layout), "batch": asdict(batch), **report}, indent=1))
+        return 0
+    print(f"{report['params'] / 1e9:.3f} B parameters; TP={layout.tp} PP={layout.pp} DP={layout.dp}")
+    for name, value in report["memory_gib"].items():
+        print(f"  {name:<28}{value:10.3f} GiB")
+    for name, value in report.get("step_time_s", {}).items():
+        print(f"  time/{name:<23}{value:10.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

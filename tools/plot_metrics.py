@@ -1,0 +1,154 @@
+"""Learning curves from a run's metrics JSONL (the trainer's `jsonl` logger) as one PNG.
+
+    python tools/plot_metrics.py outputs/run/metrics.jsonl --out curves.png
+    python tools/plot_metrics.py grpo/metrics.jsonl cpo/metrics.jsonl --labels GRPO CPO --smooth 0.6 --out cmp.png
+
+One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length), each drawing the
+metrics it lists that the run logged; panels with nothing logged are left out. Several files overlay as runs. A resumed
+run appends to the same file, so a step logged twice keeps its last value. `--smooth` is an exponential moving
+average weight (0: raw values); the raw curve stays visible behind the smoothed one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: its title, the metrics it draws (in order) and the y-axis label."""
+
+    title: str
+    metrics: tuple[str, ...]
+    ylabel: str = ""
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("Reward", ("reward/mean", "val/score"), "score"),
+    Panel("Accuracy", ("reward/acc", "val/acc"), "fraction correct"),
+    Panel("Filter rate", ("filter/filter_rate", "filter/filtered_all_correct", "filter/filtered_all_wrong"),
+          "fraction of prompts"),
+    Panel("Mutual information (CPO)", ("cpo/mi_mean", "cpo/mi_std", "cpo/mi_positive_ratio"), "MI"),
+    Panel("Entropy", ("actor/entropy",), "nats / token"),
+    Panel("Response length", ("completions/mean_length", "completions/max_length"), "tokens"),
+)
+
+
+def read_metrics(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """metric name -> (steps, values) from a JSONL file; non-numeric values are skipped, a re-logged step keeps its
+    last value. A line that is not JSON is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"metrics file {str(path)!r} does not exist; the jsonl logger writes "
+                                "<trainer.default_local_dir>/metrics.jsonl")
+    by_step: dict[int, dict[str, float]] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {number} is not JSON ({error.msg}); is this a metrics.jsonl file?") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path} line {number} has no 'step'; expected {{\"step\": N, \"metric\": value, ...}}")
+        values = by_step.setdefault(int(record["step"]), {})
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                values[key] = float(value)
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for step in sorted(by_step):
+        for key, value in by_step[step].items():
+            steps, values = series.setdefault(key, ([], []))
+            steps.append(step)
+            values.append(value)
+    return {key: (np.asarray(steps), np.asarray(values)) for key, (steps, values) in series.items()}
+
+
+def smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """Exponential moving average with TensorBoard's debiasing (early points are not pulled toward 0); weight 0
+    returns the values unchanged."""
+    if weight <= 0 or len(values) == 0:
+        return values
+    smoothed, running = np.empty(len(values)), 0.0
+    for index, value in enumerate(values):
+        running = weight * running + (1 - weight) * value
+        smoothed[index] = running / (1 - weight ** (index + 1))
+    return smoothed
+
+
+def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str], out: str | Path,
+         smoothing: float = 0.0, panels: tuple[Panel, ...] = PANELS, title: str = "") -> list[str]:
+    """Draw the panels that have data into one PNG at `out`; returns the titles of the panels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [panel for panel in panels if any(metric in run for run in runs for metric in panel.metrics)]
+    if not shown:
+        logged = sorted({key for run in runs for key in run})
+        raise ValueError(f"none of the plotted metrics were logged; the file has: {', '.join(logged) or 'nothing'}")
+    columns = min(3, len(shown))
+    rows = math.ceil(len(shown) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    for axis, panel in zip(axes.flat, shown):
+        for run_index, (run, label) in enumerate(zip(runs, labels)):
+            for metric_index, metric in enumerate(m for m in panel.metrics if m in run):
+                steps, values = run[metric]
+                # one run: a color per metric; several runs: a color per run and a line style per metric
+                color = colors[(metric_index if len(runs) == 1 else run_index) % len(colors)]
+                name = metric if len(runs) == 1 else f"{label}: {metric}"
+                if smoothing > 0:
+                    axis.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+                marker = "o" if len(steps) < 30 else None
+                axis.plot(steps, smooth(values, smoothing), color=color, label=name, marker=marker, markersize=3,
+                          linestyle="-" if len(runs) == 1 else styles[metric_index % len(styles)], linewidth=1.6)
+        axis.set_title(panel.title)
+        axis.set_xlabel("step")
+        axis.set_ylabel(panel.ylabel)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(shown):]:
+        axis.set_visible(False)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return [panel.title for panel in shown]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("files", nargs="+", help="metrics.jsonl of one or more runs")
+    parser.add_argument("--out", default="metrics.png", help="PNG to write")
+    parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: parent folder)")
+    parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1), e.g. 0.6")
+    parser.add_argument("--title", default="", help="figure title")
+    args = parser.parse_args(argv)
+    labels = args.labels or [Path(path).parent.name or Path(path).stem for path in args.files]
+    try:
+        if len(labels) != len(args.files):
+            raise ValueError(f"--labels gave {len(labels)} labels for {len(args.files)} files; give one per file")
+        if not 0 <= args.smooth < 1:
+            raise ValueError(f"--smooth={args.smooth} must be in [0, 1)")
+        drawn = plot([read_metrics(path) for path in args.files], labels, args.out, args.smooth, title=args.title)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} with panels: {', '.join(drawn)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

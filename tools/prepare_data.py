@@ -1,0 +1,175 @@
+"""Turn GSM8K, MATH, AIME, GPQA and code-contest release files into verl-schema parquet for training and eval.
+
+    python tools/prepare_data.py --kind gsm8k --input gsm8k/train.jsonl --output data/gsm8k_train.parquet
+    python tools/prepare_data.py --kind math --input MATH-500/test.jsonl --output data/math500.parquet --split test
+
+Input files are read in their usual release formats: JSON lines, a JSON list (or {"data": [...]}), CSV (GPQA) and
+parquet. Every output row holds `prompt` (one user message: the question and the dataset's instruction),
+`data_source` (which picks the grader in `megatron_cpo.rewards`), `ability`, `reward_model.ground_truth` and
+`extra_info` with `split`, `index`, `question` and the gold `solution` that CPO shows as its hint.
+
+Bad rows are never dropped silently: every one is named (file, row number, what is wrong). By default any bad row
+stops the run before anything is written; `--skip-bad-rows` writes the good rows and still lists the bad ones.
+Converted rows are checked with the dataset reader's own validator, so a file this tool writes is one training reads.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_sources import SOURCES, RecordError  # noqa: E402
+
+from megatron_cpo.data.dataset import DataValidationError, row_problems  # noqa: E402
+
+READABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def read_records(path: str | Path) -> list[tuple[str, Any]]:
+    """(where, record) for every record of one input file, format chosen by suffix. `where` is "line N" (1-based)
+    for JSON lines and "row N" (0-based) otherwise; a JSONL line that does not parse is kept as an error record so
+    that it is reported with the others instead of stopping the read."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        records: list[tuple[str, Any]] = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as error:
+                records.append((f"line {number}", RecordError(f"not valid JSON ({error.msg} at column {error.colno})")))
+        return records
+    if suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json input must hold a list of records or {{\"data\": [...]}}; "
+                             "use .jsonl for one record per line")
+    elif suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as handle:
+            data = list(csv.DictReader(handle))
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        data = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"{path}: unsupported suffix {suffix!r}; give one of {', '.join(READABLE_SUFFIXES)}")
+    return [(f"row {number}", record) for number, record in enumerate(data)]
+
+
+@dataclass
+class PrepareResult:
+    """Rows converted from the inputs and one message per bad input row."""
+
+    rows: list[dict[str, Any]]
+    problems: list[str]
+
+
+def to_verl_row(record: Any, kind: str, split: str, index: int, data_source: str | None = None,
+                instruction: str | None = None) -> dict[str, Any]:
+    """Convert one source record into a verl-schema row; raises RecordError saying what is wrong."""
+    if isinstance(record, RecordError):
+        raise record
+    if not isinstance(record, dict):
+        raise RecordError(f"record must be an object with named fields, got {type(record).__name__}")
+    source = SOURCES[kind]
+    converted = source.convert(record)
+    prompt_text = f"{converted.question}\n\n{instruction if instruction is not None else source.instruction}".strip()
+    extra_info = {"split": split, "index": index, "question": converted.question, **converted.extra}
+    if converted.solution:
+        extra_info["solution"] = converted.solution
+    row = {
+        "data_source": data_source or source.data_source,
+        "prompt": [{"role": "user", "content": prompt_text}],
+        "ability": source.ability,
+        "reward_model": {"style": "rule", "ground_truth": converted.ground_truth},
+        "extra_info": extra_info,
+    }
+    problems = row_problems(row)
+    if problems:
+        raise RecordError("; ".join(problems))
+    return row
+
+
+def prepare(inputs: list[str | Path], kind: str, split: str = "train", data_source: str | None = None,
+            instruction: str | None = None, limit: int = 0) -> PrepareResult:
+    """Read and convert every input file; collects (never raises on) bad rows so that all are reported at once."""
+    if kind not in SOURCES:
+        raise ValueError(f"--kind {kind!r} is not supported; choose one of {', '.join(SOURCES)}")
+    rows, problems = [], []
+    for path in inputs:
+        for where, record in read_records(path):
+            if limit and len(rows) >= limit:
+                break
+            try:
+                rows.append(to_verl_row(record, kind, split, len(rows), data_source, instruction))
+            except RecordError as error:
+                problems.append(f"{path} {where}: {error}")
+    return PrepareResult(rows, problems)
+
+
+def _uniform_extra_info(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every row the same extra_info keys (None where absent) so parquet stores one struct type."""
+    keys = sorted({key for row in rows for key in row["extra_info"]})
+    return [{**row, "extra_info": {key: row["extra_info"].get(key) for key in keys}} for row in rows]
+
+
+def write_parquet(rows: list[dict[str, Any]], output: str | Path) -> Path:
+    """Write rows to `output` (parent folders created); refuses to write an empty file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not rows:
+        raise ValueError(f"no rows to write to {output}; every input row was bad (see the list above)")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(_uniform_extra_info(rows)), output)
+    return output
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--kind", required=True, choices=sorted(SOURCES), help="dataset the input files come from")
+    parser.add_argument("--input", required=True, nargs="+", help="local files: .jsonl, .json, .csv or .parquet")
+    parser.add_argument("--output", required=True, help="parquet file to write")
+    parser.add_argument("--split", default="train", help="stored in extra_info.split (train/test)")
+    parser.add_argument("--data-source", default=None,
+                        help="override data_source (picks the grader), e.g. aime2025 or math500")
+    parser.add_argument("--instruction", default=None, help="text appended to every question (default per kind)")
+    parser.add_argument("--limit", type=int, default=0, help="keep at most this many rows (0: all)")
+    parser.add_argument("--skip-bad-rows", action="store_true",
+                        help="write the good rows even when some are bad (bad ones are still listed)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry; returns the exit status (2 when bad rows stop the run)."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = prepare(args.input, args.kind, args.split, args.data_source, args.instruction, args.limit)
+        if result.problems:
+            error = DataValidationError(", ".join(map(str, args.input)), result.problems)
+            print(f"{'warning' if args.skip_bad_rows else 'error'}: {error}", file=sys.stderr)
+            if not args.skip_bad_rows:
+                print("nothing written; fix the rows above or pass --skip-bad-rows", file=sys.stderr)
+                return 2
+        path = write_parquet(result.rows, args.output)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(result.rows)} rows to {path} ({len(result.problems)} bad rows skipped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
