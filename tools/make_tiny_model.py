@@ -41,9 +41,9 @@ class WarmStartConfig:
     k-step run: one run with `eval_every` shows which step count gives the accuracy band RL needs.
     """
 
-    steps: int = 400
-    batch_size: int = 32
-    learning_rate: float = 2e-3
+    steps: int = 1500
+    batch_size: int = 16
+    learning_rate: float = 4e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
     num_train: int = 4000
@@ -127,8 +127,18 @@ def warm_start(model, tokenizer, rows: list[dict], config: WarmStartConfig,
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], do_sample: bool, max_new_tokens: int = 48, batch_size: int = 100,
              seed: int = 0) -> dict[str, float]:
-    """Held-out accuracy per level and overall ("all") from `generate` (greedy, or temperature-1 sampling)."""
-    torch.manual_seed(seed)
+    """Held-out accuracy per level and overall ("all") from `generate` (greedy, or temperature-1 sampling).
+
+    Sampling is seeded by `seed` without disturbing the caller's random state (a mid-training evaluation leaves the
+    training run unchanged).
+    """
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _evaluate(model, tokenizer, rows, do_sample, max_new_tokens, batch_size)
+
+
+def _evaluate(model, tokenizer, rows: list[dict], do_sample: bool, max_new_tokens: int,
+              batch_size: int) -> dict[str, float]:
     was_training = model.training
     model.eval()
     correct: dict[str, list[bool]] = defaultdict(list)
@@ -151,7 +161,7 @@ def evaluate(model, tokenizer, rows: list[dict], do_sample: bool, max_new_tokens
 
 
 def make_tiny_model(out: Path, seed: int, warm: WarmStartConfig | None, num_test: int, eval_every: int = 0,
-                    snapshot_dir: Path | None = None) -> dict:
+                    snapshot_dir: Path | None = None, overrides: dict | None = None) -> dict:
     """Write the model (warm-started when `warm` is given) and return the measured accuracies and timing.
 
     With `eval_every`, held-out accuracy is also measured every that many steps (the report's `trajectory`) and,
@@ -159,11 +169,12 @@ def make_tiny_model(out: Path, seed: int, warm: WarmStartConfig | None, num_test
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    write_tiny_model(out, family="qwen2", seed=seed, **QUICKSTART_OVERRIDES)
-    report: dict = {"seed": seed, "overrides": QUICKSTART_OVERRIDES}
+    overrides = QUICKSTART_OVERRIDES if overrides is None else overrides
+    write_tiny_model(out, family="qwen2", seed=seed, **overrides)
+    report: dict = {"seed": seed, "overrides": overrides}
     if warm is None:
         return report
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(1)  # one thread: the same float reduction order, so the same weights, on any core count
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     splits = generate_arith(ArithConfig(num_train=warm.num_train, num_test=num_test, seed=seed))
@@ -202,11 +213,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=200, help="held-out rows for the accuracy report")
     parser.add_argument("--eval-every", type=int, default=0, help="also measure accuracy every N warm-up steps")
     parser.add_argument("--snapshot-dir", default=None, help="save the model at every --eval-every step here")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=INT",
+                        help="model config override, e.g. --override num_hidden_layers=4 (repeatable)")
+    parser.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=WarmStartConfig.learning_rate)
     args = parser.parse_args(argv)
-    warm = WarmStartConfig(steps=args.steps, seed=args.seed) if args.warm_start else None
+    warm = None
+    if args.warm_start:
+        warm = WarmStartConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, seed=args.seed)
+    overrides = dict(QUICKSTART_OVERRIDES)
+    for item in args.override:
+        key, _, value = item.partition("=")
+        if not value.isdigit():
+            parser.error(f"--override {item!r} must be KEY=INT, e.g. num_hidden_layers=4")
+        overrides[key] = int(value)
     started = time.time()
     report = make_tiny_model(Path(args.out), args.seed, warm, args.num_test, args.eval_every,
-                             Path(args.snapshot_dir) if args.snapshot_dir else None)
+                             Path(args.snapshot_dir) if args.snapshot_dir else None, overrides)
     report["total_seconds"] = round(time.time() - started, 1)
     report["command"] = "python tools/make_tiny_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out, "warm_start_report.json").write_text(json.dumps(report, indent=2) + "\n")

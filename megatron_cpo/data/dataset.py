@@ -11,7 +11,7 @@ the prompts the uninterrupted run would have seen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -236,7 +236,7 @@ class PromptSampler:
         taken: list[PromptRecord] = []
         while len(taken) < count and not self.exhausted:
             record = self.dataset[int(self._order[self.position])]
-            taken.append(PromptRecord(**{**record.__dict__, "uid": f"{self.epoch}-{record.index}"}))
+            taken.append(replace(record, uid=f"{self.epoch}-{record.index}"))
             self.position += 1
             if self.position == len(self.dataset):
                 self.epoch, self.position = self.epoch + 1, 0

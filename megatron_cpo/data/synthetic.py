@@ -158,9 +158,19 @@ def write_parquet(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def write_arith_parquet(out_dir: str | Path, config: ArithConfig | None = None) -> dict[str, Path]:
-    """Generate the task and write `train.parquet` and `test.parquet` under `out_dir`; returns their paths."""
-    splits = generate_arith(config or ArithConfig())
+def write_arith_parquet(out_dir: str | Path, config: ArithConfig | None = None,
+                        keep_levels: list[int] | None = None) -> dict[str, Path]:
+    """Generate the task and write `train.parquet` and `test.parquet` under `out_dir`; returns their paths.
+
+    `keep_levels` writes only rows of those levels from the full generation, so the rows (and the held-out property
+    of the test split) are exactly those a model warm-started on the full task saw or did not see.
+    """
+    config = config or ArithConfig()
+    if keep_levels is not None and (not keep_levels or set(keep_levels) - set(config.levels)):
+        raise ValueError(f"keep_levels={keep_levels} must be a non-empty subset of levels={config.levels}")
+    splits = generate_arith(config)
+    if keep_levels is not None:
+        splits = {name: [r for r in rows if r["extra_info"]["level"] in keep_levels] for name, rows in splits.items()}
     return {name: write_parquet(rows, Path(out_dir) / f"{name}.parquet") for name, rows in splits.items()}
 
 
@@ -171,9 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-test", type=int, default=ArithConfig.num_test)
     parser.add_argument("--levels", type=int, nargs="+", default=sorted(LEVELS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-levels", type=int, nargs="+", default=None,
+                        help="write only these levels of the generated splits (e.g. 1 2 for the tiny quickstart)")
     args = parser.parse_args(argv)
     config = ArithConfig(args.num_train, args.num_test, args.levels, args.seed)
-    for name, path in write_arith_parquet(args.out, config).items():
+    for name, path in write_arith_parquet(args.out, config, args.keep_levels).items():
         print(f"wrote {name}: {path}")
 
 

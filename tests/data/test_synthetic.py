@@ -4,7 +4,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_cpo.data.synthetic import DATA_SOURCE, LEVELS, ArithConfig, generate_arith, main
+from megatron_cpo.data.synthetic import DATA_SOURCE, LEVELS, ArithConfig, generate_arith, main, write_arith_parquet
 
 
 def _last_boxed(text: str) -> str:
@@ -72,3 +72,12 @@ def test_cli_writes_both_splits(tmp_path, capsys):
     test_rows = pq.read_table(tmp_path / "test.parquet").to_pylist()
     assert {row["extra_info"]["level"] for row in test_rows} == {1, 2}
     assert "wrote train" in capsys.readouterr().out
+
+
+def test_keep_levels_writes_a_subset_of_the_full_generation(tmp_path):
+    full = generate_arith(ArithConfig(num_train=40, num_test=10, seed=2))
+    paths = write_arith_parquet(tmp_path, ArithConfig(num_train=40, num_test=10, seed=2), keep_levels=[1, 2])
+    kept = pq.read_table(paths["test"]).to_pylist()
+    assert kept == [row for row in full["test"] if row["extra_info"]["level"] in (1, 2)]
+    with pytest.raises(ValueError, match=r"keep_levels=\[7\] must be a non-empty subset"):
+        write_arith_parquet(tmp_path, keep_levels=[7])
