@@ -54,6 +54,7 @@ def run_reporting_errors(run: Callable[[argparse.Namespace], None], args: argpar
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `megatron-cpo` parser with one subparser per row of `COMMANDS`."""
     parser = argparse.ArgumentParser(prog="megatron-cpo", description=__doc__.strip().splitlines()[0])
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():

@@ -7,7 +7,8 @@ Megatron-Core assumes a GPU in three places that matter for running it for real 
 3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
 When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
 the CPU generator and redirects (3) with a `TorchFunctionMode`. With CUDA present all of this is skipped, so GPU runs
-execute Megatron-Core unchanged. The rest of the package calls `device()` and `backend()` and never tests for CUDA.
+execute Megatron-Core unchanged. The rest of the package calls `device()`, `backend()` and
+`megatron_config_kwargs()` and never tests for CUDA.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _CPU_ADAPTED = False
-_CPU_DEVICE_MODE: "_CudaToCpuMode | None" = None
+_THREAD_STATE = threading.local()  # holds this thread's device-redirecting TorchFunctionMode once entered
 
 
 def has_cuda() -> bool:
@@ -40,6 +42,14 @@ def device() -> torch.device:
     if has_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def megatron_config_kwargs() -> dict:
+    """`TransformerConfig` settings this platform needs: on CPU, build weights on the CPU and send pipeline
+    activations with plain isend/irecv (gloo has no batched point-to-point); nothing on a GPU."""
+    if has_cuda():
+        return {}
+    return {"use_cpu_initialization": True, "batch_p2p_comm": False}
 
 
 def _is_cuda(value: Any) -> bool:
@@ -107,21 +117,33 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = None, graph_safe: 
 
 
 def apply_cpu_adaptations() -> None:
-    """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present."""
-    global _CPU_ADAPTED, _CPU_DEVICE_MODE
-    if has_cuda() or _CPU_ADAPTED:
-        return
-    from megatron.core.tensor_parallel import random as mpu_random
+    """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present.
 
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None
-    mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
-    mpu_random._get_cuda_rng_state = _cpu_get_rng_state
-    mpu_random._set_cuda_rng_state = _cpu_set_rng_state
-    mpu_random.initialize_rng_tracker(force_reset=True)
-    _CPU_DEVICE_MODE = _CudaToCpuMode()
-    _CPU_DEVICE_MODE.__enter__()
-    _CPU_ADAPTED = True
+    The patches are process-wide; torch keeps function modes per thread, so a thread other than the one that called
+    `init_distributed` and runs Megatron code calls this once itself.
+    """
+    global _CPU_ADAPTED
+    if has_cuda():
+        return
+    if not _CPU_ADAPTED:
+        from megatron.core.tensor_parallel import random as mpu_random
+
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda device=None: None
+        mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
+        mpu_random._get_cuda_rng_state = _cpu_get_rng_state
+        mpu_random._set_cuda_rng_state = _cpu_set_rng_state
+        mpu_random.initialize_rng_tracker(force_reset=True)
+        _CPU_ADAPTED = True
+    if getattr(_THREAD_STATE, "device_mode", None) is None:
+        _THREAD_STATE.device_mode = _CudaToCpuMode()
+        _THREAD_STATE.device_mode.__enter__()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -144,15 +166,14 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
                                f"PP={pipeline_model_parallel_size}")
         return
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                              LOCAL_RANK="0")
         if has_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend(), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
     world_size = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world_size % model_parallel:

@@ -2,9 +2,9 @@
 
 The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta and Llama-3 scaling),
 grouped-query attention, Qwen2's qkv bias, tied or untied embeddings. Tensor and pipeline sizes come from
-`megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only up to
-a multiple of the TP size (so each rank holds an equal slice); the model keeps the real size as `model.hf_vocab_size`
-so callers can drop the padded logit columns.
+`megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only
+up to a multiple of the TP size (so each rank holds an equal slice); the model keeps the real size as
+`model.hf_vocab_size` so callers can drop the padded logit columns.
 """
 from __future__ import annotations
 
@@ -59,10 +59,12 @@ def family_of(hf_config: Any) -> Family:
 
 
 def head_dim_of(hf_config: Any) -> int:
+    """Per-head width: the config's `head_dim` when set (Qwen3-style configs), else hidden_size / heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def has_qkv_bias(hf_config: Any) -> bool:
+    """Whether q/k/v projections carry a bias (always for Qwen2, `attention_bias` for Llama)."""
     family = family_of(hf_config)
     if family.always_qkv_bias:
         return True
@@ -118,7 +120,6 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp)
-    on_gpu = platform.has_cuda()
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -141,15 +142,15 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        cuda_graph_scope=[],
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        batch_p2p_comm=on_gpu,
+        **platform.megatron_config_kwargs(),
     )
 
 
@@ -195,3 +196,12 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
     model.hf_vocab_size = hf_config.vocab_size
     model.padded_vocab_size = vocab
     return model.to(device=platform.device(), dtype=params_dtype)
+
+
+def unwrap_model(model: Any) -> Any:
+    """The `GPTModel` inside Megatron's wrappers (DistributedDataParallel, Float16Module), or `model` itself."""
+    while not hasattr(model, "hf_config") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "hf_config"):
+        raise TypeError(f"{type(model).__name__} was not built by build_gpt_model (it has no hf_config)")
+    return model

@@ -12,12 +12,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_cpo.models.builder import unwrap_model
+
 CHECKPOINT_INFO = "megatron_cpo_checkpoint.json"
 
 
 def _model_info(model: Any) -> dict:
     from megatron.core import parallel_state
 
+    model = unwrap_model(model)
     return {"model_type": model.hf_config.model_type,
             "num_layers": model.config.num_layers,
             "hidden_size": model.config.hidden_size,
@@ -48,7 +51,7 @@ def save_checkpoint(model: Any, ckpt_dir: str | Path, *, extra_state: dict | Non
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": model.sharded_state_dict(), **(extra_state or {})}, str(path))
+    dist_checkpointing.save({"model": unwrap_model(model).sharded_state_dict(), **(extra_state or {})}, str(path))
     if dist.get_rank() == 0:
         (path / CHECKPOINT_INFO).write_text(json.dumps(_model_info(model), indent=2) + "\n")
     dist.barrier()
@@ -70,6 +73,7 @@ def load_checkpoint(model: Any, ckpt_dir: str | Path, *, extra_state: dict | Non
                              f"{key}={expected[key]!r}; build the model from the HF config the checkpoint came from"
                              + (" and a TP size whose padded vocabulary matches (the vocabulary is padded to a "
                                 "multiple of TP)" if key == "padded_vocab_size" else ""))
+    model = unwrap_model(model)
     state = dist_checkpointing.load({"model": model.sharded_state_dict(), **(extra_state or {})}, str(ckpt_dir))
     model.load_state_dict(state.pop("model"), strict=True)
     return state

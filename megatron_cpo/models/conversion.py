@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_cpo.models.builder import head_dim_of
+from megatron_cpo.models.builder import head_dim_of, unwrap_model
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,12 @@ LM_HEAD = Mapping(("lm_head.weight",), ("output_layer.weight",), 0, _pad_vocab, 
 TIED_LM_HEAD = Mapping(EMBEDDING.hf_names, LM_HEAD.megatron_names, 0, _pad_vocab, _trim_vocab, exported=False)
 
 
-def _bound(mapping: Mapping, module: torch.nn.Module, prefix: str = "") -> tuple[str, torch.nn.Parameter] | None:
+def _bound(mapping: Mapping, module: torch.nn.Module) -> tuple[str, torch.nn.Parameter] | None:
     """The (name, parameter) of `module` this mapping fills, or None when the module has no such parameter."""
     params = dict(module.named_parameters())
     for name in mapping.megatron_names:
-        if prefix + name in params:
-            return prefix + name, params[prefix + name]
+        if name in params:
+            return name, params[name]
     return None
 
 
@@ -202,13 +202,14 @@ def _shard(full: torch.Tensor, mapping: Mapping, tp_rank: int, tp_size: int) -> 
 
 @torch.no_grad()
 def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
-    """Fill this rank's slice of `model` (from `build_gpt_model`) with the HF safetensors weights in `hf_dir`.
+    """Fill this rank's slice of `model` (from `build_gpt_model`, wrapped or not) with the HF weights in `hf_dir`.
 
     Every rank reads only the tensors its PP stage owns and keeps only its TP slice. Raises if a tensor is missing or
     its shape does not match the config the model was built from.
     """
     from megatron.core import parallel_state
 
+    model = unwrap_model(model)
     hf_config = model.hf_config
     shape = _shape(model, hf_config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -234,21 +235,23 @@ def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Ten
 
     Collective: every rank of the model-parallel group must iterate it to the end, in step. Tensors are yielded on TP
     rank 0 of each PP stage for the layers that stage owns (the embedding on the first stage, the final norm and
-    untied lm_head on the last); other TP ranks yield nothing. Yielded tensors are on the model's device and may
-    alias its parameters: copy them before changing them.
+    untied lm_head on the last); other TP ranks yield nothing. `model` may be wrapped (DDP, Float16Module).
+    Yielded tensors are on the model's device and may alias its parameters: copy them before changing them.
     """
     from megatron.core import parallel_state
 
+    model = unwrap_model(model)
     shape = _shape(model, hf_config)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     is_tp_leader = parallel_state.get_tensor_model_parallel_rank() == 0
+    tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
     for mapping, hf_prefix, _, param in _model_entries(model, hf_config):
         if not mapping.exported:
             continue
         shard = param.detach()
         if mapping.tp_dim is not None and shape.tp_size > 1:
-            pieces = [torch.empty_like(shard) for _ in range(shape.tp_size)]
-            dist.all_gather(pieces, shard.contiguous(), group=tp_group)
+            pieces = [torch.empty_like(shard) for _ in range(shape.tp_size)] if is_tp_leader else None
+            dist.gather(shard.contiguous(), pieces, dst=tp_leader, group=tp_group)
             full = torch.cat(pieces, dim=mapping.tp_dim) if is_tp_leader else None
             del pieces
         else:

@@ -182,6 +182,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_di
 
 
 def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of the HF -> Megatron command (shared by the tool and the CLI)."""
     parser.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, help="output directory for the torch_dist checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
@@ -192,6 +193,7 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
 
 
 def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of the Megatron -> HF command (shared by the tool and the CLI)."""
     parser.add_argument("--mcore", required=True, help="torch_dist checkpoint directory")
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--hf-config", required=True,

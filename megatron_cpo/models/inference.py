@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
+from megatron_cpo.models.builder import unwrap_model
 
 
 @torch.no_grad()
@@ -19,18 +20,19 @@ def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Logits over the real vocabulary, [batch, seq, hf_vocab_size] float, on the last PP stage (None elsewhere).
 
     Every rank of the model-parallel group must call it with the same `input_ids` ([batch, seq] token ids). The
-    causal mask is Megatron's default; padding tokens are ordinary tokens here.
+    causal mask is Megatron's default; padding tokens are ordinary tokens here. `model` may be wrapped (DDP,
+    Float16Module); the model is used in whatever train/eval mode it is in (the built model has no dropout).
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.eval()
+    vocab_size = unwrap_model(model).hf_vocab_size
     tokens = input_ids.to(platform.device())
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
     def gather_logits(vocab_parallel_logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         full = tensor_parallel.gather_from_tensor_model_parallel_region(vocab_parallel_logits)
-        return full[..., : model.hf_vocab_size].float()
+        return full[..., :vocab_size].float()
 
     def forward_step(data_iterator, stage_model):
         batch_tokens = next(data_iterator)
@@ -76,6 +78,7 @@ def greedy_generate(model: Any, prompt_ids: list[int], max_new_tokens: int, eos_
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `megatron-cpo generate`."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="Hugging Face model directory to load")
     source.add_argument("--mcore", help="torch_dist checkpoint to load (needs --hf-config)")

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_unsupported_architecture():
     from transformers import GPT2Config
 
-    with pytest.raises(ValueError, match=r"unsupported architecture model_type='gpt2'.*supported: \['llama', 'qwen2'\]"):
+    expected = r"unsupported architecture model_type='gpt2'.*supported: \['llama', 'qwen2'\]"
+    with pytest.raises(ValueError, match=expected):
         build_gpt_model(GPT2Config())
 
 

@@ -114,7 +114,8 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(layout_run, family):
     reloaded = AutoModelForCausalLM.from_pretrained(round_trip_dir, dtype=torch.float32)
     assert reloaded.config.model_type == family
     tokenizer = AutoTokenizer.from_pretrained(round_trip_dir)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False).startswith("<|im_start|>")
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False)
+    assert chat.startswith("<|im_start|>user\n1+1<|im_end|>")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
