@@ -1,4 +1,18 @@
-"""Rollout: Ray-spawned vLLM engines that generate groups of samples and take new weights in place."""
+"""Rollout: Ray-spawned vLLM engines that generate groups of samples and take new weights in place.
+
+On trainer rank 0::
+
+    manager = RolloutManager(RolloutConfig(model_path=hf_dir, num_engines=2, tensor_parallel_size=1))
+    manager.submit("uid-0", prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=512, seed=0))
+    for group in manager.completed():          # streamed as each prompt's n samples finish
+        ...                                    # group.samples[i].token_ids / .logprobs / .finish_reason
+    manager.cancel_all()                       # drop what is still outstanding
+    manager.sync_weights(named_tensors)        # all HF-named tensors from this rank
+
+With pipeline parallelism every stage sends its own layers: rank 0 calls `begin_weight_sync()`, broadcasts
+`sender_spec()`, every rank runs `WeightSender(spec).send(iter_hf_weights(model, hf_config))`, and after a barrier
+rank 0 calls `finish_weight_sync()` (see `weight_sync`).
+"""
 from megatron_cpo.rollout.manager import RolloutManager
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup,
                                         RolloutSample, SamplingParams, derive_sample_seeds)

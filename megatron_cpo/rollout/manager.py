@@ -64,6 +64,7 @@ class RolloutManager:
         self._alive: list[bool] = []
         self._pending: dict = {}  # Ray ObjectRef -> _Request
         self._closed = False
+        self.last_engine_failure: str | None = None
         atexit.register(self.shutdown)
         try:
             self._spawn_engines(ray)
@@ -105,6 +106,16 @@ class RolloutManager:
     def num_outstanding(self) -> int:
         return len(self._pending)
 
+    def num_outstanding_per_engine(self) -> list[int]:
+        counts = [0] * len(self.engines)
+        for request in self._pending.values():
+            counts[request.engine_index] += 1
+        return counts
+
+    def outstanding_requests(self) -> dict[str, int]:
+        """Outstanding request ids and the engine each one is on."""
+        return {request.request_id: request.engine_index for request in self._pending.values()}
+
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
         """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
         group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
@@ -119,7 +130,7 @@ class RolloutManager:
             try:
                 group = ray.get(ready[0])
             except ray.exceptions.RayError as err:
-                if self._engine_is_healthy(request.engine_index):
+                if self._alive[request.engine_index] and self._engine_is_healthy(request.engine_index):
                     raise
                 self._mark_dead(request.engine_index, err)
                 self._dispatch(request)
@@ -213,8 +224,9 @@ class RolloutManager:
         if not live:
             lost = sorted({request.request_id, *(r.request_id for r in self._pending.values())})
             raise RolloutEnginesLostError(
-                f"all {len(self.engines)} rollout engines are dead; {len(lost)} requests could not be served: "
-                f"{lost[:20]}{' ...' if len(lost) > 20 else ''}. Create a new RolloutManager and resubmit them")
+                f"all {len(self.engines)} rollout engines are dead (last failure: {self.last_engine_failure}); "
+                f"{len(lost)} requests could not be served: {lost[:20]}{' ...' if len(lost) > 20 else ''}. "
+                "Create a new RolloutManager and resubmit them")
         load = {i: 0 for i in live}
         for pending in self._pending.values():
             if pending.engine_index in load:
@@ -233,15 +245,15 @@ class RolloutManager:
             return False
 
     def _mark_dead(self, index: int, err: BaseException) -> None:
-        self._alive[index] = False
-        self.last_engine_failure = f"engine {index}: {_root_cause(err)}"
+        if self._alive[index]:
+            self._alive[index] = False
+            self.last_engine_failure = f"engine {index}: {_root_cause(err)}"
 
 
 def _root_cause(err: BaseException) -> str:
-    """The innermost error message of a Ray failure (the actor's own exception, not Ray's wrapper)."""
-    text = str(err).strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line.strip()
+    """The innermost error of a Ray failure (the actor's own exception and its detail lines, not Ray's wrapper)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for index in range(len(lines) - 1, -1, -1):
+        if "Error" in lines[index] or "Exception" in lines[index]:
+            return " | ".join(lines[index:index + 4])
     return lines[-1] if lines else type(err).__name__

@@ -1,0 +1,89 @@
+"""Rollout benchmark on CPU: generation throughput (tokens/s) and weight-sync time against model size.
+
+For each model size a tiny-family Qwen2 model is written, one vLLM engine is started on a private Ray cluster,
+a batch of prompts is generated (n samples each), and the full HF state dict of a perturbed copy is synced into
+the engine several times through the shared-memory bucket path. Prints a markdown table row per size.
+
+    python benchmarks/rollout/bench_rollout.py --sizes 128x2 512x4 1024x8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+
+def _bench_size(hidden: int, layers: int, args, workdir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.models.tiny import write_tiny_model
+    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+
+    model_dir = write_tiny_model(os.path.join(workdir, f"qwen2-{hidden}x{layers}"), family="qwen2", seed=0,
+                                 hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                                 num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    config = RolloutConfig(model_path=str(model_dir), num_engines=1, dtype="float32", max_model_len=1024,
+                           cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1800,
+                           weight_sync_bucket_mb=args.bucket_mb)
+    start = time.perf_counter()
+    with RolloutManager(config) as manager:
+        start_s = time.perf_counter() - start
+        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
+        for warm in range(2):
+            manager.submit(f"warmup-{warm}", [1, 40, 41], SamplingParams(max_tokens=8))
+        list(manager.completed(timeout=600))
+        begin = time.perf_counter()
+        for i in range(args.prompts):
+            manager.submit(f"p{i}", [1] + [40 + (i + j) % 60 for j in range(args.prompt_len)], params)
+        tokens = sum(len(s.token_ids) for g in manager.completed(timeout=1800) for s in g.samples)
+        gen_s = time.perf_counter() - begin
+
+        with torch.no_grad():
+            for p in hf_model.parameters():
+                p.mul_(1.01)
+        state = hf_model.state_dict()
+        sync = [manager.sync_weights(state.items()) for _ in range(args.sync_repeats)]
+    return {"hidden": hidden, "layers": layers, "params_m": num_params / 1e6, "engine_start_s": start_s,
+            "generated_tokens": tokens, "generate_s": gen_s, "tokens_per_s": tokens / gen_s,
+            "sync_mb": sync[0]["bytes"] / 2**20, "sync_buckets": sync[0]["buckets"],
+            "sync_s_median": sorted(m["seconds"] for m in sync)[len(sync) // 2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["128x2", "512x4", "1024x8"], help="HIDDENxLAYERS")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for size in args.sizes:
+            hidden, layers = (int(v) for v in size.split("x"))
+            rows.append(_bench_size(hidden, layers, args, workdir))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| hidden x layers | params (M) | engine start (s) | gen tokens | tokens/s | sync MB | buckets | sync s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['hidden']} x {r['layers']} | {r['params_m']:.2f} | {r['engine_start_s']:.0f} | "
+              f"{r['generated_tokens']} | {r['tokens_per_s']:.0f} | {r['sync_mb']:.1f} | {r['sync_buckets']:.0f} | "
+              f"{r['sync_s_median']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

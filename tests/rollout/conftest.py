@@ -1,0 +1,46 @@
+"""Shared rollout fixtures: one private Ray cluster and one two-engine manager for the whole session (an engine
+takes tens of seconds to start on CPU, so tests share them), plus the tiny float32 model they serve."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def tiny_rollout_config(model_dir, **overrides):
+    from megatron_cpo.rollout import RolloutConfig
+
+    settings = dict(model_path=str(model_dir), num_engines=2, dtype="float32", max_model_len=512,
+                    cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
+    settings.update(overrides)
+    return RolloutConfig(**settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny-qwen2", family="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A private local Ray cluster (never another user's), shut down at the end of the session."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, object_store_memory=256 * 1024**2, include_dashboard=False,
+             log_to_driver=False, namespace="megatron_cpo_rollout")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def manager(ray_cluster, tiny_model_dir):
+    """Two float32 engines on the tiny model, shared by every test that leaves them idle and healthy."""
+    from megatron_cpo.rollout import RolloutManager
+
+    rollout = RolloutManager(tiny_rollout_config(tiny_model_dir))
+    yield rollout
+    rollout.shutdown()
