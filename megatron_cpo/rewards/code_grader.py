@@ -78,13 +78,16 @@ def _as_text(value: object) -> str:
 
 def compute_code_score(
     data_source: str, solution_str: str, ground_truth: str | dict, extra_info: dict | None = None, *,
-    continuous: bool = True, wrong_score: float = -1.0, limits: SandboxLimits | None = None, max_tests: int = 32,
-    total_timeout_s: float = 20.0,
+    continuous: bool = True, wrong_score: float = -1.0, limits: SandboxLimits | dict | None = None,
+    max_tests: int = 32, total_timeout_s: float = 20.0,
 ) -> dict:
-    """Run the candidate on up to ``max_tests`` cases (and at most ``total_timeout_s``) in the sandbox."""
+    """Run the candidate on up to ``max_tests`` cases (and at most ``total_timeout_s``) in the sandbox.
+
+    ``limits`` may be a dict of ``SandboxLimits`` fields, as it arrives from a YAML ``grader_kwargs`` entry.
+    """
     inputs, outputs, fn_name = parse_test_cases(ground_truth)
     program = extract_code(solution_str)
-    limits = limits or SandboxLimits()
+    limits = SandboxLimits(**limits) if isinstance(limits, dict) else (limits or SandboxLimits())
     deadline = time.monotonic() + total_timeout_s
     statuses: list[str] = []
     for test_input, expected in list(zip(inputs, outputs))[:max_tests]:

@@ -25,7 +25,9 @@ class RewardConfig:
     custom_reward_function: ``"pkg.module:fn"`` that grades every source (verl's ``custom_reward_function``).
     custom_failure_score: score given when a custom grader fails.
     grader_kwargs: ``{data_source: {kwarg: value}}`` passed to that source's grader, e.g.
-        ``{"math500": {"wrong_score": 0.0}}`` for 1/0 math rewards.
+        ``{"math500": {"wrong_score": 0.0}}`` for 1/0 math rewards or ``{"apps": {"continuous": False}}``.
+    worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
+        MemoryError instead of exhausting the host); None for no limit.
     """
 
     num_workers: int = 2
@@ -34,6 +36,7 @@ class RewardConfig:
     custom_reward_function: str | None = None
     custom_failure_score: float = 0.0
     grader_kwargs: dict[str, dict] = field(default_factory=dict)
+    worker_memory_limit_mb: int | None = 4096
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -41,6 +44,9 @@ class RewardConfig:
         if self.reward_fn_timeout_s <= 0:
             raise ValueError(f"reward.reward_fn_timeout_s={self.reward_fn_timeout_s}; use a positive number of "
                              "seconds (code graders need their total_timeout_s plus process start-up)")
+        if self.worker_memory_limit_mb is not None and self.worker_memory_limit_mb < 512:
+            raise ValueError(f"reward.worker_memory_limit_mb={self.worker_memory_limit_mb} cannot hold sympy and the "
+                             "graders; use >= 512 or None")
         for path in self.custom_graders.values():
             load_callable(path)
         if self.custom_reward_function:
@@ -107,7 +113,7 @@ class RewardManager:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
         self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function,
-                                dict(config.grader_kwargs))
+                                dict(config.grader_kwargs), config.worker_memory_limit_mb)
 
     def _grader_for(self, data_source: str) -> tuple[str, float]:
         """(grader name, failure score); unknown sources fail here, before any work is done."""
@@ -126,6 +132,9 @@ class RewardManager:
         if not (len(data_sources) == len(ground_truths) == len(extra_infos) == count):
             raise ValueError(f"batch fields differ in length: data_sources={len(data_sources)}, solution_strs="
                              f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}")
+        if count == 0:
+            empty = torch.zeros(0)
+            return RewardResult(scores=empty, acc=empty.bool(), details=[], metrics={})
         graders = [self._grader_for(source) for source in data_sources]
         started = time.monotonic()
         outcomes: list[TaskOutcome] = self._pool.run(

@@ -11,10 +11,7 @@ import re
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
-_ANSWER_PHRASES = re.compile(
-    r"(?:final answer|the answer|answer)\s*(?:is|:|=)?\s*[:]?\s*(.+)",
-    re.IGNORECASE,
-)
+_ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _UNIT_WORDS = (
     "units", "unit", "sq", "square", "cubic", "cm", "mm", "km", "m", "meters", "meter", "inches", "inch", "feet",

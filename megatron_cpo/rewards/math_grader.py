@@ -2,18 +2,23 @@
 
 Equivalence is decided in three stages, cheapest first: the normalised strings match (``strip_string``); both sides
 are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
-(sets, intervals, matrices, roots, pi, expressions). math-verify bounds each parse and comparison with
-``signal.alarm``, which only works on the main thread: there the symbolic stage gets ``symbolic_timeout_s``; on other
-threads it runs without an alarm, and the hard bound is the reward manager's per-sample timeout, which kills the
-worker process (``megatron_cpo.rewards.manager``).
+(sets, intervals, matrices, roots, pi, expressions). math-verify's own timeout is a wall-clock ``signal.alarm`` in
+whole seconds, which on a loaded machine fires on checks that merely waited for a core; the symbolic stage therefore
+runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Signals
+only reach the main thread, so on other threads there is no budget and the hard bound is the reward manager's
+per-sample wall timeout, which kills the worker process (``megatron_cpo.rewards.manager``).
 
 Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
+import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
@@ -46,15 +51,55 @@ def numeric_value(normalised: str) -> float | None:
     return None
 
 
+class SymbolicTimeout(BaseException):
+    """The symbolic check used up its CPU-time budget.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) because math-verify catches ``Exception`` around its parsing and
+    comparison, which would turn the interrupt into an ordinary "not equal" and let the work continue.
+    """
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns when its own timeout is off; here the CPU-time budget replaces it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _logger_name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+@contextmanager
+def cpu_time_budget(seconds: float) -> Iterator[None]:
+    """Raise ``SymbolicTimeout`` in the main thread once it has used ``seconds`` of CPU; no-op on other threads.
+
+    The timer is one-shot, so an expiry racing with the ``finally`` below raises at most once and leaves nothing armed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise SymbolicTimeout(f"symbolic check exceeded {seconds:g} CPU seconds")
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
 def _symbolic_equal(prediction: str, ground_truth: str, timeout_s: float) -> bool:
-    """math-verify equivalence of two LaTeX answers, under an alarm when on the main thread."""
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    seconds = max(1, int(math.ceil(timeout_s))) if on_main_thread else None
-    gold = mv_parse("\\boxed{" + ground_truth + "}", parsing_timeout=seconds)
-    predicted = mv_parse("\\boxed{" + prediction + "}", parsing_timeout=seconds)
-    if not gold or not predicted:
-        return False
-    return bool(mv_verify(gold, predicted, timeout_seconds=seconds))
+    """math-verify equivalence of two LaTeX answers within a CPU-time budget (main thread)."""
+    with cpu_time_budget(timeout_s):
+        gold = mv_parse("\\boxed{" + ground_truth + "}", parsing_timeout=None)
+        predicted = mv_parse("\\boxed{" + prediction + "}", parsing_timeout=None)
+        if not gold or not predicted:
+            return False
+        return bool(mv_verify(gold, predicted, timeout_seconds=None))
 
 
 def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -73,8 +118,11 @@ def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_
         return False, f"numeric mismatch: {predicted_value!r} != {true_value!r}"
     if len(prediction) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
         return False, f"answer longer than {MAX_SYMBOLIC_CHARS} characters; symbolic check skipped"
-    if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
-        return True, "symbolic"
+    try:
+        if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
+            return True, "symbolic"
+    except SymbolicTimeout as timeout:
+        return False, str(timeout)
     return False, f"not equivalent: {normalised_prediction!r} vs {normalised_truth!r}"
 
 

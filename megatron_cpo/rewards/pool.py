@@ -3,11 +3,13 @@
 ``concurrent.futures.ProcessPoolExecutor`` cannot stop a hung task and breaks the whole pool when one worker dies, so
 this pool keeps one pipe per worker and does its own scheduling: a task past its deadline gets its worker SIGKILLed
 and replaced, a worker that dies mid-task is replaced, and in both cases the sample is reported as failed while the
-rest of the batch carries on. Each worker grades on its main thread, so math-verify's alarms work there.
+rest of the batch carries on. Each worker grades on its main thread, where the math grader's CPU-time budget (a
+signal) works.
 """
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -30,10 +32,12 @@ class TaskOutcome:
 
 
 def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict]) -> None:
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None) -> None:
     """Grade tasks received on ``connection`` until it sends None."""
     from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_grader
 
+    if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
     for source, path in custom_graders.items():
         register_grader(source, path, overwrite=True)
     override = load_callable(custom_reward_function) if custom_reward_function else None
@@ -60,7 +64,8 @@ class _Worker:
     """One grading process: a fresh ``python -m megatron_cpo.rewards.pool`` talking over a socket pair.
 
     A fresh interpreter (not fork/forkserver) keeps the worker independent of the trainer's ``__main__`` and threads:
-    it imports only the graders, so a replacement is ready in about a second.
+    it imports only the graders (no torch), so a replacement starts quickly; forkserver children re-imported the
+    trainer's ``__main__`` (torch) and took several seconds each.
     """
 
     def __init__(self, init_args: tuple) -> None:
@@ -87,8 +92,8 @@ class GraderPool:
     """``num_workers`` grading processes; ``run`` grades a batch and returns one ``TaskOutcome`` per task, in order."""
 
     def __init__(self, num_workers: int, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict]) -> None:
-        self._init_args = (custom_graders, custom_reward_function, grader_kwargs)
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None = None) -> None:
+        self._init_args = (custom_graders, custom_reward_function, grader_kwargs, memory_limit_mb)
         self._workers = [_Worker(self._init_args) for _ in range(num_workers)]
         self.restarts = 0
 

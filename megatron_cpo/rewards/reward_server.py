@@ -1,9 +1,10 @@
 """A small reference reward server (stdlib ``http.server``) that ``RemoteRewardModel`` talks to.
 
 Protocol: ``POST /score`` with ``{"items": [{"prompt", "response", "data_source", "ground_truth", "extra_info"}]}``
-answers ``{"scores": [float, ...]}`` in item order; ``GET /health`` answers ``{"status": "ok"}``. A bad request is
-400 with ``{"error": ...}``, a scorer failure 500. The default scorer grades verifiable items with
-``megatron_cpo.rewards.compute_score``; a real reward model plugs in as ``score_fn(items) -> list[float]``.
+answers ``{"scores": [float, ...]}`` in item order; ``GET /health`` answers ``{"status": "ok"}``. A bad request (or
+a ``ValueError`` from the scorer) is 400 with ``{"error": ...}``, any other scorer failure 500. The default scorer
+grades verifiable items with ``megatron_cpo.rewards.compute_score`` (on handler threads, so math-verify runs without
+its alarm there); a real reward model plugs in as ``score_fn(items) -> list[float]``.
 
 Run one with ``python -m megatron_cpo.rewards.reward_server --port 8000 [--scorer pkg.module:fn]``.
 """
@@ -39,11 +40,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: int, payload: dict) -> None:
         body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the client gave up (its timeout); nothing left to answer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         if self.path == "/health":
@@ -70,6 +74,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             scores = [float(score) for score in self.server.score_fn(items)]
+        except ValueError as error:
+            self._reply(400, {"error": f"items rejected by the scorer: {error}"})
+            return
         except Exception as error:  # a scorer failure is reported to the client, which may retry
             self._reply(500, {"error": f"scorer failed: {type(error).__name__}: {error}"})
             return

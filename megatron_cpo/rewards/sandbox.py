@@ -10,7 +10,7 @@ What is enforced, and by what:
 - Operating system, where the kernel allows it (root, or unprivileged user namespaces): a new, empty network
   namespace, so no socket can reach any host, loopback included. ``network_namespace_mode()`` says which applies.
 - Python audit hook (``sandbox_guard.py``), always: refuses sockets, ctypes, process creation, writes outside the
-  working directory and reads of other processes' ``/proc`` entries.
+  working directory and reads outside it and the standard library (other processes' ``/proc`` entries included).
 """
 from __future__ import annotations
 
@@ -136,6 +136,7 @@ def run_python(program: str, stdin: str = "", *, limits: SandboxLimits | None = 
         raise ValueError(f"run_python mode={mode!r}, fn_name={fn_name!r}: use mode='stdio', or 'call' with fn_name")
     limits = limits or SandboxLimits()
     use_namespace = limits.isolate_network and network_namespace_mode() == "namespace"
+    _libc()  # load libc here: the forked child must not dlopen between fork and exec
     workdir = Path(tempfile.mkdtemp(prefix="mcpo-sandbox-"))
     try:
         (workdir / "solution.py").write_text(program, encoding="utf-8")

@@ -7,7 +7,8 @@ from stdin, and print the JSON result).
 
 The hook refuses, with ``PermissionError``: creating sockets, loading native code through ctypes, creating
 processes (fork, exec, spawn, system, subprocess), writing, creating or removing anything outside the working
-directory, and reading another process's ``/proc`` entries (where the parent's environment lives). It is a second
+directory, and reading files other than the working directory, the Python standard library, ``/dev/{null,zero,
+urandom}`` and ``/proc/self`` (so no other process's ``/proc/<pid>/environ``, where the parent's secrets live). It is a second
 layer: the operating-system limits set by ``sandbox.py`` (rlimits, process group, network namespace) hold even for
 code that gets past it.
 """
@@ -21,7 +22,8 @@ _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "os.chdir", "os.chroot"}
 _DENIED_PREFIXES = ("socket.", "ctypes.", "os.fork", "os.exec", "os.spawn", "os.posix_spawn", "os.system",
                     "subprocess.", "os.kill", "os.killpg", "signal.pthread_kill", "_posixsubprocess", "pty.")
-_ALLOWED_PROC = ("/proc/self/", "/proc/thread-self/")
+_READABLE_ROOTS = tuple({_WORKDIR, os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), "/dev/null",
+                         "/dev/zero", "/dev/urandom", "/proc/self", "/proc/thread-self", "/usr/share/zoneinfo"})
 _in_hook = [False]
 
 
@@ -34,11 +36,13 @@ def _inside_workdir(path):
     return resolved == _WORKDIR or resolved.startswith(_WORKDIR + os.sep)
 
 
-def _reads_other_process(path):
-    if isinstance(path, (int, bytes)) or path is None:
-        return False
-    resolved = os.path.abspath(os.path.join(_WORKDIR, path))
-    return resolved.startswith("/proc/") and not resolved.startswith(_ALLOWED_PROC)
+def _readable(path):
+    if isinstance(path, int) or path is None:
+        return True
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    resolved = os.path.realpath(os.path.join(_WORKDIR, path))
+    return any(resolved == root or resolved.startswith(root + os.sep) for root in _READABLE_ROOTS)
 
 
 def _guard(event, args):
@@ -53,8 +57,9 @@ def _guard(event, args):
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
             if writes and not _inside_workdir(path):
                 raise PermissionError(f"sandbox: writing {path!r} outside the working directory is not allowed")
-            if _reads_other_process(path):
-                raise PermissionError(f"sandbox: reading {path!r} is not allowed")
+            if not _readable(path):
+                raise PermissionError(f"sandbox: reading {path!r} outside the working directory and the Python "
+                                      "standard library is not allowed")
         elif event in _PATH_EVENTS:
             for path in args[:2]:
                 if isinstance(path, (str, bytes)) and not _inside_workdir(path):

@@ -24,3 +24,8 @@ def exact_match(data_source, solution_str, ground_truth, extra_info=None):
     """1/0 exact string match, a typical user grader."""
     correct = solution_str.strip() == str(ground_truth).strip()
     return {"score": 1.0 if correct else 0.0, "acc": correct, "pred": solution_str.strip()}
+
+
+def hogs_memory(data_source, solution_str, ground_truth, extra_info=None):
+    """Asks for far more memory than a grading worker may have."""
+    return {"score": float(len(bytearray(64 << 30))), "acc": True}

@@ -24,7 +24,8 @@ LATEX_VARIANTS = [
 ]
 INTERVALS = [
     (r"(1,2]", r"(1, 2]", T), (r"[0,\infty)", r"[0, \infty)", T), (r"(-\infty, 3)", r"(-\infty,3)", T),
-    (r"(1,2)", r"[1,2]", F), (r"[1,2)", r"[1,2]", F), (r"(-\infty,-1)\cup(1,\infty)", r"(-\infty,-1) \cup (1,\infty)", T),
+    (r"(1,2)", r"[1,2]", F), (r"[1,2)", r"[1,2]", F),
+    (r"(-\infty,-1)\cup(1,\infty)", r"(-\infty,-1) \cup (1,\infty)", T),
     (r"(0,1)", r"(0,2)", F), (r"[-2, 5]", r"\left[ -2, 5 \right]", T), (r"(2, \infty)", r"(3,\infty)", F),
     (r"x \in [1,4]", r"[1,4]", T),
 ]

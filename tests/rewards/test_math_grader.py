@@ -44,6 +44,7 @@ def test_last_boxed_handles_nesting_fbox_and_space_form():
     ("Adding 3 and 4 gives 7, then doubling yields 14", "14"),
     ("", None),
     ("no numbers here", None),
+    ("Answering quickly: 3 cats and 4 dogs", "4"),
 ])
 def test_extraction_falls_back_to_announced_answer_then_last_number(text, answer):
     assert extract_answer(text) == answer
@@ -64,11 +65,11 @@ def test_decision_stage_is_reported():
     assert compute_math_score("math", "no answer", "3")["reason"] == "no answer found in the response"
 
 
-def test_pathological_expression_is_bounded_by_the_symbolic_timeout():
-    started = time.monotonic()
+def test_pathological_expression_is_bounded_by_the_cpu_budget():
+    started = time.process_time()
     result = compute_math_score("math", r"\boxed{10^{10^{10^{10}}}}", "5", symbolic_timeout_s=1)
-    assert not result["acc"]
-    assert time.monotonic() - started < 10
+    assert not result["acc"] and "exceeded 1 CPU seconds" in result["reason"]
+    assert time.process_time() - started < 5
 
 
 def test_scores_are_plus_minus_one_by_default_and_one_zero_on_request():
