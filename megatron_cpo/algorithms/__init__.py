@@ -2,4 +2,12 @@
 
 Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or tokens. Prompt groups are given as
 `group: LongTensor[N]` of indices 0..G-1.
+
+- groups.py: per-group count / sum / mean / std / min / max by scatter reductions.
+- advantages.py: GRPO and Dr.GRPO advantages.
+- losses.py: clipped policy loss, loss aggregation, entropy mask (kl.py: KL estimators; mismatch.py: rollout/trainer
+  mismatch metrics and TIS, re-exported by losses.py).
+- cpo.py: hint signals, difficulty mask, the shaping-rule table.
+- filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling, early-stop monitor.
+- overlong.py: DAPO overlong reward shaping, ms-swift overlong filter.
 """

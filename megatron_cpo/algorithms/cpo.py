@@ -231,6 +231,20 @@ SHAPING_RULES: dict[str, ShapingRule] = {rule.name: rule for rule in (
 )}
 
 
+def _check_rule_table() -> None:
+    """Fail at import, naming the part, if a rule refers to a selector, factor, alpha or apply that does not exist."""
+    for rule in SHAPING_RULES.values():
+        for term in rule.terms:
+            unknown = ([s for s in term.where if s not in SELECTORS] + [f for f in term.factors if f not in FACTORS]
+                       + ([term.apply] if term.apply not in APPLY else [])
+                       + ([term.alpha] if term.alpha not in ("pos", "neg") else []))
+            if unknown:
+                raise ValueError(f"shaping rule {rule.name!r} names unknown parts {unknown}")
+
+
+_check_rule_table()
+
+
 def known_rules() -> list[str]:
     """Every accepted rule name: the spec's names and the same names without the historical `_qwen3` suffix."""
     short = {name.removesuffix(LEGACY_SUFFIX) for name in SHAPING_RULES} - set(SHAPING_RULES)

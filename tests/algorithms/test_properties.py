@@ -8,7 +8,7 @@ from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, hint_sig
 from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=25, deadline=None)
 
 
 @st.composite
@@ -103,3 +103,14 @@ def test_shaping_sign_clamp_and_order_independence(batch, rule, pos_alpha, neg_a
                                     permuted["mask"])
     shaped_permuted, _ = shape_advantages(rule, signals=permuted_signals, **permuted, **params)
     torch.testing.assert_close(shaped_permuted, shaped[perm])
+
+
+@FAST
+@given(grouped_batch(binary=True), st.sampled_from([3, 5]))
+def test_difficulty_is_per_group_and_independent_of_sample_order(batch, levels):
+    scores, group, perm = batch
+    correct = scores > 0.5
+    difficulty = difficulty_mask(correct, group, levels=levels)
+    assert torch.equal(difficulty_mask(correct[perm], group[perm], levels=levels), difficulty[perm])
+    for g in group.unique():  # checking the property, not computing it
+        assert difficulty[group == g].unique().numel() == 1
