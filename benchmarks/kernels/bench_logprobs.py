@@ -1,10 +1,10 @@
 """Benchmark per-token log-prob + entropy: fused kernels vs materialised logits (and verl / Liger where importable).
 
-On CUDA (the issue's grid): N in {4k, 16k, 32k}, H in {2048, 4096}, V in {128256, 152064}, bf16; time (median of
+On CUDA (the issue's grid): N in {4k, 16k, 32k}, H in {2048, 4096}, V in {128256, 152064}, bf16; time (best of
 ``--iters``), effective TFLOPS (2NHV forward, 6NHV backward), peak extra memory (allocator peak above the inputs,
 output gradients included) as a fraction of the float32 logits, and the cuBLAS bf16 matmul of the same shape.
 On CPU the same methods without verl/Liger, at reduced sizes; memory is the rise of the process's peak RSS
-(``ru_maxrss``), so every measurement runs in a fresh subprocess.
+(``ru_maxrss``), so every measurement runs in a fresh subprocess (with glibc's mmap threshold fixed at 1 MiB).
 
     python benchmarks/kernels/bench_logprobs.py                      # grid of the device in use
     python benchmarks/kernels/bench_logprobs.py --sizes 1024x256x32768 --methods fused_linear,torch_linear
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -101,7 +101,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn`` in milliseconds."""
+    """Best (minimum) wall time of ``fn`` in milliseconds: the least disturbed by other load on the machine."""
     for _ in range(warmup):
         fn()
     times = []
@@ -111,7 +111,7 @@ def _timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: i
         fn()
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -169,7 +169,10 @@ def _run_isolated(args: argparse.Namespace, method: str, size: tuple[int, int, i
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--threads", str(args.threads), "--child"]
     if args.no_backward:
         cmd.append("--no-backward")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # A fixed mmap threshold makes glibc return every freed tile to the OS, so peak RSS tracks live memory instead of
+    # heap fragments kept from earlier iterations.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return Result(method, *size, "cpu", error=proc.stderr.strip().splitlines()[-1][:200])
     return Result(**json.loads(proc.stdout.strip().splitlines()[-1]))

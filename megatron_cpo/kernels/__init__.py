@@ -4,9 +4,9 @@
 (on CPU only under ``TRITON_INTERPRET=1``, as in the tests), ``"torch"``, or a ``TritonBackend``/``TorchChunkedBackend``
 instance with other tile sizes.
 """
-from megatron_cpo.kernels.backends import BACKENDS, TorchChunkedBackend, TritonBackend
+from megatron_cpo.kernels.backends import BACKENDS, KernelBackend, TorchChunkedBackend, TritonBackend
 from megatron_cpo.kernels.hint_signals import HintSignals, hint_mi_signals
 from megatron_cpo.kernels.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 
-__all__ = ["BACKENDS", "HintSignals", "TorchChunkedBackend", "TritonBackend", "hint_mi_signals",
+__all__ = ["BACKENDS", "HintSignals", "KernelBackend", "TorchChunkedBackend", "TritonBackend", "hint_mi_signals",
            "linear_logprobs_and_entropy", "logprobs_and_entropy"]

@@ -1,13 +1,14 @@
 """Backends that compute one rank's softmax statistics and logit gradients: chunked torch and Triton.
 
 Both work on one rank's vocabulary slice and never hold float32 logits for more than a bounded tile; the
-tensor-parallel reduction and the autograd wiring are shared (``softmax_stats.finalize``, ``functions.py``). A backend
+tensor-parallel reduction and the autograd wiring are shared (``softmax_stats.finalize``, ``logprobs.py``). A backend
 is selected by name through ``BACKENDS`` or passed as an instance (to change tile sizes, as the tests do).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -31,6 +32,21 @@ class RowGrads:
     def rows(self, begin: int, end: int) -> "RowGrads":
         return RowGrads(*(t[begin:end] for t in (self.local_targets, self.max, self.log_sum_exp, self.entropy,
                                                    self.grad_log_probs, self.grad_entropy)))
+
+
+class KernelBackend(Protocol):
+    """What ``logprobs.py`` needs from a backend, for one rank's vocabulary slice (``n_valid`` real columns)."""
+
+    def logits_stats(self, logits: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
+                     n_valid: int) -> SoftmaxStats: ...
+
+    def logits_grad(self, logits: torch.Tensor, row_grads: RowGrads, inv_temp: float, n_valid: int) -> torch.Tensor: ...
+
+    def linear_stats(self, hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
+                     n_valid: int) -> SoftmaxStats: ...
+
+    def linear_grad(self, hidden: torch.Tensor, weight: torch.Tensor, row_grads: RowGrads, inv_temp: float,
+                    n_valid: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _chunks(total: int, size: int) -> list[tuple[int, int]]:
@@ -60,7 +76,9 @@ class TorchChunkedBackend:
 
     def logits_grad(self, logits: torch.Tensor, row_grads: RowGrads, inv_temp: float, n_valid: int) -> torch.Tensor:
         grad = torch.zeros_like(logits)
-        for b, e in _chunks(logits.shape[0], self._token_chunk(max(n_valid, 1))):
+        if n_valid == 0:
+            return grad
+        for b, e in _chunks(logits.shape[0], self._token_chunk(n_valid)):
             r = row_grads.rows(b, e)
             z = logits[b:e, :n_valid].float() * inv_temp
             grad[b:e, :n_valid] = grad_of_z(z, r.local_targets, r.max, r.log_sum_exp, r.entropy, r.grad_log_probs,
@@ -111,7 +129,7 @@ class TritonBackend:
     """
 
     logits_block_v: int = 4096
-    block_n: int = 64
+    block_n: int = 128
     block_v: int = 128
     block_k: int = 64
     num_warps: int = 8
@@ -193,10 +211,10 @@ class TritonBackend:
         return grad_hidden, grad_weight
 
 
-BACKENDS: dict[str, TorchChunkedBackend | TritonBackend] = {"torch": TorchChunkedBackend(), "triton": TritonBackend()}
+BACKENDS: dict[str, KernelBackend] = {"torch": TorchChunkedBackend(), "triton": TritonBackend()}
 
 
-def resolve_backend(impl: "str | TorchChunkedBackend | TritonBackend", device: torch.device):
+def resolve_backend(impl: "str | KernelBackend", device: torch.device) -> KernelBackend:
     """``"auto"`` is Triton on CUDA and chunked torch elsewhere; a name from ``BACKENDS``; or a backend instance."""
     if not isinstance(impl, str):
         return impl

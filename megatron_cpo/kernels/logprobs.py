@@ -20,10 +20,10 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_cpo.kernels.backends import RowGrads, TorchChunkedBackend, TritonBackend, resolve_backend
+from megatron_cpo.kernels.backends import KernelBackend, RowGrads, resolve_backend
 from megatron_cpo.kernels.softmax_stats import VocabShard, finalize
 
-Impl = Union[str, TorchChunkedBackend, TritonBackend]
+Impl = Union[str, KernelBackend]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
