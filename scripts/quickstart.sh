@@ -16,7 +16,7 @@ setup_done=$(date +%s)
 algorithm="${1:-cpo}"
 
 echo "== synthetic arithmetic data -> $run_dir/arith"
-"$py" -m megatron_cpo.data.synthetic --out "$run_dir/arith"
+"$py" -m megatron_cpo.data.synthetic --out "$run_dir/arith" --keep-levels 1 2
 if [ ! -f examples/tiny/model/config.json ]; then
   echo "== warm-starting the tiny model -> examples/tiny/model (once)"
   "$py" tools/make_tiny_model.py --out examples/tiny/model --warm-start

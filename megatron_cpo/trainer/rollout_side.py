@@ -6,6 +6,7 @@ each pipeline stage streams them into the engines).
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -22,6 +23,10 @@ from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, 
 from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
 from megatron_cpo.trainer.prompt_stream import PromptStream
+
+
+# Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
+RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
@@ -126,17 +131,20 @@ class RolloutSide:
 def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]:
     """Collective: stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines."""
     start = time.perf_counter()
-    spec = [None]
+    payload = [None, None]
     if side is not None:
         side.manager.begin_weight_sync()
-        spec = [side.manager.sender_spec()]
+        payload = [side.manager.sender_spec(), {k: os.environ[k] for k in RAY_AUTH_VARIABLES if k in os.environ}]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(spec, src=0)
+        dist.broadcast_object_list(payload, src=0)
+    spec, ray_auth = payload
     tensors = iter_hf_weights(actor_model, actor_model.hf_config)
     first = next(tensors, None)
     sent: dict[str, float] = {}
     if first is not None:
-        sent = WeightSender(spec[0]).send(_chain(first, tensors))
+        if side is None:
+            os.environ.update(ray_auth)  # join rank 0's Ray cluster with its authentication mode
+        sent = WeightSender(spec).send(_chain(first, tensors))
     if dist.get_world_size() > 1:
         dist.barrier()
     if side is not None:
