@@ -144,7 +144,9 @@ class ActorConfig:
 @dataclass
 class RolloutConfig:
     """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
-    (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache."""
+    (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache. `ray_address`: "auto" joins the
+    running Ray cluster (as the SLURM launcher starts it, via RAY_ADDRESS) or starts a local one when there is none;
+    "local" always starts a private one; "host:port" joins that cluster."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -153,6 +155,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     kv_cache_gib: float = 1.0
     max_inflight_prompts: int = 0
+    ray_address: str = "auto"
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_cpo.algorithms.filters import filter_groups
 from megatron_cpo.config import Config
@@ -59,7 +60,8 @@ class RolloutSide:
             tensor_parallel_size=rollout.tensor_model_parallel_size,
             dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
             max_model_len=data.max_prompt_length + data.max_response_length,
-            cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed, ray_address="local"))
+            cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed,
+            ray_address=rollout.ray_address))
         self.rewards = RewardManager(RewardConfig(
             num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
             custom_reward_function=config.reward.custom_reward_function or None))
@@ -138,7 +140,8 @@ def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
     spec, ray_auth = payload
-    tensors = iter_hf_weights(actor_model, actor_model.hf_config)
+    exports = parallel_state.get_data_parallel_rank() == 0
+    tensors = iter_hf_weights(actor_model, actor_model.hf_config) if exports else iter(())
     first = next(tensors, None)
     sent: dict[str, float] = {}
     if first is not None:

@@ -1,6 +1,7 @@
-"""A whole training run with pipeline parallelism: two trainer processes (PP=2) under one rank-0 controller.
+"""Whole training runs with two trainer processes under one rank-0 controller: PP=2, and DP=2.
 
-Rank 0 drives the engine and broadcasts the batch; both pipeline stages export their layers straight into the engine.
+Rank 0 drives the engine and broadcasts the batch; with PP=2 both pipeline stages export their layers straight into
+the engine; with DP=2 only the first replica exports (a second copy of the weights would be loaded twice).
 The run must log the same first-step rollout metrics as the layout-independent controller would and finish with
 held-out accuracy, i.e. the collective protocol (batch broadcast, log-prob broadcast, weight push from two senders,
 checkpoint barrier) completes.
@@ -8,10 +9,12 @@ checkpoint barrier) completes.
 import json
 import os
 
+import pytest
+
 from tests.multiprocess import run_processes
 
 
-def train_pp2(rank, world_size, model_dir, data, run_dir):
+def train_two_ranks(rank, world_size, model_dir, data, run_dir, pipeline_size):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.loop import run_training
@@ -21,15 +24,17 @@ def train_pp2(rank, world_size, model_dir, data, run_dir):
         f"data.val_files={data['test']}", "data.train_batch_size=2", "data.max_prompt_length=384",
         "data.max_response_length=8", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pipeline_size}",
+        "actor_rollout_ref.rollout.ray_address=local",
         "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
         "trainer.total_training_steps=2", "trainer.save_freq=2", f"trainer.default_local_dir={run_dir}",
         "trainer.logger=[jsonl]"])
     return run_training(config)
 
 
-def test_pipeline_parallel_training_run(tiny_model, arith_data, tmp_path):
-    results = run_processes(train_pp2, 2, tiny_model, arith_data, str(tmp_path / "run"))
+@pytest.mark.parametrize("pipeline_size", [2, 1], ids=["pp2", "dp2"])
+def test_two_rank_training_run(tiny_model, arith_data, tmp_path, pipeline_size):
+    results = run_processes(train_two_ranks, 2, tiny_model, arith_data, str(tmp_path / "run"), pipeline_size)
     assert "val/acc" in results[0] and results[1] == {}
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 2]
