@@ -146,6 +146,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _CudaTypeNamesMode(TorchFunctionMode):
+    """`tensor.type()` (no arguments) reports CPU tensors as their CUDA counterparts; everything else unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+_CPU_TYPE_NAMES_MODE: "_CudaTypeNamesMode | None" = None
+
+
+def apply_cpu_optimizer_adaptation() -> None:
+    """Let Megatron-Core's optimizers accept CPU parameters; idempotent, and a no-op when CUDA is present.
+
+    The distributed optimizer and gradient clipping select tensors by their legacy type string
+    (`param.type() == "torch.cuda.FloatTensor"`); on the CPU that query answers with the CUDA name. Only the trainer's
+    optimizer needs this, so it is separate from `apply_cpu_adaptations` (per thread, like the device mode).
+    """
+    global _CPU_TYPE_NAMES_MODE
+    if has_cuda() or _CPU_TYPE_NAMES_MODE is not None:
+        return
+    _CPU_TYPE_NAMES_MODE = _CudaTypeNamesMode()
+    _CPU_TYPE_NAMES_MODE.__enter__()
+
+
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                      seed: int = 1234) -> None:
     """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP groups.

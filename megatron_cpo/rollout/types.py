@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import torch
+from megatron_cpo import platform
 
 _MASK64 = (1 << 64) - 1
 
@@ -137,7 +137,7 @@ class RolloutConfig:
 
     @property
     def uses_gpu(self) -> bool:
-        return torch.cuda.is_available()
+        return platform.has_cuda()
 
     @property
     def weight_sync_bucket_bytes(self) -> int:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_cpo import platform
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -55,7 +57,7 @@ def load_optimizer_state(optimizer: Any, state: list[dict]) -> None:
 
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state_all() if platform.has_cuda() else None,
             "megatron": _megatron_rng_tracker().get_states()}
 
 
@@ -63,7 +65,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and platform.has_cuda():
         torch.cuda.set_rng_state_all(state["cuda"])
     _megatron_rng_tracker().set_states(state["megatron"])
 

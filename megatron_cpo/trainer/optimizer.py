@@ -1,42 +1,16 @@
 """The actor's Megatron optimizer: DDP wrapper, (distributed) Adam, warm-up + decay schedule, gradient clipping.
 
-On a machine without CUDA one more adaptation is needed beyond `platform.apply_cpu_adaptations`: Megatron-Core's
-optimizers accept parameters and gradients by their legacy type string (`param.type() == "torch.cuda.FloatTensor"`)
-in the distributed optimizer and in gradient clipping. `_CudaTypeNamesMode` answers those queries with the CUDA name
-for CPU tensors; it is entered only when CUDA is absent.
+On a machine without CUDA, `platform.apply_cpu_optimizer_adaptation` lets Megatron-Core's optimizers accept CPU
+parameters (they check legacy CUDA type strings).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron_cpo import platform
 from megatron_cpo.config import ActorConfig
-
-_TYPE_NAMES_MODE: "_CudaTypeNamesMode | None" = None
-
-
-class _CudaTypeNamesMode(TorchFunctionMode):
-    """`tensor.type()` (no arguments) reports CPU tensors as their CUDA counterparts; everything else unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
-
-
-def apply_optimizer_cpu_adaptation() -> None:
-    """Let Megatron's optimizers accept CPU parameters (see the module docstring); no-op with CUDA, idempotent."""
-    global _TYPE_NAMES_MODE
-    if platform.has_cuda() or _TYPE_NAMES_MODE is not None:
-        return
-    _TYPE_NAMES_MODE = _CudaTypeNamesMode()
-    _TYPE_NAMES_MODE.__enter__()
-
 
 def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
     """Megatron DDP around the actor: contiguous fp32 grad buffers, reduce-scatter for the distributed optimizer."""
@@ -58,7 +32,7 @@ def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> t
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    apply_optimizer_cpu_adaptation()
+    platform.apply_cpu_optimizer_adaptation()
     optim = actor.optim
     dtype = getattr(torch, actor.megatron.params_dtype)
     config = OptimizerConfig(
