@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from megatron_cpo.rewards.math_answer import last_boxed as parse_last_boxed
+
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 CHOICE_INSTRUCTION = "Reason step by step, then give the letter of the correct option within \\boxed{}."
@@ -53,19 +55,9 @@ def _text(record: dict, *names: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None when there is none."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    open_at = text.find("{", start)
-    if open_at < 0:
-        return None
-    depth = 0
-    for position in range(open_at, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[position], 0)
-        if depth == 0:
-            return text[open_at + 1:position].strip()
-    return None
+    """Stripped content of the last `\\boxed{...}` / `\\fbox{...}` in `text` (the graders' parser); None if none."""
+    found = parse_last_boxed(text)
+    return found.strip() if found is not None else None
 
 
 def convert_gsm8k(record: dict) -> Converted:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import time
 from collections import defaultdict
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_cpo.data.synthetic import ArithConfig, generate_arith  # noqa: E402
 from megatron_cpo.models.tiny import write_tiny_model  # noqa: E402
+from megatron_cpo.rewards.math_answer import last_boxed as parse_last_boxed  # noqa: E402
 
 # The shipped model keeps write_tiny_model's default size (hidden 128, 2 layers, 4 heads x 32): RL steps on 2 CPU
 # cores stay fast. Config overrides for a larger model go here.
@@ -52,9 +52,9 @@ class WarmStartConfig:
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text` (no nested braces in this task), or None."""
-    found = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    return found[-1].strip() if found else None
+    """The stripped content of the last `\\boxed{...}` in `text` (the graders' parser), or None."""
+    found = parse_last_boxed(text)
+    return found.strip() if found is not None else None
 
 
 def is_correct(response: str, ground_truth: str) -> bool:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_sources import SOURCES, RecordError  # noqa: E402
 
 from megatron_cpo.data.dataset import DataValidationError, row_problems  # noqa: E402
+from megatron_cpo.data.synthetic import write_parquet as write_rows  # noqa: E402
 
 READABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
@@ -126,15 +127,9 @@ def _uniform_extra_info(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_parquet(rows: list[dict[str, Any]], output: str | Path) -> Path:
     """Write rows to `output` (parent folders created); refuses to write an empty file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if not rows:
         raise ValueError(f"no rows to write to {output}; every input row was bad (see the list above)")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(_uniform_extra_info(rows)), output)
-    return output
+    return write_rows(_uniform_extra_info(rows), output)
 
 
 def build_parser() -> argparse.ArgumentParser:
