@@ -1,10 +1,17 @@
 """Write the tiny Qwen2 model the quickstart trains, optionally warm-started on the synthetic arithmetic task.
 
 A randomly initialised model never produces `\\boxed{...}`, so RL would see only zero-variance groups. `--warm-start`
-runs a short supervised pass (plain torch + transformers on CPU) over gold solutions of the synthetic train split, in
-the chat format the trainer uses (chat template with the generation prompt, then solution + end-of-turn token), and
-stops early enough that held-out accuracy is partial: RL has headroom. It then reports per-level held-out accuracy
-under greedy and temperature-1 sampling with `transformers` `generate`.
+runs a short supervised pass (plain torch + transformers on CPU) over the quickstart levels of the synthetic train
+split, in the chat format the trainer uses (chat template with the generation prompt, then solution + end-of-turn
+token). It then reports per-level held-out accuracy under greedy and temperature-1 sampling with `transformers`
+`generate`.
+
+What RL can learn from it: on level 2 (a+b+c) most warm-up targets are the bare answer `\\boxed{t}` and the rest are
+the worked steps (`a+b=s`, `s+c=t`, then the box). The model therefore answers directly by default, which is
+usually wrong (one forward pass cannot add three digits reliably at this size), and works the steps in a minority of
+samples, which are right far more often. Choosing the worked steps is a behaviour, not a memorised fact, so it carries
+over to held-out questions: that is the headroom the quickstart's GRPO / DAPO / CPO runs show. The gold solution the
+CPO hint shows is always the worked one.
 
     python tools/make_tiny_model.py --out examples/tiny/model --warm-start
 """
@@ -41,7 +48,7 @@ class WarmStartConfig:
     k-step run: one run with `eval_every` shows which step count gives the accuracy band RL needs.
     """
 
-    steps: int = 1500
+    steps: int = 2500
     batch_size: int = 16
     learning_rate: float = 4e-3
     warmup_steps: int = 20
@@ -49,6 +56,39 @@ class WarmStartConfig:
     num_train: int = 4000
     seed: int = 0
     log_every: int = 50
+    levels: tuple[int, ...] = (1, 2)
+    direct_answer_levels: tuple[int, ...] = (2,)
+    direct_answer_fraction: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.direct_answer_fraction <= 1.0:
+            raise ValueError(f"direct_answer_fraction={self.direct_answer_fraction} must be in [0, 1]")
+        if not set(self.direct_answer_levels) <= set(self.levels):
+            raise ValueError(f"direct_answer_levels={self.direct_answer_levels} must be a subset of "
+                             f"levels={self.levels} (the levels the warm-up trains on)")
+
+
+def direct_answer(row: dict) -> str:
+    """The bare boxed answer of a row, without the worked steps."""
+    return f"\\boxed{{{row['reward_model']['ground_truth']}}}"
+
+
+def warm_start_rows(rows: list[dict], config: WarmStartConfig) -> list[dict]:
+    """The rows the warm-up trains on: those of `config.levels`, in order, where a seeded `direct_answer_fraction`
+    of the `direct_answer_levels` rows target the bare answer instead of the worked steps (copies; `rows` is kept).
+
+    The draw uses `random.Random(seed + 1)`, a stream apart from the one that orders the batches.
+    """
+    draw = random.Random(config.seed + 1)
+    chosen = []
+    for row in rows:
+        level = row["extra_info"]["level"]
+        if level not in config.levels:
+            continue
+        if level in config.direct_answer_levels and draw.random() < config.direct_answer_fraction:
+            row = {**row, "extra_info": {**row["extra_info"], "solution": direct_answer(row)}}
+        chosen.append(row)
+    return chosen
 
 
 def last_boxed(text: str) -> str | None:
@@ -127,7 +167,9 @@ def warm_start(model, tokenizer, rows: list[dict], config: WarmStartConfig,
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: list[dict], do_sample: bool, max_new_tokens: int = 48, batch_size: int = 100,
              seed: int = 0) -> dict[str, float]:
-    """Held-out accuracy per level and overall ("all") from `generate` (greedy, or temperature-1 sampling).
+    """Held-out accuracy per level and overall ("all") from `generate` (greedy, or temperature-1 sampling), and per
+    level the share of answers given directly (`level_N/direct_share`: the response opens with `\\boxed`) and the
+    accuracy of direct and worked answers (`level_N/direct_accuracy`, `level_N/worked_accuracy`, when there are any).
 
     Sampling is seeded by `seed` without disturbing the caller's random state (a mid-training evaluation leaves the
     training run unchanged).
@@ -154,8 +196,12 @@ def _evaluate(model, tokenizer, rows: list[dict], do_sample: bool, max_new_token
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         for row, text in zip(chunk, texts):
             ok = is_correct(text, row["reward_model"]["ground_truth"])
-            correct[f"level_{row['extra_info']['level']}"].append(ok)
+            level = f"level_{row['extra_info']['level']}"
+            direct = text.lstrip().startswith("\\boxed")
+            correct[level].append(ok)
             correct["all"].append(ok)
+            correct[f"{level}/direct_share"].append(direct)
+            correct[f"{level}/{'direct' if direct else 'worked'}_accuracy"].append(ok)
     model.train(was_training)
     return {name: sum(v) / len(v) for name, v in sorted(correct.items())}
 
@@ -178,6 +224,8 @@ def make_tiny_model(out: Path, seed: int, warm: WarmStartConfig | None, num_test
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     splits = generate_arith(ArithConfig(num_train=warm.num_train, num_test=num_test, seed=seed))
+    splits = {"train": warm_start_rows(splits["train"], warm),
+              "test": [row for row in splits["test"] if row["extra_info"]["level"] in warm.levels]}
     trajectory: list[dict] = []
 
     def checkpoint(step: int) -> None:
@@ -217,10 +265,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="model config override, e.g. --override num_hidden_layers=4 (repeatable)")
     parser.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
     parser.add_argument("--lr", type=float, default=WarmStartConfig.learning_rate)
+    parser.add_argument("--levels", type=int, nargs="+", default=list(WarmStartConfig.levels),
+                        help="arithmetic levels the warm-up trains on and the report covers")
+    parser.add_argument("--direct-answer-levels", type=int, nargs="*", default=list(WarmStartConfig.direct_answer_levels),
+                        help="levels where part of the targets is the bare boxed answer instead of the worked steps")
+    parser.add_argument("--direct-answer-fraction", type=float, default=WarmStartConfig.direct_answer_fraction)
     args = parser.parse_args(argv)
     warm = None
     if args.warm_start:
-        warm = WarmStartConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, seed=args.seed)
+        warm = WarmStartConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, seed=args.seed,
+                               levels=tuple(args.levels), direct_answer_levels=tuple(args.direct_answer_levels),
+                               direct_answer_fraction=args.direct_answer_fraction)
     overrides = dict(QUICKSTART_OVERRIDES)
     for item in args.override:
         key, _, value = item.partition("=")

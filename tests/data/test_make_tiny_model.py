@@ -63,8 +63,25 @@ def test_evaluate_reports_per_level_accuracy_and_keeps_the_callers_rng(tool, tok
     torch.manual_seed(123)
     accuracy = tool.evaluate(model, tokenizer, rows["test"], do_sample=True, max_new_tokens=4)
     assert torch.equal(torch.rand(1), expected_next)
-    assert set(accuracy) == {"all", "level_1", "level_2", "level_3", "level_4", "level_5"}
+    levels = {f"level_{n}" for n in range(1, 6)}
+    assert {"all", *levels, *(f"{level}/direct_share" for level in levels)} <= set(accuracy)
     assert all(0.0 <= value <= 1.0 for value in accuracy.values())
+
+
+def test_warm_start_rows_mix_direct_answers_into_the_chosen_levels_only(tool):
+    rows = generate_arith(ArithConfig(num_train=400, num_test=10, seed=0))["train"]
+    config = tool.WarmStartConfig(levels=(1, 2), direct_answer_levels=(2,), direct_answer_fraction=0.7)
+    chosen = tool.warm_start_rows(rows, config)
+    assert chosen == tool.warm_start_rows(rows, config)
+    assert [r["extra_info"]["index"] for r in chosen] == [r["extra_info"]["index"] for r in rows
+                                                         if r["extra_info"]["level"] in (1, 2)]
+    direct = [r["extra_info"]["solution"] == f"\\boxed{{{r['reward_model']['ground_truth']}}}" for r in chosen]
+    level_two = [d for d, r in zip(direct, chosen) if r["extra_info"]["level"] == 2]
+    assert not any(d for d, r in zip(direct, chosen) if r["extra_info"]["level"] == 1)
+    assert 0.55 < sum(level_two) / len(level_two) < 0.85
+    assert all("\n" in r["extra_info"]["solution"] for r in rows if r["extra_info"]["level"] == 2)
+    with pytest.raises(ValueError, match="direct_answer_levels"):
+        tool.WarmStartConfig(levels=(1,), direct_answer_levels=(2,))
 
 
 def test_answer_checking(tool):
