@@ -109,3 +109,14 @@ def test_example_configs_are_valid():
     assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml"]
     estimators = {p.name: load_config(p).algorithm.adv_estimator for p in examples}
     assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo"}
+
+
+def test_dapo_recipes_shape_overlong_responses():
+    from pathlib import Path
+
+    examples = Path(__file__).parents[2] / "examples"
+    for path in [examples / "tiny" / "dapo_arith.yaml", *sorted(examples.glob("qwen2.5-math-*/dapo.yaml"))]:
+        config = load_config(path)
+        overlong = config.reward.overlong_buffer
+        assert overlong.enable and overlong.penalty_factor == 1.0, path
+        assert 0 < overlong.len <= config.data.max_response_length // 3, path  # the last part of the budget only
