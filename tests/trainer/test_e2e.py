@@ -69,7 +69,9 @@ def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config
     run_training(preempted, rollout_manager)
     watcher.join(timeout=5)
     stopped_at = max(step for step in read_metrics(preempted_dir) if step > 0)
-    assert stopped_at == 2, "SIGTERM arrives during step 2: the run finishes it, checkpoints and stops"
+    # SIGTERM arrives during step 2 (it is sent once step 1 is logged): the run finishes that step, checkpoints and
+    # stops; 3 only if step 2 took less than the watcher's 0.2 s poll
+    assert stopped_at in (2, 3), "the run should have stopped early on SIGTERM"
     assert (preempted_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
     run_training(preempted, rollout_manager)
     resumed = read_metrics(preempted_dir)
