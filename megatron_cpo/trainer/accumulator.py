@@ -106,7 +106,8 @@ class ScoredGroup:
 @dataclass
 class AccumulatorStats:
     """Counts for one batch; `committed` prompts were consumed from the data stream. `judged` / `judged_kept`
-    count the filter's decisions (a RAGEN window is judged whole, even past the group that filled the batch)."""
+    count the filters' decisions on every group that finished in order, including those past the group that filled
+    the batch (they go back to the data stream, but their outcome is a sample of the keep rate all the same)."""
     committed: int = 0
     kept: int = 0
     filtered: int = 0
@@ -177,11 +178,10 @@ class GroupAccumulator:
         kept_so_far = torch.cumsum(keep.long(), 0)
         fills = torch.nonzero(kept_so_far >= needed)
         count = int(fills[0]) + 1 if len(fills) else len(ready)
-        judged = len(ready) if self.selection.windowed else count
         s = self.stats
-        s.judged += judged
-        s.judged_kept += int(keep[:judged].sum())
-        s.reward_std_sum += float(scores[:judged].std(dim=1).nan_to_num(0.0).sum())
+        s.judged += len(ready)
+        s.judged_kept += int(keep.sum())
+        s.reward_std_sum += float(scores.std(dim=1).nan_to_num(0.0).sum())
         keep, metric, used = keep[:count], metric[:count], ready[:count]
         dropped = ~keep
         self.kept.extend(g for g, k in zip(used, keep.tolist()) if k)
@@ -250,15 +250,16 @@ def selection_from_config(config: Config) -> GroupSelection | None:
     (None when none is on). RAGEN decides one generation batch (`data.train_batch_size` groups) at a time."""
     rollout, groups, overlong = (config.actor_rollout_ref.rollout, config.algorithm.filter_groups,
                                  config.reward.overlong_buffer)
-    selection = GroupSelection(
-        metric_filter=keep_varied_groups if groups.enable else None,
-        ragen=RagenFilterConfig(
+    ragen = None
+    if rollout.rollout_filter_enabled:
+        ragen = RagenFilterConfig(
             strategy=rollout.rollout_filter_strategy, value=rollout.rollout_filter_value,
             filter_type=rollout.rollout_filter_type, include_zero=rollout.rollout_filter_include_zero,
-            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric]) if rollout.rollout_filter_enabled else None,
-        window=config.data.train_batch_size,
-        overlong=OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)
-        if overlong.enable else None)
-    if selection.metric_filter is None and selection.ragen is None and selection.overlong is None:
+            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric])
+    shaping = None
+    if overlong.enable:
+        shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)
+    if not groups.enable and ragen is None and shaping is None:
         return None
-    return selection
+    return GroupSelection(metric_filter=keep_varied_groups if groups.enable else None, ragen=ragen,
+                          window=config.data.train_batch_size, overlong=shaping)

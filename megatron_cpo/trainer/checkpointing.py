@@ -2,8 +2,9 @@
 
 `<root>/step_<k>/rank_<r>.pt` holds each rank's model shard, the optimizer's local state (Adam moments, step, and
 the fp32 main parameters of a reduced-precision model), the schedule and the RNG states; rank 0's file also holds the
-data position and the state of rank 0's run controls (e.g. the early-stop monitor), each under its name. `<root>/latest` names the newest complete checkpoint and is written last, after a barrier, so a run
-killed mid-save resumes from the previous one. Resuming needs the same world size and TP/PP layout; to change the
+data position and the state of rank 0's run controls (the early-stop monitor), each under its name. `<root>/latest`
+names the newest complete checkpoint and is written last, after a barrier, so a run killed mid-save resumes from the
+previous one. Resuming needs the same world size and TP/PP layout; to change the
 layout, export the model (megatron_cpo.models.save_checkpoint / HF conversion) and start a new run from it.
 
 Per-rank files are used instead of Megatron's distributed-checkpoint format because on CPU builds of Megatron-Core

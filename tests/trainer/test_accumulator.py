@@ -47,6 +47,7 @@ def test_filter_drops_uniform_groups_and_truncates(tokenizer):
     assert metrics["filter/filtered_prompts"] == 2
     assert metrics["filter/filtered_all_correct"] == 1 and metrics["filter/filtered_all_wrong"] == 1
     assert metrics["filter/filter_rate"] == pytest.approx(0.5)
+    assert metrics["filter/kept_ratio"] == pytest.approx(3 / 5)  # seq 4 was judged (kept) though not used
     assert acc.stats.filtered_trajectories == 4
 
 
