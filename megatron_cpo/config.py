@@ -105,6 +105,9 @@ class ActorConfig:
 
     `ppo_mini_batch_size` is in prompts like `data.train_batch_size` (one optimizer step per mini-batch);
     `ppo_micro_batch_size_per_gpu` is in responses (one forward/backward per micro-batch).
+    `top_entropy_quantile` < 1 (ms-swift's entropy mask) trains the policy gradient only on the tokens whose entropy is
+    in that top fraction of the micro-batch; `filter_loss_scaling` (RAGEN: `none`, `linear`, `sqrt`) multiplies the
+    advantages by the group filters' kept ratio (see docs/filters.md).
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -116,6 +119,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
+    top_entropy_quantile: float = 1.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -139,14 +143,60 @@ class ActorConfig:
         _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
         _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
+        _check(0 < self.top_entropy_quantile <= 1,
+               f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of "
+               "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
+
+
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_mean": "mean"}
 
 
 @dataclass
-class RolloutConfig:
+class RolloutFilterConfig:
+    """RAGEN's rollout filter (keys of `actor_rollout_ref.rollout`): within every generation batch of
+    `data.train_batch_size` prompts, rank the groups by `rollout_filter_metric` (`reward_std`: in-group reward std,
+    RAGEN's variance filter; `reward_mean`) and keep those that `rollout_filter_strategy` selects: `top_p` (smallest
+    set of groups whose softmax mass over the scores reaches `rollout_filter_value`), `top_k` (the `value` best
+    groups) or `min_p` (score >= value * best score); `none` (the default) turns the filter off.
+    `rollout_filter_type` `largest` keeps high scores, `smallest` low ones; `rollout_filter_include_zero: false`
+    never keeps a group whose score is exactly 0. Groups accumulate until `data.train_batch_size` are kept, bounded
+    by `algorithm.filter_groups.max_num_gen_batches` / `on_limit` like DAPO's filter (see docs/filters.md)."""
+    rollout_filter_strategy: str = "none"
+    rollout_filter_value: float = 1.0
+    rollout_filter_type: str = "largest"
+    rollout_filter_include_zero: bool = True
+    rollout_filter_metric: str = "reward_std"
+
+    @property
+    def rollout_filter_enabled(self) -> bool:
+        return self.rollout_filter_strategy != "none"
+
+    def check_rollout_filter(self) -> None:
+        prefix = "actor_rollout_ref.rollout."
+        _check_choice(prefix + "rollout_filter_strategy", self.rollout_filter_strategy,
+                      ("none", "top_p", "top_k", "min_p"))
+        _check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
+        _check(self.rollout_filter_metric in RAGEN_FILTER_METRICS,
+               f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose one of "
+               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'reward_variance' ranks like 'reward_std' "
+               "for top_k; use 'reward_std')")
+        value, strategy = self.rollout_filter_value, self.rollout_filter_strategy
+        _check(strategy != "top_p" or 0 < value <= 1,
+               f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability mass to keep)")
+        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()),
+               f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to keep per "
+               "generation batch of data.train_batch_size prompts)")
+        _check(strategy != "min_p" or 0 <= value <= 1,
+               f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best score)")
+
+
+@dataclass
+class RolloutConfig(RolloutFilterConfig):
     """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
     (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache. `ray_address`: "auto" joins the
     running Ray cluster (as the SLURM launcher starts it, via RAY_ADDRESS) or starts a local one when there is none;
-    "local" always starts a private one; "host:port" joins that cluster."""
+    "local" always starts a private one; "host:port" joins that cluster.
+    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -224,6 +274,24 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`, accepted as an alias): a response
+    longer than `data.max_response_length - len` tokens gets `-(length - (max - len)) / len * penalty_factor` added
+    to its score, before the group filters and the advantages see it (`acc` is unchanged). `log: true` logs
+    `overlong/reward_mean` (mean penalty) and `overlong/frac` (share of penalised responses) per step."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor={self.penalty_factor} must be >= 0")
+        _check(not self.enable or self.len > 0, f"reward.overlong_buffer.len={self.len} must be > 0 when the buffer "
+                                                "is enabled (tokens before data.max_response_length where the "
+                                                "penalty ramps up; DAPO uses max_response_length / 5)")
+
+
+@dataclass
 class RewardConfig:
     """The reward process pool: how many workers score responses and how long one grading may take.
 
@@ -234,6 +302,7 @@ class RewardConfig:
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
@@ -241,10 +310,31 @@ class RewardConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Stop when the in-group reward std has collapsed (RAGEN's reward-variance early stop). Every step is one
+    attempt whose value is `rollout/in_group_reward_std` over all the groups generated for it (filtered ones
+    included); the baseline is the mean over the first `baseline_steps` steps; the run stops, logging
+    `train/early_stopped: 1` and the reason, once the last `window` attempts are all below `ratio * baseline`. The
+    monitor's state is checkpointed, so a resumed run continues (or stays stopped) where it was."""
+    enable: bool = False
+    baseline_steps: int = 10
+    window: int = 10
+    ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(self.baseline_steps >= 1, f"trainer.early_stop.baseline_steps={self.baseline_steps} must be >= 1")
+        _check(self.window >= 1, f"trainer.early_stop.window={self.window} must be >= 1 (attempts that must all "
+                                 "be low)")
+        _check(self.ratio > 0, f"trainer.early_stop.ratio={self.ratio} must be > 0 (e.g. 0.1: stop below 10% of "
+                               "the baseline std)")
+
+
+@dataclass
 class TrainerConfig:
     """Run length, evaluation, checkpoints, logging.
 
-    `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one.
+    `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one;
+    `early_stop` ends the run when the reward variance collapses.
     """
     total_epochs: int = 1
     total_training_steps: int = 0
@@ -258,6 +348,7 @@ class TrainerConfig:
     experiment_name: str = "run"
     log_completions: int = 0
     seed: int = 1
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     def __post_init__(self) -> None:
         _check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")
@@ -293,6 +384,15 @@ class Config:
             _check(rollout.max_inflight_prompts >= self.data.train_batch_size,
                    f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
                    f"data.train_batch_size={self.data.train_batch_size}; raise it or set 0 for the default")
+        rollout.check_rollout_filter()
+        _check(rollout.rollout_filter_strategy != "top_k" or rollout.rollout_filter_value < self.data.train_batch_size,
+               f"actor_rollout_ref.rollout.rollout_filter_value={rollout.rollout_filter_value} keeps every group of a "
+               f"generation batch of data.train_batch_size={self.data.train_batch_size} prompts; lower it below "
+               "train_batch_size, or set rollout_filter_strategy=none")
+        overlong = self.reward.overlong_buffer
+        _check(not overlong.enable or overlong.len <= self.data.max_response_length,
+               f"reward.overlong_buffer.len={overlong.len} exceeds data.max_response_length="
+               f"{self.data.max_response_length}; the buffer is the last part of the response budget, make it smaller")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
 
@@ -307,6 +407,8 @@ ALIASES: dict[str, str] = {
     "algorithm.use_dynamic_sample": "algorithm.filter_groups.enable",
     "algorithm.dynamic_sample_max_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
     "trainer.resume_mode": "trainer.resume",
+    **{f"reward_model.overlong_buffer.{key}": f"reward.overlong_buffer.{key}"
+       for key in ("enable", "len", "penalty_factor", "log")},
 }
 # Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {

@@ -15,13 +15,70 @@ from typing import Any, Callable
 
 import torch
 
-GroupFilter = Callable[[torch.Tensor], torch.Tensor]
+from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
+from megatron_cpo.algorithms.overlong import overlong_reward_penalty
+from megatron_cpo.config import RAGEN_FILTER_METRICS, Config
+
+MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 """Maps a [groups, n] metric matrix to a bool [groups] keep mask (vectorised over the groups)."""
 
 
 @dataclass
+class OverlongShaping:
+    """DAPO's soft overlong punishment, added to each response's score when its group arrives."""
+    max_response_length: int
+    buffer_len: int
+    penalty_factor: float
+
+    def penalty(self, response_token_ids: list[list[int]]) -> torch.Tensor:
+        lengths = torch.tensor([len(r) for r in response_token_ids])
+        return overlong_reward_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)
+
+
+@dataclass
+class GroupSelection:
+    """Which committed groups are trained on, and how their scores are shaped first.
+
+    metric_filter: a per-group rule on the filter metric (DAPO filter-groups: keep groups whose metric varies).
+    ragen: RAGEN's strategy, ranking the groups that pass `metric_filter` by their scores; it compares groups, so
+        it decides `window` groups at a time (one generation batch) instead of each group on its own.
+    overlong: DAPO's overlong penalty, added to the scores before any filter sees them.
+    """
+    metric_filter: MetricFilter | None = None
+    ragen: RagenFilterConfig | None = None
+    window: int = 1
+    overlong: OverlongShaping | None = None
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1 (groups decided together)")
+
+    @property
+    def windowed(self) -> bool:
+        return self.ragen is not None
+
+    def keep(self, metric: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Bool [groups] keep mask for [groups, n] metric and score matrices."""
+        keep = self.metric_filter(metric) if self.metric_filter is not None else torch.ones(len(metric), dtype=bool)
+        if self.ragen is None or not bool(keep.any()):
+            return keep
+        candidates = torch.nonzero(keep).squeeze(1)
+        rows = scores[candidates]
+        group = torch.arange(len(candidates)).repeat_interleave(rows.shape[1])
+        chosen = ragen_filter(rows.reshape(-1), group, self.ragen).keep.reshape(rows.shape)[:, 0]
+        keep = torch.zeros_like(keep)
+        keep[candidates[chosen]] = True
+        return keep
+
+
+GroupFilter = GroupSelection | MetricFilter
+"""What the controller passes to the accumulator: a `GroupSelection` or a bare per-group metric rule."""
+
+
+@dataclass
 class ScoredGroup:
-    """The n responses to one prompt, scored. `seq` is the prompt's position in this step's request order."""
+    """The n responses to one prompt, scored. `seq` is the prompt's position in this step's request order.
+    `overlong_penalty` is what the overlong shaping added to `scores` (None when it is off)."""
     seq: int
     record: Any
     prompt_token_ids: list[int]
@@ -31,6 +88,7 @@ class ScoredGroup:
     scores: torch.Tensor
     acc: torch.Tensor
     response_texts: list[str] = field(default_factory=list)
+    overlong_penalty: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -47,7 +105,9 @@ class ScoredGroup:
 
 @dataclass
 class AccumulatorStats:
-    """Counts for one batch; `committed` prompts were consumed from the data stream."""
+    """Counts for one batch; `committed` prompts were consumed from the data stream. `judged` / `judged_kept`
+    count the filters' decisions on every group that finished in order, including those past the group that filled
+    the batch (they go back to the data stream, but their outcome is a sample of the keep rate all the same)."""
     committed: int = 0
     kept: int = 0
     filtered: int = 0
@@ -55,20 +115,33 @@ class AccumulatorStats:
     filtered_all_correct: int = 0
     filtered_all_wrong: int = 0
     metric_std_sum: float = 0.0
+    judged: int = 0
+    judged_kept: int = 0
+    reward_std_sum: float = 0.0
+    responses: int = 0
+    overlong_penalty_sum: float = 0.0
+    overlong_penalized: int = 0
 
 
 class GroupAccumulator:
-    """Commits scored groups in request order, filters them, and keeps them until `target_prompts` are kept."""
+    """Commits scored groups in request order, filters them, and keeps them until `target_prompts` are kept.
+
+    With a windowed selection (RAGEN), committed groups wait in a window of `selection.window` groups that is
+    decided at once; a window left incomplete when collection stops (data ran out) is decided on what it holds
+    when `batch()` or `metrics()` is first called.
+    """
 
     def __init__(self, target_prompts: int, group_filter: GroupFilter | None = None, metric: str = "acc") -> None:
         if target_prompts < 1:
             raise ValueError(f"target_prompts={target_prompts} must be >= 1")
         self.target_prompts = target_prompts
-        self.group_filter = group_filter
+        self.selection = (group_filter if isinstance(group_filter, GroupSelection)
+                          else GroupSelection(metric_filter=group_filter))
         self.metric = metric
         self.kept: list[ScoredGroup] = []
         self.stats = AccumulatorStats()
         self._pending: dict[int, ScoredGroup] = {}
+        self._window: list[ScoredGroup] = []
 
     @property
     def full(self) -> bool:
@@ -77,49 +150,73 @@ class GroupAccumulator:
     @property
     def next_seq(self) -> int:
         """The request-order position of the next group to commit (= prompts consumed so far)."""
-        return self.stats.committed
+        return self.stats.committed + len(self._window)
 
     def add(self, groups: list[ScoredGroup]) -> None:
         """Take finished groups (any order); commit every group that is next in request order until full."""
         for group in groups:
-            if group.seq < self.stats.committed or group.seq in self._pending:
+            if group.seq < self.next_seq or group.seq in self._pending:
                 raise ValueError(f"group seq={group.seq} was already added; each request finishes once")
+            if self.selection.overlong is not None:
+                group.overlong_penalty = self.selection.overlong.penalty(group.response_token_ids)
+                group.scores = group.scores.float() + group.overlong_penalty
             self._pending[group.seq] = group
-        ready = []
-        while self.stats.committed + len(ready) in self._pending:
-            ready.append(self._pending.pop(self.stats.committed + len(ready)))
-        if ready:
-            self._commit(ready)
+        while not self.full and self.next_seq in self._pending:
+            self._window.append(self._pending.pop(self.next_seq))
+            if self.selection.windowed and len(self._window) == self.selection.window:
+                self._decide()
+        if not self.selection.windowed and self._window:
+            self._decide()
 
-    def _commit(self, ready: list[ScoredGroup]) -> None:
+    def _decide(self) -> None:
+        """Judge the window's groups together; commit up to and including the group that fills the batch."""
+        ready, self._window = self._window, []
         metric = torch.stack([g.metric(self.metric) for g in ready])
-        keep = self.group_filter(metric) if self.group_filter is not None else torch.ones(len(ready), dtype=torch.bool)
+        scores = torch.stack([g.scores.float() for g in ready])
+        keep = self.selection.keep(metric, scores)
         needed = self.target_prompts - len(self.kept)
-        # Commit up to and including the group that fills the batch; later ones go back to the stream.
         kept_so_far = torch.cumsum(keep.long(), 0)
         fills = torch.nonzero(kept_so_far >= needed)
         count = int(fills[0]) + 1 if len(fills) else len(ready)
-        keep, metric = keep[:count], metric[:count]
+        s = self.stats
+        s.judged += len(ready)
+        s.judged_kept += int(keep.sum())
+        s.reward_std_sum += float(scores.std(dim=1).nan_to_num(0.0).sum())
+        keep, metric, used = keep[:count], metric[:count], ready[:count]
         dropped = ~keep
-        self.kept.extend(g for g, k in zip(ready[:count], keep.tolist()) if k)
-        self.stats.committed += count
-        self.stats.kept += int(keep.sum())
-        self.stats.filtered += int(dropped.sum())
-        self.stats.filtered_trajectories += sum(g.n for g, k in zip(ready[:count], keep.tolist()) if not k)
-        self.stats.filtered_all_correct += int((dropped & (metric.min(dim=1).values > 0)).sum())
-        self.stats.filtered_all_wrong += int((dropped & (metric.max(dim=1).values <= 0)).sum())
-        self.stats.metric_std_sum += float(metric.std(dim=1, unbiased=False).sum())
+        self.kept.extend(g for g, k in zip(used, keep.tolist()) if k)
+        s.committed += count
+        s.kept += int(keep.sum())
+        s.filtered += int(dropped.sum())
+        s.filtered_trajectories += sum(g.n for g, k in zip(used, keep.tolist()) if not k)
+        s.filtered_all_correct += int((dropped & (metric.min(dim=1).values > 0)).sum())
+        s.filtered_all_wrong += int((dropped & (metric.max(dim=1).values <= 0)).sum())
+        s.metric_std_sum += float(metric.std(dim=1, unbiased=False).sum())
+        penalties = [g.overlong_penalty for g in used if g.overlong_penalty is not None]
+        if penalties:
+            penalty = torch.cat(penalties)
+            s.overlong_penalty_sum += float(penalty.sum())
+            s.overlong_penalized += int((penalty < 0).sum())
+        s.responses += sum(g.n for g in used)
         for group in ready[count:]:
             self._pending[group.seq] = group
 
+    def _finish(self) -> None:
+        if self._window and not self.full:
+            self._decide()
+
     def batch(self) -> list[ScoredGroup]:
         """The kept groups, exactly `target_prompts` of them when full (fewer for a partial batch)."""
+        self._finish()
         return self.kept[: self.target_prompts]
 
     def metrics(self) -> dict[str, float]:
+        """Filter counts; `filter/kept_ratio` (kept / judged groups) is what `filter_loss_scaling` scales by and
+        `rollout/in_group_reward_std` (mean unbiased in-group score std of the judged groups) what early stop reads."""
+        self._finish()
         s = self.stats
         committed = max(s.committed, 1)
-        return {
+        metrics = {
             "filter/kept_prompts": float(min(s.kept, self.target_prompts)),
             "filter/committed_prompts": float(s.committed),
             "filter/filtered_prompts": float(s.filtered),
@@ -127,9 +224,42 @@ class GroupAccumulator:
             "filter/filtered_all_correct": float(s.filtered_all_correct),
             "filter/filtered_all_wrong": float(s.filtered_all_wrong),
             "filter/mean_metric_std": s.metric_std_sum / committed,
+            "filter/kept_ratio": s.judged_kept / max(s.judged, 1),
+            "rollout/in_group_reward_std": s.reward_std_sum / max(s.judged, 1),
         }
+        if self.selection.overlong is not None:
+            metrics["overlong/reward_mean"] = s.overlong_penalty_sum / max(s.responses, 1)
+            metrics["overlong/frac"] = s.overlong_penalized / max(s.responses, 1)
+        return metrics
 
 
 def std_positive_filter(metric: torch.Tensor) -> torch.Tensor:
     """DAPO's filter-groups rule on a [groups, n] metric matrix: keep groups whose responses disagree (std > 0)."""
     return metric.std(dim=1, unbiased=False) > 0
+
+
+def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
+    """DAPO filter-groups on a [groups, n] metric matrix via the algorithms' vectorised (exact) rule."""
+    groups, n = metric.shape
+    group = torch.arange(groups).repeat_interleave(n)
+    return filter_groups(metric.reshape(-1), group).keep.reshape(groups, n)[:, 0]
+
+
+def selection_from_config(config: Config) -> GroupSelection | None:
+    """The run's group selection: DAPO filter-groups, RAGEN's rollout filter and the overlong buffer, as configured
+    (None when none is on). RAGEN decides one generation batch (`data.train_batch_size` groups) at a time."""
+    rollout, groups, overlong = (config.actor_rollout_ref.rollout, config.algorithm.filter_groups,
+                                 config.reward.overlong_buffer)
+    ragen = None
+    if rollout.rollout_filter_enabled:
+        ragen = RagenFilterConfig(
+            strategy=rollout.rollout_filter_strategy, value=rollout.rollout_filter_value,
+            filter_type=rollout.rollout_filter_type, include_zero=rollout.rollout_filter_include_zero,
+            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric])
+    shaping = None
+    if overlong.enable:
+        shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)
+    if not groups.enable and ragen is None and shaping is None:
+        return None
+    return GroupSelection(metric_filter=keep_varied_groups if groups.enable else None, ragen=ragen,
+                          window=config.data.train_batch_size, overlong=shaping)

@@ -2,8 +2,9 @@
 
 `<root>/step_<k>/rank_<r>.pt` holds each rank's model shard, the optimizer's local state (Adam moments, step, and
 the fp32 main parameters of a reduced-precision model), the schedule and the RNG states; rank 0's file also holds the
-data position. `<root>/latest` names the newest complete checkpoint and is written last, after a barrier, so a run
-killed mid-save resumes from the previous one. Resuming needs the same world size and TP/PP layout; to change the
+data position and the state of rank 0's run controls (the early-stop monitor), each under its name. `<root>/latest`
+names the newest complete checkpoint and is written last, after a barrier, so a run killed mid-save resumes from the
+previous one. Resuming needs the same world size and TP/PP layout; to change the
 layout, export the model (megatron_cpo.models.save_checkpoint / HF conversion) and start a new run from it.
 
 Per-rank files are used instead of Megatron's distributed-checkpoint format because on CPU builds of Megatron-Core
@@ -77,12 +78,14 @@ def _megatron_rng_tracker() -> Any:
 
 
 class CheckpointManager:
-    """Saves and restores the actor, its optimizer and schedule, RNG states and rank 0's data stream."""
+    """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data stream and `controls`:
+    named objects with `state_dict()` / `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor})."""
 
-    def __init__(self, root: Path, actor: Any, stream: Any) -> None:
+    def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None) -> None:
         self.root = root
         self.actor = actor
         self.stream = stream
+        self.controls = controls or {}
 
     def _rank_file(self, step: int) -> Path:
         return self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.pt"
@@ -94,7 +97,8 @@ class CheckpointManager:
         state = {"step": step, "world_size": dist.get_world_size(), "model": self.actor.model.state_dict(),
                  "optimizer": optimizer_state(self.actor.optimizer),
                  "scheduler": self.actor.scheduler.state_dict(), "rng": rng_state(),
-                 "stream": self.stream.state_dict() if self.stream is not None else None}
+                 "stream": self.stream.state_dict() if self.stream is not None else None,
+                 "controls": {name: control.state_dict() for name, control in self.controls.items()}}
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -131,5 +135,12 @@ class CheckpointManager:
         set_rng_state(state["rng"])
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
+        saved_controls = state.get("controls", {})
+        for name, control in self.controls.items():
+            if name in saved_controls:
+                control.load_state_dict(saved_controls[name])
+            else:
+                logger.warning("checkpoint %s has no %s state (it was off when it was written); starting it fresh",
+                               path.parent, name)
         logger.info("resumed from %s (step %d)", path.parent, step)
         return step

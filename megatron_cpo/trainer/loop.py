@@ -4,7 +4,8 @@ One step (ARCHITECTURE.md, "One training step"):
 1-3. rank 0's controller streams groups from the engines, scores and filters them until the batch is full;
 4-6. the batch is broadcast and every rank scores it (actor, hint, reference), shapes advantages and updates;
 7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM).
-`val/acc` (greedy accuracy on the held-out set) is logged before the first step and after the last.
+`val/acc` (greedy accuracy on the held-out set) is logged before the first step and after the last. With
+`trainer.early_stop.enable` the run also ends (checkpointed, reason logged) once the reward variance has collapsed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
+from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
+from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
 from megatron_cpo.trainer.loggers import MetricLogger
@@ -73,6 +76,22 @@ def _batch_reward_metrics(groups: list) -> dict[str, float]:
             "reward/acc": float(acc.mean())}
 
 
+def _early_stop_monitor(config: Config, is_rank0: bool) -> EarlyStopMonitor | None:
+    """Rank 0's reward-variance monitor when `trainer.early_stop.enable` (None elsewhere or when off)."""
+    cfg = config.trainer.early_stop
+    if not (cfg.enable and is_rank0):
+        return None
+    return EarlyStopMonitor(MonitorConfig(baseline_steps=cfg.baseline_steps, window=cfg.window, ratio=cfg.ratio))
+
+
+def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
+    cfg = monitor.config
+    return (f"early stop after step {step}: the last {cfg.window} values of rollout/in_group_reward_std were all "
+            f"below {cfg.ratio} x the baseline {monitor.baseline:.4g} (mean of the first {cfg.baseline_steps} steps); "
+            "the rewards no longer separate the responses of a prompt. A checkpoint was written; to train on, resume "
+            "with trainer.early_stop.enable=false")
+
+
 def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
@@ -94,13 +113,20 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
     actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
     out_dir = Path(config.trainer.default_local_dir)
-    checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None)
+    monitor = _early_stop_monitor(config, is_rank0)
+    checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None,
+                                    {"early_stop": monitor} if monitor is not None else None)
     start_step = checkpoints.maybe_resume(config.trainer.resume)
+    early_stopped = _broadcast(monitor is not None and monitor.stopped)
     metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
                                   config.trainer.experiment_name, config_to_dict(config)) if is_rank0 else None)
     stop = StopSignal()
     last: dict[str, float] = {}
     try:
+        if early_stopped:
+            if is_rank0:
+                logger.warning("not training: %s", _early_stop_reason(monitor, start_step))
+            return last
         push_weights(actor.model, side)
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
             last = side.validate()
@@ -113,8 +139,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             batch = None
             if collected is not None and collected.groups and (
                     collected.full or config.algorithm.filter_groups.on_limit == "use_partial"):
-                kept_ratio = collected.metrics["filter/kept_prompts"] / max(
-                    collected.metrics["filter/committed_prompts"], 1.0)
+                kept_ratio = collected.metrics["filter/kept_ratio"]
                 hints = side.hint_contexts if config.algorithm.adv_estimator == "cpo" else None
                 batch = make_step_batch(collected.groups, kept_ratio, hints)
             batch = broadcast_batch(batch)
@@ -127,8 +152,14 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             ref_cfg = config.actor_rollout_ref.ref
             if reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
                 actor.mix_into(reference, ref_cfg.ref_model_mixup_alpha)
+            if monitor is not None:
+                early_stopped = monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
+                metrics.update({"train/early_stopped": float(early_stopped),
+                                "early_stop/baseline": monitor.baseline if monitor.baseline is not None else 0.0})
+            if config.trainer.early_stop.enable:
+                early_stopped = _broadcast(early_stopped)
             stopping = stop.agreed()
-            if (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0) or stopping:
+            if (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0) or stopping or early_stopped:
                 checkpoints.save(step)
             if is_rank0:
                 metrics.update(collected.metrics)
@@ -145,6 +176,10 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             if stopping:
                 logger.warning("stopped by SIGTERM after step %d; resume with trainer.resume=auto", step)
                 return last
+            if early_stopped:
+                if is_rank0:
+                    logger.warning("%s", _early_stop_reason(monitor, step))
+                break
         step_done = _broadcast(step)
         if is_rank0:
             final = side.validate()

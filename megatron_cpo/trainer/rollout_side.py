@@ -14,27 +14,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_cpo.algorithms.filters import filter_groups
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, WeightSender
-from megatron_cpo.trainer.accumulator import ScoredGroup
+from megatron_cpo.trainer.accumulator import ScoredGroup, keep_varied_groups, selection_from_config  # noqa: F401
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
 from megatron_cpo.trainer.prompt_stream import PromptStream
 
 
 # Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
 RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-
-
-def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
-    """DAPO filter-groups on a [groups, n] metric matrix via the algorithms' vectorised rule."""
-    groups, n = metric.shape
-    group = torch.arange(groups).repeat_interleave(n)
-    return filter_groups(metric.reshape(-1), group).keep.reshape(groups, n)[:, 0]
 
 
 def load_dataset(files: str, tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
@@ -69,10 +61,11 @@ class RolloutSide:
         self.controller = RolloutController(
             self.manager, self.stream, self.score_groups,
             ControllerSettings(train_batch_size=data.train_batch_size,
-                               max_num_gen_batches=groups.max_num_gen_batches if groups.enable else 0,
+                               max_num_gen_batches=groups.max_num_gen_batches
+                               if groups.enable or rollout.rollout_filter_enabled else 0,
                                on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
                                filter_metric=groups.metric),
-            keep_varied_groups if groups.enable else None, self.sampling_params)
+            selection_from_config(config), self.sampling_params)
         self.last_reward_metrics: dict[str, float] = {}
 
     def sampling_params(self, seed: int | None, n: int | None = None, greedy: bool = False) -> SamplingParams:

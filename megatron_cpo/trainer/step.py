@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
-from megatron_cpo.algorithms.filters import scale_advantages
+from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_penalty
 from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.algorithms.mismatch import TISConfig
@@ -35,7 +35,7 @@ class StepBatch:
     acc: torch.Tensor
     group: torch.Tensor
     truncated: torch.Tensor
-    kept_ratio: float
+    kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
     hint_prompt_ids: list[list[int]] | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
@@ -74,11 +74,13 @@ def _right_pad(rows: list[list[float]], width: int) -> torch.Tensor:
 
 
 def loss_config_of(config: Config) -> PolicyLossConfig:
+    """The policy-loss variant the actor config selects (clip-higher, aggregation, entropy mask, KL, TIS)."""
     actor = config.actor_rollout_ref.actor
     tis = TISConfig(level="token", threshold=actor.tis_imp_ratio_cap) if actor.tis_imp_ratio_cap > 0 else None
     return PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
-                            entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                            entropy_coeff=actor.entropy_coeff, top_entropy_quantile=actor.top_entropy_quantile,
+                            use_kl_loss=actor.use_kl_loss,
                             kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, tis=tis)
 
 
@@ -121,6 +123,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
             metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
+    metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
 
     rollout_log_probs = _right_pad(batch.rollout_log_probs, width)
     loss_config = loss_config_of(config)

@@ -1,9 +1,17 @@
-"""Filter-and-accumulate on scored groups built from real tokenizer output: order, filtering, truncation, rewind."""
+"""Filter-and-accumulate on scored groups built from real tokenizer output: order, filtering, truncation, rewind,
+RAGEN windows and the overlong penalty."""
 import pytest
 import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
-from megatron_cpo.trainer.accumulator import GroupAccumulator, ScoredGroup, std_positive_filter
+from megatron_cpo.algorithms.filters import RagenFilterConfig
+from megatron_cpo.trainer.accumulator import (
+    GroupAccumulator,
+    GroupSelection,
+    OverlongShaping,
+    ScoredGroup,
+    std_positive_filter,
+)
 from megatron_cpo.trainer.prompt_stream import PromptStream
 
 
@@ -39,6 +47,7 @@ def test_filter_drops_uniform_groups_and_truncates(tokenizer):
     assert metrics["filter/filtered_prompts"] == 2
     assert metrics["filter/filtered_all_correct"] == 1 and metrics["filter/filtered_all_wrong"] == 1
     assert metrics["filter/filter_rate"] == pytest.approx(0.5)
+    assert metrics["filter/kept_ratio"] == pytest.approx(3 / 5)  # seq 4 was judged (kept) though not used
     assert acc.stats.filtered_trajectories == 4
 
 
@@ -68,3 +77,57 @@ def test_prompt_stream_epochs_and_rewind():
     assert [again.next() for _ in range(3)] == [stream.next() for _ in range(3)]
     rest = [stream.next() for _ in range(4)]
     assert rest[-1] is None and stream.exhausted
+
+
+def scored_with(tokenizer, seq, scores, lengths=None):
+    """A group whose responses have the given scores (acc = score > 0) and token lengths."""
+    group = scored_group(tokenizer, seq, ["4"] * len(scores))
+    if lengths is not None:
+        group.response_token_ids = [[5] * length for length in lengths]
+    group.scores = torch.tensor(scores, dtype=torch.float32)
+    group.acc = (group.scores > 0).float()
+    return group
+
+
+def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
+    # windows of 4 groups; top_k=2 by in-group reward std keeps the two most varied groups of each window
+    selection = GroupSelection(ragen=RagenFilterConfig(strategy="top_k", value=2), window=4)
+    acc = GroupAccumulator(3, selection)
+    scores = {0: [0.0, 1.0], 1: [0.0, 0.0], 2: [0.0, 0.5], 3: [1.0, 1.0],
+              4: [0.2, 0.3], 5: [0.0, 1.0], 6: [0.0, 0.9], 7: [0.5, 0.5]}
+    acc.add([scored_with(tokenizer, seq, scores[seq]) for seq in (0, 1, 2)])
+    assert not acc.kept and acc.next_seq == 3  # the window is not complete: nothing decided yet
+    acc.add([scored_with(tokenizer, 3, scores[3])])
+    assert [g.seq for g in acc.kept] == [0, 2]
+    acc.add([scored_with(tokenizer, seq, scores[seq]) for seq in (4, 5, 6, 7)])
+    assert acc.full and [g.seq for g in acc.batch()] == [0, 2, 5]
+    assert acc.next_seq == 6  # 6 and 7 were judged in the window but go back to the data stream
+    metrics = acc.metrics()
+    assert metrics["filter/kept_ratio"] == pytest.approx(4 / 8)  # the filter kept 2 of every 4 it judged
+    stds = [torch.tensor(scores[s]).std().item() for s in range(8)]
+    assert metrics["rollout/in_group_reward_std"] == pytest.approx(sum(stds) / 8)
+
+
+def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_window(tokenizer):
+    selection = GroupSelection(metric_filter=std_positive_filter,
+                               ragen=RagenFilterConfig(strategy="top_k", value=1), window=4)
+    acc = GroupAccumulator(2, selection)
+    # group 0 has the largest std but an all-correct acc, so filter-groups drops it before RAGEN ranks
+    acc.add([scored_with(tokenizer, 0, [0.1, 1.0]), scored_with(tokenizer, 1, [0.0, 0.4]),
+             scored_with(tokenizer, 2, [0.0, 0.6])])
+    assert not acc.kept
+    assert [g.seq for g in acc.batch()] == [2]  # collection stopped (data ran out): the partial window is decided
+    assert acc.metrics()["filter/kept_ratio"] == pytest.approx(1 / 3)
+
+
+def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
+    # max 10 tokens, buffer 4: lengths 6 (no penalty), 8 (-0.5) and 10 (-1.0 with factor 1)
+    overlong = OverlongShaping(max_response_length=10, buffer_len=4, penalty_factor=1.0)
+    acc = GroupAccumulator(1, GroupSelection(metric_filter=std_positive_filter, overlong=overlong), "score")
+    # equal raw scores: only the penalty makes the group varied, so filter-groups on `score` keeps it
+    acc.add([scored_with(tokenizer, 0, [1.0, 1.0, 1.0], lengths=[6, 8, 10])])
+    assert acc.full
+    torch.testing.assert_close(acc.batch()[0].scores, torch.tensor([1.0, 0.5, 0.0]))
+    metrics = acc.metrics()
+    assert metrics["overlong/reward_mean"] == pytest.approx(-0.5)
+    assert metrics["overlong/frac"] == pytest.approx(2 / 3)

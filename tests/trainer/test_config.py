@@ -28,6 +28,24 @@ def test_seed_001_aliases_map_to_filter_groups():
     assert explicit.algorithm.filter_groups.on_limit == "error"
 
 
+def test_feature_keys_under_verl_ragen_and_ms_swift_names():
+    config = build_config({
+        "actor_rollout_ref": {"rollout": {"rollout_filter_strategy": "min_p", "rollout_filter_value": 0.8,
+                                          "rollout_filter_type": "smallest", "rollout_filter_include_zero": False},
+                              "actor": {"filter_loss_scaling": "sqrt", "top_entropy_quantile": 0.2}},
+        "reward_model": {"overlong_buffer": {"enable": True, "len": 8, "penalty_factor": 0.5, "log": True}},
+        "trainer": {"early_stop": {"enable": True, "window": 3}}})
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    assert rollout.rollout_filter_enabled and rollout.rollout_filter_strategy == "min_p"
+    assert (rollout.rollout_filter_value, rollout.rollout_filter_type) == (0.8, "smallest")
+    assert rollout.rollout_filter_include_zero is False
+    assert (actor.filter_loss_scaling, actor.top_entropy_quantile) == ("sqrt", 0.2)
+    overlong = config.reward.overlong_buffer  # verl's reward_model.overlong_buffer lands in our reward block
+    assert (overlong.enable, overlong.len, overlong.penalty_factor, overlong.log) == (True, 8, 0.5, True)
+    assert config.trainer.early_stop.enable and config.trainer.early_stop.window == 3
+    assert not build_config({}).actor_rollout_ref.rollout.rollout_filter_enabled
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["actor_rollout_ref.rollout.n=1"], "set actor_rollout_ref.rollout.n >= 2"),
     (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "not a multiple"),
@@ -40,6 +58,22 @@ def test_seed_001_aliases_map_to_filter_groups():
     (["data.train_batch_size"], "has no '='"),
     (["algorithm.wrap_method=mi4"], "algorithm.wrap_method='mi4' is not a CPO shaping rule"),
     (["actor_rollout_ref.rollout.max_inflight_prompts=2", "data.train_batch_size=8"], "raise it or set 0"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_q"], "choose one of 'none', 'top_p', 'top_k', 'min_p'"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=2.5"],
+     "must be a whole number >= 1 for top_k"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=8",
+      "data.train_batch_size=8"], "lower it below train_batch_size"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_p", "actor_rollout_ref.rollout.rollout_filter_value=0"],
+     "must be in (0, 1] for top_p"),
+    (["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance"], "use 'reward_std'"),
+    (["actor_rollout_ref.rollout.rollout_filter_type=big"], "choose one of 'largest', 'smallest'"),
+    (["actor_rollout_ref.actor.filter_loss_scaling=log"], "choose one of 'none', 'linear', 'sqrt'"),
+    (["actor_rollout_ref.actor.top_entropy_quantile=0"], "(1.0 keeps all, e.g. 0.2 for the top 20%)"),
+    (["reward.overlong_buffer.enable=true"], "must be > 0 when the buffer is enabled"),
+    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=64",
+      "data.max_response_length=32"], "exceeds data.max_response_length=32"),
+    (["trainer.early_stop.ratio=0"], "trainer.early_stop.ratio=0.0 must be > 0"),
+    (["trainer.early_stop.window=0"], "trainer.early_stop.window=0 must be >= 1"),
 ])
 def test_bad_values_are_rejected_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as err:
@@ -75,3 +109,14 @@ def test_example_configs_are_valid():
     assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml"]
     estimators = {p.name: load_config(p).algorithm.adv_estimator for p in examples}
     assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo"}
+
+
+def test_dapo_recipes_shape_overlong_responses():
+    from pathlib import Path
+
+    examples = Path(__file__).parents[2] / "examples"
+    for path in [examples / "tiny" / "dapo_arith.yaml", *sorted(examples.glob("qwen2.5-math-*/dapo.yaml"))]:
+        config = load_config(path)
+        overlong = config.reward.overlong_buffer
+        assert overlong.enable and overlong.penalty_factor == 1.0, path
+        assert 0 < overlong.len <= config.data.max_response_length // 3, path  # the last part of the budget only

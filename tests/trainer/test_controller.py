@@ -1,5 +1,5 @@
 """The streaming controller against a real vLLM engine and the real grading pool: filter-groups drops groups,
-batches are exact, unused prompts go back to the data stream, and both `on_limit` behaviours."""
+batches are exact, unused prompts go back to the data stream, both `on_limit` behaviours, and RAGEN's windows."""
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -54,3 +54,16 @@ def test_limit_reached_trains_on_the_partial_batch(make_config, side_for):
 def test_validation_reports_held_out_accuracy(make_config, side_for):
     metrics = side_for(make_config()).validate()
     assert metrics["val/count"] == 8 and 0.0 <= metrics["val/acc"] <= 1.0
+
+
+def test_ragen_top_k_keeps_the_best_groups_of_each_generation_batch(make_config, side_for):
+    side = side_for(make_config("actor_rollout_ref.rollout.rollout_filter_strategy=top_k",
+                                "actor_rollout_ref.rollout.rollout_filter_value=2",
+                                "algorithm.filter_groups.max_num_gen_batches=4"))
+    collected = side.controller.collect(step=1)
+    metrics = collected.metrics
+    assert collected.full and len(collected.groups) == 4
+    assert metrics["filter/kept_ratio"] == 0.5  # 2 of each generation batch of 4, two batches judged whole
+    assert metrics["filter/num_gen_batches"] == 2 and 6 <= metrics["filter/committed_prompts"] <= 8
+    assert side.stream.position.offset == metrics["filter/committed_prompts"]  # the rest went back to the stream
+    assert [g.seq for g in collected.groups] == sorted(g.seq for g in collected.groups)

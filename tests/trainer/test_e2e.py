@@ -51,38 +51,68 @@ def send_sigterm_after_first_step(run_dir: Path) -> threading.Thread:
 
 
 def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config, rollout_manager, tmp_path):
+    """4 steps straight vs 2 steps, SIGTERM, resume, 2 steps: identical metrics. The early-stop monitor (on, but set
+    not to fire) is part of the resumed state: a fresh monitor would log another `early_stop/baseline` at step 3."""
     straight_dir, preempted_dir = tmp_path / "straight", tmp_path / "preempted"
-    overrides = ("trainer.total_training_steps=3", "trainer.val_before_train=true")
+    overrides = ("trainer.total_training_steps=4", "trainer.val_before_train=true", "trainer.early_stop.enable=true",
+                 "trainer.early_stop.baseline_steps=2", "trainer.early_stop.window=2", "trainer.early_stop.ratio=1e-6")
     run_training(make_config(*overrides, f"trainer.default_local_dir={straight_dir}"), rollout_manager)
     straight = read_metrics(straight_dir)
-    assert "val/acc" in straight[0] and "val/acc" in straight[3]
-    assert straight[1]["filter/kept_prompts"] == 4 and straight[3]["actor/grad_norm"] > 0
+    assert "val/acc" in straight[0] and "val/acc" in straight[4]
+    assert straight[1]["filter/kept_prompts"] == 4 and straight[4]["actor/grad_norm"] > 0
+    assert straight[1]["early_stop/baseline"] == 0 and straight[3]["early_stop/baseline"] == pytest.approx(
+        (straight[1]["rollout/in_group_reward_std"] + straight[2]["rollout/in_group_reward_std"]) / 2)
+    assert straight[4]["train/early_stopped"] == 0
 
     preempted = make_config(*overrides, f"trainer.default_local_dir={preempted_dir}", "trainer.resume=auto")
     watcher = send_sigterm_after_first_step(preempted_dir)
     run_training(preempted, rollout_manager)
     watcher.join(timeout=5)
     stopped_at = max(step for step in read_metrics(preempted_dir) if step > 0)
-    assert stopped_at < 3, "the run should have stopped early on SIGTERM"
+    # SIGTERM arrives during step 2 (it is sent once step 1 is logged): the run finishes that step, checkpoints and
+    # stops; 3 only if step 2 took less than the watcher's 0.2 s poll
+    assert stopped_at in (2, 3), "the run should have stopped early on SIGTERM"
     assert (preempted_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:06d}"
     run_training(preempted, rollout_manager)
     resumed = read_metrics(preempted_dir)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         expected, got = deterministic(straight[step]), deterministic(resumed[step])
         assert expected.keys() == got.keys()
         for key in expected:
             assert got[key] == pytest.approx(expected[key], abs=1e-6), (step, key)
 
 
-def test_cpo_with_dynamic_sampling_scores_hinted_contexts(make_config, rollout_manager, tmp_path):
+def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(make_config, rollout_manager, tmp_path):
+    """One CPO step with every selection and loss feature on, then the reward-variance early stop ends the run."""
     run_dir = tmp_path / "cpo"
-    run_training(make_config("algorithm.adv_estimator=cpo", "algorithm.wrap_method=negonly_mi3",
-                             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
-                             "trainer.total_training_steps=1", "trainer.val_before_train=false",
-                             "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.default_local_dir={run_dir}"),
-                 rollout_manager)
-    step = read_metrics(run_dir)[1]
+    config = make_config(
+        "algorithm.adv_estimator=cpo", "algorithm.wrap_method=negonly_mi3",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
+        "actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=3",
+        "actor_rollout_ref.actor.filter_loss_scaling=linear", "actor_rollout_ref.actor.top_entropy_quantile=0.5",
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=6",
+        "reward_model.overlong_buffer.log=true",
+        # ratio 2: "low" is below twice the baseline, so the first value after the 1-step baseline stops the run
+        "trainer.early_stop.enable=true", "trainer.early_stop.baseline_steps=1", "trainer.early_stop.window=1",
+        "trainer.early_stop.ratio=2.0",
+        "trainer.total_training_steps=3", "trainer.val_before_train=false",
+        "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.default_local_dir={run_dir}")
+    run_training(config, rollout_manager)
+    metrics = read_metrics(run_dir)
+    step = metrics[1]
     assert step["cpo/hints_truncated"] == 0
     assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0
     assert step["cpo/difficulty_mixed"] == 1.0  # filter-groups kept only mixed prompts
     assert step["filter/kept_prompts"] == 4 and "kl" in step
+    # RAGEN keeps at most 3 of every 4 groups, and the loss scale is that kept ratio (filter_loss_scaling=linear)
+    assert 0 < step["filter/kept_ratio"] <= 0.75
+    assert step["filter/loss_scale"] == pytest.approx(step["filter/kept_ratio"])
+    # the overlong buffer covers lengths 7..12 of the 12-token budget; the untrained model often runs that long
+    assert step["overlong/frac"] > 0 and step["overlong/reward_mean"] < 0
+    assert "entropy/threshold" in step  # the entropy mask chose this micro-batch's top-50% entropy tokens
+    assert step["train/early_stopped"] == 1.0 and step["early_stop/baseline"] > 0
+    assert max(metrics) == 1 and "val/acc" in metrics[1], "the run ends after step 1 with a final validation"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+    run_training(config, rollout_manager)  # resuming a stopped run trains nothing
+    assert max(read_metrics(run_dir)) == 1
