@@ -32,8 +32,7 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("Reward", ("reward/mean", "val/score"), "score"),
     Panel("Accuracy", ("reward/acc", "val/acc"), "fraction correct"),
-    Panel("Filter rate", ("filter/filter_rate", "filter/filtered_all_correct", "filter/filtered_all_wrong"),
-          "fraction of prompts"),
+    Panel("Filter rate", ("filter/filter_rate", "filter/kept_ratio", "frac_reward_zero_std"), "fraction of prompts"),
     Panel("Mutual information (CPO)", ("cpo/mi_mean", "cpo/mi_std", "cpo/mi_positive_ratio"), "MI"),
     Panel("Entropy", ("actor/entropy",), "nats / token"),
     Panel("Response length", ("completions/mean_length", "completions/max_length"), "tokens"),
