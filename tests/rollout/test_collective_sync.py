@@ -71,3 +71,16 @@ def test_a_group_member_that_never_joins_is_a_clear_error_and_the_engine_keeps_s
     manager.submit("after-failed-join", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     (group,) = manager.completed(timeout=300)
     assert len(group.samples[0].token_ids) == 4
+
+
+def test_auto_transport_is_shm_on_one_node_and_collective_when_the_trainer_spans_nodes(ray_cluster, monkeypatch):
+    from megatron_cpo.rollout.weight_sync import resolve_weight_transport
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resolve_weight_transport("auto") == "shm"  # one Ray node, one trainer node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_weight_transport("auto") == "collective"  # torchrun over two nodes
+    assert resolve_weight_transport("shm") == "shm"
+    with pytest.raises(ValueError, match=r"weight_transport='nccl'; use one of auto, shm, collective"):
+        resolve_weight_transport("nccl")
