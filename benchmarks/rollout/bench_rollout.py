@@ -53,9 +53,13 @@ def _bench_size(hidden: int, layers: int, args, workdir: str) -> dict:
                 p.mul_(1.01)
         state = hf_model.state_dict()
         # The first collective sync also opens the weight-sync group: it is timed as `group_init_s` and kept apart.
-        syncs = {transport: [manager.sync_weights(state.items(), transport=transport)
-                             for _ in range(args.sync_repeats + (transport == "collective"))]
-                 for transport in args.transports}
+        # Transports alternate within each repeat so that a change in the machine's load affects them alike.
+        syncs = {transport: [] for transport in args.transports}
+        if "collective" in syncs:
+            syncs["collective"].append(manager.sync_weights(state.items(), transport="collective"))
+        for _ in range(args.sync_repeats):
+            for transport in args.transports:
+                syncs[transport].append(manager.sync_weights(state.items(), transport=transport))
     row = {"hidden": hidden, "layers": layers, "params_m": num_params / 1e6, "engine_start_s": start_s,
            "generated_tokens": tokens, "generate_s": gen_s, "tokens_per_s": tokens / gen_s if gen_s else 0.0}
     for transport, sync in syncs.items():

@@ -133,5 +133,8 @@ class VLLMEngine:
         await self.engine.reset_prefix_cache()
 
     async def shutdown(self) -> None:
-        await self.leave_weight_group()
-        self.engine.shutdown()
+        """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""
+        try:
+            await self.leave_weight_group()
+        finally:
+            self.engine.shutdown()

@@ -147,17 +147,19 @@ class WeightSender:
 
 
 def _engine_errors(refs: list) -> str:
-    """The first error an engine already reported among `refs`, as a sentence ("" when none did)."""
+    """The first error an engine already reported among `refs`, as a sentence ("" when none did). Every finished
+    ref is read, so Ray does not log the others' errors as unhandled."""
     import ray
 
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    errors = []
     for ref in done:
         try:
             ray.get(ref)
         except ray.exceptions.RayError as err:
             lines = [line for line in str(err).splitlines() if line.strip()]
-            return f"engine {refs.index(ref)} reported: {lines[-1] if lines else type(err).__name__}; "
-    return ""
+            errors.append(f"engine {refs.index(ref)} reported: {lines[-1] if lines else type(err).__name__}; ")
+    return errors[0] if errors else ""
 
 
 class _SenderGroups:
