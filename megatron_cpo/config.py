@@ -195,7 +195,11 @@ class RolloutConfig(RolloutFilterConfig):
     """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
     (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache. `ray_address`: "auto" joins the
     running Ray cluster (as the SLURM launcher starts it, via RAY_ADDRESS) or starts a local one when there is none;
-    "local" always starts a private one; "host:port" joins that cluster.
+    "local" always starts a private one; "host:port" joins that cluster. `weight_transport`: how weights reach the
+    engines after each update: "shm" (/dev/shm buckets, engines on the sending ranks' node), "collective" (a gloo or
+    NCCL group between each sending rank and every engine worker, engines on any node), "auto" (collective when the
+    Ray cluster or the trainer spans several nodes, else shm); `weight_sync_timeout_s` bounds forming that group and
+    each broadcast.
     The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default."""
     n: int = 4
     temperature: float = 1.0
@@ -206,9 +210,14 @@ class RolloutConfig(RolloutFilterConfig):
     kv_cache_gib: float = 1.0
     max_inflight_prompts: int = 0
     ray_address: str = "auto"
+    weight_transport: str = "auto"
+    weight_sync_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."
+        _check_choice(prefix + "weight_transport", self.weight_transport, ("auto", "shm", "collective"))
+        _check(self.weight_sync_timeout_s > 0,
+               f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
         _check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
         _check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
         _check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")

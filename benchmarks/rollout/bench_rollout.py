@@ -1,10 +1,12 @@
 """Rollout benchmark on CPU: generation throughput (tokens/s) and weight-sync time against model size.
 
 For each model size a tiny-family Qwen2 model is written, one vLLM engine is started on a private Ray cluster,
-a batch of prompts is generated (n samples each), and the full HF state dict of a perturbed copy is synced into
-the engine several times through the shared-memory bucket path. Prints a markdown table row per size.
+a batch of prompts is generated (n samples each; `--prompts 0` skips generation), and the full HF state dict of a
+perturbed copy is synced into the engine several times through each weight transport of `--transports` (shared-memory
+buckets, and/or broadcasts over the gloo weight-sync group). Prints a markdown table row per size.
 
     python benchmarks/rollout/bench_rollout.py --sizes 128x2 512x4 1024x8
+    python benchmarks/rollout/bench_rollout.py --sizes 128x2 512x4 1024x8 --prompts 0 --transports shm collective
 """
 from __future__ import annotations
 
@@ -38,21 +40,35 @@ def _bench_size(hidden: int, layers: int, args, workdir: str) -> dict:
         for warm in range(2):
             manager.submit(f"warmup-{warm}", [1, 40, 41], SamplingParams(max_tokens=8))
         list(manager.completed(timeout=600))
-        begin = time.perf_counter()
-        for i in range(args.prompts):
-            manager.submit(f"p{i}", [1] + [40 + (i + j) % 60 for j in range(args.prompt_len)], params)
-        tokens = sum(len(s.token_ids) for g in manager.completed(timeout=1800) for s in g.samples)
-        gen_s = time.perf_counter() - begin
+        tokens, gen_s = 0, 0.0
+        if args.prompts:
+            begin = time.perf_counter()
+            for i in range(args.prompts):
+                manager.submit(f"p{i}", [1] + [40 + (i + j) % 60 for j in range(args.prompt_len)], params)
+            tokens = sum(len(s.token_ids) for g in manager.completed(timeout=1800) for s in g.samples)
+            gen_s = time.perf_counter() - begin
 
         with torch.no_grad():
             for p in hf_model.parameters():
                 p.mul_(1.01)
         state = hf_model.state_dict()
-        sync = [manager.sync_weights(state.items()) for _ in range(args.sync_repeats)]
-    return {"hidden": hidden, "layers": layers, "params_m": num_params / 1e6, "engine_start_s": start_s,
-            "generated_tokens": tokens, "generate_s": gen_s, "tokens_per_s": tokens / gen_s,
-            "sync_mb": sync[0]["bytes"] / 2**20, "sync_buckets": sync[0]["buckets"],
-            "sync_s_median": sorted(m["seconds"] for m in sync)[len(sync) // 2]}
+        # The first collective sync also opens the weight-sync group: it is timed as `group_init_s` and kept apart.
+        # Transports alternate within each repeat so that a change in the machine's load affects them alike.
+        syncs = {transport: [] for transport in args.transports}
+        if "collective" in syncs:
+            syncs["collective"].append(manager.sync_weights(state.items(), transport="collective"))
+        for _ in range(args.sync_repeats):
+            for transport in args.transports:
+                syncs[transport].append(manager.sync_weights(state.items(), transport=transport))
+    row = {"hidden": hidden, "layers": layers, "params_m": num_params / 1e6, "engine_start_s": start_s,
+           "generated_tokens": tokens, "generate_s": gen_s, "tokens_per_s": tokens / gen_s if gen_s else 0.0}
+    for transport, sync in syncs.items():
+        if transport == "collective":
+            row["collective_group_init_s"] = sync[0]["group_init_seconds"]
+            sync = sync[1:]
+        row.update({"sync_mb": sync[0]["bytes"] / 2**20, "sync_buckets": sync[0]["buckets"],
+                    f"{transport}_sync_s_median": sorted(m["seconds"] for m in sync)[len(sync) // 2]})
+    return row
 
 
 def main() -> None:
@@ -64,6 +80,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=["shm"], choices=["shm", "collective"])
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -74,12 +91,14 @@ def main() -> None:
             hidden, layers = (int(v) for v in size.split("x"))
             rows.append(_bench_size(hidden, layers, args, workdir))
             print(json.dumps(rows[-1]), flush=True)
-    print("| hidden x layers | params (M) | engine start (s) | gen tokens | tokens/s | sync MB | buckets | sync s |")
-    print("|---|---|---|---|---|---|---|---|")
+    sync_columns = [f"{t}_sync_s_median" for t in args.transports]
+    print("| hidden x layers | params (M) | engine start (s) | gen tokens | tokens/s | sync MB | buckets | "
+          + " | ".join(f"{t} sync s" for t in args.transports) + " |")
+    print("|---" * (7 + len(sync_columns)) + "|")
     for r in rows:
         print(f"| {r['hidden']} x {r['layers']} | {r['params_m']:.2f} | {r['engine_start_s']:.0f} | "
               f"{r['generated_tokens']} | {r['tokens_per_s']:.0f} | {r['sync_mb']:.1f} | {r['sync_buckets']:.0f} | "
-              f"{r['sync_s_median']:.3f} |")
+              + " | ".join(f"{r[c]:.3f}" for c in sync_columns) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -11,12 +11,18 @@ On trainer rank 0::
 
 With pipeline parallelism every stage sends its own layers: rank 0 calls `begin_weight_sync()`, broadcasts
 `sender_spec()`, every rank runs `WeightSender(spec).send(iter_hf_weights(model, hf_config))`, and after a barrier
-rank 0 calls `finish_weight_sync()` (see `weight_sync`).
+rank 0 calls `finish_weight_sync()` (see `weight_sync`; `send_from_pipeline_stages` does the middle step and orders
+the stages for the collective transport). `rollout.weight_transport` picks how bytes travel: /dev/shm files
+("shm", engines on the sender's node) or a gloo/NCCL group between each sending rank and every engine worker
+("collective", engines on any node); "auto" chooses.
 """
 from megatron_cpo.rollout.manager import RolloutManager
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup,
                                         RolloutSample, SamplingParams, derive_sample_seeds)
-from megatron_cpo.rollout.weight_sync import WeightSender, WeightSenderSpec
+from megatron_cpo.rollout.collective import WeightGroupJoinError
+from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
+                                              send_from_pipeline_stages)
 
 __all__ = ["RolloutConfig", "RolloutEngineStartError", "RolloutEnginesLostError", "RolloutGroup", "RolloutManager",
-           "RolloutSample", "SamplingParams", "WeightSender", "WeightSenderSpec", "derive_sample_seeds"]
+           "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender", "WeightSenderSpec",
+           "close_weight_groups", "derive_sample_seeds", "send_from_pipeline_stages"]

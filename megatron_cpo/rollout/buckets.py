@@ -1,9 +1,11 @@
-"""Weight buckets: HF-named tensors packed into flat shared-memory files that engine workers map without a copy.
+"""Weight buckets: HF-named tensors packed into one flat byte buffer, with a small table to cut it back.
 
-A sending rank walks its `(hf_name, tensor)` stream, packs tensors into buckets of about `bucket_bytes`, writes each
-bucket to a file in /dev/shm (RAM-backed) and hands the engines a small `BucketSpec` (path + tensor table). Each
-engine worker maps the file and feeds the views to vLLM's weight loaders, which copy them into the model. Only
-the spec travels through Ray; the bytes are written once and read in place by every engine on the node.
+A sending rank walks its `(hf_name, tensor)` stream and packs tensors into buckets of about `bucket_bytes`
+(`iter_buckets`, `bucket_layout`, `pack_bucket`); a receiver cuts the bytes back into named views (`unpack_bucket`)
+and feeds them to vLLM's weight loaders, which copy them into the model. Two transports move the bytes:
+- shared memory (this module): each bucket is a file in /dev/shm (RAM-backed) that every engine worker on the node
+  maps without a copy; only the small `BucketSpec` (path + tensor table) travels through Ray;
+- a collective group (`collective.py`): the bytes are broadcast from the sending rank to every engine worker.
 """
 from __future__ import annotations
 
@@ -35,12 +37,12 @@ class BucketSpec:
 
     def to_wire(self) -> list:
         """Plain lists for vLLM's RPC serializer, which turns dataclasses into dicts."""
-        return [self.path, self.nbytes, [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries]]
+        return [self.path, self.nbytes, entries_to_wire(self.entries)]
 
     @classmethod
     def from_wire(cls, wire: list) -> "BucketSpec":
         path, nbytes, entries = wire
-        return cls(path, nbytes, tuple(TensorEntry(n, d, tuple(s), o) for n, d, s, o in entries))
+        return cls(path, nbytes, entries_from_wire(entries))
 
 
 def _shm_dir() -> str:
@@ -56,32 +58,56 @@ def _map_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def write_bucket(tensors: list[tuple[str, torch.Tensor]], prefix: str) -> BucketSpec:
-    """Write tensors (any device) into a new shared-memory file and return its spec. The caller deletes it with
-    `release_bucket` once every engine has loaded it."""
+def bucket_layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[TensorEntry, ...], int]:
+    """Where each tensor goes in the bucket's flat buffer, and the buffer's size in bytes."""
     entries, offset = [], 0
     for name, tensor in tensors:
         entries.append(TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset))
         offset = _aligned(offset + tensor.numel() * tensor.element_size())
-    path = os.path.join(_shm_dir(), f"{prefix}-{uuid.uuid4().hex}.bucket")
-    buffer = _map_file(path, max(offset, _ALIGN))
+    return tuple(entries), max(offset, _ALIGN)
+
+
+def pack_bucket(buffer: torch.Tensor, entries: tuple[TensorEntry, ...],
+                tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy the tensors (any device) into a flat uint8 `buffer` laid out by `bucket_layout`."""
     for entry, (_, tensor) in zip(entries, tensors):
         nbytes = tensor.numel() * tensor.element_size()
         target = buffer[entry.offset:entry.offset + nbytes].view(tensor.dtype).view(tensor.shape)
         target.copy_(tensor.detach())
-    return BucketSpec(path=path, nbytes=max(offset, _ALIGN), entries=tuple(entries))
 
 
-def read_bucket(spec: BucketSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the bucket's named tensors as views of the mapped file (valid while the file exists)."""
-    buffer = _map_file(spec.path, spec.nbytes)
-    for entry in spec.entries:
+def unpack_bucket(buffer: torch.Tensor, entries: tuple[TensorEntry, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the bucket's named tensors as views of the flat uint8 `buffer` (no copy)."""
+    for entry in entries:
         dtype = getattr(torch, entry.dtype)
         numel = 1
         for size in entry.shape:
             numel *= size
         nbytes = numel * dtype.itemsize
         yield entry.name, buffer[entry.offset:entry.offset + nbytes].view(dtype).view(entry.shape)
+
+
+def entries_to_wire(entries: tuple[TensorEntry, ...]) -> list:
+    """Plain lists for vLLM's RPC serializer, which turns dataclasses into dicts."""
+    return [[e.name, e.dtype, list(e.shape), e.offset] for e in entries]
+
+
+def entries_from_wire(wire: list) -> tuple[TensorEntry, ...]:
+    return tuple(TensorEntry(n, d, tuple(s), o) for n, d, s, o in wire)
+
+
+def write_bucket(tensors: list[tuple[str, torch.Tensor]], prefix: str) -> BucketSpec:
+    """Write tensors (any device) into a new shared-memory file and return its spec. The caller deletes it with
+    `release_bucket` once every engine has loaded it."""
+    entries, nbytes = bucket_layout(tensors)
+    path = os.path.join(_shm_dir(), f"{prefix}-{uuid.uuid4().hex}.bucket")
+    pack_bucket(_map_file(path, nbytes), entries, tensors)
+    return BucketSpec(path=path, nbytes=nbytes, entries=entries)
+
+
+def read_bucket(spec: BucketSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the bucket's named tensors as views of the mapped file (valid while the file exists)."""
+    return unpack_bucket(_map_file(spec.path, spec.nbytes), spec.entries)
 
 
 def release_bucket(spec: BucketSpec) -> None:

@@ -111,9 +111,30 @@ class VLLMEngine:
             counts = await self.engine.collective_rpc("rollout_load_weight_bucket", args=(spec.to_wire(),))
         return counts[0]
 
+    async def join_weight_group(self, name: str, host: str, port: int, first_rank: int, world_size: int,
+                                timeout_s: float) -> list[int]:
+        """Have every worker of this engine join a sending rank's weight-sync group (ranks first_rank..)."""
+        return await self.engine.collective_rpc("rollout_join_weight_group",
+                                                args=(name, host, port, first_rank, world_size, timeout_s))
+
+    async def receive_weight_bucket(self, name: str, wire_entries: list, nbytes: int) -> int:
+        """Receive one bucket broadcast over group `name` into every worker and load it."""
+        async with self._weight_lock:
+            counts = await self.engine.collective_rpc("rollout_receive_weight_bucket",
+                                                      args=(name, wire_entries, nbytes))
+        return counts[0]
+
+    async def leave_weight_group(self, name: str | None = None) -> None:
+        """Close weight-sync group `name` (every group when None) on every worker."""
+        await self.engine.collective_rpc("rollout_leave_weight_group", args=(name,))
+
     async def finish_weight_reload(self) -> None:
         await self.engine.collective_rpc("rollout_finish_weight_reload")
         await self.engine.reset_prefix_cache()
 
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    async def shutdown(self) -> None:
+        """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""
+        try:
+            await self.leave_weight_group()
+        finally:
+            self.engine.shutdown()

@@ -18,7 +18,8 @@ import torch
 from megatron_cpo.rollout.engine import VLLMEngine
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
-from megatron_cpo.rollout.weight_sync import WeightSender, WeightSenderSpec
+from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
+                                              resolve_weight_transport)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RolloutManager:
         self.last_engine_failure: str | None = None
         atexit.register(self.shutdown)
         try:
+            self.weight_transport = resolve_weight_transport(config.weight_transport)
             self._spawn_engines(ray)
         except BaseException:
             self.shutdown()
@@ -155,14 +157,18 @@ class RolloutManager:
         return [self._alive[i] and self._engine_is_healthy(i) for i in range(len(self.engines))]
 
     # --- weights --------------------------------------------------------------------------------------------
-    def sender_spec(self) -> WeightSenderSpec:
-        """What other trainer ranks need to push their own layers (see `weight_sync`)."""
+    def sender_spec(self, transport: str | None = None) -> WeightSenderSpec:
+        """What other trainer ranks need to push their own layers (see `weight_sync`). `transport` ("shm" or
+        "collective") overrides the configured one, e.g. to compare both on the same engines."""
         import ray
 
         names = tuple(name for name, alive in zip(self.engine_names, self._alive) if alive)
         return WeightSenderSpec(ray_address=ray.get_runtime_context().gcs_address,
                                 ray_namespace=self.config.ray_namespace, engine_names=names,
-                                bucket_bytes=self.config.weight_sync_bucket_bytes)
+                                bucket_bytes=self.config.weight_sync_bucket_bytes,
+                                transport=resolve_weight_transport(transport or self.weight_transport),
+                                workers_per_engine=self.config.tensor_parallel_size,
+                                timeout_s=self.config.weight_sync_timeout_s)
 
     def begin_weight_sync(self) -> None:
         """Open an in-place reload on every live engine; engines must be idle."""
@@ -179,13 +185,15 @@ class RolloutManager:
 
         ray.get([self.engines[i].finish_weight_reload.remote() for i in self._live_indices()])
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
+                     ) -> dict[str, float]:
         """Load HF-named full tensors (all of them from this rank) into every engine; returns bytes, seconds,
-        buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`."""
+        buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`.
+        `transport` overrides the configured one (see `sender_spec`)."""
         start = time.perf_counter()
         self.begin_weight_sync()
         live = self._live_indices()
-        sender = WeightSender(self.sender_spec(), engine_handles=[self.engines[i] for i in live])
+        sender = WeightSender(self.sender_spec(transport), engine_handles=[self.engines[i] for i in live])
         metrics = sender.send(named_tensors)
         self.finish_weight_sync()
         metrics["seconds"] = time.perf_counter() - start
@@ -201,6 +209,7 @@ class RolloutManager:
         self._closed = True
         atexit.unregister(self.shutdown)
         if ray.is_initialized():
+            close_weight_groups(self.engine_names)
             stops = [engine.shutdown.remote() for engine, alive in zip(self.engines, self._alive) if alive]
             ray.wait(stops, num_returns=len(stops), timeout=self.config.health_timeout_s)
             for engine in self.engines:

@@ -98,6 +98,10 @@ class RolloutConfig:
     `tensor_parallel_size` GPUs and `gpu_memory_utilization` of their memory.
     `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);
     "processed_logprobs" apply temperature/top-k/top-p first.
+    `weight_transport`: how synced weights reach the engines: "shm" (/dev/shm buckets; engines on the sending rank's
+    node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
+    (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
+    forming that group and each broadcast.
     """
 
     model_path: str
@@ -111,6 +115,8 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     logprobs_mode: str = "raw_logprobs"
     weight_sync_bucket_mb: float = 256.0
+    weight_transport: str = "auto"
+    weight_sync_timeout_s: float = 300.0
     ray_address: str = "auto"
     ray_namespace: str = "megatron_cpo_rollout"
     engine_start_timeout_s: float = 600.0
@@ -130,6 +136,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.dtype={self.dtype!r}; use float32, bfloat16 or float16")
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
+        if self.weight_transport not in ("auto", "shm", "collective"):
+            raise ValueError(f"rollout.weight_transport={self.weight_transport!r}; use auto, shm or collective")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError(f"rollout.weight_sync_timeout_s={self.weight_sync_timeout_s}; set a positive timeout")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
         if self.engine_start_timeout_s <= 0:

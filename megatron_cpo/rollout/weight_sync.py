@@ -1,25 +1,40 @@
-"""Pushing trainer weights into the rollout engines, from one rank or from every pipeline stage at once.
+"""Pushing trainer weights into the rollout engines, from one rank or from every pipeline stage.
 
-Protocol (CPU and single-node GPU transport: shared memory):
+Protocol:
 1. rank 0's `RolloutManager.begin_weight_sync()` opens a reload on every engine; it hands out a `WeightSenderSpec`
-   (Ray address, namespace and engine actor names), which rank 0 broadcasts to the other trainer ranks.
-2. Every rank that yields tensors (TP rank 0 of each PP stage) runs `WeightSender(spec).send(named_tensors)`: it packs
-   its own layers into buckets in /dev/shm and asks each engine to load each bucket; buckets from different stages
-   interleave freely because a layer is finalised once all of its tensors arrived, whoever sent them.
+   (Ray address, namespace, engine actor names, transport), which rank 0 broadcasts to the other trainer ranks.
+2. Every rank that yields tensors (TP rank 0 of each PP stage) runs `WeightSender(spec).send(named_tensors)` (or
+   `send_from_pipeline_stages`, which also orders the stages): it packs its own layers into buckets and has every
+   engine load each bucket; buckets from different stages may interleave because a layer is finalised once all of
+   its tensors arrived, whoever sent them.
 3. After a barrier, rank 0's `RolloutManager.finish_weight_sync()` finalises the reload and clears the prefix cache.
-No collective is issued between trainer ranks while tensors stream, so the export's own TP/PP collectives can never
-be interleaved with ours. Shared memory needs the engines on the sender's node; an NCCL transport for multi-node
-GPU clusters is not implemented in this package (it cannot be exercised without GPUs).
+
+Transports (`rollout.weight_transport`):
+- "shm": buckets are files in /dev/shm that the engine workers map; engines must be on the sending rank's node. All
+  stages send at once, and no collective runs between trainer ranks while tensors stream.
+- "collective": each sending rank opens a weight-sync group with every engine worker (gloo on CPU, NCCL on GPUs; see
+  `collective.py`) once and keeps it; each bucket is broadcast from the sending rank's device. Engines may be on any
+  node that reaches the sending rank. Stages send one after another.
+- "auto": "collective" when engines may be on another node (see `resolve_weight_transport`), else "shm".
 """
 from __future__ import annotations
 
+import atexit
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
-from megatron_cpo.rollout.buckets import iter_buckets, release_bucket, write_bucket
+from megatron_cpo.rollout.buckets import (bucket_layout, entries_to_wire, iter_buckets, pack_bucket, release_bucket,
+                                          write_bucket)
+from megatron_cpo.rollout.collective import WeightGroup, host_weight_store
+
+WEIGHT_TRANSPORTS = ("auto", "shm", "collective")
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,9 @@ class WeightSenderSpec:
     ray_namespace: str
     engine_names: tuple[str, ...]
     bucket_bytes: int
+    transport: str = "shm"  # "shm" or "collective" (rank 0 resolves "auto" before broadcasting the spec)
+    workers_per_engine: int = 1  # vLLM workers per engine (its tensor_parallel_size): group ranks per engine
+    timeout_s: float = 300.0  # collective group join and per-broadcast timeout
 
 
 class WeightSender:
@@ -46,11 +64,14 @@ class WeightSender:
         self._engines = engine_handles
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Load the tensors into every engine; returns bytes, seconds, buckets and tensors sent by this rank.
+        """Load the tensors into every engine; returns bytes, seconds, buckets and tensors sent by this rank."""
+        if self.spec.transport == "collective":
+            return self._send_collective(named_tensors)
+        return self._send_shm(named_tensors)
 
-        A bucket is written once and loaded by all engines in parallel; the next bucket is packed while the
-        engines load, so at most two buckets live in shared memory at a time.
-        """
+    def _send_shm(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """A bucket is written once to /dev/shm and loaded by all engines in parallel; the next bucket is packed
+        while the engines load, so at most two buckets live in shared memory at a time."""
         import ray
 
         start = time.perf_counter()
@@ -89,3 +110,172 @@ class WeightSender:
             ray.get(loads)
         finally:
             release_bucket(spec)
+
+    def _send_collective(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Each bucket is packed into one flat buffer on this rank's device and broadcast over the weight-sync group
+        to every engine worker, which loads it in place. The group is opened on the first sync and kept."""
+        import ray
+
+        start = time.perf_counter()
+        group = _open_groups.get(self.spec)
+        group_init_s = 0.0
+        if group is None:
+            group = _open_groups.open(self.spec, self._engines)
+            group_init_s = time.perf_counter() - start
+        num_bytes = num_buckets = num_tensors = 0
+        buffer = torch.empty(0, dtype=torch.uint8, device=group.device)
+        for bucket in iter_buckets(named_tensors, self.spec.bucket_bytes):
+            entries, nbytes = bucket_layout(bucket)
+            if buffer.numel() < nbytes:
+                buffer = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8, device=group.device)
+            pack_bucket(buffer[:nbytes], entries, bucket)
+            loads = [engine.receive_weight_bucket.remote(group.name, entries_to_wire(entries), nbytes)
+                     for engine in self._engines]
+            try:
+                group.broadcast(buffer[:nbytes])
+                ray.get(loads)
+            except BaseException as err:
+                _open_groups.close(self.spec)
+                raise RuntimeError(f"weight-sync broadcast of bucket {num_buckets} over group {group.name!r} "
+                                   f"({group.address}) failed: {err}; {_engine_errors(loads)}the group is closed and "
+                                   "the next sync opens a new one with the live engines") from err
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            num_buckets += 1
+            num_tensors += len(bucket)
+        return {"bytes": float(num_bytes), "seconds": time.perf_counter() - start, "buckets": float(num_buckets),
+                "tensors": float(num_tensors), "group_init_seconds": group_init_s}
+
+
+def _engine_errors(refs: list) -> str:
+    """The first error an engine already reported among `refs`, as a sentence ("" when none did). Every finished
+    ref is read, so Ray does not log the others' errors as unhandled."""
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    errors = []
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as err:
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            errors.append(f"engine {refs.index(ref)} reported: {lines[-1] if lines else type(err).__name__}; ")
+    return errors[0] if errors else ""
+
+
+class _SenderGroups:
+    """This process's open weight-sync groups, one per set of engines it sends to, kept across syncs."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple, tuple[WeightGroup, list]] = {}
+        self._atexit_registered = False
+
+    @staticmethod
+    def _key(spec: WeightSenderSpec) -> tuple:
+        return spec.ray_namespace, spec.engine_names, spec.workers_per_engine
+
+    def get(self, spec: WeightSenderSpec) -> WeightGroup | None:
+        entry = self._groups.get(self._key(spec))
+        return entry[0] if entry else None
+
+    def open(self, spec: WeightSenderSpec, engines: list) -> WeightGroup:
+        """Host a store on this node, ask every engine to join (asynchronously) and join as rank 0."""
+        import ray
+
+        self.close_all(engine_names=spec.engine_names)  # a group over an older set of these engines is stale
+        host = ray.util.get_node_ip_address()
+        store = host_weight_store(host, spec.timeout_s)
+        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        world_size = 1 + len(engines) * spec.workers_per_engine
+        joins = [engine.join_weight_group.remote(name, host, store.port, 1 + index * spec.workers_per_engine,
+                                                 world_size, spec.timeout_s) for index, engine in enumerate(engines)]
+        try:
+            group = WeightGroup(store, name, f"{host}:{store.port}", 0, world_size, spec.timeout_s,
+                                check_abort=lambda: _engine_errors(joins).rstrip("; ") or None)
+        except BaseException:
+            # The engines that joined give up on their own timeout; collect their (expected) errors so that Ray
+            # does not report them as unhandled.
+            ready, _ = ray.wait(joins, num_returns=len(joins), timeout=spec.timeout_s + 10)
+            _engine_errors(ready)
+            raise
+        ray.get(joins)
+        if not self._atexit_registered:  # registered after ray.init, so it runs before Ray's own exit hook
+            atexit.register(self.close_all)
+            self._atexit_registered = True
+        self._groups[self._key(spec)] = (group, engines)
+        return group
+
+    def close(self, spec: WeightSenderSpec) -> None:
+        entry = self._groups.pop(self._key(spec), None)
+        if entry is not None:
+            _close_group(*entry)
+
+    def close_all(self, engine_names: Iterable[str] | None = None) -> None:
+        """Close the groups that reach any of `engine_names` (all groups when None)."""
+        names = None if engine_names is None else set(engine_names)
+        for key in list(self._groups):
+            if names is None or names & set(key[1]):
+                _close_group(*self._groups.pop(key))
+
+
+def _close_group(group: WeightGroup, engines: list) -> None:
+    """Engines leave first (best effort: some may be dead), then this rank closes its side and its store."""
+    import ray
+
+    if ray.is_initialized():
+        leaves = [engine.leave_weight_group.remote(group.name) for engine in engines]
+        ray.wait(leaves, num_returns=len(leaves), timeout=30)
+    group.close()
+
+
+_open_groups = _SenderGroups()
+
+
+def close_weight_groups(engine_names: Iterable[str] | None = None) -> None:
+    """Close this process's collective weight-sync groups (those reaching `engine_names`, or all). Safe to call
+    when none is open; also runs at interpreter exit."""
+    _open_groups.close_all(engine_names)
+
+
+def resolve_weight_transport(choice: str) -> str:
+    """"shm" or "collective" for a configured `weight_transport`. "auto" picks the collective transport when the
+    engines may be on another node than a sending rank: the Ray cluster has more than one live node, or the trainer
+    spans more than one node (torchrun's WORLD_SIZE > LOCAL_WORLD_SIZE); otherwise shared memory, the faster on one
+    node."""
+    if choice not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"weight_transport={choice!r}; use one of {', '.join(WEIGHT_TRANSPORTS)}")
+    if choice != "auto":
+        return choice
+    import ray
+
+    ray_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer_nodes_multi = world_size > int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return "collective" if ray_nodes > 1 or trainer_nodes_multi else "shm"
+
+
+def send_from_pipeline_stages(spec: WeightSenderSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                              stage: int, num_stages: int) -> dict[str, float]:
+    """Collective over the default process group: every trainer rank calls it with its own export stream (which its
+    TP group iterates in step). Ranks whose stream yields tensors send them; returns this rank's send metrics.
+
+    With shared memory all stages send at once. With the collective transport the stages take turns (a barrier
+    between turns): an engine worker runs one RPC at a time, so two senders broadcasting at once could each wait on
+    an engine that is busy receiving from the other.
+    """
+    turns = range(num_stages) if spec.transport == "collective" else (stage,)
+    sent = {"bytes": 0.0, "seconds": 0.0, "buckets": 0.0, "tensors": 0.0}
+    for turn in turns:
+        if turn == stage:
+            tensors = iter(named_tensors)
+            first = next(tensors, None)
+            if first is not None:
+                sent = WeightSender(spec).send(_chain(first, tensors))
+        if spec.transport == "collective" and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+    return sent
+
+
+def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    yield first
+    yield from rest

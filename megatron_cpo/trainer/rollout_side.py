@@ -19,7 +19,7 @@ from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
-from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, WeightSender
+from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
 from megatron_cpo.trainer.accumulator import ScoredGroup, keep_varied_groups, selection_from_config  # noqa: F401
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
 from megatron_cpo.trainer.prompt_stream import PromptStream
@@ -53,7 +53,8 @@ class RolloutSide:
             dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
             max_model_len=data.max_prompt_length + data.max_response_length,
             cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed,
-            ray_address=rollout.ray_address))
+            ray_address=rollout.ray_address, weight_transport=rollout.weight_transport,
+            weight_sync_timeout_s=rollout.weight_sync_timeout_s))
         self.rewards = RewardManager(RewardConfig(
             num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
             custom_reward_function=config.reward.custom_reward_function or None))
@@ -124,7 +125,8 @@ class RolloutSide:
 
 
 def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]:
-    """Collective: stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines."""
+    """Collective: stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines
+    over the configured transport (rollout.weight_transport); returns sync time and this rank's bytes."""
     start = time.perf_counter()
     payload = [None, None]
     if side is not None:
@@ -133,21 +135,15 @@ def push_weights(actor_model: Any, side: RolloutSide | None) -> dict[str, float]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
     spec, ray_auth = payload
+    if side is None:
+        os.environ.update(ray_auth)  # a sending rank joins rank 0's Ray cluster with its authentication mode
     exports = parallel_state.get_data_parallel_rank() == 0
     tensors = iter_hf_weights(actor_model, actor_model.hf_config) if exports else iter(())
-    first = next(tensors, None)
-    sent: dict[str, float] = {}
-    if first is not None:
-        if side is None:
-            os.environ.update(ray_auth)  # join rank 0's Ray cluster with its authentication mode
-        sent = WeightSender(spec).send(_chain(first, tensors))
+    sent = send_from_pipeline_stages(spec, tensors, parallel_state.get_pipeline_model_parallel_rank(),
+                                     parallel_state.get_pipeline_model_parallel_world_size())
     if dist.get_world_size() > 1:
         dist.barrier()
     if side is not None:
         side.manager.finish_weight_sync()
     return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/bytes": float(sent.get("bytes", 0))}
 
-
-def _chain(first: Any, rest: Any):
-    yield first
-    yield from rest

@@ -1,9 +1,10 @@
-"""Megatron -> vLLM weight sync at TP=2/PP=1 and TP=1/PP=2 (real Megatron-Core over gloo, real engines on Ray).
+"""Megatron -> vLLM weight sync at TP=2/PP=1 and TP=1/PP=2 (real Megatron-Core over gloo, real engines on Ray), over
+shared memory and, at PP=2, over the collective transport (a gloo group per sending rank; stages take turns).
 
-Every sending rank (TP rank 0 of each PP stage) pushes its own layers straight to the engines through a
-`WeightSender`; the manager opens and closes the reload. After the sync the engines must generate, greedily, the
-tokens a transformers model holding the exported weights generates, and their log-probs must match the Megatron
-model's own within 1e-4 (float32).
+Every sending rank (TP rank 0 of each PP stage) pushes its own layers straight to the engines through
+`send_from_pipeline_stages`, as the trainer's `push_weights` does; the manager opens and closes the reload. After the
+sync the engines must generate, greedily, the tokens a transformers model holding the exported weights generates, and
+their log-probs must match the Megatron model's own within 1e-4 (float32).
 """
 import pytest
 import torch
@@ -23,7 +24,7 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
     from megatron_cpo import platform
     from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, iter_hf_weights,
                                      load_hf_config, load_hf_weights)
-    from megatron_cpo.rollout import WeightSender
+    from megatron_cpo.rollout import close_weight_groups, send_from_pipeline_stages
 
     torch.set_num_threads(1)
     platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=0)
@@ -43,8 +44,11 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
             exported[name] = tensor.detach().cpu().numpy().copy()  # numpy: returned by value, not via fd sharing
             yield name, tensor
 
-    metrics = WeightSender(spec).send(recorded_export())
-    ray.shutdown()
+    metrics = send_from_pipeline_stages(spec, recorded_export(), parallel_state.get_pipeline_model_parallel_rank(),
+                                        pp)
+    close_weight_groups()
+    if ray.is_initialized():
+        ray.shutdown()
 
     greedy = []
     for prompt in prompts:
@@ -59,21 +63,23 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
     return {"weights": exported, "metrics": metrics, "greedy": greedy if is_last_stage else None}
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2-pp1", "tp1-pp2"])
+@pytest.mark.parametrize("tp, pp, transport", [(2, 1, "shm"), (1, 2, "shm"), (1, 2, "collective")],
+                         ids=["tp2-pp1-shm", "tp1-pp2-shm", "tp1-pp2-collective"])
 def test_megatron_weights_synced_into_engines_match_transformers_tokens_and_megatron_logprobs(
-        manager, tiny_model_dir, tp, pp):
+        manager, tiny_model_dir, tp, pp, transport):
     from transformers import AutoModelForCausalLM
 
     manager.begin_weight_sync()
     try:
-        ranks = run_processes(_megatron_sender, 2, str(tiny_model_dir), tp, pp, manager.sender_spec(), PROMPTS,
-                              MAX_NEW_TOKENS)
+        ranks = run_processes(_megatron_sender, 2, str(tiny_model_dir), tp, pp, manager.sender_spec(transport),
+                              PROMPTS, MAX_NEW_TOKENS)
     finally:
         manager.finish_weight_sync()
 
     exported = {name: torch.from_numpy(array) for result in ranks for name, array in result["weights"].items()}
-    if pp == 2:  # each stage sent only its own layers
+    if pp == 2:  # each stage sent only its own layers (over its own group with the collective transport)
         assert ranks[0]["metrics"]["tensors"] > 0 and ranks[1]["metrics"]["tensors"] > 0
+        assert all(("group_init_seconds" in r["metrics"]) == (transport == "collective") for r in ranks)
         assert not set(ranks[0]["weights"]) & set(ranks[1]["weights"])
     else:  # TP rank 1 gathers but does not send
         assert ranks[1]["metrics"]["tensors"] == 0
@@ -83,8 +89,8 @@ def test_megatron_weights_synced_into_engines_match_transformers_tokens_and_mega
     megatron_greedy = next(r["greedy"] for r in reversed(ranks) if r["greedy"] is not None)
 
     for i, prompt in enumerate(PROMPTS):
-        manager.submit(f"megatron-{tp}-{pp}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
-                                                                         stop_token_ids=()))
+        manager.submit(f"megatron-{tp}-{pp}-{transport}-{i}", prompt,
+                       SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, stop_token_ids=()))
     groups = {int(g.request_id.rsplit("-", 1)[1]): g for g in manager.completed(timeout=300)}
     assert {g.engine_index for g in groups.values()} == {0, 1}, "both engines must have received the weights"
     max_diff = 0.0
@@ -96,5 +102,5 @@ def test_megatron_weights_synced_into_engines_match_transformers_tokens_and_mega
         hf_greedy = hf_logits[len(prompt) - 1:-1].argmax(-1).tolist()
         assert sample.token_ids == hf_greedy == megatron_tokens
         max_diff = max(max_diff, max(abs(a - b) for a, b in zip(sample.logprobs, megatron_log_probs)))
-    print(f"TP={tp} PP={pp}: max |engine - Megatron| log-prob difference {max_diff:.2e}")
+    print(f"TP={tp} PP={pp} {transport}: max |engine - Megatron| log-prob difference {max_diff:.2e}")
     assert max_diff < 1e-4

@@ -46,3 +46,11 @@ def test_buckets_respect_the_size_and_round_trip_through_shared_memory():
             assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
         release_bucket(spec)
         assert not os.path.exists(spec.path)
+
+
+@pytest.mark.parametrize("field, value, shown, hint", [
+    ("weight_transport", "nccl", "'nccl'", "auto, shm or collective"), ("weight_sync_timeout_s", 0, "0", "positive")])
+def test_rollout_config_rejects_bad_weight_transport_settings(tmp_path, field, value, shown, hint):
+    with pytest.raises(ValueError, match=f"{field}={shown}") as err:
+        RolloutConfig(model_path=str(tmp_path), **{field: value})
+    assert hint in str(err.value)
