@@ -99,6 +99,30 @@ class MegatronConfig:
                       ("float32", "bfloat16", "float16"))
 
 
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class CheckpointContentsConfig:
+    """verl's `actor_rollout_ref.actor.checkpoint.save_contents`: what each checkpoint holds. `model`, `optimizer`
+    and `extra` (schedule, RNG, data position, run controls) are what `trainer.resume=auto` restores, so they are
+    always saved; `hf_model` also writes the actor as a Hugging Face model directory (`step_<k>/huggingface`)."""
+    save_contents: list[str] = field(default_factory=lambda: list(CHECKPOINT_CONTENTS))
+
+    def __post_init__(self) -> None:
+        name = "actor_rollout_ref.actor.checkpoint.save_contents"
+        unknown = [item for item in self.save_contents if item not in CHECKPOINT_CONTENTS]
+        _check(not unknown, f"{name}={self.save_contents} holds unknown entries {unknown}; choose from "
+                            f"{list(CHECKPOINT_CONTENTS)}")
+        missing = [item for item in ("model", "optimizer", "extra") if item not in self.save_contents]
+        _check(not missing, f"{name}={self.save_contents} leaves out {missing}: resume needs them; keep "
+                            "['model', 'optimizer', 'extra'] and add 'hf_model' to also write a Hugging Face model")
+
+    @property
+    def hf_model(self) -> bool:
+        return "hf_model" in self.save_contents
+
+
 @dataclass
 class ActorConfig:
     """The policy update: PPO clipping (clip-higher), loss aggregation, KL, entropy, CPO weights.
@@ -111,6 +135,7 @@ class ActorConfig:
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1

@@ -167,17 +167,35 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_di
     say(f"[1/3] loading torch_dist checkpoint {mcore_dir} at TP={tp} PP={pp}")
     model = build_gpt_model(hf_config)
     load_checkpoint(model, mcore_dir)
-    staging = _staging_dir(out)
     say(f"[2/3] writing HF tensors ({save_dtype}) to {out}")
-    files = _write_stage_shards(model, hf_config, staging, save_dtype, int(max_shard_gb * 2**30), say)
+    export_hf_model(model, hf_config, hf_config_dir, out, dtype=save_dtype, max_shard_bytes=int(max_shard_gb * 2**30),
+                    say=say)
+    say(f"done in {time.perf_counter() - start:.1f} s: {out}")
+    return out
+
+
+def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | Path, *,
+                    dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
+                    say: Callable[[str], None] = lambda message: None) -> Path:
+    """Collective over every rank: write a (TP/PP-sharded, DP-replicated) Megatron model as an HF model directory.
+
+    Each pipeline stage's TP leader of the first data-parallel replica streams its layers into safetensors files
+    (other replicas hold the same weights and write nothing); rank 0 names and indexes them and copies config and
+    tokenizer files from `hf_source_dir`. Written into `<out_dir>.partial` and moved into place when complete.
+    """
+    from megatron.core import parallel_state
+
+    out = Path(out_dir)
+    staging = _staging_dir(out)
+    writes = parallel_state.get_data_parallel_rank() == 0
+    files = _write_stage_shards(model, hf_config, staging, dtype, max_shard_bytes, say) if writes else []
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, files)
     if dist.get_rank() == 0:
         _name_shards(staging, [entry for rank_files in per_rank for entry in rank_files])
-        say(f"[3/3] copying config and tokenizer from {hf_config_dir}: "
-            f"{', '.join(_copy_non_weight_files(Path(hf_config_dir), staging))}")
+        say(f"[3/3] copying config and tokenizer from {hf_source_dir}: "
+            f"{', '.join(_copy_non_weight_files(Path(hf_source_dir), staging))}")
     _publish(staging, out)
-    say(f"done in {time.perf_counter() - start:.1f} s: {out}")
     return out
 
 

@@ -3,9 +3,11 @@
 `<root>/step_<k>/rank_<r>.pt` holds each rank's model shard, the optimizer's local state (Adam moments, step, and
 the fp32 main parameters of a reduced-precision model), the schedule and the RNG states; rank 0's file also holds the
 data position and the state of rank 0's run controls (the early-stop monitor), each under its name. `<root>/latest`
-names the newest complete checkpoint and is written last, after a barrier, so a run killed mid-save resumes from the
-previous one. Resuming needs the same world size and TP/PP layout; to change the
-layout, export the model (megatron_cpo.models.save_checkpoint / HF conversion) and start a new run from it.
+names the newest complete checkpoint and is written after a barrier, so a run killed mid-save resumes from the
+previous one. With `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is then
+also written as a Hugging Face model directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or
+convertible to a Megatron checkpoint at any TP/PP). Resuming needs the same world size and TP/PP layout; to change the
+layout, start a new run from that Hugging Face directory.
 
 Per-rank files are used instead of Megatron's distributed-checkpoint format because on CPU builds of Megatron-Core
 0.16 (no Apex / Transformer Engine) its optimizer sharded state dict is not loadable.
@@ -16,7 +18,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from megatron_cpo import platform
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+HF_DIR = "huggingface"
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -81,11 +84,13 @@ class CheckpointManager:
     """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data stream and `controls`:
     named objects with `state_dict()` / `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor})."""
 
-    def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None,
+                 export_hf: Callable[[Path], Any] | None = None) -> None:
         self.root = root
         self.actor = actor
         self.stream = stream
         self.controls = controls or {}
+        self.export_hf = export_hf
 
     def _rank_file(self, step: int) -> Path:
         return self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.pt"
@@ -108,6 +113,10 @@ class CheckpointManager:
             os.replace(self.root / (LATEST + ".tmp"), self.root / LATEST)
             logger.info("saved checkpoint %s", path.parent)
         dist.barrier()
+        if self.export_hf is not None:
+            self.export_hf(path.parent / HF_DIR)
+            if dist.get_rank() == 0:
+                logger.info("saved the actor as a Hugging Face model in %s", path.parent / HF_DIR)
         return path.parent
 
     def latest_step(self) -> int | None:

@@ -14,7 +14,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,15 @@ class StopSignal:
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
+    """Collective: writes the actor as a Hugging Face model directory (config and tokenizer from the model path)."""
+    from megatron_cpo.models.converters import export_hf_model
+
+    dtype = getattr(torch, config.actor_rollout_ref.actor.megatron.params_dtype)
+    return lambda out: export_hf_model(actor.model, actor.model.hf_config, config.actor_rollout_ref.model.path, out,
+                                       dtype=dtype)
 
 
 def _total_steps(config: Config, num_prompts: int) -> int:
@@ -115,7 +124,8 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     out_dir = Path(config.trainer.default_local_dir)
     monitor = _early_stop_monitor(config, is_rank0)
     checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None,
-                                    {"early_stop": monitor} if monitor is not None else None)
+                                    {"early_stop": monitor} if monitor is not None else None,
+                                    _hf_exporter(config, actor) if actor_cfg.checkpoint.hf_model else None)
     start_step = checkpoints.maybe_resume(config.trainer.resume)
     early_stopped = _broadcast(monitor is not None and monitor.stopped)
     metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,

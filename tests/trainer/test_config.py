@@ -74,6 +74,8 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
       "data.max_response_length=32"], "exceeds data.max_response_length=32"),
     (["trainer.early_stop.ratio=0"], "trainer.early_stop.ratio=0.0 must be > 0"),
     (["trainer.early_stop.window=0"], "trainer.early_stop.window=0 must be >= 1"),
+    (["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"], "resume needs them"),
+    (["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"], "unknown entries"),
 ])
 def test_bad_values_are_rejected_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as err:

@@ -38,5 +38,20 @@ def test_two_rank_training_run(tiny_model, arith_data, tmp_path, pipeline_size):
     assert "val/acc" in results[0] and results[1] == {}
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 2]
-    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "step_000002").iterdir())
-    assert saved == ["rank_00000.pt", "rank_00001.pt"]
+    step_dir = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in step_dir.iterdir()) == ["huggingface", "rank_00000.pt", "rank_00001.pt"]
+    assert_loads_as_the_tiny_model(step_dir / "huggingface", tiny_model)
+
+
+def assert_loads_as_the_tiny_model(exported, original):
+    """The checkpoint's Hugging Face export (both pipeline stages' layers, or one replica's) loads with every weight."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    reference = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in reference.state_dict().items()}
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    ids = torch.tensor([tokenizer.encode("Compute 1+2.")])
+    assert torch.isfinite(model(ids).logits).all()
