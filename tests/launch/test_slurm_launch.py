@@ -55,59 +55,131 @@ def test_sbatch_headers_request_the_preemption_signal():
         assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text and "launch.sh" in text
 
 
-def _processes_mentioning(fragment: str) -> list[int]:
+def _processes_with_marker(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds `marker` (every descendant of the launcher inherits it)."""
     found = []
+    needle = marker.encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if fragment in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                if needle in (entry / "environ").read_bytes():
                     found.append(int(entry.name))
             except OSError:
                 continue
     return found
 
 
-def test_slurm_launch_on_two_emulated_nodes_then_preemption(tmp_path):
+def _wait_for_training_step(metrics: Path, launcher: subprocess.Popen, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] >= 1 and "actor/pg_loss" in line
+                                    for line in metrics.read_text().splitlines() if line.strip()):
+            return True
+        time.sleep(1)
+    return False
+
+
+def _stop_leftovers(launcher: subprocess.Popen, marker: str) -> list[int]:
+    """After a failed run: stop the launcher's process group, then any process still carrying this run's marker
+    (a unique per-test value, so nothing of another run or user is touched). Returns what had to be killed."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=30)
+    leftovers = _processes_with_marker(marker)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    return leftovers
+
+
+TRAINING_OVERRIDES = [  # the tiny model, 2 prompts x 2 samples, TP=2 x DP=2 over the two emulated nodes
+    "data.train_batch_size=2", "data.max_response_length=16", "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.kv_cache_gib=1",
+    "trainer.total_training_steps=4", "trainer.logger=[console,jsonl]",
+]
+
+
+def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(tmp_path):
+    """launch.sh with SLURM's variables for 2 nodes on loopback, the real trainer (examples/tiny) as the job.
+
+    Real: the Ray head and the Ray worker started through `srun`, torchrun's c10d rendezvous over 2 nodes x 2
+    processes (TP=2 x DP=2 on gloo), trainer rank 0 joining the launcher's Ray cluster through RAY_ADDRESS and
+    spawning a vLLM CPU engine there, rollout, reward, a Megatron update and the weight push. After the first
+    training step is logged the batch shell gets USR1 (what `#SBATCH --signal=B:USR1@600` sends): the trainer must
+    finish its step, checkpoint on every rank and stop, the job is requeued, and every process is gone afterwards.
+    Emulated: `srun`/`scontrol` (slurm_emulation/), the 2 nodes (127.0.0.1 and 127.0.0.2 on one host, so no
+    cross-host networking, NCCL or InfiniBand) and the GPUs (Ray is told it has 4; the engine and trainer use CPU).
+    """
+    data = tmp_path / "arith"
+    subprocess.run([sys.executable, "-m", "megatron_cpo.data.synthetic", "--out", str(data), "--keep-levels", "1",
+                    "2", "--num-train", "32", "--num-test", "8"], cwd=ROOT, env=base_env(), check=True,
+                   capture_output=True)
     ray_dir = tempfile.mkdtemp(prefix="mcpo-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    out = tmp_path / "cluster.json"
+    marker = f"mcpo-launch-test-{os.getpid()}-{time.time_ns()}"
+    run_dir = tmp_path / "run"
+    log_dir = tmp_path / "logs" / "emulated-4242"
     env = base_env() | {
         "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "emulated", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
         "LOG_ROOT": str(tmp_path / "logs"), "GPUS_PER_NODE": "4", "TRAINER_NODES": "2", "TRAINER_GPUS_PER_NODE": "2",
         "MASTER_PORT": str(free_port()), "RAY_PORT": str(free_port()), "RAY_WAIT_S": "150", "REQUEUE": "1",
         "RAY_START_ARGS": f"--num-cpus=1 --object-store-memory=80000000 --disable-usage-stats --temp-dir={ray_dir}",
-        "RAY_HEAD_ARGS": "--include-dashboard=false",
-        "TRAIN_ENTRY": f"examples/torchrun/check_cluster.py --out {out} --wait-for-signal 200",
+        "RAY_HEAD_ARGS": "--include-dashboard=false", "CONFIG": "examples/tiny/grpo_arith.yaml",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "MCPO_LAUNCH_TEST_MARKER": marker,
     }
-    launcher = subprocess.Popen(["bash", "examples/slurm/launch.sh"], cwd=ROOT, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log_dir = tmp_path / "logs" / "emulated-4242"
+    overrides = [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+                 f"trainer.default_local_dir={run_dir}", *TRAINING_OVERRIDES]
+    batch_output = tmp_path / "batch.out"  # what sbatch --output would hold
+    with batch_output.open("w") as sink:
+        launcher = subprocess.Popen(["bash", "examples/slurm/launch.sh", *overrides], cwd=ROOT, env=env,
+                                    start_new_session=True, stdout=sink, stderr=subprocess.STDOUT)
+    leftovers: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while not out.exists() and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(1)
-        assert out.exists(), f"no cluster check result; launcher said:\n{launcher.stdout.read() if launcher.poll() is not None else ''}" \
-                             f"\n{(log_dir / 'trainer.log').read_text() if (log_dir / 'trainer.log').exists() else ''}"
-        time.sleep(1)
-        launcher.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@600` delivers before the time limit
-        output, _ = launcher.communicate(timeout=120)
+        stepped = _wait_for_training_step(run_dir / "metrics.jsonl", launcher, timeout_s=420)
+        trainer_log = (log_dir / "trainer.log").read_text() if (log_dir / "trainer.log").exists() else ""
+        assert stepped, f"no training step logged; batch output:\n{batch_output.read_text()}\n{trainer_log[-6000:]}"
+        launcher.send_signal(signal.SIGUSR1)
+        launcher.wait(timeout=240)
     finally:
         if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGTERM)
-            launcher.wait(timeout=60)
-    findings = json.loads(out.read_text())
-    assert findings["world_size"] == 4 and findings["all_reduce_sum"] == 6.0 and findings["backend"] == "gloo"
-    assert sorted((rank["node"], rank["local_rank"]) for rank in findings["ranks"]) == [
-        ("0", 0), ("0", 1), ("1", 0), ("1", 1)]
-    assert {rank["master"] for rank in findings["ranks"]} == {"127.0.0.1"}
-    assert findings["ray"]["alive_nodes"] == 2 and findings["ray"]["gpus"] == 4.0
-    assert sorted(p.name for p in tmp_path.glob("cluster.json.rank*.sigterm")) == [
-        f"cluster.json.rank{rank}.sigterm" for rank in range(4)], output
-    assert "ray cluster up: 2 node(s)" in output and "preemption signal" in output
+            leftovers = _stop_leftovers(launcher, marker)
+    output = batch_output.read_text()
+    trainer_log = (log_dir / "trainer.log").read_text()
+    assert not leftovers, f"the launcher had to be stopped; processes left: {leftovers}\n{output}"
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and 0.0 <= records[0]["val/acc"] <= 1.0
+    trained = [record for record in records if "actor/pg_loss" in record]
+    assert trained[0]["step"] == 1
+    assert {"actor/grad_norm", "reward/mean", "timing/step_s", "filter/kept_prompts"} <= trained[0].keys()
+    last_step = trained[-1]["step"]
+    assert 2 <= last_step < 4, f"the preempted run should stop early, it logged steps {[r['step'] for r in records]}"
+    assert f"stopped by SIGTERM after step {last_step}" in trainer_log, trainer_log[-4000:]
+    checkpoint = run_dir / "checkpoints" / f"step_{last_step:06d}"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [f"rank_{rank:05d}.pt" for rank in range(4)]
+
+    assert "ray cluster up: 2 node(s)" in output and "preemption signal" in output, output
+    assert "trainer exited with status" in output
     assert (log_dir / "preempted").exists() and (log_dir / "requeued").read_text() == "4242"
     assert {p.name for p in log_dir.iterdir()} >= {"launch.log", "ray-head.log", "ray-worker-127.0.0.2.log",
                                                    "trainer.log"}
-    time.sleep(2)
-    assert _processes_mentioning(ray_dir) == [], "Ray processes outlived the job"
+    started = [int(word.rstrip(")")) for line in output.splitlines() if " (pid " in line and "started" in line
+               for word in line.split()[-1:]]
+    assert len(started) == 3, output  # ray head, ray worker, trainer
+    for pid in started:
+        assert not Path(f"/proc/{pid}").exists(), f"started pid {pid} is still running"
+    deadline = time.monotonic() + 20
+    while _processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(1)
+    remaining = _processes_with_marker(marker)
+    leftovers = _stop_leftovers(launcher, marker) if remaining else []
+    assert not remaining, f"processes outlived the job: {remaining}"
     shutil.rmtree(ray_dir, ignore_errors=True)
 
 
