@@ -221,7 +221,12 @@ while true; do
     if (( status > 128 )) && kill -0 "$TRAINER_PID" 2>/dev/null; then status=0; continue; fi
     break
 done
-note "trainer exited with status $status"
+if [[ -e $LOG_DIR/preempted ]]; then
+    note "trainer exited with status $status after the preemption signal (torchrun reports the SIGTERM it forwarded" \
+         "as a failure; trainer.log says which step was checkpointed)"
+else
+    note "trainer exited with status $status"
+fi
 if [[ -e $LOG_DIR/preempted && ${REQUEUE:-0} == 1 ]]; then
     scontrol requeue "$SLURM_JOB_ID"
 fi

@@ -8,6 +8,7 @@ batch shell -> srun -> torchrun -> every rank.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -69,13 +70,12 @@ def _processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-def _wait_for_training_step(metrics: Path, launcher: subprocess.Popen, timeout_s: float) -> bool:
+def _wait_for_file(path: Path, launcher: subprocess.Popen, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while launcher.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and any(json.loads(line)["step"] >= 1 and "actor/pg_loss" in line
-                                    for line in metrics.read_text().splitlines() if line.strip()):
+        if path.exists():
             return True
-        time.sleep(1)
+        time.sleep(0.2)
     return False
 
 
@@ -102,7 +102,8 @@ TRAINING_OVERRIDES = [  # the tiny model, 2 prompts x 2 samples, TP=2 x DP=2 ove
     "data.train_batch_size=2", "data.max_response_length=16", "actor_rollout_ref.rollout.n=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.kv_cache_gib=1",
-    "trainer.total_training_steps=4", "trainer.logger=[console,jsonl]",
+    "reward.custom_reward_function=tests.launch.preemption_grader:grade_after_preemption", "reward.timeout_s=300",
+    "trainer.total_training_steps=2", "trainer.logger=[console,jsonl]",
 ]
 
 
@@ -111,9 +112,10 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
 
     Real: the Ray head and the Ray worker started through `srun`, torchrun's c10d rendezvous over 2 nodes x 2
     processes (TP=2 x DP=2 on gloo), trainer rank 0 joining the launcher's Ray cluster through RAY_ADDRESS and
-    spawning a vLLM CPU engine there, rollout, reward, a Megatron update and the weight push. After the first
-    training step is logged the batch shell gets USR1 (what `#SBATCH --signal=B:USR1@600` sends): the trainer must
-    finish its step, checkpoint on every rank and stop, the job is requeued, and every process is gone afterwards.
+    spawning a vLLM CPU engine there, rollout, reward, a Megatron update and the weight push. Mid-way through the
+    first training step (its rollout done, its grading held by preemption_grader.py) the batch shell gets USR1 (what
+    `#SBATCH --signal=B:USR1@600` sends): the trainer must finish and log that step, checkpoint it on every rank and
+    stop before step 2; the job is requeued, and every process the launcher started is gone afterwards.
     Emulated: `srun`/`scontrol` (slurm_emulation/), the 2 nodes (127.0.0.1 and 127.0.0.2 on one host, so no
     cross-host networking, NCCL or InfiniBand) and the GPUs (Ray is told it has 4; the engine and trainer use CPU).
     """
@@ -141,14 +143,16 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
                                     start_new_session=True, stdout=sink, stderr=subprocess.STDOUT)
     leftovers: list[int] = []
     try:
-        stepped = _wait_for_training_step(run_dir / "metrics.jsonl", launcher, timeout_s=420)
+        grading = _wait_for_file(log_dir / "grading-started", launcher, timeout_s=420)
         trainer_log = (log_dir / "trainer.log").read_text() if (log_dir / "trainer.log").exists() else ""
-        assert stepped, f"no training step logged; batch output:\n{batch_output.read_text()}\n{trainer_log[-6000:]}"
+        assert grading, f"no training rollout reached grading; batch output:\n{batch_output.read_text()}\n" \
+                        f"{trainer_log[-6000:]}"
         launcher.send_signal(signal.SIGUSR1)
         launcher.wait(timeout=240)
     finally:
         if launcher.poll() is None:
             leftovers = _stop_leftovers(launcher, marker)
+        shutil.rmtree(ray_dir, ignore_errors=True)
     output = batch_output.read_text()
     trainer_log = (log_dir / "trainer.log").read_text()
     assert not leftovers, f"the launcher had to be stopped; processes left: {leftovers}\n{output}"
@@ -158,29 +162,32 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     trained = [record for record in records if "actor/pg_loss" in record]
     assert trained[0]["step"] == 1
     assert {"actor/grad_norm", "reward/mean", "timing/step_s", "filter/kept_prompts"} <= trained[0].keys()
-    last_step = trained[-1]["step"]
-    assert 2 <= last_step < 4, f"the preempted run should stop early, it logged steps {[r['step'] for r in records]}"
-    assert f"stopped by SIGTERM after step {last_step}" in trainer_log, trainer_log[-4000:]
-    checkpoint = run_dir / "checkpoints" / f"step_{last_step:06d}"
+    assert [record["step"] for record in records] == [0, 1], "the preempted run must stop after step 1"
+    assert "stopped by SIGTERM after step 1" in trainer_log, trainer_log[-4000:]
+    checkpoint = run_dir / "checkpoints" / "step_000001"
     assert sorted(p.name for p in checkpoint.iterdir()) == [f"rank_{rank:05d}.pt" for rank in range(4)]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    graders = (log_dir / "graded-train").read_text().split()
+    assert len(graders) == 4 and len(set(graders)) == 1, f"grading workers {graders}: one was lost to the SIGTERM"
 
     assert "ray cluster up: 2 node(s)" in output and "preemption signal" in output, output
     assert "trainer exited with status" in output
     assert (log_dir / "preempted").exists() and (log_dir / "requeued").read_text() == "4242"
     assert {p.name for p in log_dir.iterdir()} >= {"launch.log", "ray-head.log", "ray-worker-127.0.0.2.log",
                                                    "trainer.log"}
-    started = [int(word.rstrip(")")) for line in output.splitlines() if " (pid " in line and "started" in line
-               for word in line.split()[-1:]]
-    assert len(started) == 3, output  # ray head, ray worker, trainer
-    for pid in started:
-        assert not Path(f"/proc/{pid}").exists(), f"started pid {pid} is still running"
+    started = {role: int(pid) for role, pid in re.findall(r"started (?:the |a )?(ray head|ray worker|trainer)\b.*"
+                                                           r"\(pid (\d+)\)", output)}
+    stopped = {int(pid) for pid in re.findall(r"stopping pid (\d+)", output)}
+    assert started.keys() == {"ray head", "ray worker", "trainer"}, output
+    assert stopped == {started["ray head"], started["ray worker"]}, output  # the trainer had exited by itself
+    assert not any(Path(f"/proc/{pid}").exists() for pid in started.values()), f"a started pid is alive: {started}"
     deadline = time.monotonic() + 20
     while _processes_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(1)
     remaining = _processes_with_marker(marker)
-    leftovers = _stop_leftovers(launcher, marker) if remaining else []
+    if remaining:
+        _stop_leftovers(launcher, marker)
     assert not remaining, f"processes outlived the job: {remaining}"
-    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def test_multinode_torchrun_script_on_two_loopback_nodes(tmp_path):
