@@ -1,10 +1,12 @@
 """The SLURM and multi-node torchrun launch scripts, run for real on this machine.
 
 SLURM itself cannot exist here, so `srun` and `scontrol` are replaced by the small stand-ins in `slurm_emulation/`
-(they run each step's command once per emulated node with the variables slurmstepd sets). Everything they start is
-real: two Ray nodes (head + one worker joined through `srun`), a 2-node x 2-process torchrun c10d rendezvous with a
-gloo all-reduce, trainer rank 0 joining the Ray cluster, and the preemption signal travelling
-batch shell -> srun -> torchrun -> every rank.
+(they run each step's command once per emulated node with the variables slurmstepd sets), and the two "nodes" are
+two loopback addresses of this one host (no cross-host network, NCCL, InfiniBand or GPUs). Everything they start is
+real: two Ray nodes (head + one worker joined through `srun`), a 2-node x 2-process torchrun c10d rendezvous running
+the trainer (TP=2 x DP=2 on gloo) on the tiny model, trainer rank 0 starting a vLLM CPU engine on the launcher's Ray
+cluster, one training step, and the preemption signal travelling batch shell -> srun -> torchrun -> every rank, which
+checkpoint. docs/launch.md has the table of what is real and what is emulated.
 """
 import json
 import os
@@ -191,16 +193,33 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
 
 
 def test_multinode_torchrun_script_on_two_loopback_nodes(tmp_path):
+    """Two torchrun "nodes" on loopback run check_cluster.py; SIGTERM to torchrun on each node (how the script says
+    to preempt) reaches all 4 ranks."""
     out = tmp_path / "cluster.json"
     env = base_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2",
-                        "NPROC_PER_NODE": "2", "TRAIN_ENTRY": f"examples/torchrun/check_cluster.py --out {out}"}
+                        "NPROC_PER_NODE": "2",
+                        "TRAIN_ENTRY": f"examples/torchrun/check_cluster.py --out {out} --wait-for-signal 120"}
     nodes = [subprocess.Popen(["bash", "examples/torchrun/train_multinode.sh"], cwd=ROOT,
                               env=env | {"NODE_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in (1, 0)]
-    outputs = [node.communicate(timeout=150)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    try:
+        deadline = time.monotonic() + 150
+        while not out.exists() and all(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert out.exists(), [node.communicate(timeout=30)[0] for node in nodes if node.poll() is not None]
+        time.sleep(1)
+        for node in nodes:  # the script execs torchrun, so this pid is torchrun's
+            node.send_signal(signal.SIGTERM)
+        outputs = [node.communicate(timeout=60)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
     findings = json.loads(out.read_text())
     assert findings["world_size"] == 4 and findings["all_reduce_sum"] == 6.0 and "ray" not in findings
+    assert sorted(p.name for p in tmp_path.glob("cluster.json.rank*.sigterm")) == [
+        f"cluster.json.rank{rank}.sigterm" for rank in range(4)], outputs
     bad = subprocess.run(["bash", "examples/torchrun/train_multinode.sh"], cwd=ROOT, capture_output=True, text=True,
                          env=env | {"NODE_RANK": "2"})
     assert bad.returncode == 2 and "NODE_RANK=2 must be in [0, NNODES=2)" in bad.stderr
