@@ -109,7 +109,7 @@ TRAINING_OVERRIDES = [  # the tiny model, 2 prompts x 2 samples, TP=2 x DP=2 ove
 ]
 
 
-@pytest.mark.timeout(1200)  # generous: a shared, overloaded 2-core machine needed 8 minutes for this test
+@pytest.mark.timeout(1200)  # generous: on a shared, overloaded 2-core machine this test took up to 9 minutes
 def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(tmp_path):
     """launch.sh with SLURM's variables for 2 nodes on loopback, the real trainer (examples/tiny) as the job.
 
