@@ -78,13 +78,17 @@ export TRAINER_NODES TRAINER_GPUS_PER_NODE TRAIN_ENTRY
 LOG_DIR="${LOG_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/logs}/${SLURM_JOB_NAME:-megatron-cpo}-$SLURM_JOB_ID"
 mkdir -p "$LOG_DIR"
 export LOG_DIR
-: >"$LOG_DIR/launch.log"
 
-# One timestamped line to the batch output and the job's launch.log.
+# One timestamped line to the batch output and the job's launch.log (appended to across requeues).
 note() {
     echo "$(date -u +%FT%TZ) $*" | tee -a "$LOG_DIR/launch.log"
 }
 
+# A requeued job keeps its id, so its log folder: the previous attempt's preemption mark must not requeue this one.
+if [[ -e $LOG_DIR/preempted ]]; then
+    rm -f "$LOG_DIR/preempted"
+    note "restart ${SLURM_RESTART_COUNT:-?} of job $SLURM_JOB_ID: cleared the previous attempt's preemption mark"
+fi
 note "job $SLURM_JOB_ID: nodes ${NODES[*]}; trainer ${TRAINER_HOSTS[*]} x $TRAINER_GPUS_PER_NODE GPUs;" \
      "ray workers ${RAY_WORKER_HOSTS[*]:-(none)}; shared layout $SHARED; rendezvous $MASTER_ADDR:$MASTER_PORT;" \
      "ray $RAY_ADDRESS; preemption grace ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s; logs $LOG_DIR"
@@ -210,7 +214,7 @@ note "ray cluster up: $(( 1 + ${#RAY_WORKER_HOSTS[@]} )) node(s)"
 
 trainer_nodelist=$(IFS=,; echo "${TRAINER_HOSTS[*]}")
 srun --overlap --nodes="$TRAINER_NODES" --ntasks-per-node=1 --nodelist="$trainer_nodelist" \
-    bash "$SCRIPT_DIR/trainer_node.sh" "$@" >"$LOG_DIR/trainer.log" 2>&1 &
+    bash "$SCRIPT_DIR/trainer_node.sh" "$@" >>"$LOG_DIR/trainer.log" 2>&1 &
 TRAINER_PID=$!
 STARTED_PIDS+=("$TRAINER_PID")
 note "started the trainer on ${TRAINER_HOSTS[*]} (pid $TRAINER_PID)"

@@ -141,6 +141,9 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     }
     overrides = [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                  f"trainer.default_local_dir={run_dir}", *TRAINING_OVERRIDES]
+    log_dir.mkdir(parents=True)  # as a requeued job finds it: the previous attempt was preempted
+    (log_dir / "preempted").touch()
+    (log_dir / "launch.log").write_text("previous attempt\n")
     batch_output = tmp_path / "batch.out"  # what sbatch --output would hold
     with batch_output.open("w") as sink:
         launcher = subprocess.Popen(["bash", "examples/slurm/launch.sh", *overrides], cwd=ROOT, env=env,
@@ -177,6 +180,8 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     assert "ray cluster up: 2 node(s)" in output and "preemption signal" in output, output
     assert "trainer exited with status" in output
     assert (log_dir / "preempted").exists() and (log_dir / "requeued").read_text() == "4242"
+    assert "cleared the previous attempt's preemption mark" in output
+    assert (log_dir / "launch.log").read_text().startswith("previous attempt\n")
     assert {p.name for p in log_dir.iterdir()} >= {"launch.log", "ray-head.log", "ray-worker-127.0.0.2.log",
                                                    "trainer.log"}
     started = {role: int(pid) for role, pid in re.findall(r"started (?:the |a )?(ray head|ray worker|trainer)\b.*"
