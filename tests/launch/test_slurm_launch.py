@@ -132,8 +132,9 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     log_dir = tmp_path / "logs" / "emulated-4242"
     env = base_env() | {
         "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "emulated", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
-        "LOG_ROOT": str(tmp_path / "logs"), "GPUS_PER_NODE": "4", "TRAINER_NODES": "2", "TRAINER_GPUS_PER_NODE": "2",
-        "MASTER_PORT": str(free_port()), "RAY_PORT": str(free_port()), "RAY_WAIT_S": "150", "REQUEUE": "1",
+        "SLURM_RESTART_COUNT": "1", "LOG_ROOT": str(tmp_path / "logs"), "GPUS_PER_NODE": "4", "TRAINER_NODES": "2",
+        "TRAINER_GPUS_PER_NODE": "2", "MASTER_PORT": str(free_port()), "RAY_PORT": str(free_port()),
+        "RAY_WAIT_S": "150", "REQUEUE": "1",
         "RAY_START_ARGS": f"--num-cpus=1 --object-store-memory=80000000 --disable-usage-stats "
                           f"--include-log-monitor=false --temp-dir={ray_dir}",
         "RAY_HEAD_ARGS": "--include-dashboard=false", "CONFIG": "examples/tiny/grpo_arith.yaml",
@@ -180,7 +181,7 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     assert "ray cluster up: 2 node(s)" in output and "preemption signal" in output, output
     assert "trainer exited with status" in output
     assert (log_dir / "preempted").exists() and (log_dir / "requeued").read_text() == "4242"
-    assert "cleared the previous attempt's preemption mark" in output
+    assert "restart 1 of job 4242: cleared the previous attempt's preemption mark" in output
     assert (log_dir / "launch.log").read_text().startswith("previous attempt\n")
     assert {p.name for p in log_dir.iterdir()} >= {"launch.log", "ray-head.log", "ray-worker-127.0.0.2.log",
                                                    "trainer.log"}
