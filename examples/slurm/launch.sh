@@ -10,13 +10,16 @@
 # Rendezvous and NCCL settings come from SLURM's variables: MASTER_ADDR is the first node, MASTER_PORT and the
 #   rendezvous id derive from SLURM_JOB_ID (two jobs sharing a node do not collide).
 # Preemption: SIGUSR1 (from `#SBATCH --signal=B:USR1@<seconds>`) or SIGTERM is forwarded to the trainer as SIGTERM
-#   (srun -> torchrun -> every rank), which checkpoints; with REQUEUE=1 the job is then requeued and resumes
-#   (trainer.resume=auto). Every process this script starts is stopped by its own pid, never by name.
+#   (srun -> torchrun -> every rank), which finishes its step and checkpoints; torchrun waits
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (540 here, torch's default is 30) before it SIGKILLs a rank. With REQUEUE=1
+#   the job is then requeued and resumes (trainer.resume=auto). Every process this script starts is stopped by its
+#   own pid, never by name; launch.log records each pid when it starts and when it is stopped.
 #
 # Environment: CONFIG (recipe YAML, required unless TRAIN_ENTRY is given), TRAINER_NODES, GPUS_PER_NODE,
 #   TRAINER_GPUS_PER_NODE, LOG_ROOT, MASTER_PORT, RAY_PORT, RAY_START_ARGS (extra `ray start` flags for every
 #   node), RAY_HEAD_ARGS (for the head only), REQUEUE, TRAIN_ENTRY (what torchrun runs; default
-#   "-m megatron_cpo.trainer"), RAY_WAIT_S, RAY_JOIN_ATTEMPTS. Extra arguments are dotted config overrides.
+#   "-m megatron_cpo.trainer"), RAY_WAIT_S, RAY_JOIN_ATTEMPTS, TORCH_ELASTIC_SHUTDOWN_TIMEOUT. Extra arguments are
+#   dotted config overrides.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -65,6 +68,9 @@ if [[ $RAY_AUTH_MODE == token && -z ${RAY_AUTH_TOKEN:-} ]]; then
     export RAY_AUTH_TOKEN
 fi
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# torchrun SIGKILLs its ranks this many seconds after forwarding SIGTERM (default 30, too short for a step plus a
+# checkpoint): 540 s fits inside the 600 s warning of `#SBATCH --signal=B:USR1@600`.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-540}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 if [[ -n ${NCCL_SOCKET_IFNAME:-} ]]; then export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}; fi
 export TRAINER_NODES TRAINER_GPUS_PER_NODE TRAIN_ENTRY
@@ -72,9 +78,20 @@ export TRAINER_NODES TRAINER_GPUS_PER_NODE TRAIN_ENTRY
 LOG_DIR="${LOG_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/logs}/${SLURM_JOB_NAME:-megatron-cpo}-$SLURM_JOB_ID"
 mkdir -p "$LOG_DIR"
 export LOG_DIR
-echo "job $SLURM_JOB_ID: nodes ${NODES[*]}; trainer ${TRAINER_HOSTS[*]} x $TRAINER_GPUS_PER_NODE GPUs;" \
+
+# One timestamped line to the batch output and the job's launch.log (appended to across requeues).
+note() {
+    echo "$(date -u +%FT%TZ) $*" | tee -a "$LOG_DIR/launch.log"
+}
+
+# A requeued job keeps its id, so its log folder: the previous attempt's preemption mark must not requeue this one.
+if [[ -e $LOG_DIR/preempted ]]; then
+    rm -f "$LOG_DIR/preempted"
+    note "restart ${SLURM_RESTART_COUNT:-?} of job $SLURM_JOB_ID: cleared the previous attempt's preemption mark"
+fi
+note "job $SLURM_JOB_ID: nodes ${NODES[*]}; trainer ${TRAINER_HOSTS[*]} x $TRAINER_GPUS_PER_NODE GPUs;" \
      "ray workers ${RAY_WORKER_HOSTS[*]:-(none)}; shared layout $SHARED; rendezvous $MASTER_ADDR:$MASTER_PORT;" \
-     "ray $RAY_ADDRESS; logs $LOG_DIR" | tee "$LOG_DIR/launch.log"
+     "ray $RAY_ADDRESS; preemption grace ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s; logs $LOG_DIR"
 
 STARTED_PIDS=()
 TRAINER_PID=""
@@ -83,18 +100,20 @@ TRAINER_PID=""
 stop_started() {
     local pid
     for pid in "${STARTED_PIDS[@]}"; do
-        if kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid" 2>/dev/null || true; fi
+        if kill -0 "$pid" 2>/dev/null; then
+            note "stopping pid $pid"
+            kill -TERM "$pid" 2>/dev/null || true
+        fi
     done
     for pid in "${STARTED_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
 }
 
 # shellcheck disable=SC2329  # called by the USR1/TERM trap
 on_preempt() {
-    echo "$(date -u +%FT%TZ) preemption signal: asking the trainer (pid $TRAINER_PID) to checkpoint" \
-        | tee -a "$LOG_DIR/launch.log"
+    note "preemption signal: asking the trainer (pid $TRAINER_PID) to checkpoint"
     touch "$LOG_DIR/preempted"
     if [[ -z $TRAINER_PID ]]; then
-        echo "the trainer has not started: stopping the job" | tee -a "$LOG_DIR/launch.log"
+        note "the trainer has not started: stopping the job"
         exit 143
     fi
     kill -TERM "$TRAINER_PID" 2>/dev/null || true
@@ -113,6 +132,7 @@ start_ray_head() {
     HEAD_PID=$!
     HEAD_STARTS=$(( HEAD_STARTS + 1 ))
     STARTED_PIDS+=("$HEAD_PID")
+    note "started the ray head on $HEAD_NODE (pid $HEAD_PID)"
 }
 
 # One Ray worker on `host` as its own srun step; its log is appended to across restarts.
@@ -125,6 +145,7 @@ start_ray_worker() {
     WORKER_PID[$host]=$!
     WORKER_STARTS[$host]=$(( ${WORKER_STARTS[$host]:-0} + 1 ))
     STARTED_PIDS+=("$!")
+    note "started a ray worker on $host (pid $!)"
 }
 
 # Wait until the Ray cluster at RAY_ADDRESS has $1 alive nodes. A node that exits while starting (Ray waits only 30 s
@@ -139,7 +160,7 @@ wait_for_ray_nodes() {
                      "see $LOG_DIR/ray-head.log" >&2
                 exit 1
             fi
-            echo "ray head exited while starting; starting it again" | tee -a "$LOG_DIR/launch.log"
+            note "ray head exited while starting; starting it again"
             start_ray_head
         fi
         for host in "${!WORKER_PID[@]}"; do
@@ -149,7 +170,7 @@ wait_for_ray_nodes() {
                          "see $LOG_DIR/ray-worker-$host.log" >&2
                     exit 1
                 fi
-                echo "ray worker on $host exited while joining; starting it again" | tee -a "$LOG_DIR/launch.log"
+                note "ray worker on $host exited while joining; starting it again"
                 start_ray_worker "$host"
             fi
         done
@@ -189,13 +210,14 @@ for host in "${RAY_WORKER_HOSTS[@]}"; do
 done
 
 wait_for_ray_nodes $(( 1 + ${#RAY_WORKER_HOSTS[@]} ))
-echo "ray cluster up: $(( 1 + ${#RAY_WORKER_HOSTS[@]} )) node(s)" | tee -a "$LOG_DIR/launch.log"
+note "ray cluster up: $(( 1 + ${#RAY_WORKER_HOSTS[@]} )) node(s)"
 
 trainer_nodelist=$(IFS=,; echo "${TRAINER_HOSTS[*]}")
 srun --overlap --nodes="$TRAINER_NODES" --ntasks-per-node=1 --nodelist="$trainer_nodelist" \
-    bash "$SCRIPT_DIR/trainer_node.sh" "$@" >"$LOG_DIR/trainer.log" 2>&1 &
+    bash "$SCRIPT_DIR/trainer_node.sh" "$@" >>"$LOG_DIR/trainer.log" 2>&1 &
 TRAINER_PID=$!
 STARTED_PIDS+=("$TRAINER_PID")
+note "started the trainer on ${TRAINER_HOSTS[*]} (pid $TRAINER_PID)"
 
 status=0
 while true; do
@@ -203,7 +225,12 @@ while true; do
     if (( status > 128 )) && kill -0 "$TRAINER_PID" 2>/dev/null; then status=0; continue; fi
     break
 done
-echo "trainer exited with status $status" | tee -a "$LOG_DIR/launch.log"
+if [[ -e $LOG_DIR/preempted ]]; then
+    note "trainer exited with status $status after the preemption signal (torchrun reports the SIGTERM it forwarded" \
+         "as a failure; trainer.log says which step was checkpointed)"
+else
+    note "trainer exited with status $status"
+fi
 if [[ -e $LOG_DIR/preempted && ${REQUEUE:-0} == 1 ]]; then
     scontrol requeue "$SLURM_JOB_ID"
 fi

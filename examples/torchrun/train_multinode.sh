@@ -11,7 +11,8 @@
 # Trainer rank 0 joins the Ray cluster through RAY_ADDRESS and places the vLLM engines there. Node ranks are given
 # explicitly (static rendezvous at MASTER_ADDR:MASTER_PORT), so a node that starts late is waited for, not renumbered.
 # Environment: MASTER_ADDR, NNODES, NODE_RANK (required); MASTER_PORT (29500), NPROC_PER_NODE (GPUs on this node,
-# else 8), TRAIN_ENTRY (what torchrun runs; default "-m megatron_cpo.trainer"). Arguments go to the entry.
+# else 8), TRAIN_ENTRY (what torchrun runs; default "-m megatron_cpo.trainer"), TORCH_ELASTIC_SHUTDOWN_TIMEOUT (540).
+# Arguments go to the entry. To preempt, send SIGTERM to torchrun on every node: the ranks checkpoint and stop.
 set -euo pipefail
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}" "${NNODES:?set NNODES to the number of trainer nodes}"
 : "${NODE_RANK:?set NODE_RANK to the index of this node in [0, NNODES)}"
@@ -26,6 +27,9 @@ else
 fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# On SIGTERM torchrun forwards it to the ranks (which finish the step and checkpoint) and SIGKILLs them after this many
+# seconds (torch's default, 30, is too short for a step plus a checkpoint).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-540}
 if [[ -n ${NCCL_SOCKET_IFNAME:-} ]]; then export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}; fi
 read -r -a entry <<< "${TRAIN_ENTRY:-"-m megatron_cpo.trainer"}"
 exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \

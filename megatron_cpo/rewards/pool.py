@@ -71,9 +71,11 @@ class _Worker:
     def __init__(self, init_args: tuple) -> None:
         parent_end, child_end = socket.socketpair()
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        # Its own session: torchrun forwards a preemption SIGTERM to each rank's whole process group, and the rank
+        # still grades the step it finishes before checkpointing. The worker exits when its socket closes.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "megatron_cpo.rewards.pool", str(child_end.fileno())],
-            pass_fds=(child_end.fileno(),), env=environment, stdin=subprocess.DEVNULL)
+            pass_fds=(child_end.fileno(),), env=environment, stdin=subprocess.DEVNULL, start_new_session=True)
         child_end.close()
         self.connection = Connection(parent_end.detach())
         self.connection.send(init_args)
