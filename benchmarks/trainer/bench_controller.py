@@ -10,7 +10,8 @@ Each repeat uses its own prompt order (seed 7 + repeat) for both modes, and the 
 first, so a change of machine load hits both alike. The controller lives across repeats, as it lives across steps
 in a training run (its keep-rate history is what a running trainer has).
 
-    python benchmarks/trainer/bench_controller.py --keep-rates 0.1 0.3 0.7 --batches 2 --repeats 3
+    python benchmarks/trainer/bench_controller.py --keep-rates 0.1 0.3 0.7 --batches 2 --repeats 4 \
+        [--max-num-seqs 256 --max-inflight-prompts 32]
 """
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's concurrent sequences (vLLM's default for AsyncLLM: 128)")
+    parser.add_argument("--max-inflight-prompts", type=int, default=0,
+                        help="the controller's look-ahead cap (0: 2 * batch size)")
     parser.add_argument("--out", default="benchmarks/trainer/controller_results.json")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -94,7 +99,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
     manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
-                                           ray_address="local", seed=1))
+                                           ray_address="local", seed=1, max_num_seqs=args.max_num_seqs))
 
     def params(seed):
         return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
@@ -109,8 +114,9 @@ def main() -> None:
             rewards = RewardManager(RewardConfig(
                 num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
                 grader_kwargs={source: {"keep_rate": keep_rate}}))
-            controller = RolloutController(manager, None, group_scorer(rewards, tokenizer),
-                                           ControllerSettings(train_batch_size=args.batch_size),
+            controller = RolloutController(manager, PromptStream(dataset, 1, 7), group_scorer(rewards, tokenizer),
+                                           ControllerSettings(train_batch_size=args.batch_size,
+                                                              max_inflight_prompts=args.max_inflight_prompts),
                                            keep_varied_groups, params)
             runs = {"sequential": [], "streaming": []}
             load = [os.getloadavg()[0]]
@@ -119,7 +125,7 @@ def main() -> None:
                 for mode in modes:
                     stream = PromptStream(dataset, total_epochs=100, seed=7 + repeat, shuffle=True)
                     controller.stream = stream
-                    start, rollouts, scoring = time.perf_counter(), 0, 0.0
+                    start, rollouts, scoring, calls = time.perf_counter(), 0, 0.0, 0.0
                     for step in range(1, args.batches + 1):
                         if mode == "sequential":
                             rollouts += sequential_batch(manager, stream, rewards, tokenizer, args.batch_size,
@@ -127,10 +133,12 @@ def main() -> None:
                         else:
                             metrics = controller.collect(step).metrics
                             rollouts += int(metrics["timing/requested_prompts"]) * args.n
-                            scoring += metrics["timing/score_s"]
+                            scoring += metrics.get("timing/score_s", 0.0)
+                            calls += metrics.get("timing/score_calls", 0.0)
                     runs[mode].append({"s_per_batch": (time.perf_counter() - start) / args.batches,
                                        "rollouts_per_batch": rollouts / args.batches,
-                                       "score_s_per_batch": scoring / args.batches})
+                                       "score_s_per_batch": scoring / args.batches,
+                                       "score_calls_per_batch": calls / args.batches})
                     load.append(os.getloadavg()[0])
             rewards.close()
             row = {"keep_rate": keep_rate, "runs": runs, "load_1min": summary(load)}
