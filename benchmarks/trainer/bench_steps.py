@@ -37,7 +37,8 @@ def main() -> None:
     command = [sys.executable, "-m", "megatron_cpo.trainer", "--config", args.config,
                f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-               f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]", *args.overrides]
+               f"trainer.default_local_dir={run_dir}", "trainer.logger=[jsonl]",
+               "actor_rollout_ref.rollout.ray_address=local", *args.overrides]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
     load_before = os.getloadavg()[0]
     subprocess.run(command, cwd=ROOT, env=environment, check=True)

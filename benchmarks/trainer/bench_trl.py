@@ -83,7 +83,7 @@ def main() -> None:
         num_generations=args.n, steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, learning_rate=1e-4, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
         max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group", logging_steps=1,
-        save_strategy="no", report_to=[], dataloader_num_workers=0, disable_dropout=True)
+        save_strategy="no", report_to=[], dataloader_num_workers=0, disable_dropout=True, gradient_checkpointing=False)
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
