@@ -1,18 +1,24 @@
 """Streaming filter-accumulate controller vs verl's sequential generation batches, on one real vLLM engine.
 
 verl (DAPO recipe) generates a whole batch of `train_batch_size` prompts, waits for all of it, filters, and repeats
-until enough prompts are kept. The controller submits ahead by the observed keep rate and consumes groups as they
-finish. Both fill one batch of `train_batch_size` kept prompts from the same prompts, model and sampling; the table
-reports wall time and rollouts generated per filled batch at several keep rates (fraction of prompts whose group
-passes filter-groups).
+until enough prompts are kept. The controller requests ahead by the observed keep rate, scores every group that has
+finished in one grading call and cancels the rest once the batch is full. Both fill batches of `train_batch_size`
+kept prompts from the same prompts, model and sampling; the table reports wall time and rollouts requested per
+filled batch at several keep rates (fraction of prompts whose group passes filter-groups).
 
-    python benchmarks/trainer/bench_controller.py --keep-rates 0.1 0.3 0.7 --batches 3
+Each repeat uses its own prompt order (seed 7 + repeat) for both modes, and the two modes alternate which runs
+first, so a change of machine load hits both alike. The controller lives across repeats, as it lives across steps
+in a training run (its keep-rate history is what a running trainer has).
+
+    python benchmarks/trainer/bench_controller.py --keep-rates 0.1 0.3 0.7 --batches 2 --repeats 4 \
+        [--max-num-seqs 256 --max-inflight-prompts 32]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,13 +50,34 @@ def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, st
     return rollouts
 
 
+def group_scorer(rewards, tokenizer):
+    """The trainer's scorer shape: decode and grade every response of the given groups in one pool call."""
+    def score(items):
+        texts = [[tokenizer.decode(r, skip_special_tokens=True) for r in rs] for _, rs in items]
+        recs = [rec for rec, rs in items for _ in rs]
+        acc = rewards.score([r.data_source for r in recs], [t for ts in texts for t in ts],
+                            [r.ground_truth for r in recs], [r.extra_info for r in recs]).acc
+        acc = acc.float().reshape(len(items), -1)
+        return [(a, a, t) for a, t in zip(acc, texts)]
+    return score
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3, 0.7])
-    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=2, help="filled batches per mode in each repeat")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's concurrent sequences (vLLM's default for AsyncLLM: 128)")
+    parser.add_argument("--max-inflight-prompts", type=int, default=0,
+                        help="the controller's look-ahead cap (0: 2 * batch size)")
     parser.add_argument("--out", default="benchmarks/trainer/controller_results.json")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -72,7 +99,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
     manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
-                                           ray_address="local", seed=1))
+                                           ray_address="local", seed=1, max_num_seqs=args.max_num_seqs))
 
     def params(seed):
         return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
@@ -87,32 +114,41 @@ def main() -> None:
             rewards = RewardManager(RewardConfig(
                 num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
                 grader_kwargs={source: {"keep_rate": keep_rate}}))
-            row = {"keep_rate": keep_rate}
-            for mode in ("sequential", "streaming"):
-                stream = PromptStream(dataset, total_epochs=100, seed=7, shuffle=True)
-                start, rollouts = time.perf_counter(), 0
-                for step in range(1, args.batches + 1):
-                    if mode == "sequential":
-                        rollouts += sequential_batch(manager, stream, rewards, tokenizer, args.batch_size, params,
-                                                     step)
-                    else:
-                        def score(items):
-                            texts = [[tokenizer.decode(r, skip_special_tokens=True) for r in rs] for _, rs in items]
-                            recs = [rec for rec, rs in items for _ in rs]
-                            acc = rewards.score([r.data_source for r in recs], [t for ts in texts for t in ts],
-                                                [r.ground_truth for r in recs], [r.extra_info for r in recs]).acc
-                            acc = acc.float().reshape(len(items), -1)
-                            return [(a, a, t) for a, t in zip(acc, texts)]
-                        controller = RolloutController(manager, stream, score,
-                                                       ControllerSettings(train_batch_size=args.batch_size),
-                                                       keep_varied_groups, params)
-                        collected = controller.collect(step)
-                        rollouts += int(collected.metrics["timing/requested_prompts"]) * args.n
-                row[f"{mode}_s_per_batch"] = (time.perf_counter() - start) / args.batches
-                row[f"{mode}_rollouts_per_batch"] = rollouts / args.batches
-            row["time_ratio"] = row["streaming_s_per_batch"] / row["sequential_s_per_batch"]
+            controller = RolloutController(manager, PromptStream(dataset, 1, 7), group_scorer(rewards, tokenizer),
+                                           ControllerSettings(train_batch_size=args.batch_size,
+                                                              max_inflight_prompts=args.max_inflight_prompts),
+                                           keep_varied_groups, params)
+            runs = {"sequential": [], "streaming": []}
+            load = [os.getloadavg()[0]]
+            for repeat in range(args.repeats):
+                modes = ("sequential", "streaming") if repeat % 2 == 0 else ("streaming", "sequential")
+                for mode in modes:
+                    stream = PromptStream(dataset, total_epochs=100, seed=7 + repeat, shuffle=True)
+                    controller.stream = stream
+                    start, rollouts, scoring, calls = time.perf_counter(), 0, 0.0, 0.0
+                    for step in range(1, args.batches + 1):
+                        if mode == "sequential":
+                            rollouts += sequential_batch(manager, stream, rewards, tokenizer, args.batch_size,
+                                                         params, step)
+                        else:
+                            metrics = controller.collect(step).metrics
+                            rollouts += int(metrics["timing/requested_prompts"]) * args.n
+                            scoring += metrics.get("timing/score_s", 0.0)
+                            calls += metrics.get("timing/score_calls", 0.0)
+                    runs[mode].append({"s_per_batch": (time.perf_counter() - start) / args.batches,
+                                       "rollouts_per_batch": rollouts / args.batches,
+                                       "score_s_per_batch": scoring / args.batches,
+                                       "score_calls_per_batch": calls / args.batches})
+                    load.append(os.getloadavg()[0])
             rewards.close()
-            print(json.dumps(row), flush=True)
+            row = {"keep_rate": keep_rate, "runs": runs, "load_1min": summary(load)}
+            for mode, mode_runs in runs.items():
+                row[f"{mode}_s_per_batch"] = summary([r["s_per_batch"] for r in mode_runs])
+                row[f"{mode}_rollouts_per_batch"] = summary([r["rollouts_per_batch"] for r in mode_runs])
+            row["time_ratio_of_means"] = row["streaming_s_per_batch"]["mean"] / row["sequential_s_per_batch"]["mean"]
+            row["time_ratio_per_repeat"] = [b["s_per_batch"] / a["s_per_batch"]
+                                            for a, b in zip(runs["sequential"], runs["streaming"])]
+            print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
             results.append(row)
     finally:
         manager.shutdown()

@@ -32,6 +32,7 @@ class VLLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,

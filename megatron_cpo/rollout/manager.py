@@ -121,24 +121,24 @@ class RolloutManager:
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
         """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
         group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
+        while self._pending:
+            group = self._take(self._wait_one(timeout))
+            if group is not None:
+                yield group
+
+    def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
+        """Wait (at most `timeout` per group, as `completed`) until a group finishes, then return it with every
+        other group already finished, so a caller can score them together; [] when nothing is outstanding."""
         import ray
 
         while self._pending:
-            ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
-            if not ready:
-                raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} "
-                                   "requests outstanding (raise the timeout or check health())")
-            request = self._pending.pop(ready[0])
-            try:
-                group = ray.get(ready[0])
-            except ray.exceptions.RayError as err:
-                if self._alive[request.engine_index] and self._engine_is_healthy(request.engine_index):
-                    raise
-                self._mark_dead(request.engine_index, err)
-                self._dispatch(request)
-                continue
-            if group is not None:
-                yield group
+            first = self._wait_one(timeout)
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+            refs = [first, *(ref for ref in ready if ref != first)]
+            groups = [group for group in map(self._take, refs) if group is not None]
+            if groups:
+                return groups
+        return []
 
     def cancel_all(self) -> int:
         """Abort everything outstanding on every engine; returns how many groups were dropped."""
@@ -244,6 +244,30 @@ class RolloutManager:
         ref = self.engines[request.engine_index].generate.remote(request.request_id, request.prompt_token_ids,
                                                                  request.params)
         self._pending[ref] = request
+
+    def _wait_one(self, timeout: float | None):
+        """The ref of a finished request (not yet taken); TimeoutError after `timeout` seconds."""
+        import ray
+
+        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+        if not ready:
+            raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} "
+                               "requests outstanding (raise the timeout or check health())")
+        return ready[0]
+
+    def _take(self, ref) -> RolloutGroup | None:
+        """A finished request's group; None when it was cancelled or its engine died (then it is re-dispatched)."""
+        import ray
+
+        request = self._pending.pop(ref)
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as err:
+            if self._alive[request.engine_index] and self._engine_is_healthy(request.engine_index):
+                raise
+            self._mark_dead(request.engine_index, err)
+            self._dispatch(request)
+            return None
 
     def _engine_is_healthy(self, index: int) -> bool:
         import ray

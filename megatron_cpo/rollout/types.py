@@ -102,6 +102,9 @@ class RolloutConfig:
     node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
     (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
     forming that group and each broadcast.
+    `max_num_seqs`: sequences one engine decodes at once (vLLM's scheduler limit; None keeps vLLM's default, 128 for
+    an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
+    max_num_seqs / n prompts only queues.
     """
 
     model_path: str
@@ -110,6 +113,7 @@ class RolloutConfig:
     dtype: str = "bfloat16"
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.6
+    max_num_seqs: int | None = None
     cpu_kv_cache_gib: int = 1
     cpus_per_engine: float = 1.0
     enable_prefix_caching: bool = True
@@ -134,6 +138,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size}; set it >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout.dtype={self.dtype!r}; use float32, bfloat16 or float16")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs}; set it >= 1 or None for vLLM's default")
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
         if self.weight_transport not in ("auto", "shm", "collective"):

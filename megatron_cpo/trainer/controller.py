@@ -1,11 +1,15 @@
 """The rank-0 filter-accumulate controller: keeps the rollout engines busy and fills one batch per step.
 
-It never waits for a whole generation batch: prompts are submitted ahead, groups are scored as they finish and
-committed in request order by a `GroupAccumulator` (see accumulator.py for why the order is fixed). The number of
-prompts in flight follows the observed keep rate, so with a strict filter more prompts are requested sooner. When
-`train_batch_size` prompts are kept, what is still running is cancelled and the unused prompts go back to the data
-stream. `max_num_gen_batches` caps the prompts requested (in units of `train_batch_size`); when it is reached
-`on_limit` decides between a clear error and training on the partial batch.
+It never waits for a whole generation batch: prompts are submitted ahead, and every group that has finished when
+the controller looks is scored in one call to the grading pool, then committed in request order by a
+`GroupAccumulator` (see accumulator.py for why the order is fixed). How far ahead it requests follows the keep rate
+observed in this and earlier steps: enough uncommitted prompts to fill the batch with about 90% probability, at most
+`inflight_cap` (a prompt requested too late costs a whole response's latency, one requested needlessly only the
+tokens it got before cancellation). When `train_batch_size` prompts are kept, what is still running is cancelled and
+the unused prompts go back to the data stream. `max_num_gen_batches` caps the prompts requested (in units of
+`train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
+Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
+keep-rate history is a speed hint that checkpoints need not hold.
 """
 from __future__ import annotations
 
@@ -57,6 +61,40 @@ class CollectedBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
+FILL_PROBABILITY_Z = 1.28
+
+
+def prompts_to_request(needed: int, keep_rate: float) -> int:
+    """Uncommitted prompts to have in flight so that `needed` of them are kept with ~90% probability.
+
+    The kept count of N prompts is about Binomial(N, keep_rate); this solves N p - z sqrt(N p (1 - p)) = needed
+    for N (exactly `needed` when every group is kept). A shortfall costs a whole extra response latency, a
+    surplus only the cancelled prompts' tokens, hence the margin."""
+    if needed <= 0:
+        return 0
+    p = min(max(keep_rate, 0.02), 1.0)
+    spread = FILL_PROBABILITY_Z * math.sqrt(p * (1.0 - p))
+    root = (spread + math.sqrt(spread * spread + 4.0 * p * needed)) / (2.0 * p)
+    return math.ceil(root * root - 1e-9)
+
+
+@dataclass
+class KeepRateHistory:
+    """Groups kept / committed in earlier steps, halved every step so the estimate follows the policy as it learns.
+    With no history the rate starts at 1 (request exactly what is needed) and is learnt within the first step."""
+    kept: float = 0.0
+    committed: float = 0.0
+    decay: float = 0.5
+
+    def rate(self, kept_now: int, committed_now: int) -> float:
+        return (self.kept + kept_now + 1.0) / (self.committed + committed_now + 1.0)
+
+    def update(self, kept: int, committed: int) -> None:
+        self.kept = self.decay * self.kept + kept
+        self.committed = self.decay * self.committed + committed
+
+
 @dataclass
 class _Request:
     seq: int
@@ -75,6 +113,7 @@ class RolloutController:
         self.settings = settings
         self.group_filter = group_filter
         self.sampling_params_for = sampling_params_for
+        self.keep_history = KeepRateHistory()
 
     def collect(self, step: int) -> CollectedBatch:
         """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out."""
@@ -83,35 +122,29 @@ class RolloutController:
         acc = GroupAccumulator(s.train_batch_size, self.group_filter, s.filter_metric)
         requests: list[_Request] = []
         inflight: dict[str, _Request] = {}
-        generated_tokens = 0
+        timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
+                                "timing/score_calls"), 0.0)
         logged_gen_batches = 0
         data_exhausted = False
         while not acc.full:
             data_exhausted = self._top_up(step, acc, requests, inflight) or data_exhausted
             if not inflight:
                 break
-            for group in self.manager.completed(timeout=s.poll_timeout_s):
-                request = inflight.pop(group.request_id, None)
-                if request is None:
-                    continue
-                responses = [sample.token_ids for sample in group.samples]
-                generated_tokens += sum(len(r) for r in responses)
-                scores, accs, texts = self.scorer([(request.record, responses)])[0]
-                acc.add([ScoredGroup(
-                    seq=request.seq, record=request.record, prompt_token_ids=list(group.prompt_token_ids),
-                    response_token_ids=responses, rollout_log_probs=[list(x.logprobs) for x in group.samples],
-                    truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                    scores=scores, acc=accs, response_texts=texts)])
-                logged_gen_batches = self._log_progress(step, acc, logged_gen_batches)
-                if acc.full:
-                    break
-                data_exhausted = self._top_up(step, acc, requests, inflight) or data_exhausted
+            waited = time.perf_counter()
+            finished = [(inflight.pop(group.request_id), group)
+                        for group in self.manager.finished(timeout=s.poll_timeout_s) if group.request_id in inflight]
+            scoring = time.perf_counter()
+            acc.add(self._score(finished, timing))
+            timing["timing/gen_wait_s"] += scoring - waited
+            timing["timing/score_s"] += time.perf_counter() - scoring
+            logged_gen_batches = self._log_progress(step, acc, logged_gen_batches)
         if inflight:
             self.manager.cancel_all()
         if acc.next_seq < len(requests):
             self.stream.rewind(requests[acc.next_seq].position)
             data_exhausted = False
-        metrics = self._metrics(acc, len(requests), generated_tokens, time.perf_counter() - start)
+        self.keep_history.update(acc.stats.kept, acc.stats.committed)
+        metrics = self._metrics(acc, len(requests), timing, time.perf_counter() - start)
         if acc.full:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",
                         step, sum(g.n for g in acc.batch()))
@@ -135,9 +168,8 @@ class RolloutController:
                 inflight: dict[str, _Request]) -> bool:
         """Submit prompts until enough are outstanding for the observed keep rate; True when data ran out."""
         s = self.settings
-        keep_rate = (acc.stats.kept + 1) / (acc.stats.committed + 1)
-        needed = s.train_batch_size - len(acc.kept)
-        wanted = min(s.inflight_cap, math.ceil(needed / max(keep_rate, 0.05)))
+        keep_rate = self.keep_history.rate(acc.stats.kept, acc.stats.committed)
+        wanted = min(s.inflight_cap, prompts_to_request(s.train_batch_size - len(acc.kept), keep_rate))
         while len(requests) - acc.next_seq < wanted:
             if s.prompt_limit is not None and len(requests) >= s.prompt_limit:
                 return False
@@ -153,6 +185,22 @@ class RolloutController:
             inflight[request_id] = request
         return False
 
+    def _score(self, finished: list[tuple[_Request, Any]], timing: dict[str, float]) -> list[ScoredGroup]:
+        """Score the finished groups in one scorer call (one round trip to the grading pool for all of them)."""
+        if not finished:
+            return []
+        responses = [[sample.token_ids for sample in group.samples] for _, group in finished]
+        scored = self.scorer([(request.record, group_responses)
+                              for (request, _), group_responses in zip(finished, responses)])
+        timing["timing/score_calls"] += 1
+        timing["timing/generated_tokens"] += sum(len(r) for group_responses in responses for r in group_responses)
+        return [ScoredGroup(seq=request.seq, record=request.record, prompt_token_ids=list(group.prompt_token_ids),
+                            response_token_ids=group_responses,
+                            rollout_log_probs=[list(x.logprobs) for x in group.samples],
+                            truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
+                            scores=scores, acc=accs, response_texts=texts)
+                for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
+
     def _request_seed(self, step: int, position: StreamPosition) -> int:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically."""
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
@@ -167,16 +215,16 @@ class RolloutController:
                         min(len(acc.kept), size), size)
         return logged
 
-    def _metrics(self, acc: GroupAccumulator, requested: int, generated_tokens: int, seconds: float
+    def _metrics(self, acc: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
                  ) -> dict[str, float]:
         size = self.settings.train_batch_size
         metrics = acc.metrics()
+        metrics.update(timing)
         metrics.update({
             "filter/num_gen_batches": float(math.ceil(acc.next_seq / size)),
             "filter/target_prompts": float(size),
             "timing/requested_prompts": float(requested),
-            "timing/generated_tokens": float(generated_tokens),
             "timing/gen_s": seconds,
-            "timing/gen_tokens_per_s": generated_tokens / max(seconds, 1e-9),
+            "timing/gen_tokens_per_s": timing["timing/generated_tokens"] / max(seconds, 1e-9),
         })
         return metrics

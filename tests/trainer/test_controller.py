@@ -1,10 +1,11 @@
 """The streaming controller against a real vLLM engine and the real grading pool: filter-groups drops groups,
-batches are exact, unused prompts go back to the data stream, both `on_limit` behaviours, and RAGEN's windows."""
+batches are exact, unused prompts go back to the data stream, both `on_limit` behaviours, RAGEN's windows,
+and the look-ahead (how many prompts are requested) changes only speed, never which groups form the batch."""
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megatron_cpo.trainer.controller import GenerationLimitError
+from megatron_cpo.trainer.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
 from megatron_cpo.trainer.rollout_side import RolloutSide
 
 
@@ -67,3 +68,56 @@ def test_ragen_top_k_keeps_the_best_groups_of_each_generation_batch(make_config,
     assert metrics["filter/num_gen_batches"] == 2 and 6 <= metrics["filter/committed_prompts"] <= 8
     assert side.stream.position.offset == metrics["filter/committed_prompts"]  # the rest went back to the stream
     assert [g.seq for g in collected.groups] == sorted(g.seq for g in collected.groups)
+
+
+def _fill_probability(prompts: int, keep_rate: float, needed: int) -> float:
+    """P(Binomial(prompts, keep_rate) >= needed), exactly."""
+    if keep_rate >= 1.0:
+        return float(prompts >= needed)
+    below = torch.distributions.Binomial(prompts, torch.tensor(keep_rate, dtype=torch.float64)).log_prob(
+        torch.arange(needed, dtype=torch.float64)).exp().sum()
+    return float(1.0 - below)
+
+
+@pytest.mark.parametrize("keep_rate", [0.05, 0.3, 0.7, 0.95, 1.0])
+def test_look_ahead_fills_the_batch_with_about_90_percent_probability(keep_rate):
+    for needed in (1, 4, 8, 64):
+        prompts = prompts_to_request(needed, keep_rate)
+        smallest = needed  # the fewest prompts that fill with probability >= 0.9
+        while _fill_probability(smallest, keep_rate, needed) < 0.9:
+            smallest += 1
+        assert smallest <= prompts <= 1.5 * smallest + 1, (needed, prompts, smallest)
+    assert prompts_to_request(8, 1.0) == 8 and prompts_to_request(0, 0.3) == 0
+
+
+def test_keep_rate_history_starts_at_one_and_halves_each_step():
+    history = KeepRateHistory()
+    assert history.rate(0, 0) == 1.0
+    history.update(kept=2, committed=10)
+    history.update(kept=2, committed=10)
+    assert (history.kept, history.committed) == (3.0, 15.0)
+    assert history.rate(1, 5) == pytest.approx(5 / 21)
+
+
+def test_finished_returns_every_group_once_and_then_nothing(rollout_manager, tiny_model):
+    from megatron_cpo.rollout import SamplingParams
+
+    params = SamplingParams(n=2, max_tokens=4, seed=3)
+    for index in range(3):
+        rollout_manager.submit(f"finished-{index}", [5, 6, 7 + index], params)
+    seen = []
+    while batch := rollout_manager.finished(timeout=120):
+        seen.extend(group.request_id for group in batch)
+    assert sorted(seen) == [f"finished-{index}" for index in range(3)]
+
+
+def test_look_ahead_changes_requests_but_never_the_batch(make_config, side_for):
+    config = make_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8")
+    exact, eager = side_for(config), side_for(config)
+    eager.controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects almost every group dropped
+    batches = [side.controller.collect(step=1) for side in (exact, eager)]
+    assert batches[1].metrics["timing/requested_prompts"] > batches[0].metrics["timing/requested_prompts"]
+    assert [g.seq for g in batches[0].groups] == [g.seq for g in batches[1].groups]
+    assert [g.response_token_ids for g in batches[0].groups] == [g.response_token_ids for g in batches[1].groups]
+    assert exact.stream.position == eager.stream.position
+    assert batches[1].metrics["timing/score_calls"] <= batches[1].metrics["filter/committed_prompts"]
