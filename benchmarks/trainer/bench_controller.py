@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, step):
     """verl's loop: generate train_batch_size prompts at a time, wait for all, filter, accumulate, truncate."""
-    from megatron_cpo.trainer.rollout_side import keep_varied_groups
+    from megatron_cpo.trainer.accumulator import keep_varied_groups
 
     kept, rollouts = 0, 0
     while kept < batch_size:
@@ -66,6 +66,25 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
+def untrained_setup(prefix: str, max_num_seqs: int | None = None):
+    """An untrained tiny model, 4000 arithmetic prompts and one engine serving it: (tokenizer, dataset, manager)."""
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
+    from megatron_cpo.models.tiny import write_tiny_model
+    from megatron_cpo.rollout import RolloutConfig, RolloutManager
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    model = write_tiny_model(work / "model")
+    data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
+    manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
+                                           ray_address="local", seed=1, max_num_seqs=max_num_seqs))
+    return tokenizer, dataset, manager
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3, 0.7])
@@ -82,24 +101,13 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from transformers import AutoTokenizer
-
-    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
-    from megatron_cpo.models.tiny import write_tiny_model
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+    from megatron_cpo.rollout import SamplingParams
+    from megatron_cpo.trainer.accumulator import keep_varied_groups
     from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
     from megatron_cpo.trainer.prompt_stream import PromptStream
-    from megatron_cpo.trainer.rollout_side import keep_varied_groups
 
-    work = Path(tempfile.mkdtemp(prefix="bench_controller_"))
-    model = write_tiny_model(work / "model")
-    data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
-    manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
-                                           ray_address="local", seed=1, max_num_seqs=args.max_num_seqs))
+    tokenizer, dataset, manager = untrained_setup("bench_controller_", max_num_seqs=args.max_num_seqs)
 
     def params(seed):
         return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,

@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,26 +40,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from transformers import AutoTokenizer
-
-    from benchmarks.trainer.bench_controller import group_scorer, sequential_batch
-    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
-    from megatron_cpo.models.tiny import write_tiny_model
+    from benchmarks.trainer.bench_controller import group_scorer, sequential_batch, untrained_setup
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+    from megatron_cpo.rollout import SamplingParams
     from megatron_cpo.trainer import controller as new_controller
+    from megatron_cpo.trainer.accumulator import keep_varied_groups
     from megatron_cpo.trainer.prompt_stream import PromptStream
-    from megatron_cpo.trainer.rollout_side import keep_varied_groups
 
     old_controller = load_old_controller(args.old_tree)
-    work = Path(tempfile.mkdtemp(prefix="bench_controller_ab_"))
-    model = write_tiny_model(work / "model")
-    data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
-    manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
-                                           ray_address="local", seed=1))
+    tokenizer, dataset, manager = untrained_setup("bench_controller_ab_")
 
     def params(seed):
         return SamplingParams(n=8, temperature=1.0, max_tokens=32, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)

@@ -20,12 +20,13 @@ Transports (`rollout.weight_transport`):
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -269,13 +270,8 @@ def send_from_pipeline_stages(spec: WeightSenderSpec, named_tensors: Iterable[tu
             tensors = iter(named_tensors)
             first = next(tensors, None)
             if first is not None:
-                sent = WeightSender(spec).send(_chain(first, tensors))
+                sent = WeightSender(spec).send(itertools.chain([first], tensors))
         if spec.transport == "collective" and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
     return sent
 
-
-def _chain(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torch.Tensor]]
-           ) -> Iterator[tuple[str, torch.Tensor]]:
-    yield first
-    yield from rest

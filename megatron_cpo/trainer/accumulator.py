@@ -233,11 +233,6 @@ class GroupAccumulator:
         return metrics
 
 
-def std_positive_filter(metric: torch.Tensor) -> torch.Tensor:
-    """DAPO's filter-groups rule on a [groups, n] metric matrix: keep groups whose responses disagree (std > 0)."""
-    return metric.std(dim=1, unbiased=False) > 0
-
-
 def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
     """DAPO filter-groups on a [groups, n] metric matrix via the algorithms' vectorised (exact) rule."""
     groups, n = metric.shape

@@ -20,7 +20,7 @@ from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
-from megatron_cpo.trainer.accumulator import ScoredGroup, keep_varied_groups, selection_from_config  # noqa: F401
+from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
 from megatron_cpo.trainer.prompt_stream import PromptStream
 

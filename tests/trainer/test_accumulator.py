@@ -10,7 +10,7 @@ from megatron_cpo.trainer.accumulator import (
     GroupSelection,
     OverlongShaping,
     ScoredGroup,
-    std_positive_filter,
+    keep_varied_groups,
 )
 from megatron_cpo.trainer.prompt_stream import PromptStream
 
@@ -33,7 +33,7 @@ def scored_group(tokenizer, seq, answers, truth="4"):
 
 
 def test_filter_drops_uniform_groups_and_truncates(tokenizer):
-    acc = GroupAccumulator(2, std_positive_filter, "acc")
+    acc = GroupAccumulator(2, keep_varied_groups, "acc")
     mixed, all_right, all_wrong, mixed2, mixed3 = (["4", "5"], ["4", "4"], ["3", "5"], ["5", "4"], ["4", "1"])
     acc.add([scored_group(tokenizer, 1, all_right), scored_group(tokenizer, 2, all_wrong)])
     assert acc.next_seq == 0 and not acc.kept  # seq 0 has not finished: nothing is committed out of order
@@ -109,7 +109,7 @@ def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
 
 
 def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_window(tokenizer):
-    selection = GroupSelection(metric_filter=std_positive_filter,
+    selection = GroupSelection(metric_filter=keep_varied_groups,
                                ragen=RagenFilterConfig(strategy="top_k", value=1), window=4)
     acc = GroupAccumulator(2, selection)
     # group 0 has the largest std but an all-correct acc, so filter-groups drops it before RAGEN ranks
@@ -123,7 +123,7 @@ def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_w
 def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
     # max 10 tokens, buffer 4: lengths 6 (no penalty), 8 (-0.5) and 10 (-1.0 with factor 1)
     overlong = OverlongShaping(max_response_length=10, buffer_len=4, penalty_factor=1.0)
-    acc = GroupAccumulator(1, GroupSelection(metric_filter=std_positive_filter, overlong=overlong), "score")
+    acc = GroupAccumulator(1, GroupSelection(metric_filter=keep_varied_groups, overlong=overlong), "score")
     # equal raw scores: only the penalty makes the group varied, so filter-groups on `score` keeps it
     acc.add([scored_with(tokenizer, 0, [1.0, 1.0, 1.0], lengths=[6, 8, 10])])
     assert acc.full
