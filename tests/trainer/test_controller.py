@@ -114,7 +114,11 @@ def test_finished_returns_every_group_once_and_then_nothing(rollout_manager, tin
 def test_look_ahead_changes_requests_but_never_the_batch(make_config, side_for):
     config = make_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8")
     exact, eager = side_for(config), side_for(config)
-    eager.controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects almost every group dropped
+    # the exact side expects every group kept (requests only what it still needs), the eager side almost none kept
+    # (requests up to the in-flight cap); a history that strong outweighs what one step observes, so the request
+    # counts differ whatever the engine's timing
+    exact.controller.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
+    eager.controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)
     batches = [side.controller.collect(step=1) for side in (exact, eager)]
     assert batches[1].metrics["timing/requested_prompts"] > batches[0].metrics["timing/requested_prompts"]
     assert [g.seq for g in batches[0].groups] == [g.seq for g in batches[1].groups]
