@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from megatron_cpo.algorithms.cpo import known_rules
+from megatron_cpo.algorithms.kl import known_kl_kinds
 
 
 class ConfigError(ValueError):
@@ -165,7 +166,7 @@ class ActorConfig:
         _check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         _check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
                       ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, tuple(known_kl_kinds()))  # "+": k2's gradient
         _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
         _check(0 < self.top_entropy_quantile <= 1,
