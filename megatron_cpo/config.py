@@ -305,7 +305,7 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see ../shared/spec/cpo.md for the rules behind `wrap_method`."""
+    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)

@@ -1,4 +1,4 @@
-"""The hint mutual-information signals of CPO (see shared/spec/cpo.md) from per-token log-probs and entropy.
+"""The hint mutual-information signals of CPO (see docs/cpo.md) from per-token log-probs and entropy.
 
 All five signals are elementwise or per-row masked reductions over ``[responses, T]`` tensors: a handful of fused
 elementwise/reduction ops that read each input once, memory-bound and negligible next to the log-prob passes that
