@@ -196,3 +196,27 @@ def test_overlong_filter_mask():
     assert overlong_filter_mask(mask, torch.tensor([False, True])).tolist() == [[1, 1], [0, 0]]
     with pytest.raises(ValueError, match="truncated has shape"):
         overlong_filter_mask(mask, torch.tensor([True]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor_rollout_ref.rollout.rollout_filter_top_p_prob_mode=nucleus"],
+     "rollout_filter_top_p_prob_mode='nucleus' is not supported; choose one of 'linear', 'softmax'"),
+    (["actor_rollout_ref.rollout.rollout_filter_selection_eps=-0.1"], "rollout_filter_selection_eps=-0.1 must be >= 0"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=2.5"],
+     "or a fraction in \\(0, 1\\)"),
+])
+def test_rollout_filter_config_keys_are_validated(overrides, message):
+    from megatron_cpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, overrides)
+
+
+def test_rollout_filter_metric_names_map_to_ragen_scores():
+    from megatron_cpo.config import build_config
+
+    rollout = build_config({}, ["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance",
+                                "actor_rollout_ref.rollout.rollout_filter_strategy=top_k",
+                                "actor_rollout_ref.rollout.rollout_filter_value=0.25"]).actor_rollout_ref.rollout
+    assert (rollout.rollout_filter_metric, rollout.rollout_filter_value) == ("reward_variance", 0.25)
+    assert rollout.rollout_filter_top_p_prob_mode == "linear" and rollout.rollout_filter_selection_eps == 0.01
