@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from megatron_cpo.algorithms.cpo import known_rules
+from megatron_cpo.algorithms.kl import known_kl_kinds
 
 
 class ConfigError(ValueError):
@@ -165,7 +166,7 @@ class ActorConfig:
         _check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         _check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
                       ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, tuple(known_kl_kinds()))  # "+": k2's gradient
         _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
         _check(0 < self.top_entropy_quantile <= 1,
@@ -173,7 +174,9 @@ class ActorConfig:
                "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
 
 
-RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_mean": "mean"}
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
+                        "reward_sum": "sum", "length": "length"}
+"""`rollout_filter_metric` -> group score of `algorithms.filters` (RAGEN's `reward_variance` is its in-group std)."""
 
 
 @dataclass
@@ -181,8 +184,11 @@ class RolloutFilterConfig:
     """RAGEN's rollout filter (keys of `actor_rollout_ref.rollout`): within every generation batch of
     `data.train_batch_size` prompts, rank the groups by `rollout_filter_metric` (`reward_std`: in-group reward std,
     RAGEN's variance filter; `reward_mean`) and keep those that `rollout_filter_strategy` selects: `top_p` (smallest
-    set of groups whose softmax mass over the scores reaches `rollout_filter_value`), `top_k` (the `value` best
-    groups) or `min_p` (score >= value * best score); `none` (the default) turns the filter off.
+    set of best groups whose scores (`rollout_filter_top_p_prob_mode: linear`, RAGEN's default, less
+    `rollout_filter_selection_eps`) or softmax mass (`softmax`) reach `rollout_filter_value` of the total; 1.0 keeps
+    all), `top_k` (the `value` best groups, or that fraction of the groups when `value` < 1) or `min_p` (score >=
+    value * best score); `none` (the default) turns the filter off. Metrics: `reward_std` (= RAGEN's
+    `reward_variance`), `reward_mean` (`reward`), `reward_sum`, `length` (mean response length).
     `rollout_filter_type` `largest` keeps high scores, `smallest` low ones; `rollout_filter_include_zero: false`
     never keeps a group whose score is exactly 0. Groups accumulate until `data.train_batch_size` are kept, bounded
     by `algorithm.filter_groups.max_num_gen_batches` / `on_limit` like DAPO's filter (see docs/filters.md)."""
@@ -191,6 +197,8 @@ class RolloutFilterConfig:
     rollout_filter_type: str = "largest"
     rollout_filter_include_zero: bool = True
     rollout_filter_metric: str = "reward_std"
+    rollout_filter_top_p_prob_mode: str = "linear"
+    rollout_filter_selection_eps: float = 0.01
 
     @property
     def rollout_filter_enabled(self) -> bool:
@@ -203,14 +211,18 @@ class RolloutFilterConfig:
         _check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
         _check(self.rollout_filter_metric in RAGEN_FILTER_METRICS,
                f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose one of "
-               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'reward_variance' ranks like 'reward_std' "
-               "for top_k; use 'reward_std')")
+               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a trainer forward "
+               "pass on every generated group and are not offered)")
+        _check_choice(prefix + "rollout_filter_top_p_prob_mode", self.rollout_filter_top_p_prob_mode,
+                      ("linear", "softmax"))
+        _check(self.rollout_filter_selection_eps >= 0,
+               f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 (RAGEN: 0.01)")
         value, strategy = self.rollout_filter_value, self.rollout_filter_strategy
         _check(strategy != "top_p" or 0 < value <= 1,
                f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability mass to keep)")
-        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()),
+        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()) or 0 < value < 1,
                f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to keep per "
-               "generation batch of data.train_batch_size prompts)")
+               "generation batch of data.train_batch_size prompts) or a fraction in (0, 1) of that batch's groups")
         _check(strategy != "min_p" or 0 <= value <= 1,
                f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best score)")
 
@@ -293,7 +305,7 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see ../shared/spec/cpo.md for the rules behind `wrap_method`."""
+    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)

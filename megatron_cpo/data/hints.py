@@ -1,6 +1,6 @@
 """The CPO hint context: the same response, scored after a conversation that already shows the gold solution.
 
-Per ../shared/spec/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
+Per docs/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
 assistant turn holding the hint (the gold solution), a second user turn that repeats the question and adds an
 instruction, then the assistant generation prompt. It is rendered through the tokenizer's own chat template, so any
 model family works and no token id is hard-coded. The response token ids are appended unchanged.

@@ -17,6 +17,7 @@ from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_penalty
 from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import TISConfig
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
@@ -139,17 +140,17 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
     lengths = seqs.response_lengths.float()
-    per_response_entropy = (entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_response_entropy = masked_mean(entropy, mask, -1)
     metrics.update(_masked_stats("entropy", per_response_entropy))
     metrics.update({
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(batch.truncated.float().mean()),
-        "advantages/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
-        "advantages/abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        "advantages/mean": float(masked_mean(advantages, mask)),
+        "advantages/abs_mean": float(masked_mean(advantages.abs(), mask)),
         "timing/train_tokens": float(mask.sum()),
     })
     if ref_log_probs is not None:
         kl = kl_penalty(old_log_probs, ref_log_probs, actor_cfg.kl_loss_type)
-        metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        metrics["kl"] = float(masked_mean(kl, mask))
     return metrics
