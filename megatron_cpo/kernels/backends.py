@@ -157,12 +157,12 @@ class TritonBackend:
 
     def logits_grad(self, logits: torch.Tensor, row_grads: RowGrads, inv_temp: float, n_valid: int) -> torch.Tensor:
         self._check_device(logits)
-        grad = torch.empty_like(logits)
         n_rows, n_cols = logits.shape
+        grad = torch.empty(n_rows, n_cols, dtype=logits.dtype, device=logits.device)
         if n_rows > 0 and n_cols > 0:
             grid = (n_rows, triton.cdiv(n_cols, self.logits_block_v))
             triton_kernels.logits_grad_kernel[grid](
-                logits, grad, logits.stride(0), row_grads.local_targets, row_grads.max, row_grads.log_sum_exp,
+                logits, grad, logits.stride(0), grad.stride(0), row_grads.local_targets, row_grads.max, row_grads.log_sum_exp,
                 row_grads.entropy,
                 row_grads.grad_log_probs, row_grads.grad_entropy, n_valid, n_cols, inv_temp,
                 BLOCK_V=self.logits_block_v)

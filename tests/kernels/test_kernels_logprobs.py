@@ -103,6 +103,26 @@ def test_leading_dims_and_entropy_only_backward(impl):
     assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad, ref_grad) < FLOAT32_TOL
 
 
+@pytest.mark.parametrize("impl", SMALL_BACKENDS)
+def test_logits_sliced_from_a_wider_buffer(impl):
+    """Logits that are a column slice of a wider buffer (row stride > V): the gradient is dense [N, V] and correct.
+
+    The Triton backward once wrote the dense gradient with the input's row stride (out of bounds on CUDA; a crash or
+    garbage under the interpreter)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = _logits(gen, "fp32")
+    targets = _targets(gen, V)
+    ref_input = logits.clone().requires_grad_()
+    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, 0.9)
+    (ref_grad,) = torch.autograd.grad((ref_lp + ref_ent).sum(), ref_input)
+    wide = torch.cat([logits, torch.randn(N, 37, generator=gen, dtype=torch.float64)], dim=1).float()
+    wide.requires_grad_()
+    lp, ent = logprobs_and_entropy(wide[:, :V], targets, temperature=0.9, impl=SMALL_BACKENDS[impl])
+    (grad,) = torch.autograd.grad((lp + ent).sum(), wide)
+    assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad[:, :V], ref_grad) < FLOAT32_TOL
+    assert (grad[:, V:] == 0).all()
+
+
 LINEAR_CASES = {  # name: (dtype, temperature, tolerance)
     "fp32": (torch.float32, 0.7, FLOAT32_TOL),
     "bf16": (torch.bfloat16, 1.3, BF16_TOL),
