@@ -63,7 +63,7 @@ GRID_COLUMNS: list[Column] = [
     ("status", "status", text), ("note", "note", text)]
 
 PARTS = [
-    Part("kernel_correctness", "benchmarks.gpu.check_kernels", 75.0, KERNEL_COLUMNS),
+    Part("kernel_correctness", "benchmarks.gpu.check_kernels", 90.0, KERNEL_COLUMNS),
     Part("actor", "benchmarks.gpu.actor_bench", 170.0, ACTOR_COLUMNS),
     Part("kernel_grid", "benchmarks.gpu.kernel_grid", None, GRID_COLUMNS,
          tiny_args=("--tiny", "--warmup", "0", "--iters", "1")),
