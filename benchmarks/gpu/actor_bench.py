@@ -138,7 +138,8 @@ def forward_flops(model: dict, seq_lengths: list[int]) -> float:
     lookup not) per token, plus causal attention 2 x layers x (heads x head_dim) x s^2 per sequence."""
     heads, kv, hidden = model["num_attention_heads"], model["num_key_value_heads"], model["hidden_size"]
     head_dim = model.get("head_dim") or hidden // heads
-    per_layer = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden + 3 * hidden * model["intermediate_size"]
+    attention_params = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    per_layer = attention_params + 3 * hidden * model["intermediate_size"]
     dense = model["num_hidden_layers"] * per_layer + model["vocab_size"] * hidden
     attention = 2 * model["num_hidden_layers"] * heads * head_dim
     return float(sum(2 * dense * s + attention * s * s for s in seq_lengths))
@@ -225,7 +226,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     mode = next(m for m in MODES if m.name == mode_name)
     overrides = [f"actor_rollout_ref.model.path={model_dir}", f"data.train_batch_size={shape.prompts}",
                  f"data.max_prompt_length={shape.prompt_cap}", f"data.max_response_length={max_response}",
-                 f"actor_rollout_ref.rollout.n={shape.n}", f"actor_rollout_ref.actor.ppo_mini_batch_size={shape.prompts}",
+                 f"actor_rollout_ref.rollout.n={shape.n}",
+                 f"actor_rollout_ref.actor.ppo_mini_batch_size={shape.prompts}",
                  f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={shape.micro_batch}",
                  f"actor_rollout_ref.actor.megatron.params_dtype={args.dtype}", "actor_rollout_ref.actor.optim.lr=1e-6",
                  "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",

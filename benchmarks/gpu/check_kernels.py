@@ -40,8 +40,9 @@ class Case:
 def cases(tiny: bool) -> list[Case]:
     """GPU sizes cross several tiles, vocabulary splits and backward token chunks; tiny ones run interpreted."""
     n, h, v, pad = (29, 40, 203, 5) if tiny else (3001, 576, 50021, 107)
+    dtypes = (torch.float32, torch.bfloat16)
     return [Case(kernel, dtype, extreme, n, h, v, pad, 1.0 if extreme else (0.7 if dtype == torch.float32 else 1.3))
-            for kernel in ("logits", "linear") for dtype in (torch.float32, torch.bfloat16) for extreme in (False, True)]
+            for kernel in ("logits", "linear") for dtype in dtypes for extreme in (False, True)]
 
 
 def backends(device: torch.device, tiny: bool) -> dict[str, object]:

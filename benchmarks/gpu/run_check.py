@@ -52,7 +52,8 @@ ACTOR_COLUMNS: list[Column] = [
     ("real tokens", "real_tokens", text), ("padded positions", "padded_positions", text), ("s", "seconds", fmt(2)),
     ("real tokens/s", "real_tokens_per_s", fmt(0)), ("model TFLOPS (real)", "model_tflops_real", fmt(1)),
     ("MFU real", "mfu_real", fmt(3)), ("MFU padded", "mfu_padded", fmt(3)), ("peak TFLOPS used", "peak_tflops", fmt(0)),
-    ("peak GiB", "peak_gib", fmt(2)), ("plan GiB", "plan_memory_gib", fmt(2)), ("plan s (MFU 0.3)", "plan_seconds", fmt(2)),
+    ("peak GiB", "peak_gib", fmt(2)), ("plan GiB", "plan_memory_gib", fmt(2)),
+    ("plan s (MFU 0.3)", "plan_seconds", fmt(2)),
     ("plan real tokens/s", "plan_real_tokens_per_s", fmt(0)), ("status", "status", text), ("note", "note", text)]
 GRID_COLUMNS: list[Column] = [
     ("method", "method", text), ("N", "n", text), ("H", "h", text), ("V", "v", text), ("fwd ms", "forward_ms", fmt(2)),

@@ -200,3 +200,15 @@ def test_bad_inputs_name_the_value_and_the_fix():
         logprobs_and_entropy(logits.long(), targets.clamp(max=3))
     with pytest.raises(ValueError, match=r"must be \[V_local, 10\]"):
         linear_logprobs_and_entropy(logits, torch.zeros(7, 9), targets.clamp(max=3))
+
+
+def test_triton_linear_kernels_refuse_offsets_past_int32():
+    """The linear kernels form ``row * row_stride`` in 32 bits: 2^20 tokens x 2048 hidden = 2^31 elements would wrap
+    (so would a 152064 x 16384 lm-head at TP=1); the backend says so instead of reading the wrong memory."""
+    from megatron_cpo.kernels import TritonBackend
+
+    TritonBackend._check_offsets("hidden", 2**20, 2**11 - 1)
+    with pytest.raises(ValueError, match=r"hidden spans 1048576 x 2048 elements.*impl='torch'"):
+        TritonBackend._check_offsets("hidden", 2**20, 2**11)
+    with pytest.raises(ValueError, match="weight spans 152064 x 16384"):
+        TritonBackend._check_offsets("weight", 152064, 16384)
