@@ -224,6 +224,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     padded_length = max(totals)
     names = config_names()
     mode = next(m for m in MODES if m.name == mode_name)
+    switches = mode_overrides(mode, names, budget=max(4 * padded_length, 4096))
     overrides = [f"actor_rollout_ref.model.path={model_dir}", f"data.train_batch_size={shape.prompts}",
                  f"data.max_prompt_length={shape.prompt_cap}", f"data.max_response_length={max_response}",
                  f"actor_rollout_ref.rollout.n={shape.n}",
@@ -231,7 +232,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
                  f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={shape.micro_batch}",
                  f"actor_rollout_ref.actor.megatron.params_dtype={args.dtype}", "actor_rollout_ref.actor.optim.lr=1e-6",
                  "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.adv_estimator=grpo",
-                 *mode_overrides(mode, names, budget=max(4 * padded_length, 4096))]
+                 *switches]
     platform.init_distributed(1, 1, seed=1)
     config = build_config({}, overrides)
     actor, reference = build_policies(config, pad_token_id=0, total_updates=4)
@@ -260,7 +261,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
             "mfu_padded": factor * flops_padded / seconds / (peak * 1e12) if peak else None,
             "peak_tflops": peak, "peak_gib": call["peak_gib"],
             "peak_memory_kind": "allocator peak" if device.type == "cuda" else "process peak RSS",
-            "loss": metrics.get("actor/pg_loss"), "overrides": mode_overrides(mode, names, 0) or None})
+            "loss": metrics.get("actor/pg_loss"), "overrides": switches or None})
     return records
 
 
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             if note:
                 append_record(args.out, {**base, "status": "failed", "note": note})
                 print(f"actor mode {mode.name}: {note}", flush=True)
+                if note != "time budget: stopped":
+                    print("\n".join(proc.stderr.strip().splitlines()[-40:]), flush=True)
             for record in _add_plan(args.out, before, plan):
                 print(record, flush=True)
     finally:

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = measure(method, *size, device, args.warmup, args.iters, backward=True)
             record = {**asdict(result), "status": "ok"}
-        except (ImportError, RuntimeError, TypeError, ValueError, AssertionError) as error:  # OOM, peer API drift
+        except Exception as error:  # noqa: BLE001  (OOM, Triton out of resources, peer API drift: keep going)
             record = {**asdict(Result(method, *size, str(device))), "status": "failed",
                       "note": f"{type(error).__name__}: {error}"[:300]}
         record["seconds"] = time.perf_counter() - start
