@@ -25,9 +25,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if [ "$SMOKE" = 0 ] && ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  echo "gpu_check: skipped: no CUDA GPU visible to torch ($PYTHON); nothing measured. Run it on the GPU machine (or --cpu-smoke for the CPU pieces)." >&2
-  exit 2
+if [ "$SMOKE" = 0 ]; then
+  REASON=$("$PYTHON" -c 'import torch; print("" if torch.cuda.is_available() else "no CUDA GPU visible to torch")' \
+    2>/dev/null) || REASON="torch does not import"
+  if [ -n "$REASON" ]; then
+    echo "gpu_check: skipped: $REASON ($PYTHON); nothing measured. Run it on the GPU machine (or --cpu-smoke for the CPU pieces)." >&2
+    exit 2
+  fi
 fi
 
 "$PYTHON" -m benchmarks.gpu.wheels --wheel-dir "$WHEELS" || exit 3

@@ -58,8 +58,11 @@ def environment() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except OSError:  # no git on the machine (a copied working tree)
+        commit = None
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
@@ -67,7 +70,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda, "torch": torch.__version__, "triton": _version("triton"),
         "python": platform.python_version(), "megatron_core": _version("megatron-core"),
         "liger_kernel": _version("liger-kernel"), "transformers": _version("transformers"),
-        "git_commit": git.stdout.strip() or None,
+        "git_commit": commit,
     }
 
 
