@@ -4,20 +4,22 @@ All three score 1 for correct and ``wrong_score`` (0 by default, verl's conventi
 """
 from __future__ import annotations
 
-import math
 import re
+from decimal import Decimal
 
 from megatron_cpo.rewards.math_answer import last_boxed, strip_string
-from megatron_cpo.rewards.math_grader import numeric_value
+from megatron_cpo.rewards.math_grader import numbers_close, numeric_value
 
-_GSM8K_MARKER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_GSM8K_MARKER = re.compile(r"####[ \t]*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _CHOICE_PATTERNS = (
     re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),
-    re.compile(r"(?:final answer|correct answer|answer|correct option|choice)\s*(?:is|:)?\s*[:\-]?\s*"
-               r"(?:option\s*)?[\(\[\*]*([A-J])[\)\]\*]*(?![A-Za-z])", re.IGNORECASE),
-    re.compile(r"\(([A-J])\)\s*(?:is correct|is the (?:correct|right) answer)", re.IGNORECASE),
-    re.compile(r"^\s*\(?([A-J])\)?[.:)]?\s*$", re.MULTILINE),
+    # Whitespace runs are never adjacent to another optional whitespace run, so a failed match costs linear time
+    # (three adjacent ``\s*`` backtracked cubically on "answer" followed by thousands of spaces).
+    re.compile(r"(?:final answer|correct answer|answer|correct option|choice)\s*(?:(?:is|:)\s*)?(?:[:\-]\s*)?"
+               r"(?:option\s*)?[\(\[\*]{0,3}([A-J])[\)\]\*]*(?![A-Za-z])", re.IGNORECASE),
+    re.compile(r"\(([A-J])\)[ \t]*(?:is correct|is the (?:correct|right) answer)", re.IGNORECASE),
+    re.compile(r"^[ \t]*\(?([A-J])\)?[.:)]?[ \t]*$", re.MULTILINE),
 )
 
 
@@ -28,11 +30,9 @@ def _result(correct: bool, prediction: str | None, reason: str, wrong_score: flo
     return result
 
 
-def _to_number(text: str) -> float | None:
-    try:
-        return float(text.replace(",", "").rstrip("."))
-    except ValueError:
-        return None
+def _to_number(text: str) -> Decimal | None:
+    """The exact value of a GSM8K number ("1,234", "-3.50", "12."), else None."""
+    return numeric_value(text.replace(",", "").rstrip("."))
 
 
 def extract_gsm8k_answer(solution_str: str) -> str | None:
@@ -58,7 +58,7 @@ def compute_gsm8k_score(
     predicted, truth = _to_number(prediction), _to_number(str(ground_truth).split("####")[-1].strip())
     if truth is None:
         raise ValueError(f"gsm8k ground truth {ground_truth!r} is not a number; pass the final number only")
-    correct = predicted is not None and math.isclose(predicted, truth, rel_tol=0, abs_tol=1e-6)
+    correct = predicted is not None and numbers_close(predicted, truth, rel_tol=0.0, abs_tol=1e-6)
     return _result(correct, prediction, f"{prediction} != {ground_truth}", wrong_score)
 
 
@@ -96,6 +96,6 @@ def compute_geometry_score(
     predicted_text, true_text = strip_string(boxed), strip_string(str(ground_truth))
     predicted, truth = numeric_value(predicted_text), numeric_value(true_text)
     if predicted is not None and truth is not None:
-        correct = math.isclose(predicted, truth, rel_tol=rel_tol, abs_tol=1e-6)
+        correct = numbers_close(predicted, truth, rel_tol=rel_tol, abs_tol=1e-6)
         return _result(correct, boxed, f"{predicted} not within {rel_tol:g} of {truth}", wrong_score)
     return _result(predicted_text == true_text, boxed, f"{predicted_text!r} != {true_text!r}", wrong_score)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import re
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BRACE = re.compile(r"[{}]")
+_SPACES_THEN_BRACE = re.compile(r"[ \t\n]*\{")
+_SPACE_FORM = re.compile(r" [ \t]*([^\s$]+)")
 
 _ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -32,42 +35,45 @@ def _braced_argument(text: str, start: int) -> tuple[str, int] | None:
     if start >= len(text) or text[start] != "{":
         return None
     depth = 0
-    for index in range(start, len(text)):
-        char = text[index]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:index], index + 1
+    for brace in _BRACE.finditer(text, start):
+        depth += 1 if brace.group() == "{" else -1
+        if depth == 0:
+            return text[start + 1:brace.start()], brace.end()
     return None
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of the matching ``}`` for every ``{`` of ``text`` that is closed, in one pass over its braces."""
+    closing, open_positions = {}, []
+    for brace in _BRACE.finditer(text):
+        if brace.group() == "{":
+            open_positions.append(brace.start())
+        elif open_positions:
+            closing[open_positions.pop()] = brace.start()
+    return closing
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too), else None."""
-    best_position, best_content = -1, None
-    for command in _BOX_COMMANDS:
-        position = text.rfind(command)
-        while position != -1:
-            after = position + len(command)
-            if after < len(text) and text[after].isalpha():
-                position = text.rfind(command, 0, position)
-                continue
-            rest = text[after:]
-            stripped = rest.lstrip()
-            if stripped.startswith("{"):
-                group = _braced_argument(text, after + len(rest) - len(stripped))
-                content = group[0] if group is not None else None
-            elif rest.startswith(" "):
-                content = stripped.split("$")[0].split()[0] if stripped.split() else None
-            else:
-                content = None
-            if content is not None:
-                if position > best_position:
-                    best_position, best_content = position, content
-                break
-            position = text.rfind(command, 0, position)
-    return best_content
+    """Content of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too), else None.
+
+    Linear in ``len(text)``: braces are matched in one pass, then the commands are visited from the last one back
+    (an unclosed ``\\boxed{`` repeated thousands of times used to rescan the rest of the text for each of them).
+    """
+    closing: dict[int, int] | None = None
+    for command in reversed(list(_BOX_COMMAND.finditer(text))):
+        after = command.end()
+        opening = _SPACES_THEN_BRACE.match(text, after)
+        if opening is not None:
+            if closing is None:
+                closing = _closing_braces(text)
+            brace = opening.end() - 1
+            if brace in closing:
+                return text[brace + 1:closing[brace]]
+            continue
+        bare = _SPACE_FORM.match(text, after)
+        if bare is not None:
+            return bare.group(1)
+    return None
 
 
 def announced_answer(text: str) -> str | None:

@@ -12,8 +12,8 @@ Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` 
 """
 from __future__ import annotations
 
+import decimal
 import logging
-import math
 import re
 import signal
 import threading
@@ -26,29 +26,56 @@ from math_verify import verify as mv_verify
 from megatron_cpo.rewards.math_answer import extract_answer, strip_string
 
 MAX_SYMBOLIC_CHARS = 400
-_INTEGER = re.compile(r"^-?\d+$")
-_FRACTION = re.compile(r"^(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
-_SCIENTIFIC = re.compile(r"^(-?[\d.]+)\\(?:times|cdot)10\^\{?(-?\d+)\}?$")
+_INTEGER = re.compile(r"^[-+]?\d+$")
+_PLAIN_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_NUMBER_LITERAL = re.compile(rf"^{_PLAIN_NUMBER}(?:[eE][-+]?\d{{1,6}})?$")
+_FRACTION = re.compile(rf"^(-?)\\frac\{{({_PLAIN_NUMBER})\}}\{{({_PLAIN_NUMBER})\}}$")
+_SCIENTIFIC = re.compile(rf"^({_PLAIN_NUMBER})\\(?:times|cdot)10\^\{{?([-+]?\d{{1,6}})\}}?$")
+# Inputs sympy cannot finish in bounded time inside one C call (where no signal can interrupt it): exponents or
+# factorials of 4+ digit numbers, and towers of powers. The symbolic stage is skipped for them.
+_EXPLOSIVE = re.compile(r"\^\s*\{?\s*[-+]?\d{4,}|\d{4,}\s*!|\^\s*\{[^{}]*\^|\^\s*\d+\s*\^")
+_NUMERIC_CONTEXT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
 
 
-def numeric_value(normalised: str) -> float | None:
-    """The value of a normalised answer that is a plain number, fraction or scientific literal, else None."""
+def numeric_value(normalised: str) -> decimal.Decimal | None:
+    """The exact value of a normalised answer that is a plain number, fraction or scientific literal, else None.
+
+    Decimal, not float: ``1e999`` and ``1e500`` are different numbers (as floats both are inf), ``10^{400}`` does not
+    overflow, and malformed literals such as ``1.2.3`` are simply not numbers.
+    """
     text = normalised
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    if _NUMBER_LITERAL.match(text):
+        return _NUMERIC_CONTEXT.create_decimal(text)
     fraction = _FRACTION.match(text)
     if fraction:
-        denominator = float(fraction.group(3))
+        denominator = _NUMERIC_CONTEXT.create_decimal(fraction.group(3))
         if denominator == 0:
             return None
-        value = float(fraction.group(2)) / denominator
+        value = _NUMERIC_CONTEXT.divide(_NUMERIC_CONTEXT.create_decimal(fraction.group(2)), denominator)
         return -value if fraction.group(1) else value
     scientific = _SCIENTIFIC.match(text)
     if scientific:
-        return float(scientific.group(1)) * 10.0 ** int(scientific.group(2))
+        return _NUMERIC_CONTEXT.create_decimal(scientific.group(1)).scaleb(int(scientific.group(2)), _NUMERIC_CONTEXT)
     return None
+
+
+def numbers_close(first: decimal.Decimal, second: decimal.Decimal, rel_tol: float, abs_tol: float) -> bool:
+    """``math.isclose`` for exact decimals of any magnitude (no overflow, no inf == inf)."""
+    context = _NUMERIC_CONTEXT
+    difference = context.abs(context.subtract(first, second))
+    scale = context.max(context.abs(first), context.abs(second))
+    tolerance = context.max(context.multiply(context.create_decimal(repr(rel_tol)), scale),
+                            context.create_decimal(repr(abs_tol)))
+    return difference <= tolerance
+
+
+def integers_equal(first: str, second: str) -> bool:
+    """Two integer literals (``_INTEGER``) are the same number, compared as text: no int() digit limit."""
+    def canonical(text: str) -> str:
+        sign = "-" if text.startswith("-") else ""
+        digits = text.lstrip("+-").lstrip("0") or "0"
+        return ("" if digits == "0" else sign) + digits
+    return canonical(first) == canonical(second)
 
 
 class SymbolicTimeout(BaseException):
@@ -113,11 +140,13 @@ def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_
         return True, "exact"
     predicted_value, true_value = numeric_value(normalised_prediction), numeric_value(normalised_truth)
     if predicted_value is not None and true_value is not None:
-        if math.isclose(predicted_value, true_value, rel_tol=1e-6, abs_tol=1e-9):
+        if numbers_close(predicted_value, true_value, rel_tol=1e-6, abs_tol=1e-9):
             return True, "numeric"
-        return False, f"numeric mismatch: {predicted_value!r} != {true_value!r}"
+        return False, f"numeric mismatch: {predicted_value} != {true_value}"
     if len(prediction) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
         return False, f"answer longer than {MAX_SYMBOLIC_CHARS} characters; symbolic check skipped"
+    if _EXPLOSIVE.search(prediction) or _EXPLOSIVE.search(ground_truth):
+        return False, "huge exponent or factorial; symbolic check skipped"
     try:
         if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
             return True, "symbolic"
@@ -152,8 +181,8 @@ def compute_strict_math_score(
         return _result(False, None, "no answer found in the response", wrong_score)
     normalised_prediction, normalised_truth = strip_string(prediction), strip_string(str(ground_truth))
     both_integers = _INTEGER.match(normalised_prediction) and _INTEGER.match(normalised_truth)
-    if normalised_prediction == normalised_truth or (both_integers and int(normalised_prediction) == int(
-            normalised_truth)):
+    if normalised_prediction == normalised_truth or (both_integers and integers_equal(normalised_prediction,
+                                                                                     normalised_truth)):
         return _result(True, prediction, "exact", wrong_score)
     return _result(False, prediction, f"strict mismatch: {normalised_prediction!r} vs {normalised_truth!r}",
                    wrong_score)
