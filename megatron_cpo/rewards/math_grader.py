@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
 
-from megatron_cpo.rewards.math_answer import extract_answer, strip_string
+from megatron_cpo.rewards.math_answer import extract_answer, last_boxed, strip_string
 
 MAX_SYMBOLIC_CHARS = 400
 _INTEGER = re.compile(r"^[-+]?\d+$")
@@ -163,11 +163,18 @@ def _result(correct: bool, prediction: str | None, how: str, wrong_score: float)
 
 def compute_math_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *,
-    wrong_score: float = -1.0, symbolic_timeout_s: float = 5.0,
+    wrong_score: float = -1.0, symbolic_timeout_s: float = 5.0, require_boxed: bool = False,
 ) -> dict:
-    """MATH-style grade (hendrycks_math, math500, the synthetic arithmetic task): +1 if equivalent else wrong_score."""
-    prediction = extract_answer(solution_str)
+    """MATH-style grade: +1 if the final answer is equivalent to the ground truth, else ``wrong_score``.
+
+    The final answer is the last ``\\boxed{}``; without one, the announced answer or the last number unless
+    ``require_boxed`` (verl's lighteval/MATH rule: no box, no credit).
+    """
+    prediction = last_boxed(solution_str) if require_boxed and isinstance(solution_str, str) else (
+        None if require_boxed else extract_answer(solution_str))
     correct, how = math_equivalent(prediction, str(ground_truth), symbolic_timeout_s)
+    if prediction is None and require_boxed:
+        how = "no \\boxed{} answer found"
     return _result(correct, prediction, how, wrong_score)
 
 
