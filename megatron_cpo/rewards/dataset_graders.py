@@ -38,15 +38,17 @@ _MINERVA_PATTERNS = (
 
 
 def minerva_normalise(answer: str) -> str:
-    """The Minerva normal form of a final answer (what DAPO compares as strings). Input is capped at
-    ``MAX_ANSWER_CHARS`` so that the lazy patterns stay cheap."""
-    text = str(answer)[:MAX_ANSWER_CHARS].split("=")[-1]
+    """The Minerva normal form of a final answer (what DAPO compares as strings). The lazy ``$...$`` pattern only
+    runs when two dollars are present (on a long dollar-free text it would be quadratic); predictions reach here
+    capped at ``MAX_ANSWER_CHARS``."""
+    text = str(answer).split("=")[-1]
     for before, after in _MINERVA_REWRITES:
         text = text.replace(before, after)
     for removed in _MINERVA_REMOVALS:
         text = text.replace(removed, "")
-    for pattern, replacement in _MINERVA_PATTERNS:
-        text = pattern.sub(replacement, text)
+    for index, (pattern, replacement) in enumerate(_MINERVA_PATTERNS):
+        if index > 0 or text.count("$") >= 2:
+            text = pattern.sub(replacement, text)
     text = text.replace("$", "")
     if text.replace(",", "").isdigit():
         text = text.replace(",", "")
