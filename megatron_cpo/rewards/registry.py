@@ -142,6 +142,14 @@ def register_grader(data_source: str, grader: Callable | str, failure_score: flo
     return entry
 
 
+def register_custom_graders(custom_graders: dict[str, str], failure_score: float = 0.0) -> None:
+    """Register ``reward.custom_graders`` (``{data_source: "pkg.module:fn" | "file.py:fn"}``) in this process,
+    replacing built-ins of the same name; the trainer does this before its data check, each grading worker at
+    start."""
+    for source, path in custom_graders.items():
+        register_grader(source, path, failure_score=failure_score, overwrite=True)
+
+
 def known_sources() -> list[str]:
     """Every data_source with a grader in this process, sorted (prefix rules shown as ``aime*``)."""
     return sorted([*_registered, *(f"{prefix}*" for prefix in _PREFIX_GRADERS)])
@@ -160,12 +168,12 @@ def missing_graders(data_sources) -> list[str]:
     return sorted({str(source) for source in data_sources if _lookup(str(source)) is None})
 
 
-def missing_grader_message(missing: list[str], where: str = "the data") -> str:
-    """One line naming the sources without a grader and the two ways to fix it."""
+def missing_grader_message(missing: list[str], where: str | None = None) -> str:
+    """One line naming the sources without a grader (and the files they are in) and the two ways to fix it."""
     example = missing[0]
-    return (f"no grader for data_source {', '.join(map(repr, missing))} in {where}; set "
+    return (f"no grader for data_source {', '.join(map(repr, missing))}{f' in {where}' if where else ''}; set "
             f"reward.custom_graders={{'{example}': 'pkg.module:fn'}} (one source) or custom_reward_function.path="
-            f"<file.py> with custom_reward_function.name=<fn> (every source), or use a known source: "
+            f"<file.py> with custom_reward_function.name=<fn> (every source), or use one of the known sources: "
             f"{', '.join(known_sources())}")
 
 

@@ -66,8 +66,10 @@ def test_missing_fields_and_wrong_types_are_named():
     assert row_problems(_row(extra_info="x")) == ["extra_info must be a dict, got str"]
     assert row_problems(_row(prompt=[{"role": "user", "content": 5}])) == ["prompt[0].content must be a string, got int"]
     assert row_problems(_row(prompt="Compute 1+2")) == ["prompt must be a list of chat messages, got str"]
-    assert row_problems(_row(reward_model={"ground_truth": ["3"]})) == [
-        "reward_model.ground_truth must be a string or number, got list"]
+    assert row_problems(_row(reward_model={"ground_truth": True})) == [
+        "reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's {'target': [...]}), "
+        "got bool"]
+    assert row_problems(_row(reward_model={"ground_truth": {"target": ["Paris"]}})) == []
 
 
 def test_missing_file_is_a_clear_error(tokenizer, tmp_path):
