@@ -14,7 +14,9 @@ _BRACE = re.compile(r"[{}]")
 _SPACES_THEN_BRACE = re.compile(r"[ \t\n]*\{")
 _SPACE_FORM = re.compile(r" [ \t]*([^\s$]+)")
 
-_ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
+_ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)", re.IGNORECASE)
+_WHITESPACE = re.compile(r"\s*")
+MAX_ANNOUNCED_CHARS = 1000  # an announced answer is one short line; longer text is not inspected further
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _UNIT_WORDS = (
     "units", "unit", "sq", "square", "cubic", "cm", "mm", "km", "m", "meters", "meter", "inches", "inch", "feet",
@@ -77,11 +79,24 @@ def last_boxed(text: str) -> str | None:
 
 
 def announced_answer(text: str) -> str | None:
-    """The answer a solution states in words ("The final answer is $x$", "Answer: x"), else None."""
-    matches = list(_ANSWER_PHRASES.finditer(text))
-    if not matches:
+    """The answer a solution states in words ("The final answer is $x$", "Answer: x"), else None.
+
+    The phrase is found by a regex whose only repetition is followed by a literal, and what follows it (blank space,
+    an optional colon, the rest of that line) is read with plain scans, so a failed match never backtracks over
+    long runs of whitespace.
+    """
+    last = None
+    for last in _ANSWER_PHRASES.finditer(text):
+        pass
+    if last is None:
         return None
-    candidate = matches[-1].group(1).strip()
+    start = _WHITESPACE.match(text, last.end()).end()
+    if text.startswith(":", start):
+        start = _WHITESPACE.match(text, start + 1).end()
+    line_end = text.find("\n", start)
+    candidate = text[start:line_end if line_end >= 0 else len(text)][:MAX_ANNOUNCED_CHARS].strip()
+    if not candidate:
+        return None
     dollar_span = re.match(r"^\$+(.+?)\$+", candidate)
     if dollar_span:
         candidate = dollar_span.group(1)
@@ -168,8 +183,9 @@ def strip_string(answer: str) -> str:
     if _THOUSANDS.match(text):
         text = text.replace(",", "")
     text = re.sub(r"(^|[\s{(\[,=+\-])\.(\d)", r"\g<1>0.\2", text)
-    if re.fullmatch(r"[A-Za-z]\s*=\s*[^=]+", text) and len(text.split("=")[0].strip()) <= 2:
-        text = text.split("=", 1)[1]
+    variable, equals, value = text.partition("=")
+    if equals and value and "=" not in value and re.fullmatch(r"[A-Za-z]\s*", variable):
+        text = value
     text = _fix_sqrt(text)
     text = text.replace(" ", "")
     text = _fix_fracs(text)

@@ -1,7 +1,8 @@
 """No response makes a grader raise or run past its budget, called directly (not in the grading pool).
 
-Each input used to hang or raise (issue 13): a quadratic boxed extraction, backtracking regexes, float overflow,
-malformed fractions, Python's int() digit limit, inf == inf. The time bounds are wall-clock and generous (a loaded
+Each input used to hang or raise (issue 13, and the announced-answer and "x = ..." regexes found while fixing it): a
+quadratic boxed extraction, backtracking regexes, float overflow, malformed fractions, Python's int() digit limit,
+inf == inf. The time bounds are wall-clock and generous (a loaded
 2-core machine): every case takes well under 0.5 s unloaded.
 """
 import time
@@ -22,6 +23,10 @@ HOSTILE = {
     "unclosed answer tags": "<answer>" * 100_000,
     "answer colons": "Answer:" * 100_000,
     "think tags": "<think>" + "</think>" * 50_000,
+    "answer is, then newlines": "The answer is" + "\n" * 100_000,
+    "answer, then dollars": "Answer: " + "$" * 100_000 + "x",
+    "equation with spaces": "\\boxed{a=" + " " * 100_000 + "=}",
+    "number then spaces": "\\boxed{" + "1" * 50_000 + " " * 50_000 + "x}",
 }
 
 
