@@ -40,6 +40,7 @@ class DataConfig:
     """Datasets (verl parquet schema) and batch geometry.
 
     `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
+    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md).
     """
     train_files: str = ""
     val_files: str = ""

@@ -4,9 +4,12 @@ Equivalence is decided in three stages, cheapest first: the normalised strings m
 are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
 (sets, intervals, matrices, roots, pi, expressions). math-verify's own timeout is a wall-clock ``signal.alarm`` in
 whole seconds, which on a loaded machine fires on checks that merely waited for a core; the symbolic stage therefore
-runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Signals
-only reach the main thread, so on other threads there is no budget and the hard bound is the reward manager's
-per-sample wall timeout, which kills the worker process (``megatron_cpo.rewards.manager``).
+runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Inputs whose
+evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials, power towers),
+and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no value overflows
+and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another thread has no CPU
+budget on the symbolic stage; in training the hard bound is the reward manager's per-sample wall timeout, which kills
+the worker process (``megatron_cpo.rewards.manager``).
 
 Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
 """
