@@ -554,6 +554,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
                 raise TypeError
             return "" if value is None else str(value)
         if origin in (list, tuple):
+            if isinstance(value, str) and origin is list:
+                return [value]  # one entry written without brackets (data.hint_key=extra_info.answer)
             return list(value) if origin is list else tuple(float(v) for v in value)
         if origin is dict:
             if not isinstance(value, dict):

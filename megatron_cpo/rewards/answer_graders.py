@@ -11,7 +11,7 @@ from decimal import Decimal
 from megatron_cpo.rewards.math_answer import last_boxed, strip_string
 from megatron_cpo.rewards.math_grader import numbers_close, numeric_value
 
-_GSM8K_MARKER = re.compile(r"####[ \t]*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)")
+_GSM8K_MARKER = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?|-?\.\d+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _CHOICE_PATTERNS = (
     re.compile(r"\\boxed\{\s*\(?([A-J])\)?\s*\}"),

@@ -71,3 +71,13 @@ def test_custom_graders_reach_the_workers_next_to_the_builtins(tmp_path):
     assert result.scores.tolist() == [1.0, 2.0, 1.0]  # custom, replaced built-in, untouched built-in
     assert [d["grader"] for d in result.details] == [graders["my/set"], graders["openai/gsm8k"], "compute_math_score"]
     assert result.details[1]["pred"] == "openai/gsm8k"
+
+
+def test_hint_key_config():
+    assert build_config({}).data.hint_key[:3] == ["extra_info.solution", "extra_info.gold_solution",
+                                                  "extra_info.answer"]
+    assert build_config({}, ["data.hint_key=extra_info.answer"]).data.hint_key == ["extra_info.answer"]
+    assert build_config({"data": {"hint_key": ["extra_info.meta.worked", "reward_model.ground_truth"]}}
+                        ).data.hint_key == ["extra_info.meta.worked", "reward_model.ground_truth"]
+    with pytest.raises(ConfigError, match="data.hint_key entry 'solution' must be a dotted path starting at"):
+        build_config({}, ["data.hint_key=[solution]"])
