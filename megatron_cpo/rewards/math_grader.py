@@ -7,9 +7,9 @@ whole seconds, which on a loaded machine fires on checks that merely waited for 
 runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Inputs whose
 evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials, power towers),
 and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no value overflows
-and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another thread has no CPU
-budget on the symbolic stage; in training the hard bound is the reward manager's per-sample wall timeout, which kills
-the worker process (``megatron_cpo.rewards.manager``).
+and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another thread sends its
+symbolic check to a helper process under the same budget and a wall-clock limit (``symbolic_process``). In training
+the grading pool's per-sample wall timeout bounds everything (``megatron_cpo.rewards.manager``).
 
 Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
 """
@@ -150,6 +150,13 @@ def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_
         return False, f"answer longer than {MAX_SYMBOLIC_CHARS} characters; symbolic check skipped"
     if _EXPLOSIVE.search(prediction) or _EXPLOSIVE.search(ground_truth):
         return False, "huge exponent or factorial; symbolic check skipped"
+    if threading.current_thread() is not threading.main_thread():
+        from megatron_cpo.rewards.symbolic_process import symbolic_equal_in_helper
+
+        equal, why_not = symbolic_equal_in_helper(str(prediction), str(ground_truth), symbolic_timeout_s)
+        if equal:
+            return True, "symbolic"
+        return False, why_not or f"not equivalent: {normalised_prediction!r} vs {normalised_truth!r}"
     try:
         if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
             return True, "symbolic"

@@ -70,3 +70,22 @@ def test_huge_equal_numbers_are_still_equal():
     assert compute_score("amc23", "\\boxed{" + "9" * 5000 + "}", "9" * 5000)["acc"]
     assert compute_score("math500", "\\boxed{1\\times10^{400}}", "1e400")["acc"]
     assert compute_score("openai/gsm8k", "#### " + "9" * 400, "9" * 400)["acc"]
+
+
+def test_symbolic_check_off_the_main_thread_is_bounded_in_a_helper_process():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_cpo.rewards.math_grader import compute_math_score
+    from megatron_cpo.rewards.symbolic_process import _close
+
+    calls = [(r"\boxed{x^2+2x+1}", "(x+1)^2", 5.0), (r"\boxed{x^2+1}", "(x+1)^2", 5.0),
+             (r"\boxed{\sin^2 x + \cos^2 x}", "1", 1e-4)]  # a budget no sympy call fits in: the CPU timer fires
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            results = list(threads.map(lambda c: compute_math_score("math", c[0], c[1], symbolic_timeout_s=c[2]),
+                                       calls))
+    finally:
+        _close()
+    assert results[0]["acc"] and results[0]["method"] == "symbolic"
+    assert not results[1]["acc"] and "not equivalent" in results[1]["reason"]
+    assert not results[2]["acc"] and "exceeded 0.0001 CPU seconds" in results[2]["reason"]
