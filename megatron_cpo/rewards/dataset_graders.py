@@ -11,7 +11,7 @@ import re
 import string
 from typing import Any
 
-from megatron_cpo.rewards.math_answer import last_boxed
+from megatron_cpo.rewards.math_answer import last_boxed_at
 from megatron_cpo.rewards.math_grader import _INTEGER, integers_equal, math_equivalent
 
 _ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
@@ -56,15 +56,17 @@ def minerva_normalise(answer: str) -> str:
 
 
 def dapo_answer(solution_str: str) -> tuple[str | None, str]:
-    """(the answer a DAPO-style response gives, where it came from): the last "Answer: ..." line, else the last
-    ``\\boxed{}`` (a lenient fallback verl does not have), else (None, "none")."""
+    """(the answer a DAPO-style response gives, where it came from): the last "Answer: ..." line, unless a
+    ``\\boxed{}`` comes after its "Answer:" (a response to a boxed-style prompt that said "answer:" mid-reasoning; for
+    "Answer: \\boxed{x}" both read x), else the last ``\\boxed{}`` (a lenient fallback verl does not have), else
+    (None, "none")."""
     last = None
     for last in _ANSWER_LINE.finditer(solution_str):
         pass
-    if last is not None:
+    boxed = last_boxed_at(solution_str)
+    if last is not None and (boxed is None or boxed[1] < last.start()):
         return last.group(1)[:MAX_ANSWER_CHARS], "answer_line"
-    boxed = last_boxed(solution_str)
-    return (boxed, "boxed") if boxed is not None else (None, "none")
+    return (boxed[0], "boxed") if boxed is not None else (None, "none")
 
 
 def compute_dapo_score(
@@ -74,7 +76,8 @@ def compute_dapo_score(
     """math_dapo, math, math_dapo_reasoning and aime*: +1 when the "Answer:" line equals the ground truth, else -1.
 
     Correct when the Minerva normal forms are equal (verl's rule). More lenient than verl: the whole response is
-    searched (verl: its last 300 characters), a ``\\boxed{}`` answer counts when there is no "Answer:" line, and
+    searched (verl: its last 300 characters), a ``\\boxed{}`` answer counts when there is no "Answer:" line after
+    it (verl reads the "Answer:" line wherever the box is), and
     unless ``strict`` (aime*) answers that are numerically or symbolically equal count too (``0.5`` for
     ``\\frac{1}{2}``); with ``strict`` only integer spellings may differ (``042`` for ``42``).
     """

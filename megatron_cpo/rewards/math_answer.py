@@ -55,8 +55,9 @@ def _closing_braces(text: str) -> dict[int, int]:
     return closing
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too), else None.
+def last_boxed_at(text: str) -> tuple[str, int] | None:
+    """(content, start index) of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too),
+    else None.
 
     Linear in ``len(text)``: braces are matched in one pass, then the commands are visited from the last one back
     (an unclosed ``\\boxed{`` repeated thousands of times used to rescan the rest of the text for each of them).
@@ -70,12 +71,18 @@ def last_boxed(text: str) -> str | None:
                 closing = _closing_braces(text)
             brace = opening.end() - 1
             if brace in closing:
-                return text[brace + 1:closing[brace]]
+                return text[brace + 1:closing[brace]], command.start()
             continue
         bare = _SPACE_FORM.match(text, after)
         if bare is not None:
-            return bare.group(1)
+            return bare.group(1), command.start()
     return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{}``/``\\fbox{}`` (see ``last_boxed_at``), else None."""
+    found = last_boxed_at(text)
+    return found[0] if found is not None else None
 
 
 def announced_answer(text: str) -> str | None:

@@ -16,8 +16,9 @@ openai/gsm8k                                                 1 / 0        ``\\bo
                                                                           whole response (verl: last 300 chars)
 lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,          1 / 0        numeric and symbolic (math-verify) equivalence
 HuggingFaceH4/MATH-500                                                    besides verl's normalised string match
-math_dapo, math, math_dapo_reasoning                         +1 / -1      ``\\boxed{}`` when no "Answer:" line, whole
-                                                                          response, numeric/symbolic equivalence
+math_dapo, math, math_dapo_reasoning                         +1 / -1      ``\\boxed{}`` when no "Answer:" line (or the
+                                                                          box follows it), whole response,
+                                                                          numeric/symbolic equivalence
 aime* (any source starting with "aime")                      +1 / -1      ``\\boxed{}`` fallback, ``042`` == ``42``
 numina_aops_forum, numina_synthetic_math, numina_amc_aime,   1 / 0        same equivalence as MATH (verl: PRIME's
 numina_synthetic_amc, numina_cn_k12, numina_olympiads                     sympy grader); extraction from the box, the

@@ -44,6 +44,7 @@ DAPO = [
     ("Answer: 41", "42", -1.0, -1.0),
     ("no final line here", "42", -1.0, -1.0),  # "[INVALID]"
     ("so \\boxed{42}", "42", -1.0, 1.0),  # LENIENT: boxed fallback
+    ("The answer: 5 is too small, so \\boxed{42}", "42", -1.0, 1.0),  # LENIENT: a box after the Answer line wins
     ("Answer: 0.5", "\\frac{1}{2}", -1.0, 1.0),  # LENIENT: numeric equivalence
     ("Answer: 42" + PADDING, "42", -1.0, 1.0),  # LENIENT: verl reads the last 300 characters
 ]
