@@ -20,6 +20,7 @@ import yaml
 
 from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.kl import known_kl_kinds
+from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,7 @@ class DataConfig:
     """Datasets (verl parquet schema) and batch geometry.
 
     `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
+    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md).
     """
     train_files: str = ""
     val_files: str = ""
@@ -48,9 +50,14 @@ class DataConfig:
     max_response_length: int = 32
     shuffle: bool = True
     val_max_samples: int = -1
+    hint_key: list[str] = field(default_factory=lambda: list(DEFAULT_HINT_KEYS))
 
     def __post_init__(self) -> None:
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        try:
+            check_hint_keys(self.hint_key)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
         _check(self.max_response_length >= 1, f"data.max_response_length={self.max_response_length} must be >= 1")
 
@@ -341,18 +348,25 @@ class OverlongBufferConfig:
 class RewardConfig:
     """The reward process pool: how many workers score responses and how long one grading may take.
 
-    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
-    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
-    returns a score or a dict with `score` and `acc`.
+    `custom_reward_function` ("pkg.module:function" or "file.py:function") grades every response instead of the
+    grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords
+    and returns a score or a dict with `score` and `acc`. verl's spelling, `custom_reward_function.path` +
+    `custom_reward_function.name` at the top level, is accepted too (one or the other).
+    `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
+    trainer (data check) and in every grading worker.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    custom_graders: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
         _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s} must be > 0")
+        for source, path in self.custom_graders.items():
+            _check(isinstance(path, str) and ":" in path, f"reward.custom_graders[{source!r}]={path!r} must be "
+                   "'pkg.module:function' or 'file.py:function'")
 
 
 @dataclass
@@ -409,6 +423,24 @@ class TrainerConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's `custom_reward_function`: the Python file `path` and the function `name` in it that grades every
+    response, called as `name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` and returning
+    a score or a dict with `score` (and `acc`)."""
+    path: str = ""
+    name: str = "compute_score"
+
+    def __post_init__(self) -> None:
+        _check(not self.path or bool(self.name), "custom_reward_function.name is empty; name the function in "
+                                                 f"{self.path!r} that computes the score (verl: compute_score)")
+
+    @property
+    def spec(self) -> str:
+        """"file.py:function", the form `megatron_cpo.rewards.load_callable` imports; "" when unset."""
+        return f"{self.path}:{self.name}" if self.path else ""
+
+
+@dataclass
 class Config:
     """The whole run."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -416,6 +448,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
@@ -441,6 +474,15 @@ class Config:
                f"{self.data.max_response_length}; the buffer is the last part of the response budget, make it smaller")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+        _check(not (self.custom_reward_function.path and self.reward.custom_reward_function),
+               f"both custom_reward_function.path={self.custom_reward_function.path!r} and "
+               f"reward.custom_reward_function={self.reward.custom_reward_function!r} are set; keep one")
+
+    @property
+    def reward_function_spec(self) -> str:
+        """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when graders are per
+        source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
+        return self.custom_reward_function.spec or self.reward.custom_reward_function
 
     @property
     def world_model_parallel_size(self) -> int:
@@ -524,7 +566,13 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
                 raise TypeError
             return "" if value is None else str(value)
         if origin in (list, tuple):
+            if isinstance(value, str) and origin is list:
+                return [value]  # one entry written without brackets (data.hint_key=extra_info.answer)
             return list(value) if origin is list else tuple(float(v) for v in value)
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise TypeError
+            return {str(key): item for key, item in value.items()}
     except (TypeError, ValueError):
         pass
     else:
@@ -543,6 +591,28 @@ def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _mapping_fields(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            names.extend(_mapping_fields(tp, f"{prefix}{name}."))
+        elif typing.get_origin(tp) is dict:
+            names.append(prefix + name)
+    return names
+
+
+def _fold_mappings(flat: dict[str, Any]) -> None:
+    """Put `reward.custom_graders.<source>` entries (a YAML mapping, flattened) back into one dict value; the key
+    after the field name is the source, dots and slashes included."""
+    for mapping in _mapping_fields(Config):
+        entries = {name[len(mapping) + 1:]: flat.pop(name) for name in list(flat) if name.startswith(mapping + ".")}
+        if entries:
+            current = flat.get(mapping) or {}
+            if not isinstance(current, dict):
+                raise ConfigError(f"{mapping}={current!r} is not a mapping; give {{source: 'pkg.module:fn'}}")
+            flat[mapping] = {**current, **entries}
+
+
 def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build and validate a `Config` from a nested dict (a parsed YAML file) and dotted overrides applied after it."""
     flat = _flatten(tree or {})
@@ -556,6 +626,7 @@ def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...
         if alias in flat:
             value = flat.pop(alias)
             flat.setdefault(canonical, value)
+    _fold_mappings(flat)
     known = _known_names(Config)
     for name in flat:
         if name not in known:

@@ -40,6 +40,7 @@ class StepBatch:
     hint_prompt_ids: list[list[int]] | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
+    hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
@@ -56,6 +57,7 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         contexts = hint_builder(groups, prompts, responses)
         batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
         batch.hints_truncated = contexts.num_truncated
+        batch.hint_metrics = contexts.source_metrics
     return batch
 
 
@@ -120,7 +122,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         mi = signals.mi[mask.bool()]
         metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
                         "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                        "cpo/hints_truncated": float(batch.hints_truncated)})
+                        "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
         for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
             metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
