@@ -6,23 +6,16 @@ A run is described by a YAML file whose nesting follows verl's (`data.train_batc
 live in `Config.__post_init__`. Every error names the offending value and says how to fix it.
 
 Accepted aliases (the seeds' names) are rewritten to the canonical names when the file is loaded, see `ALIASES`.
+Parsing, coercion and building live in `config_loader.py`; `load_config` / `build_config` are its entry points.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from megatron_cpo.algorithms.cpo import known_rules
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which value and how to fix it."""
+from megatron_cpo.config_loader import ConfigError, ConfigLoader, known_names, parse_override  # noqa: F401
 
 
 def _check(condition: bool, message: str) -> None:
@@ -450,120 +443,11 @@ ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {
 }
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Parse one `dotted.name=value` command-line override; the value is read as YAML (numbers, lists, bools)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} has no '='; write it as dotted.name=value, e.g. data.train_batch_size=8")
-    name, raw = text.split("=", 1)
-    name = name.strip().lstrip("+")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value {raw!r} is not valid YAML ({err}); quote it") from err
-    return name, value
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _known_names(cls: type, prefix: str = "") -> list[str]:
-    names = []
-    for name, tp in _field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            names.extend(_known_names(tp, f"{prefix}{name}."))
-        else:
-            names.append(prefix + name)
-    return names
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML value to the field's declared type, or explain what was expected."""
-    origin = typing.get_origin(tp)
-    try:
-        if tp is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if not isinstance(value, bool):
-                raise TypeError
-            return value
-        if tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if tp is str:
-            if isinstance(value, (dict, list)):
-                raise TypeError
-            return "" if value is None else str(value)
-        if origin in (list, tuple):
-            return list(value) if origin is list else tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"{name}={value!r} is not a valid {getattr(tp, '__name__', tp)}; give a value of that type")
-
-
-def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
-    kwargs = {}
-    for name, tp in _field_types(cls).items():
-        dotted = prefix + name
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, flat, dotted + ".")
-        elif dotted in flat:
-            kwargs[name] = _coerce(dotted, flat[dotted], tp)
-    return cls(**kwargs)
-
-
-def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build and validate a `Config` from a nested dict (a parsed YAML file) and dotted overrides applied after it."""
-    flat = _flatten(tree or {})
-    for text in overrides:
-        name, value = parse_override(text)
-        flat[name] = value
-    for alias, implied in ALIAS_IMPLIES.items():
-        if alias in flat and implied[0] not in flat:
-            flat[implied[0]] = implied[1]
-    for alias, canonical in ALIASES.items():
-        if alias in flat:
-            value = flat.pop(alias)
-            flat.setdefault(canonical, value)
-    known = _known_names(Config)
-    for name in flat:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else "; see megatron_cpo/config.py for the accepted names"
-            raise ConfigError(f"unknown config key {name!r}{hint}")
-    return _build(Config, flat)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config file (optional) and apply dotted `name=value` overrides; validate the result."""
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
-        tree = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return build_config(tree, overrides)
+# The loader (YAML + dotted overrides -> typed tree) lives in config_loader.py; these names stay importable from here.
+_LOADER = ConfigLoader(Config, ALIASES, ALIAS_IMPLIES)
+build_config = _LOADER.build
+load_config = _LOADER.load
+_known_names = known_names
 
 
 def config_to_dict(config: Config) -> dict:
