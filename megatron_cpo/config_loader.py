@@ -1,19 +1,31 @@
 """From a YAML file and dotted command-line overrides to a validated, typed config tree.
 
 The loader knows nothing of the run's settings: it walks whatever dataclass tree it is given (`megatron_cpo.config`
-passes `Config` and its alias tables). It flattens the YAML to dotted names, applies the overrides after it,
-rewrites accepted aliases to their canonical names, coerces every value to its field's declared type and builds the
-dataclasses (whose `__post_init__` validate them).
+passes `Config`, its alias tables and verl's, see verl_compat.py). It flattens the YAML to dotted names, applies the
+overrides after it, rewrites accepted aliases to their canonical names, sets aside verl keys that do not apply here
+(one warning names them all, with why), coerces every value to its field's declared type (a scalar given for a list
+becomes a one-element list) and builds the dataclasses, whose `__post_init__` validate them.
+
+Every problem of a command is reported at once: unknown keys (with a hint that matches the last path components
+first), values of the wrong type, and failed validations, in one `ConfigError`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
+import logging
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from megatron_cpo.verl_compat import NoOpKey
+
+logger = logging.getLogger(__name__)
+REFERENCE_PAGE = "docs/config_reference.md"
 
 
 class ConfigError(ValueError):
@@ -61,85 +73,228 @@ def known_names(cls: type, prefix: str = "") -> list[str]:
     return names
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML value to the field's declared type, or explain what was expected."""
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _coerce_scalar(value: Any, tp: Any) -> Any:
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise TypeError
+        return value
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise TypeError
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise TypeError
+        return "" if value is None else str(value)
+    return value
+
+
+def coerce(name: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML value to the field's declared type, or raise a `ConfigError` saying what was expected.
+
+    A scalar given for a list becomes a one-element list (`trainer.logger=jsonl`); a tuple must have its length."""
     origin = typing.get_origin(tp)
     try:
-        if tp is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if not isinstance(value, bool):
-                raise TypeError
-            return value
-        if tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if tp is str:
-            if isinstance(value, (dict, list)):
-                raise TypeError
-            return "" if value is None else str(value)
-        if origin in (list, tuple):
-            return list(value) if origin is list else tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"{name}={value!r} is not a valid {getattr(tp, '__name__', tp)}; give a value of that type")
+        if origin is list:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            (item_type,) = typing.get_args(tp) or (Any,)
+            return [_coerce_scalar(item, item_type) for item in items]
+        if origin is tuple:
+            item_types = typing.get_args(tp)
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            if item_types and item_types[-1] is not Ellipsis and len(items) != len(item_types):
+                raise ConfigError(f"{name}={items} must hold {len(item_types)} values "
+                                  f"({', '.join(_type_name(t) for t in item_types)}), e.g. "
+                                  f"[{', '.join(str(v) for v in (0.9, 0.999, 1.0, 1.0)[:len(item_types)])}]")
+            return tuple(_coerce_scalar(item, item_types[0] if item_types else Any) for item in items)
+        return _coerce_scalar(value, tp)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+    raise ConfigError(f"{name}={value!r} is not a valid {_type_name(tp)}; give a value of that type")
+
+
+def hint_for(name: str, known: list[str], moved: dict[str, str]) -> str:
+    """The accepted name closest to an unknown `name`: a known verl move first, then the names ending in the most
+    of its last path components, then names whose last component is spelled alike; "" when nothing is close."""
+    if name in moved:
+        return moved[name]
+    parts = name.split(".")
+    for count in range(len(parts) - 1, 0, -1):
+        suffix = ".".join(parts[-count:])
+        matches = [k for k in known if k.endswith("." + suffix)]
+        moved_matches = [target for source, target in moved.items() if source.endswith("." + suffix)]
+        matches = matches or moved_matches
+        if matches:
+            return max(matches, key=lambda k: difflib.SequenceMatcher(None, name, k).ratio())
+    last = parts[-1]
+    alike = [k for k in known if difflib.SequenceMatcher(None, last, k.rsplit(".", 1)[-1]).ratio() >= 0.75]
+    if alike:
+        return max(alike, key=lambda k: difflib.SequenceMatcher(None, name, k).ratio())
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return close[0] if close else ""
+
+
+@dataclass
+class Resolved:
+    """A built config and the verl keys that were accepted without effect: name -> (value, why)."""
+    config: Any
+    ignored: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+    def ignored_warning(self) -> str:
+        """One line naming every ignored key and why it does not apply ("" when none)."""
+        if not self.ignored:
+            return ""
+        items = "; ".join(f"{name}={value!r} ({why})" for name, (value, why) in self.ignored.items())
+        return f"{len(self.ignored)} verl setting(s) accepted but not used here: {items}"
+
+
+def _matches_allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    normal = value.lower() if isinstance(value, str) else value
+    return any(normal == (a.lower() if isinstance(a, str) else a) for a in allowed)
 
 
 class ConfigLoader:
-    """Builds the dataclass tree `root` from dotted names; `aliases` maps accepted spellings to canonical names and
-    `alias_implies` sets a canonical value whenever an alias is used (unless that value is given explicitly)."""
+    """Builds the dataclass tree `root` from dotted names.
 
-    def __init__(self, root: type, aliases: dict[str, str], alias_implies: dict[str, tuple[str, Any]]) -> None:
+    `aliases` maps accepted spellings to canonical names; `alias_implies` sets a canonical value whenever an alias is
+    used (unless that value is given explicitly); `no_op_keys` are accepted without effect (see `NoOpKey`);
+    `must_equal` maps a key to the canonical name whose value it must repeat, and why; `moved_hints` are names that
+    moved, used only for hints."""
+
+    def __init__(self, root: type, aliases: dict[str, str], alias_implies: dict[str, tuple[str, Any]],
+                 no_op_keys: tuple[NoOpKey, ...] = (), must_equal: dict[str, tuple[str, str]] | None = None,
+                 moved_hints: dict[str, str] | None = None) -> None:
         self.root = root
         self.aliases = aliases
         self.alias_implies = alias_implies
+        self.no_op_keys = no_op_keys
+        self.must_equal = must_equal or {}
+        self.moved_hints = moved_hints or {}
 
-    def _build(self, cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
+    def _build(self, cls: type, flat: dict[str, Any], errors: list[str], prefix: str = "") -> Any:
+        """Build `cls` from `flat`, appending every problem to `errors`; a nested part that fails is replaced by its
+        defaults so the other parts are still checked."""
         kwargs = {}
         for name, tp in field_types(cls).items():
             dotted = prefix + name
             if dataclasses.is_dataclass(tp):
-                kwargs[name] = self._build(tp, flat, dotted + ".")
+                kwargs[name] = self._build(tp, flat, errors, dotted + ".")
             elif dotted in flat:
-                kwargs[name] = _coerce(dotted, flat[dotted], tp)
-        return cls(**kwargs)
+                try:
+                    kwargs[name] = coerce(dotted, flat[dotted], tp)
+                except ConfigError as err:
+                    errors.append(str(err))
+        if errors and cls is self.root:
+            return None  # cross-field checks on a partly defaulted tree would only add confusing errors
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            errors.append(str(err))
+            return cls()
 
-    def build(self, tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
-        """Build and validate the config from a nested dict (a parsed YAML file) and dotted overrides after it."""
-        flat = _flatten(tree or {})
-        for text in overrides:
-            name, value = parse_override(text)
-            flat[name] = value
+    def _set_aside(self, flat: dict[str, Any], errors: list[str]) -> tuple[dict, dict]:
+        """Pop the verl keys that do not apply (-> ignored) and those that must repeat another value."""
+        ignored, repeated = {}, {}
+        for name in list(flat):
+            rule = next((r for r in self.no_op_keys if fnmatch.fnmatchcase(name, r.pattern)), None)
+            if rule is not None:
+                value = flat.pop(name)
+                if rule.allowed is not None and not _matches_allowed(value, rule.allowed):
+                    errors.append(f"{name}={value!r} cannot be honoured here: {rule.reason}; use "
+                                  f"{' or '.join(map(repr, rule.allowed))} or remove it")
+                else:
+                    ignored[name] = (value, rule.reason)
+            elif name in self.must_equal:
+                repeated[name] = flat.pop(name)
+        return ignored, repeated
+
+    def _canonical(self, flat: dict[str, Any], given_before: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`flat` with aliases rewritten (the canonical spelling wins when both are given) and implied values set
+        unless given here or in `given_before`."""
         for alias, implied in self.alias_implies.items():
-            if alias in flat and implied[0] not in flat:
+            if alias in flat and implied[0] not in flat and implied[0] not in (given_before or {}):
                 flat[implied[0]] = implied[1]
         for alias, canonical in self.aliases.items():
             if alias in flat:
                 value = flat.pop(alias)
                 flat.setdefault(canonical, value)
+        return flat
+
+    def resolve(self, tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Resolved:
+        """Build and validate the config from a nested dict (a parsed YAML file) and dotted overrides after it;
+        raise one `ConfigError` listing every problem."""
+        errors: list[str] = []
+        flat = self._canonical(_flatten(tree or {}))
+        given = {}
+        for text in overrides:
+            try:
+                name, value = parse_override(text)
+            except ConfigError as err:
+                errors.append(str(err))
+                continue
+            given[name] = value
+        flat.update(self._canonical(given, flat))  # an override wins over the file under whichever name either used
+        ignored, repeated = self._set_aside(flat, errors)
         known = known_names(self.root)
-        for name in flat:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else "; see megatron_cpo/config.py for the accepted names"
-                raise ConfigError(f"unknown config key {name!r}{hint}")
-        return self._build(self.root, flat)
+        for name in [n for n in flat if n not in known]:
+            flat.pop(name)
+            close = hint_for(name, known, self.moved_hints)
+            errors.append(f"unknown config key {name!r}" + (f"; did you mean {close!r}?" if close else
+                                                             f"; see {REFERENCE_PAGE} for the accepted names"))
+        config = self._build(self.root, flat, errors)
+        if config is not None:
+            for name, value in repeated.items():
+                target, why = self.must_equal[name]
+                actual = config
+                for part in target.split("."):
+                    actual = getattr(actual, part)
+                if value != actual:
+                    errors.append(f"{name}={value!r} differs from {target}={actual!r}: {why}; set them equal or "
+                                  f"remove {name}")
+                else:
+                    ignored[name] = (value, f"{why} (equal to {target})")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        if errors:
+            listed = "\n".join(f"  - {e}" for e in errors)
+            raise ConfigError(f"{len(errors)} problems in the config (names and types: {REFERENCE_PAGE}):\n{listed}")
+        return Resolved(config, ignored)
+
+    def build(self, tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+        """`resolve(...).config`, logging one warning that lists the verl keys accepted without effect."""
+        resolved = self.resolve(tree, overrides)
+        if resolved.ignored:
+            logger.warning("%s", resolved.ignored_warning())
+        return resolved.config
+
+    @staticmethod
+    def read_tree(path: str | Path | None) -> dict:
+        """The mapping a YAML config file holds ({} without a file)."""
+        if path is None:
+            return {}
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        return tree
 
     def load(self, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
         """Read a YAML config file (optional) and apply dotted `name=value` overrides; validate the result."""
-        tree: dict = {}
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
-            tree = yaml.safe_load(path.read_text()) or {}
-            if not isinstance(tree, dict):
-                raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-        return self.build(tree, overrides)
+        return self.build(self.read_tree(path), overrides)
+
+    def resolve_file(self, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Resolved:
+        """`load` that also returns the ignored verl keys instead of logging them."""
+        return self.resolve(self.read_tree(path), overrides)
