@@ -9,7 +9,7 @@ wrong-answer score. Users add graders with ``register_grader(source, "pkg.module
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from megatron_cpo.rewards.answer_graders import (
@@ -121,3 +121,14 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     raw = grader.fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                     extra_info=extra_info, **grader_kwargs)
     return normalise_result(raw, grader.name)
+
+
+def missing_graders(data_sources: Iterable[str]) -> list[str]:
+    """The distinct data sources, sorted, that have no grader in this process (checked before a run starts)."""
+    missing = set()
+    for source in set(data_sources):
+        try:
+            get_grader(source)
+        except ValueError:
+            missing.add(source)
+    return sorted(missing)
