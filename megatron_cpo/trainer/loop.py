@@ -108,12 +108,13 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
     """
+    from megatron_cpo.trainer.preflight import preflight
+
+    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.preflight import preflight
     from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
 
-    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts
     megatron = config.actor_rollout_ref.actor.megatron
     platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
                               seed=config.trainer.seed)
