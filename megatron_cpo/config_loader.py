@@ -249,7 +249,7 @@ class ConfigLoader:
         known = known_names(self.root)
         for name in [n for n in flat if n not in known]:
             flat.pop(name)
-            close = hint_for(name, known, self.moved_hints)
+            close = hint_for(name, known, {**self.aliases, **self.moved_hints})
             errors.append(f"unknown config key {name!r}" + (f"; did you mean {close!r}?" if close else
                                                              f"; see {REFERENCE_PAGE} for the accepted names"))
         config = self._build(self.root, flat, errors)

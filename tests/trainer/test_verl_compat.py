@@ -152,6 +152,8 @@ def test_every_problem_of_a_command_is_reported_at_once():
     ("optim.betas", "actor_rollout_ref.actor.optim.betas"),
     ("rollout.n", "actor_rollout_ref.rollout.n"),
     ("actor_rollout_ref.actor.optim.grad_clip", "actor_rollout_ref.actor.optim.clip_grad"),
+    ("actor.grad_clip", "actor_rollout_ref.actor.optim.clip_grad"),  # a verl alias, written without its prefix
+    ("n_gpus_per_node", "trainer.n_gpus_per_node"),
     ("trainer.total_epoch", "trainer.total_epochs"),
     ("data.val_file", "data.val_files"),
 ])
