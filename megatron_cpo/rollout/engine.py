@@ -41,8 +41,7 @@ class VLLMEngine:
             # vLLM's CPU sampler cannot rewind a seeded request's torch generator when a chunked prefill discards
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
             enable_chunked_prefill=config.uses_gpu and config.enable_chunked_prefill,
-            max_num_batched_tokens=config.max_num_batched_tokens if config.uses_gpu else max(
-                config.max_model_len, 2048, config.max_num_batched_tokens or 0),
+            max_num_batched_tokens=config.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)

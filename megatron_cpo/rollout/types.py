@@ -106,7 +106,7 @@ class RolloutConfig:
     an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
     max_num_seqs / n prompts only queues.
     `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process; None: vLLM's default)
-    are vLLM's options on GPU; CPU engines never chunk prefills and take at least max(max_model_len, 2048) tokens.
+    are vLLM's options on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step.
     """
 
     model_path: str
