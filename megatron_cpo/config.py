@@ -499,6 +499,11 @@ class Config:
         _check(not overlong.enable or overlong.len <= self.data.max_response_length,
                f"reward.overlong_buffer.len={overlong.len} exceeds data.max_response_length="
                f"{self.data.max_response_length}; the buffer is the last part of the response budget, make it smaller")
+        model_len = self.data.max_prompt_length + self.data.max_response_length
+        _check(rollout.enable_chunked_prefill or rollout.max_num_batched_tokens >= model_len,
+               f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is below "
+               f"data.max_prompt_length + data.max_response_length = {model_len}, which vLLM needs without chunked "
+               "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
 

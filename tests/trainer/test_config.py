@@ -76,6 +76,12 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
     (["trainer.early_stop.window=0"], "trainer.early_stop.window=0 must be >= 1"),
     (["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"], "resume needs them"),
     (["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"], "unknown entries"),
+    (["actor_rollout_ref.rollout.enable_chunked_prefill=false", "actor_rollout_ref.rollout.max_num_batched_tokens=100"],
+     "max_num_batched_tokens=100 is below data.max_prompt_length + data.max_response_length = 160"),
+    (["data.truncation=middle"], "data.truncation='middle' is not supported; choose one of 'error', 'left', 'right'"),
+    (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1"),
+    (["algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9' is not supported"),
+    (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "gpu_memory_utilization=1.5 must be in (0, 1]"),
 ])
 def test_bad_values_are_rejected_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as err:
