@@ -207,11 +207,12 @@ def output_problems(config: Config) -> list[str]:
 def preflight(config: Config, planning: bool = False) -> Layout:
     """Check what can be checked without starting anything; raise one `ConfigError` listing every problem.
 
-    `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun."""
+    `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun.
+    Under torchrun only rank 0 reads the data files (the only rank that loads them), every rank checks the rest."""
     world_size, world_source = trainer_world_size(config, planning)
     problems = model_problems(config, world_size)
     problems += layout_problems(config, world_size, world_source, planning)
-    found, train_rows = data_problems(config)
+    found, train_rows = data_problems(config) if planning or os.environ.get("RANK", "0") == "0" else ([], None)
     problems += found + output_problems(config)
     if len(problems) == 1:
         raise ConfigError(problems[0])
