@@ -104,24 +104,20 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
 
     A scalar given for a list becomes a one-element list (`trainer.logger=jsonl`); a tuple must have its length."""
     origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(items) != len(args):
+            raise ConfigError(f"{name}={items} must hold {len(args)} values "
+                              f"({', '.join(_type_name(t) for t in args)}); give a list of {len(args)}")
     try:
-        if origin is list:
-            items = value if isinstance(value, (list, tuple)) else [value]
-            (item_type,) = typing.get_args(tp) or (Any,)
-            return [_coerce_scalar(item, item_type) for item in items]
-        if origin is tuple:
-            item_types = typing.get_args(tp)
+        if origin in (list, tuple):
             items = list(value) if isinstance(value, (list, tuple)) else [value]
-            if item_types and item_types[-1] is not Ellipsis and len(items) != len(item_types):
-                raise ConfigError(f"{name}={items} must hold {len(item_types)} values "
-                                  f"({', '.join(_type_name(t) for t in item_types)}), e.g. "
-                                  f"[{', '.join(str(v) for v in (0.9, 0.999, 1.0, 1.0)[:len(item_types)])}]")
-            return tuple(_coerce_scalar(item, item_types[0] if item_types else Any) for item in items)
+            converted = [_coerce_scalar(item, args[0] if args else Any) for item in items]
+            return converted if origin is list else tuple(converted)
         return _coerce_scalar(value, tp)
-    except (TypeError, ValueError) as err:
-        if isinstance(err, ConfigError):
-            raise
-    raise ConfigError(f"{name}={value!r} is not a valid {_type_name(tp)}; give a value of that type")
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {_type_name(tp)}; give a value of that type") from None
 
 
 def hint_for(name: str, known: list[str], moved: dict[str, str]) -> str:
