@@ -200,3 +200,16 @@ def test_tp3_fails_in_a_real_train_command_before_ray_starts(files, tmp_path):
     assert "ray" not in (result.stdout + result.stderr).lower(), "Ray must not have started"
     assert not (tmp_path / "run").exists()
     assert seconds < 60, f"took {seconds:.1f}s"  # measured about 10 s on a loaded 2-core machine
+
+
+def test_a_run_that_cannot_form_its_first_batch_is_an_error(make_config, rollout_manager):
+    """Every group filtered (a grader that marks everything wrong, as empty ground truths would) used to end the
+    run after zero steps with exit status 0."""
+    from megatron_cpo.trainer.loop import run_training
+
+    config = make_config("algorithm.filter_groups.enable=true", "trainer.total_training_steps=2",
+                         "reward.custom_reward_function=tests.trainer.graders:never_correct",
+                         "trainer.val_before_train=false")
+    with pytest.raises(ValueError, match="no training batch could be formed at step 1: the filters dropped every "
+                                         "group before data.train_batch_size=4 were kept"):
+        run_training(config, rollout_manager)
