@@ -218,6 +218,8 @@ class PromptDataset:
                 extra_info=dict(row.get("extra_info") or {}),
                 reward_model=reward_model,
             ))
+        if not self.records and not self.num_filtered:
+            raise ValueError(f"no rows in {config.files}; give data files with prompts in them")
         if not self.records:
             raise ValueError(f"no prompts left in {config.files} after filtering {self.num_filtered} overlong ones; "
                              f"raise data.max_prompt_length={config.max_prompt_length}")

@@ -35,7 +35,7 @@ Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, a
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +163,7 @@ def _lookup(data_source: str) -> Grader | None:
     return grader
 
 
-def missing_graders(data_sources) -> list[str]:
+def missing_graders(data_sources: Iterable[str]) -> list[str]:
     """The distinct sources among ``data_sources`` with no grader in this process (register custom graders first),
     sorted; empty when every source can be graded."""
     return sorted({str(source) for source in data_sources if _lookup(str(source)) is None})
@@ -213,3 +213,4 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info:
     raw = grader.fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                     extra_info=extra_info, **{**grader.defaults, **grader_kwargs})
     return normalise_result(raw, grader.name)
+

@@ -81,6 +81,7 @@ def _batch_reward_metrics(groups: list) -> dict[str, float]:
     acc = torch.stack([g.acc.float() for g in groups])
     group_std = scores.std(dim=1, unbiased=False)
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
+            "reward/max": float(scores.max()), "reward/min": float(scores.min()),
             "reward_std": float(group_std.mean()), "frac_reward_zero_std": float((group_std == 0).float().mean()),
             "reward/acc": float(acc.mean())}
 
@@ -107,6 +108,9 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
     """
+    from megatron_cpo.trainer.preflight import preflight
+
+    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
@@ -129,7 +133,9 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     start_step = checkpoints.maybe_resume(config.trainer.resume)
     early_stopped = _broadcast(monitor is not None and monitor.stopped)
     metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
-                                  config.trainer.experiment_name, config_to_dict(config)) if is_rank0 else None)
+                                  config.trainer.experiment_name, config_to_dict(config),
+                                  config.trainer.log_verl_metric_names,
+                                  config.actor_rollout_ref.rollout.val_kwargs.n) if is_rank0 else None)
     stop = StopSignal()
     last: dict[str, float] = {}
     try:
@@ -154,6 +160,8 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                 batch = make_step_batch(collected.groups, kept_ratio, hints)
             batch = broadcast_batch(batch)
             if batch is None:
+                if step == 1 and start_step == 0:
+                    raise ValueError(nothing_to_train_message(config))
                 logger.info("no batch at step %d (data exhausted); ending the run", step)
                 step -= 1
                 break
@@ -204,6 +212,14 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         if side is not None:
             side.close()
         platform.destroy_distributed()
+
+
+def nothing_to_train_message(config: Config) -> str:
+    """Why a run that has not trained a single step stops (instead of exiting 0 with nothing done)."""
+    return ("no training batch could be formed at step 1: the filters dropped every group before "
+            f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
+            "because the ground truths are empty or the task is too easy/hard); check the data's "
+            "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
 
 
 def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:
