@@ -110,6 +110,7 @@ def _check_saved_tensors(request: dict, saved: dict, path: Path, hf_vocab_size: 
     unused = sorted(k for k in saved if k.startswith(MODEL_KEY_PREFIXES) and k not in requested)
     if unused:
         problems.append(f"tensors the model does not have: {unused[:6]}{' ...' if len(unused) > 6 else ''}")
+    problems = list(dict.fromkeys(problems))  # the layers of a stack share one key
     if problems:
         raise ValueError(f"checkpoint {str(path)!r} does not match the model built from the HF config: "
                          f"{'; '.join(problems[:6])}; pass the HF config the checkpoint was trained from")
@@ -117,17 +118,21 @@ def _check_saved_tensors(request: dict, saved: dict, path: Path, hf_vocab_size: 
 
 def _request_whole_vocab_tables(request: dict, saved: dict, dtype: torch.dtype) -> list[str]:
     """Replace each vocabulary entry whose saved padding differs from the model's by a request for the whole saved
-    table (a torch_dist load reads any region of a global tensor); returns the replaced names."""
+    table (a torch_dist load reads any region of a global tensor); returns the replaced names.
+
+    Collective: the lowest rank asking for a table is its main reader (Megatron checks each region has exactly one).
+    """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    replaced = []
-    for name, entry in request.items():
-        if isinstance(entry, ShardedTensor) and entry.key in VOCAB_KEYS:
-            saved_shape = tuple(saved[entry.key].global_shape)
-            if saved_shape != tuple(entry.global_shape):
-                request[name] = ShardedTensor.from_rank_offsets(entry.key, torch.empty(saved_shape, dtype=dtype))
-                replaced.append(name)
-    return replaced
+    replaced = {name: entry.key for name, entry in request.items() if isinstance(entry, ShardedTensor)
+                and entry.key in VOCAB_KEYS and tuple(saved[entry.key].global_shape) != tuple(entry.global_shape)}
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, sorted(set(replaced.values())))
+    for name, key in replaced.items():
+        main_reader = min(rank for rank, keys in enumerate(per_rank) if key in keys)
+        table = torch.empty(tuple(saved[key].global_shape), dtype=dtype)
+        request[name] = ShardedTensor.from_rank_offsets(key, table, replica_id=int(dist.get_rank() != main_reader))
+    return list(replaced)
 
 
 def _local_vocab_slice(table: torch.Tensor, model: Any) -> torch.Tensor:
