@@ -26,13 +26,12 @@ class Family:
     """What distinguishes one supported HF architecture from another, as far as the Megatron model is concerned."""
 
     name: str
-    qkv_bias_attribute: str | None  # HF config attribute that turns the q/k/v bias on, or None when always on
-    always_qkv_bias: bool = False
+    always_qkv_bias: bool = False  # Qwen2: q/k/v always biased, nothing else; Llama: the config's bias flags decide
 
 
 FAMILIES = {
-    "qwen2": Family("qwen2", qkv_bias_attribute=None, always_qkv_bias=True),
-    "llama": Family("llama", qkv_bias_attribute="attention_bias"),
+    "qwen2": Family("qwen2", always_qkv_bias=True),
+    "llama": Family("llama"),
 }
 
 
