@@ -1,4 +1,5 @@
-"""Runs in each of 2 spawned gloo processes: HF options, vocabulary padding and foreign checkpoints at TP=2, TP=1, PP=2.
+"""Runs in each of 2 spawned gloo processes: HF options, vocabulary padding and foreign checkpoints at TP=2, TP=1, PP=2
+and TP=2 again.
 
 One run collects every number (spawning and importing Megatron-Core dominates the cost on 2 cores); the tests in
 test_checkpoints_and_options.py assert on them.
@@ -55,6 +56,23 @@ def _error(call) -> str | None:
     return None
 
 
+def _megatron_lm_model(hf_dir: str, padded_vocab_size: int = 128):
+    """The model as a TP=1 Megatron-LM run holds it: the vocabulary padded to a multiple of 128
+    (make_vocab_size_divisible_by), the padding rows trained to whatever (here: random), every other weight the HF one."""
+    import copy
+
+    from megatron_cpo.models import build_gpt_model
+
+    source = _loaded(hf_dir)
+    config = copy.deepcopy(source.hf_config)
+    config.vocab_size = padded_vocab_size
+    padded = build_gpt_model(config)
+    with torch.no_grad():
+        for (name, param), (_, real) in zip(padded.named_parameters(), source.named_parameters(), strict=True):
+            param[:real.shape[0]].copy_(real)  # vocabulary tables keep random rows past the real vocabulary
+    return padded
+
+
 def _save_like_megatron_lm(model, out: Path, iteration: int) -> None:
     """What Megatron-LM's save_checkpoint writes for a GPTModel with the torch_dist format: the model's sharded state
     dict beside pickled run arguments, in `iter_<7 digits>/` with a tracker file, and none of our metadata."""
@@ -66,8 +84,9 @@ def _save_like_megatron_lm(model, out: Path, iteration: int) -> None:
         target.mkdir(parents=True)
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0,
-             "args": argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
-                                        params_dtype=torch.float32, ckpt_format="torch_dist")}
+             "args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                        make_vocab_size_divisible_by=128, params_dtype=torch.float32,
+                                        ckpt_format="torch_dist")}
     dist_checkpointing.save(state, str(target))
     if dist.get_rank() == 0:
         (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -76,17 +95,24 @@ def _save_like_megatron_lm(model, out: Path, iteration: int) -> None:
 
 def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, work_dir: str,
                                   input_ids: torch.Tensor) -> dict:
-    """All checks; returns {layout: {case: result}}."""
+    """All checks; returns {layout: {case: result}}. Layouts in turn: TP=2, TP=1 (DP=2), PP=2, TP=2 again."""
     from megatron.core import dist_checkpointing
 
     from megatron_cpo import platform
-    from megatron_cpo.models import build_gpt_model, forward_logits, load_checkpoint, load_hf_config, load_hf_weights
+    from megatron_cpo.models import (build_gpt_model, forward_logits, load_checkpoint, load_hf_config, load_hf_weights,
+                                     save_checkpoint)
     from megatron_cpo.models.converters import convert_hf_to_mcore, convert_mcore_to_hf
 
     work = Path(work_dir)
     hf_logits = torch.load(work / "hf_logits.pt")
     quiet = {"log": lambda _: None}
-    results: dict = {"tp2": {}, "tp1": {}, "pp2": {}}
+    results: dict = {"tp2": {}, "tp1": {}, "pp2": {}, "tp2_again": {}}
+
+    def load_and_compare(config_dir: str, checkpoint: str, logits_of: str, export: bool = False) -> dict:
+        model = build_gpt_model(load_hf_config(config_dir))
+        load_checkpoint(model, work / checkpoint)
+        result = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[logits_of])}
+        return {**result, "export": _export_equal(model, config_dir)} if export else result
 
     platform.init_distributed(tensor_model_parallel_size=2)
     for case in OPTION_MODELS:
@@ -95,34 +121,31 @@ def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, wor
                                 "export": _export_equal(model, hf_dirs[case])}
     undeclared = build_gpt_model(load_hf_config(hf_dirs["llama_bias_not_in_config"]))
     results["tp2"]["left_over_error"] = _error(lambda: load_hf_weights(undeclared, hf_dirs["llama_bias_not_in_config"]))
-    convert_hf_to_mcore(hf_dirs[VOCAB_MODEL], work / "mcore_vocab101_tp2", tp=2, **quiet)
-    _save_like_megatron_lm(_loaded(hf_dirs[VOCAB_MODEL]), work / "megatron_lm_vocab101", iteration=7)
+    convert_hf_to_mcore(hf_dirs[VOCAB_MODEL], work / "mcore_vocab101_tp2", tp=2, **quiet)  # rows padded to 102
     convert_hf_to_mcore(hf_dirs[BF16_MODEL], work / "mcore_bf16_tp2", tp=2, **quiet)
     results["tp2"]["bf16_saved_dtypes"] = sorted({str(t.dtype) for t in dist_checkpointing.load_tensors_metadata(
         str(work / "mcore_bf16_tp2")).values()})
 
     _switch_layout(tp=1, pp=1)
-    vocab_config = load_hf_config(hf_dirs[VOCAB_MODEL])
-    for case, checkpoint in (("vocab101_tp2_checkpoint", "mcore_vocab101_tp2"),
-                             ("megatron_lm_checkpoint", "megatron_lm_vocab101")):
-        model = build_gpt_model(vocab_config)
-        load_checkpoint(model, work / checkpoint)
-        results["tp1"][case] = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[VOCAB_MODEL]),
-                                "export": _export_equal(model, hf_dirs[VOCAB_MODEL])}
-    model = build_gpt_model(load_hf_config(hf_dirs[BF16_MODEL]))
-    load_checkpoint(model, work / "mcore_bf16_tp2")
-    results["tp1"]["bf16_checkpoint"] = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[BF16_MODEL])}
+    vocab_dir = hf_dirs[VOCAB_MODEL]
+    results["tp1"]["vocab101_tp2_checkpoint"] = load_and_compare(vocab_dir, "mcore_vocab101_tp2", VOCAB_MODEL, True)
+    _save_like_megatron_lm(_megatron_lm_model(vocab_dir), work / "megatron_lm_vocab101", iteration=7)  # 128 rows
+    results["tp1"]["megatron_lm_checkpoint"] = load_and_compare(vocab_dir, "megatron_lm_vocab101", VOCAB_MODEL, True)
+    save_checkpoint(_loaded(vocab_dir), work / "mcore_vocab101_tp1")  # rows not padded
+    results["tp1"]["bf16_checkpoint"] = load_and_compare(hf_dirs[BF16_MODEL], "mcore_bf16_tp2", BF16_MODEL)
     wrong = build_gpt_model(load_hf_config(hf_dirs["llama_attention_bias"]))
     results["tp1"]["wrong_architecture_error"] = _error(lambda: load_checkpoint(wrong, work / "megatron_lm_vocab101"))
 
     _switch_layout(tp=1, pp=2)
-    model = build_gpt_model(vocab_config)
-    load_checkpoint(model, work / "mcore_vocab101_tp2")
-    results["pp2"]["vocab101_tp2_checkpoint"] = {
-        "hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[VOCAB_MODEL])}
-    for case, checkpoint, hf_dir in (("vocab101_round_trip", "mcore_vocab101_tp2", hf_dirs[VOCAB_MODEL]),
-                                     ("megatron_lm_round_trip", "megatron_lm_vocab101", hf_dirs[VOCAB_MODEL]),
+    results["pp2"]["vocab101_tp2_checkpoint"] = load_and_compare(vocab_dir, "mcore_vocab101_tp2", VOCAB_MODEL)
+    for case, checkpoint, hf_dir in (("vocab101_round_trip", "mcore_vocab101_tp2", vocab_dir),
+                                     ("megatron_lm_round_trip", "megatron_lm_vocab101", vocab_dir),
                                      ("bf16_round_trip", "mcore_bf16_tp2", hf_dirs[BF16_MODEL])):
         results["pp2"][case] = str(convert_mcore_to_hf(work / checkpoint, work / f"hf_{case}", hf_dir, pp=2, **quiet))
+
+    _switch_layout(tp=2, pp=1)
+    for case, checkpoint in (("vocab101_tp1_checkpoint", "mcore_vocab101_tp1"),
+                             ("megatron_lm_checkpoint", "megatron_lm_vocab101")):
+        results["tp2_again"][case] = load_and_compare(vocab_dir, checkpoint, VOCAB_MODEL)
     platform.destroy_distributed()
     return results
