@@ -92,9 +92,11 @@ def _sharded_tensors(entry: Any) -> list:
 def _check_saved_tensors(request: dict, saved: dict, path: Path, hf_vocab_size: int) -> None:
     """Raise naming the tensors the checkpoint lacks, has with another shape, or has and no rank of the model asks for.
 
-    Collective (the model's keys are gathered over all ranks, since each PP stage asks for its own)."""
+    Collective: each PP stage asks for its own tensors, so the keys and problems are gathered over all ranks and
+    every rank raises the same error (none goes on into the collective load alone)."""
     problems = []
-    for tensor in (t for entry in request.values() for t in _sharded_tensors(entry)):
+    tensors = [t for entry in request.values() for t in _sharded_tensors(entry)]
+    for tensor in tensors:
         if tensor.key not in saved:
             problems.append(f"{tensor.key} is missing")
             continue
@@ -105,12 +107,12 @@ def _check_saved_tensors(request: dict, saved: dict, path: Path, hf_vocab_size: 
         elif have != want:
             problems.append(f"{tensor.key} has shape {have}, the model {want}")
     per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, sorted({t.key for e in request.values() for t in _sharded_tensors(e)}))
-    requested = set().union(*map(set, per_rank))
+    dist.all_gather_object(per_rank, (sorted({t.key for t in tensors}), problems))
+    requested = {key for keys, _ in per_rank for key in keys}
+    problems = list(dict.fromkeys(p for _, rank_problems in per_rank for p in rank_problems))  # stacks share keys
     unused = sorted(k for k in saved if k.startswith(MODEL_KEY_PREFIXES) and k not in requested)
     if unused:
         problems.append(f"tensors the model does not have: {unused[:6]}{' ...' if len(unused) > 6 else ''}")
-    problems = list(dict.fromkeys(problems))  # the layers of a stack share one key
     if problems:
         raise ValueError(f"checkpoint {str(path)!r} does not match the model built from the HF config: "
                          f"{'; '.join(problems[:6])}; pass the HF config the checkpoint was trained from")
