@@ -1,9 +1,9 @@
 """Megatron-Core `GPTModel` built from a Hugging Face config of the Qwen2 or Llama family.
 
 The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta, Llama-3 or linear
-scaling), grouped-query attention, Qwen2's qkv bias, Llama's attention/MLP biases, tied or untied embeddings; options
-Megatron cannot reproduce exactly are refused (hf_options.py lists every one). Tensor and pipeline sizes come from
-`megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only
+scaling), grouped-query attention, Qwen2's qkv bias and sliding window, Llama's attention/MLP biases, tied or untied
+embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py lists every one). Tensor and pipeline
+sizes come from `megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only
 up to a multiple of the TP size (so each rank holds an equal slice); the model keeps the real size as
 `model.hf_vocab_size` so callers can drop the padded logit columns.
 """
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cpo import platform
-from megatron_cpo.models.hf_options import check_supported_options, rope_settings  # noqa: F401 (re-exported)
+from megatron_cpo.models.hf_options import (check_supported_options, rope_settings,  # noqa: F401 (re-exported)
+                                            sliding_window_settings)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        **sliding_window_settings(hf_config),
         **platform.megatron_config_kwargs(),
     )
 

@@ -42,10 +42,10 @@ OPTIONS = (
            "other values are refused"),
     Option("rope_type 'dynamic', 'yarn', 'longrope' and others", REFUSED, "no equivalent GPTModel RoPE"),
     Option("partial_rotary_factor", f"{HONOURED} / {REFUSED}", "1.0 only"),
-    Option("use_sliding_window, sliding_window, max_window_layers, layer_types (Qwen2)", f"{NO_EFFECT} / {REFUSED}",
-           "refused when a layer would use a window shorter than max_position_embeddings: Megatron-Core 0.16's "
-           "local attention builds its window mask on CUDA only (a CPU model cannot run it) and the TE path is not "
-           "verified here; a window >= max_position_embeddings masks nothing for inputs the model accepts"),
+    Option("use_sliding_window, sliding_window, max_window_layers, layer_types (Qwen2)", HONOURED,
+           "the layers transformers slides get Megatron's window_size=(sliding_window - 1, 0) through a per-layer "
+           "window_attn_skip_freq list; the window is applied when the model is called without an attention mask, as "
+           "this project's forward passes do"),
     Option("attention_dropout", HONOURED, "Megatron attention dropout (train mode only, as in transformers)"),
     Option("max_position_embeddings", NO_EFFECT, "RoPE is computed for any length, as in transformers"),
     Option("pretraining_tp", NO_EFFECT, "transformers 5 ignores it (older versions split matmuls; same result)"),
@@ -92,20 +92,31 @@ def rope_settings(hf_config: Any) -> dict:
 
 
 def sliding_window_layers(hf_config: Any) -> list[int]:
-    """Indices of the layers transformers runs with a sliding window that can mask something (empty: none).
+    """Indices of the layers transformers runs with a sliding window of `sliding_window` tokens (empty: none).
 
-    A window of at least max_position_embeddings masks nothing for inputs up to that length, so it counts as none.
+    Qwen2: when `use_sliding_window`, the layers `layer_types` marks "sliding_attention" (by default those at or past
+    `max_window_layers`). Llama has no sliding window.
     """
     window = getattr(hf_config, "sliding_window", None)
     if window is None or getattr(hf_config, "use_sliding_window", True) is False:
         return []
-    if window >= hf_config.max_position_embeddings:
-        return []
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is None:
-        first = getattr(hf_config, "max_window_layers", 0)
-        return list(range(first, hf_config.num_hidden_layers))
+        return list(range(getattr(hf_config, "max_window_layers", 0), hf_config.num_hidden_layers))
     return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+
+
+def sliding_window_settings(hf_config: Any) -> dict:
+    """TransformerConfig keyword arguments for the config's sliding window ({} when no layer slides).
+
+    transformers lets query i see keys j with i - window < j <= i; Megatron's window_size=(left, 0) lets it see
+    i - left <= j <= i, so left = window - 1. `window_attn_skip_freq` as a list marks each (global) layer that slides.
+    """
+    layers = sliding_window_layers(hf_config)
+    if not layers:
+        return {}
+    return {"window_size": (int(hf_config.sliding_window) - 1, 0),
+            "window_attn_skip_freq": [int(i in layers) for i in range(hf_config.num_hidden_layers)]}
 
 
 def check_supported_options(hf_config: Any) -> None:
@@ -113,10 +124,3 @@ def check_supported_options(hf_config: Any) -> None:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; the Qwen2/Llama MLP is SwiGLU (silu)")
     rope_settings(hf_config)
-    sliding = sliding_window_layers(hf_config)
-    if sliding:
-        raise ValueError(f"sliding-window attention (use_sliding_window=True, sliding_window={hf_config.sliding_window}"
-                         f" < max_position_embeddings={hf_config.max_position_embeddings}, on layers {sliding}) is not "
-                         f"supported: Megatron-Core 0.16 builds its window mask on CUDA only and no path here is "
-                         f"verified to reproduce it; set use_sliding_window=false only if inputs stay within "
-                         f"sliding_window tokens")

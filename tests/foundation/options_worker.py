@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-# Models whose logits must equal transformers': Llama with each bias flag alone, Llama with linear RoPE scaling, a
-# Qwen2 whose vocabulary (101) does not divide by TP=2, and the same saved in bfloat16 (its config says so).
-OPTION_MODELS = ("llama_attention_bias", "llama_mlp_bias", "llama_linear_rope")
+# Models whose logits must equal transformers': Llama with each bias flag alone, Llama with linear RoPE scaling, Qwen2
+# with a sliding window on its second layer, a Qwen2 whose vocabulary (101) does not divide by TP=2, and the same
+# saved in bfloat16 (its config says so).
+OPTION_MODELS = ("llama_attention_bias", "llama_mlp_bias", "llama_linear_rope", "qwen2_sliding_window")
 VOCAB_MODEL, BF16_MODEL = "qwen2_vocab101", "qwen2_bf16"
 
 
@@ -58,7 +59,8 @@ def _error(call) -> str | None:
 
 def _megatron_lm_model(hf_dir: str, padded_vocab_size: int = 128):
     """The model as a TP=1 Megatron-LM run holds it: the vocabulary padded to a multiple of 128
-    (make_vocab_size_divisible_by), the padding rows trained to whatever (here: random), every other weight the HF one."""
+    (make_vocab_size_divisible_by), the padding rows holding anything (here: random), every other weight the HF
+    one."""
     import copy
 
     from megatron_cpo.models import build_gpt_model
@@ -68,7 +70,7 @@ def _megatron_lm_model(hf_dir: str, padded_vocab_size: int = 128):
     config.vocab_size = padded_vocab_size
     padded = build_gpt_model(config)
     with torch.no_grad():
-        for (name, param), (_, real) in zip(padded.named_parameters(), source.named_parameters(), strict=True):
+        for (_, param), (_, real) in zip(padded.named_parameters(), source.named_parameters(), strict=True):
             param[:real.shape[0]].copy_(real)  # vocabulary tables keep random rows past the real vocabulary
     return padded
 

@@ -1,8 +1,9 @@
 """HF options, odd vocabularies and foreign checkpoints (2 real gloo processes, real Megatron-Core, one spawned run).
 
 options_worker.check_options_and_checkpoints does the work; the tests assert on its results:
-- Llama `attention_bias` alone, `mlp_bias` alone and linear RoPE scaling give transformers' logits (<= 1e-5, fp32)
-  at TP=2 and export back bit for bit; a bias the config does not declare is an error naming the tensor;
+- Llama `attention_bias` alone, `mlp_bias` alone, linear RoPE scaling and a Qwen2 sliding window (5 tokens on layer 1)
+  give transformers' logits (<= 1e-5, fp32) at TP=2 and export back bit for bit; a bias the config does not declare
+  is an error naming the tensor;
 - a vocabulary of 101 (padded to 102 at TP=2) saved at TP=2 loads at TP=1 and PP=2 and converts back bit for bit,
   and saved at TP=1 loads at TP=2;
 - a plain Megatron-Core checkpoint as Megatron-LM writes it (iteration directory, tracker file, pickled args, the
@@ -28,9 +29,21 @@ MODELS = {
     "llama_attention_bias": ("llama", {"attention_bias": True}),
     "llama_mlp_bias": ("llama", {"mlp_bias": True}),
     "llama_linear_rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}),
+    "qwen2_sliding_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
     VOCAB_MODEL: ("qwen2", {"vocab_size": 101}),
     BF16_MODEL: ("qwen2", {"dtype": torch.bfloat16}),
 }
+
+
+def _without_sliding_window(hf_dir: str):
+    """The transformers model of `hf_dir` with its sliding window turned off (same weights)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config = Qwen2Config(**{**config, "use_sliding_window": False, "layer_types": None})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict())
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +62,9 @@ def run(tmp_path_factory):
     with torch.no_grad():
         hf_logits = {name: AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32).eval()(
             input_ids).logits for name in MODELS}
+        without_window = _without_sliding_window(hf_dirs["qwen2_sliding_window"])(input_ids).logits
+    # the window masks something on these 19 tokens, so a model that ignored it would fail the logits test
+    assert (without_window - hf_logits["qwen2_sliding_window"]).abs().max() > 0.01
     torch.save(hf_logits, work / "hf_logits.pt")
     return {"ranks": run_processes(check_options_and_checkpoints, 2, hf_dirs, str(work), input_ids),
             "hf_dirs": hf_dirs}
@@ -74,7 +90,8 @@ def test_honoured_options_give_transformers_logits(run, case):
         Path(run["hf_dirs"][case]) / "model.safetensors"))
     bias_names = {n for n in exports[0]["names"] if n.endswith(".bias")}
     expected_biases = {"llama_attention_bias": {"q_proj", "k_proj", "v_proj", "o_proj"},
-                       "llama_mlp_bias": {"gate_proj", "up_proj", "down_proj"}, "llama_linear_rope": set()}[case]
+                       "llama_mlp_bias": {"gate_proj", "up_proj", "down_proj"}, "llama_linear_rope": set(),
+                       "qwen2_sliding_window": {"q_proj", "k_proj", "v_proj"}}[case]
     assert {n.split(".")[-2] for n in bias_names} == expected_biases
 
 

@@ -1,7 +1,8 @@
 """Every HF config option that changes the forward is honoured or refused with one line (no distributed setup needed).
 
 The honoured ones are checked against transformers' logits in test_checkpoints_and_options.py; here: the refusals,
-the mapping of RoPE variants onto GPTModel arguments, the default dtype, and that the docs list every audited option.
+the mapping of RoPE variants and sliding windows onto Megatron arguments, the default dtype, and that the docs list
+every audited option.
 """
 from __future__ import annotations
 
@@ -12,29 +13,25 @@ import torch
 
 from megatron_cpo.models.builder import build_gpt_model, linear_biases
 from megatron_cpo.models.converters import config_dtype
-from megatron_cpo.models.hf_options import OPTIONS, check_supported_options, rope_settings, sliding_window_layers
+from megatron_cpo.models.hf_options import OPTIONS, check_supported_options, rope_settings, sliding_window_settings
 from megatron_cpo.models.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_sliding_window_that_masks_is_refused_naming_it():
-    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    assert sliding_window_layers(config) == [1]  # transformers slides layers >= max_window_layers
-    with pytest.raises(ValueError, match=r"use_sliding_window=True, sliding_window=4 < max_position_embeddings=1024, "
-                                         r"on layers \[1\]"):
-        build_gpt_model(config)
-
-
-@pytest.mark.parametrize("overrides", [
-    {"use_sliding_window": False, "sliding_window": 4},  # transformers then drops the window
-    {"use_sliding_window": True, "sliding_window": 1024},  # window >= max_position_embeddings masks nothing
-    {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},  # no layer index >= 2 of 2
+@pytest.mark.parametrize("overrides, expected", [
+    # transformers slides the layers at or past max_window_layers; query i sees keys i-4..i for a window of 5
+    ({"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+     {"window_size": (4, 0), "window_attn_skip_freq": [0, 1]}),
+    ({"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0},
+     {"window_size": (2, 0), "window_attn_skip_freq": [1, 1]}),
+    ({"use_sliding_window": True, "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
+     {"window_size": (2, 0), "window_attn_skip_freq": [1, 0]}),
+    ({"use_sliding_window": False, "sliding_window": 3, "max_window_layers": 0}, {}),  # transformers drops the window
+    ({"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}, {}),  # no layer index >= 2 of 2
 ])
-def test_sliding_window_without_effect_is_accepted(overrides):
-    config = tiny_config("qwen2", **overrides)
-    assert sliding_window_layers(config) == []
-    check_supported_options(config)
+def test_sliding_window_maps_to_megatron_window(overrides, expected):
+    assert sliding_window_settings(tiny_config("qwen2", **overrides)) == expected
 
 
 @pytest.mark.parametrize("parameters, message", [
@@ -72,13 +69,13 @@ def test_default_dtype_is_the_configs():
 def test_convert_command_refuses_an_option_in_one_line(tmp_path, capsys):
     from megatron_cpo.cli import main
 
-    tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0).save_pretrained(tmp_path)
+    tiny_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}).save_pretrained(
+        tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["convert-hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith("error: sliding-window attention")
-    assert "sliding_window=4" in errors[0] and "on layers [0, 1]" in errors[0]
+    assert errors == ["error: unsupported RoPE scaling rope_type='dynamic'; supported: ['default', 'linear', 'llama3']"]
     assert not (tmp_path / "out").exists()
 
 
