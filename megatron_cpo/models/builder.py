@@ -3,9 +3,10 @@
 The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta, Llama-3 or linear
 scaling), grouped-query attention, Qwen2's qkv bias and sliding window, Llama's attention/MLP biases, tied or untied
 embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py lists every one). Tensor and pipeline
-sizes come from `megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only
-up to a multiple of the TP size (so each rank holds an equal slice); the model keeps the real size as
-`model.hf_vocab_size` so callers can drop the padded logit columns.
+sizes come from `megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary
+is padded only up to a multiple of the TP size (so each rank holds an equal slice; checkpoints load whatever padding
+they were saved with); the model keeps the real size as `model.hf_vocab_size` so callers can drop the padded logit
+columns.
 """
 from __future__ import annotations
 
