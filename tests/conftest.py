@@ -4,10 +4,12 @@ CPU runs use the Triton interpreter and keep thread counts small (CI has 2 cores
 `multiprocess` and `slow` (registered in pytest.ini; `pytest -m "not slow"` is the quick loop): a module or test can
 mark itself, and `pytest_collection_modifyitems` below marks what it can tell from the test itself, so that new tests
 are marked without anyone remembering to:
-- `engine`: the test or one of its fixtures (at any depth) builds a `RolloutManager` or calls `run_training`, as the
-  engine fixtures of tests/rollout and tests/trainer (`manager`, `ray_cluster`'s users, `rollout_manager`) do.
-- `multiprocess`: the test (or one of its fixtures) calls `tests.multiprocess.run_processes`.
+- `engine`: the test or one of the fixtures it uses (at any depth) builds a `RolloutManager` or calls `run_training`
+  (so every user of the `manager` and `rollout_manager` fixtures is one).
+- `multiprocess`: the test or one of its fixtures calls `tests.multiprocess.run_processes`.
 - `slow`: every `engine` and `multiprocess` test, and every test using a fixture of SLOW_FIXTURES.
+Only the code of the test and fixture functions (and of functions nested in them) is read, not of module helpers
+they call: a test that starts engines or ranks through a helper, or a subprocess, marks itself.
 """
 import os
 from pathlib import Path
