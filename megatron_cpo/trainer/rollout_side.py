@@ -19,6 +19,7 @@ from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rewards.sandbox import SandboxSettings
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
 from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
@@ -57,7 +58,10 @@ class RolloutSide:
             weight_sync_timeout_s=rollout.weight_sync_timeout_s))
         self.rewards = RewardManager(RewardConfig(
             num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-            custom_reward_function=config.reward.custom_reward_function or None))
+            custom_reward_function=config.reward.custom_reward_function or None,
+            sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
+                                    config.reward.sandbox_fusion.max_concurrent,
+                                    config.reward.sandbox_fusion.memory_limit_mb)))
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
             self.manager, self.stream, self.score_groups,

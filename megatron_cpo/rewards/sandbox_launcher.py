@@ -1,0 +1,164 @@
+"""The trusted half of the namespace sandbox: builds the jail, starts the untrusted program in it, tears it down.
+
+Run by ``sandbox.py`` as ``python -I -S -B sandbox_launcher.py <json settings>`` with an empty environment, the
+program's stdin/stdout/stderr already on fds 0-2 and a status pipe on the fd named in the settings. Standard library
+only. Three processes:
+
+- the launcher (host namespaces, root): ``unshare(2)`` new mount, PID, IPC, UTS and network namespaces, fork the
+  init, wait for it at most ``wall_timeout_s``, then SIGKILL it and write ``timeout``;
+- the init (PID 1 of the new PID namespace, root, dies with the launcher through ``PR_SET_PDEATHSIG``): makes a
+  private root on a tmpfs (``/usr`` and the interpreter's prefix bind-mounted read-only, a fresh ``/proc`` (``hidepid=2``: the program sees only its own processes), a
+  ``/dev`` with only null/zero/random/urandom, a size-limited tmpfs ``/work`` owned by the sandbox user, everything
+  else absent, the root itself read-only), ``pivot_root``s into it, forks the program and reaps until it exits, then
+  writes ``exit N`` or ``signal N`` and exits. When a PID namespace's init exits the kernel SIGKILLs every other
+  process in it, so no descendant of the program (double-forked ``setsid`` daemons included) outlives the call;
+- the program: every fd above 2 closed, rlimits set, supplementary groups dropped, uid/gid switched to an
+  unprivileged id used by nothing else on the host (so ``RLIMIT_NPROC`` counts only this sandbox's tasks and it
+  may signal nothing outside), ``PR_SET_NO_NEW_PRIVS``, then ``execve`` of the interpreter with an empty environment.
+
+The network namespace has only a loopback interface that is down: no socket reaches any host, the host's own
+loopback included.
+"""
+import ctypes
+import json
+import os
+import platform
+import resource
+import select
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MNT_DETACH = 0x2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
+DEVICES = ("null", "zero", "random", "urandom")
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"sandbox launcher: {what}: {os.strerror(error)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encode = (lambda text: text.encode() if text is not None else None)
+    _check(libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+           f"mount {source} on {target}")
+
+
+def _make_dirs(path: str) -> None:
+    """Like ``os.makedirs``, but every created level is 0711: traversable, not listable (``/root`` shows nothing)."""
+    if not os.path.isdir(path):
+        _make_dirs(os.path.dirname(path))
+        os.mkdir(path, 0o711)
+
+
+def _bind_read_only(source: str, target: str) -> None:
+    if os.path.isdir(source):
+        _make_dirs(target)
+    else:
+        _make_dirs(os.path.dirname(target))
+        open(target, "a").close()
+    _mount(source, target, None, MS_BIND)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _build_root(settings: dict) -> None:
+    """Make the private root described in the module docstring and ``pivot_root`` into it."""
+    root, uid = settings["root_dir"], settings["uid"]
+    os.umask(0o022)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("sandbox-root", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for name in ("bin", "lib", "lib64", "lib32", "sbin"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), os.path.join(root, name))
+        elif os.path.isdir("/" + name):
+            _bind_read_only("/" + name, os.path.join(root, name))
+    for path in settings["read_only_paths"]:
+        _bind_read_only(path, root + path)
+    os.makedirs(root + "/dev", mode=0o755)
+    _mount("sandbox-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for device in DEVICES:
+        open(f"{root}/dev/{device}", "a").close()
+        _mount(f"/dev/{device}", f"{root}/dev/{device}", None, MS_BIND)
+    os.makedirs(root + "/proc", mode=0o555)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    os.makedirs(root + "/work")
+    _mount("sandbox-work", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={settings['work_dir_mb']}m,mode=0700,uid={uid},gid={uid}")
+    with open(settings["program_path"], "rb") as source, open(root + "/work/solution.py", "wb") as target:
+        target.write(source.read())
+    _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    _check(libc.syscall(SYS_PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
+
+
+def _exec_program(settings: dict) -> None:
+    """In the forked program process: drop everything, then become the interpreter running the candidate."""
+    os.closerange(3, 1 << 16)
+    uid, limits = settings["uid"], settings["rlimits"]
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value if name != "RLIMIT_CPU" else value + 1))
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    os.chdir("/work")
+    os.execve(settings["argv"][0], settings["argv"], {})
+
+
+def _init(settings: dict, status_fd: int) -> int:
+    """PID 1 of the sandbox: build the root, run the program, report how it ended."""
+    _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
+    _build_root(settings)
+    _check(libc.sethostname(b"sandbox", 7), "sethostname")
+    program = os.fork()
+    if program == 0:
+        try:
+            os.close(status_fd)
+            _exec_program(settings)
+        finally:
+            os._exit(126)
+    while True:  # reap everything re-parented to us until the program itself has ended
+        pid, status = os.waitpid(-1, 0)
+        if pid == program:
+            break
+    report = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+    os.write(status_fd, report.encode() + b"\n")
+    return 0
+
+
+def main() -> int:
+    settings = json.loads(sys.argv[1])
+    settings["uid"] = settings["uid_base"] + os.getpid()  # unique among live sandboxes, owns nothing on the host
+    status_fd = settings["status_fd"]
+    try:
+        _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
+        init = os.fork()
+    except OSError as error:
+        os.write(status_fd, f"error {error}\n".encode())
+        return 1
+    if init == 0:
+        try:
+            code = _init(settings, status_fd)
+        except BaseException as error:  # the jail could not be built: report it, never run the program outside
+            os.write(status_fd, f"error {type(error).__name__}: {error}\n".encode())
+            code = 1
+        os._exit(code)
+    pidfd = os.pidfd_open(init)
+    if not select.select([pidfd], [], [], settings["wall_timeout_s"])[0]:
+        os.kill(init, signal.SIGKILL)
+        os.write(status_fd, b"timeout\n")
+    os.waitpid(init, 0)  # returns once the init, and with it every process of the namespace, is gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
