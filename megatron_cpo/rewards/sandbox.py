@@ -26,19 +26,20 @@ import functools
 import json
 import logging
 import os
+import select
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_cpo.rewards.sandbox_launcher import launch
+
 logger = logging.getLogger(__name__)
 MODES = ("auto", "namespaces", "process", "remote")
 RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")
-_LAUNCHER = str(Path(__file__).parent / "sandbox_launcher.py")
 SANDBOX_UID_BASE = 1_000_000  # sandbox uid/gid = this + a live pid: unique, unused by anything on the host
 
 
@@ -191,6 +192,23 @@ def _interpreter(limits: SandboxLimits) -> tuple[str, list[str]]:
     return binary, [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
 
 
+def _fork_launcher(settings: dict, fds: tuple[int, int, int, int]) -> int:
+    """Fork the launcher with ``fds`` as its 0, 1, 2 and 3 (status) and nothing else open; returns its pid."""
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        moved = [os.dup(fd) for fd in fds]  # above every target number, so no dup2 below clobbers a source
+        for target, fd in enumerate(moved):
+            os.dup2(fd, target)
+        os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
+        code = launch(settings)
+    finally:
+        os._exit(code)
+
+
 def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, fn_name: str | None
                     ) -> SandboxResult:
     directory = Path(tempfile.mkdtemp(prefix="mcpo-sandbox-"))
@@ -202,23 +220,23 @@ def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, 
         binary, read_only = _interpreter(limits)
         settings = {"root_dir": str(directory / "root"), "program_path": str(directory / "program.py"),
                     "read_only_paths": ["/usr", *read_only], "uid_base": SANDBOX_UID_BASE,
-                    "work_dir_mb": limits.work_dir_mb, "rlimits": limits.rlimits(), "status_fd": status_write,
+                    "work_dir_mb": limits.work_dir_mb, "rlimits": limits.rlimits(), "status_fd": 3,
                     "wall_timeout_s": limits.wall_timeout_s,
                     "argv": [binary, "-I", "-S", "-B", "-c", RUNNER_SOURCE, mode, "solution.py",
                              *([fn_name] if fn_name else [])]}
         started = time.monotonic()
         with open(directory / "stdin.txt", "rb") as stdin_file, open(directory / "stdout.txt", "wb") as out, \
                 open(directory / "stderr.txt", "wb") as err:
-            launcher = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, json.dumps(settings)], env={},
-                                        stdin=stdin_file, stdout=out, stderr=err, pass_fds=(status_write,),
-                                        start_new_session=True)
-            os.close(status_write)
-            status_write = -1
-            try:  # the launcher enforces the wall time itself; this is the backstop if it cannot
-                launcher.wait(timeout=limits.wall_timeout_s + 30.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
+            launcher = _fork_launcher(settings, (stdin_file.fileno(), out.fileno(), err.fileno(), status_write))
+        os.close(status_write)
+        status_write = -1
+        pidfd = os.pidfd_open(launcher)
+        try:  # the launcher enforces the wall time itself; this is the backstop if it cannot
+            if not select.select([pidfd], [], [], limits.wall_timeout_s + 30.0)[0]:
+                os.kill(launcher, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+        launcher_status = os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1])
         wall_s = time.monotonic() - started
         with os.fdopen(status_read, "r") as status_file:
             status_read = -1
@@ -226,7 +244,7 @@ def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, 
         if not report or report[0] == "error":
             detail = " ".join(report[1:]) or "no status reported"
             raise RuntimeError(f"the namespace sandbox could not start the program: {detail} (launcher exit code "
-                               f"{launcher.returncode})")
+                               f"{launcher_status})")
         stdout, stderr, output_full = read_outputs(directory, limits)
         timed_out = report[0] == "timeout"
         returncode = None if timed_out else (int(report[1]) if report[0] == "exit" else -int(report[1]))

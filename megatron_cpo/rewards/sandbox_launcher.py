@@ -1,10 +1,10 @@
 """The trusted half of the namespace sandbox: builds the jail, starts the untrusted program in it, tears it down.
 
-Run by ``sandbox.py`` as ``python -I -S -B sandbox_launcher.py <json settings>`` with an empty environment, the
-program's stdin/stdout/stderr already on fds 0-2 and a status pipe on the fd named in the settings. Standard library
-only. Three processes:
+``sandbox.py`` forks a child of the grading process (no interpreter start-up: the jail costs a few forks and
+mounts) and calls ``launch`` in it, with the program's stdin/stdout/stderr on fds 0-2, a status pipe on the fd named
+in the settings and every other fd closed. Three processes:
 
-- the launcher (host namespaces, root): ``unshare(2)`` new mount, PID, IPC, UTS and network namespaces, fork the
+- the launcher (that child; host namespaces, root): ``unshare(2)`` new mount, PID, IPC, UTS and network namespaces, fork the
   init, wait for it at most ``wall_timeout_s``, then SIGKILL it and write ``timeout``;
 - the init (PID 1 of the new PID namespace, root, dies with the launcher through ``PR_SET_PDEATHSIG``): makes a
   private root on a tmpfs (``/usr`` and the interpreter's prefix bind-mounted read-only, a fresh ``/proc`` (``hidepid=2``: the program sees only its own processes), a
@@ -19,14 +19,13 @@ only. Three processes:
 The network namespace has only a loopback interface that is down: no socket reaches any host, the host's own
 loopback included.
 """
+from __future__ import annotations
+
 import ctypes
-import json
 import os
-import platform
 import resource
 import select
 import signal
-import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -95,7 +94,7 @@ def _build_root(settings: dict) -> None:
         target.write(source.read())
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
-    _check(libc.syscall(SYS_PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
+    _check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir("/")
 
@@ -135,10 +134,12 @@ def _init(settings: dict, status_fd: int) -> int:
     return 0
 
 
-def main() -> int:
-    settings = json.loads(sys.argv[1])
-    settings["uid"] = settings["uid_base"] + os.getpid()  # unique among live sandboxes, owns nothing on the host
+def launch(settings: dict) -> int:
+    """The launcher's part (see the module docstring); returns its exit code."""
+    settings = dict(settings, uid=settings["uid_base"] + os.getpid())  # unique among live sandboxes, owns nothing
     status_fd = settings["status_fd"]
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_DFL)  # the grading process's handlers are not ours
     try:
         _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
         init = os.fork()
@@ -158,7 +159,3 @@ def main() -> int:
         os.write(status_fd, b"timeout\n")
     os.waitpid(init, 0)  # returns once the init, and with it every process of the namespace, is gone
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

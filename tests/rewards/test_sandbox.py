@@ -4,7 +4,7 @@ Every program here runs with no Python-level guard at all; what stops it is the 
 (``megatron_cpo/rewards/sandbox_launcher.py``): an unprivileged uid, PID/mount/IPC/UTS/network namespaces, a tmpfs
 root with only ``/usr`` and the interpreter read-only, ``no_new_privs``, rlimits, PID-namespace teardown. After
 every test no sandbox process is left (``no_stray_processes``): sandbox programs run as uids from
-``SANDBOX_UID_BASE`` up, and launchers are recognisable by their command line. The checks run right after the call
+``SANDBOX_UID_BASE`` up, and launchers and inits are forked children of this process. The checks run right after the call
 returns, with no grace period: "no process outlives the call" is meant literally.
 
 The test process is root here (as on CI), which is what the namespace backend needs; where the kernel refuses
@@ -33,14 +33,11 @@ def jailed(program: str, stdin: str = "", limits: SandboxLimits = FAST, **kwargs
 
 
 def sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes running as a sandbox uid, and sandbox launchers."""
-    found = []
-    for process in psutil.process_iter(["uids", "status", "cmdline"]):
+    """Live (non-zombie) processes running as a sandbox uid, and any child of this test process (launchers)."""
+    found = [child.pid for child in psutil.Process().children(recursive=True)]
+    for process in psutil.process_iter(["uids", "status"]):
         try:
-            if process.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if process.info["uids"].real >= SANDBOX_UID_BASE or "sandbox_launcher.py" in " ".join(
-                    process.info["cmdline"] or []):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and process.info["uids"].real >= SANDBOX_UID_BASE:
                 found.append(process.pid)
         except (psutil.Error, AttributeError):
             continue
