@@ -33,13 +33,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+import socket
+import subprocess
+import threading
 from pathlib import Path
-
-from megatron_cpo.rewards.sandbox_launcher import launch
 
 logger = logging.getLogger(__name__)
 MODES = ("auto", "namespaces", "process", "remote")
 RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")
+_LAUNCHER = str(Path(__file__).parent / "sandbox_launcher.py")
 SANDBOX_UID_BASE = 1_000_000  # sandbox uid/gid = this + a live pid: unique, unused by anything on the host
 
 
@@ -192,21 +194,64 @@ def _interpreter(limits: SandboxLimits) -> tuple[str, list[str]]:
     return binary, [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
 
 
-def _fork_launcher(settings: dict, fds: tuple[int, int, int, int]) -> int:
-    """Fork the launcher with ``fds`` as its 0, 1, 2 and 3 (status) and nothing else open; returns its pid."""
-    pid = os.fork()
-    if pid != 0:
-        return pid
-    code = 1
-    try:
-        os.setsid()
-        moved = [os.dup(fd) for fd in fds]  # above every target number, so no dup2 below clobbers a source
-        for target, fd in enumerate(moved):
-            os.dup2(fd, target)
-        os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
-        code = launch(settings)
-    finally:
-        os._exit(code)
+class _LauncherServer:
+    """This process's ``sandbox_launcher.py`` server, started on first use and again after a fork or its death."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner, self._socket, self._process = -1, None, None
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), env={}, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        theirs.close()
+        self._owner, self._socket = os.getpid(), ours
+
+    def submit(self, settings: dict, fds: tuple[int, int, int, int]) -> None:
+        """Hand one run to the server: ``fds`` become the launcher's stdin, stdout, stderr and status pipe."""
+        message = json.dumps(settings).encode()
+        with self._lock:
+            for attempt in range(2):
+                if self._owner != os.getpid() or self._process.poll() is not None:
+                    self._start()
+                try:
+                    socket.send_fds(self._socket, [message], list(fds))
+                    return
+                except OSError:
+                    if attempt:
+                        raise
+                    self._owner = -1
+
+    def pid(self) -> int | None:
+        """The server's pid in this process, if one runs."""
+        return self._process.pid if self._process is not None and self._owner == os.getpid() else None
+
+
+launcher_server = _LauncherServer()
+
+
+def _read_status(status_read: int, backstop_s: float) -> list[str]:
+    """The launcher's last status line, read until every writer has closed the pipe (the launcher and the init
+    have exited, and with the init the whole sandbox). The launcher enforces the wall time; past ``backstop_s``
+    it is SIGKILLed here (its init follows through the parent-death signal)."""
+    received, killed, deadline = b"", False, time.monotonic() + backstop_s
+    while True:
+        wait_s = None if killed else max(0.0, deadline - time.monotonic())
+        if not select.select([status_read], [], [], wait_s)[0]:
+            first = received.split(b"\n", 1)
+            if len(first) < 2 or not first[0].startswith(b"launcher "):
+                break  # no launcher ever started
+            os.kill(int(first[0].split()[1]), signal.SIGKILL)
+            killed = True
+            continue
+        chunk = os.read(status_read, 4096)
+        if not chunk:
+            break
+        received += chunk
+    lines = [line.split() for line in received.decode().splitlines() if line.strip()]
+    return lines[-1] if lines else []
 
 
 def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, fn_name: str | None
@@ -227,24 +272,14 @@ def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, 
         started = time.monotonic()
         with open(directory / "stdin.txt", "rb") as stdin_file, open(directory / "stdout.txt", "wb") as out, \
                 open(directory / "stderr.txt", "wb") as err:
-            launcher = _fork_launcher(settings, (stdin_file.fileno(), out.fileno(), err.fileno(), status_write))
+            launcher_server.submit(settings, (stdin_file.fileno(), out.fileno(), err.fileno(), status_write))
         os.close(status_write)
         status_write = -1
-        pidfd = os.pidfd_open(launcher)
-        try:  # the launcher enforces the wall time itself; this is the backstop if it cannot
-            if not select.select([pidfd], [], [], limits.wall_timeout_s + 30.0)[0]:
-                os.kill(launcher, signal.SIGKILL)
-        finally:
-            os.close(pidfd)
-        launcher_status = os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1])
+        report = _read_status(status_read, limits.wall_timeout_s + 30.0)
         wall_s = time.monotonic() - started
-        with os.fdopen(status_read, "r") as status_file:
-            status_read = -1
-            report = status_file.read().split()
-        if not report or report[0] == "error":
-            detail = " ".join(report[1:]) or "no status reported"
-            raise RuntimeError(f"the namespace sandbox could not start the program: {detail} (launcher exit code "
-                               f"{launcher_status})")
+        if not report or report[0] not in ("exit", "signal", "timeout"):
+            detail = " ".join(report[1:]) if report[:1] == ["error"] else "the launcher ended without a status"
+            raise RuntimeError(f"the namespace sandbox could not run the program: {detail}")
         stdout, stderr, output_full = read_outputs(directory, limits)
         timed_out = report[0] == "timeout"
         returncode = None if timed_out else (int(report[1]) if report[0] == "exit" else -int(report[1]))

@@ -1,16 +1,19 @@
 """The trusted half of the namespace sandbox: builds the jail, starts the untrusted program in it, tears it down.
 
-``sandbox.py`` forks a child of the grading process (no interpreter start-up: the jail costs a few forks and
-mounts) and calls ``launch`` in it, with the program's stdin/stdout/stderr on fds 0-2, a status pipe on the fd named
-in the settings and every other fd closed. Three processes:
+Each grading process starts one small server from this file (``python -I -S -B sandbox_launcher.py <socket fd>``,
+empty environment, standard library only): forking it is cheap, unlike forking a grading process that holds sympy.
+Per request (settings as JSON plus the program's stdin, stdout, stderr and a status pipe, passed over a Unix socket)
+it forks a launcher with those as fds 0-3 and nothing else open. Per program, three processes:
 
-- the launcher (that child; host namespaces, root): ``unshare(2)`` new mount, PID, IPC, UTS and network namespaces, fork the
-  init, wait for it at most ``wall_timeout_s``, then SIGKILL it and write ``timeout``;
+- the launcher (host namespaces, root): writes ``launcher <pid>``, ``unshare(2)``s new mount, PID, IPC, UTS and
+  network namespaces, forks the init, waits for it at most ``wall_timeout_s``, then SIGKILLs it and writes
+  ``timeout``;
 - the init (PID 1 of the new PID namespace, root, dies with the launcher through ``PR_SET_PDEATHSIG``): makes a
-  private root on a tmpfs (``/usr`` and the interpreter's prefix bind-mounted read-only, a fresh ``/proc`` (``hidepid=2``: the program sees only its own processes), a
-  ``/dev`` with only null/zero/random/urandom, a size-limited tmpfs ``/work`` owned by the sandbox user, everything
-  else absent, the root itself read-only), ``pivot_root``s into it, forks the program and reaps until it exits, then
-  writes ``exit N`` or ``signal N`` and exits. When a PID namespace's init exits the kernel SIGKILLs every other
+  private root on a tmpfs (``/usr`` and the interpreter's prefix bind-mounted read-only, a fresh ``/proc`` with
+  ``hidepid=2`` so the program sees only its own processes, a ``/dev`` with only null/zero/random/urandom, a
+  size-limited tmpfs ``/work`` owned by the sandbox user, everything else absent, the root itself read-only),
+  ``pivot_root``s into it, forks the program and reaps until it exits, then writes ``exit N`` or ``signal N`` and
+  exits. When a PID namespace's init exits the kernel SIGKILLs every other
   process in it, so no descendant of the program (double-forked ``setsid`` daemons included) outlives the call;
 - the program: every fd above 2 closed, rlimits set, supplementary groups dropped, uid/gid switched to an
   unprivileged id used by nothing else on the host (so ``RLIMIT_NPROC`` counts only this sandbox's tasks and it
@@ -22,10 +25,13 @@ loopback included.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
 import select
 import signal
+import socket
+import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -138,8 +144,8 @@ def launch(settings: dict) -> int:
     """The launcher's part (see the module docstring); returns its exit code."""
     settings = dict(settings, uid=settings["uid_base"] + os.getpid())  # unique among live sandboxes, owns nothing
     status_fd = settings["status_fd"]
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU, signal.SIGPIPE):
-        signal.signal(number, signal.SIG_DFL)  # the grading process's handlers are not ours
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's reaper is not ours: we wait for the init
+    os.write(status_fd, f"launcher {os.getpid()}\n".encode())
     try:
         _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
         init = os.fork()
@@ -159,3 +165,40 @@ def launch(settings: dict) -> int:
         os.write(status_fd, b"timeout\n")
     os.waitpid(init, 0)  # returns once the init, and with it every process of the namespace, is gone
     return 0
+
+
+def _reap(*_: object) -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def serve(connection: socket.socket) -> None:
+    """Fork one launcher per request until the grading process closes its end of ``connection``."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(signal.SIGCHLD, _reap)  # launchers are reaped as they end (their CPU time shows as ours)
+    while True:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
+        if not message:
+            return
+        if os.fork() == 0:
+            code = 1
+            try:
+                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a killed grading process ends its runs
+                connection.close()
+                moved = [os.dup(fd) for fd in fds]  # above every target number: no dup2 below clobbers a source
+                for target, fd in enumerate(moved):
+                    os.dup2(fd, target)
+                os.closerange(len(fds), 1 << 16)
+                os.setsid()
+                code = launch(json.loads(message))
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -4,7 +4,7 @@ Every program here runs with no Python-level guard at all; what stops it is the 
 (``megatron_cpo/rewards/sandbox_launcher.py``): an unprivileged uid, PID/mount/IPC/UTS/network namespaces, a tmpfs
 root with only ``/usr`` and the interpreter read-only, ``no_new_privs``, rlimits, PID-namespace teardown. After
 every test no sandbox process is left (``no_stray_processes``): sandbox programs run as uids from
-``SANDBOX_UID_BASE`` up, and launchers and inits are forked children of this process. The checks run right after the call
+``SANDBOX_UID_BASE`` up, and launchers and inits are children of this process's launcher server. The checks run right after the call
 returns, with no grace period: "no process outlives the call" is meant literally.
 
 The test process is root here (as on CI), which is what the namespace backend needs; where the kernel refuses
@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from megatron_cpo.rewards.sandbox import SandboxLimits, namespaces_unavailable_reason, run_python
+from megatron_cpo.rewards.sandbox import SandboxLimits, launcher_server, namespaces_unavailable_reason, run_python
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable_reason() is not None,
                                 reason=f"namespaces refused here: {namespaces_unavailable_reason()}")
@@ -33,8 +33,9 @@ def jailed(program: str, stdin: str = "", limits: SandboxLimits = FAST, **kwargs
 
 
 def sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes running as a sandbox uid, and any child of this test process (launchers)."""
-    found = [child.pid for child in psutil.Process().children(recursive=True)]
+    """Live (non-zombie) processes running as a sandbox uid, and any launcher or init still running."""
+    server = launcher_server.pid()
+    found = [child.pid for child in psutil.Process(server).children(recursive=True)] if server else []
     for process in psutil.process_iter(["uids", "status"]):
         try:
             if process.info["status"] != psutil.STATUS_ZOMBIE and process.info["uids"].real >= SANDBOX_UID_BASE:
