@@ -14,6 +14,7 @@ namespaces the tests of this file are skipped with the reason (the process backe
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -234,3 +235,31 @@ def test_limits_are_validated():
         run_python("print(1)", mode="call")
     with pytest.raises(ValueError, match="backend"):
         run_python("print(1)", backend="chroot")
+
+
+def test_killing_the_grading_process_ends_its_sandboxes():
+    """The reward pool SIGKILLs a grading worker that overruns its budget: its launcher server, launchers, inits and
+    programs must all go with it (parent-death signals down the chain, then the PID-namespace teardown)."""
+    grader = subprocess.Popen([sys.executable, "-c", "from megatron_cpo.rewards.sandbox import *\n"
+                               "run_python('import time\\ntime.sleep(120)', backend='namespaces', limits="
+                               "SandboxLimits(wall_timeout_s=120, cpu_time_s=60))"],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    deadline = time.monotonic() + 30
+    while not any(uid >= SANDBOX_UID_BASE for uid in sandbox_uids()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(uid >= SANDBOX_UID_BASE for uid in sandbox_uids()), "the sandboxed program never started"
+    grader.kill()
+    grader.wait()
+    deadline = time.monotonic() + 10
+    while sandbox_uids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_uids() == []
+
+
+def sandbox_uids() -> list[int]:
+    uids = []
+    for process in psutil.process_iter(["uids", "status"]):
+        if process.info["uids"] and process.info["uids"].real >= SANDBOX_UID_BASE and \
+                process.info["status"] != psutil.STATUS_ZOMBIE:
+            uids.append(process.info["uids"].real)
+    return uids

@@ -8,6 +8,8 @@ venv interpreter lives under ``/root`` (mode 0700), so these tests use the syste
 """
 import logging
 import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -71,3 +73,22 @@ def test_settings_are_validated():
         SandboxSettings(mode="chroot")
     with pytest.raises(ValueError, match="reward.sandbox_fusion.url"):
         SandboxSettings(mode="remote")
+
+
+def test_where_namespaces_are_refused_auto_falls_back_loudly_and_namespaces_mode_is_an_error():
+    """Inside a fresh user namespace without a uid map (like an unprivileged container) the sandbox cannot switch to
+    its unprivileged uid: the namespace backend's trial run fails, ``auto`` resolves to ``process`` with the
+    warning, and an explicit ``namespaces`` is an error that names the alternatives; nothing falls back silently."""
+    script = ("import ctypes, os\n"
+              "assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0, 'no user namespaces here'\n"
+              "from megatron_cpo.rewards.sandbox import *\n"
+              "print(configure_sandbox(SandboxSettings(mode='auto')))\n"
+              "try:\n    configure_sandbox(SandboxSettings(mode='namespaces'))\n"
+              "except RuntimeError as error:\n    print('refused:', error)\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.splitlines()
+    assert lines[0] == "process" and "CODE SANDBOX IS WEAK" in child.stderr
+    assert lines[1].startswith("refused: reward.sandbox.mode=namespaces, but this machine refuses them")
+    assert "reward.sandbox.mode=remote" in lines[1]
