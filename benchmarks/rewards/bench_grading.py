@@ -18,6 +18,8 @@ import random
 import resource
 import time
 
+import psutil
+
 from megatron_cpo.rewards import RewardConfig, RewardManager, compute_score, run_python
 
 MATH_TEMPLATES = [  # (prediction, ground truth) from an integer k: exact, numeric and symbolic decisions
@@ -57,19 +59,35 @@ def timed_manager_run(manager: RewardManager, batch: tuple[list, list, list]) ->
     result = manager.score(*batch)
     elapsed = time.perf_counter() - started
     assert result.metrics["reward/timeouts"] == 0 and result.metrics["reward/errors"] == 0, result.metrics
+    failed_tests = [status for detail in result.details for status in detail.get("test_statuses", [])
+                    if status not in ("passed", "wrong_answer")]
+    if failed_tests:  # a correct program that did not pass (e.g. a wall timeout under heavy load)
+        print(f"test cases that did not run to completion: {failed_tests}")
     return len(batch[0]) / elapsed, result.acc.float().mean().item()
 
 
+def cpu_seconds_of_this_process_tree() -> float:
+    """User + system CPU of this process, its reaped children and its live descendants (and their reaped ones)."""
+    usage = [resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)]
+    total = sum(item.ru_utime + item.ru_stime for item in usage)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+        except psutil.Error:
+            continue
+    return total
+
+
 def sandbox_cpu_ms_per_program(count: int = 24) -> float:
-    """CPU milliseconds (user + system, all processes) that one sandboxed run of a small program costs."""
+    """CPU milliseconds (user + system, every process involved) that one sandboxed run of a small program costs."""
     run_python("print(1)")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+    before = cpu_seconds_of_this_process_tree()
     for index in range(count):
         assert run_python("n = int(input())\nprint(sum(range(n + 1)))", f"{index}\n").stdout.strip() == str(
             index * (index + 1) // 2)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-    seconds = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
-    return 1000 * seconds / count
+    time.sleep(0.2)  # let the last run's processes be reaped, so their time is counted
+    return 1000 * (cpu_seconds_of_this_process_tree() - before) / count
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ Backends, chosen by ``reward.sandbox.mode`` (``configure_sandbox``):
   own PID, mount, IPC, UTS and network namespaces, with ``no_new_privs``, an empty environment, a private tmpfs
   ``/work``, only ``/usr`` and the interpreter visible (read-only), no network at all, rlimits (CPU time, address
   space, file size, open files, processes) and PID-namespace teardown: when the call returns or times out, every
-  process the program started is gone. Needs root (or ``CAP_SYS_ADMIN``) in the grading process.
+  process the program started is gone. Needs root (or ``CAP_SYS_ADMIN``) in the grading process. Each grading
+  process keeps one small launcher server (``launcher_server``) that forks the per-run launchers.
 - ``remote``: a SandboxFusion service (``reward.sandbox_fusion.url``; ``sandbox_fusion.py``); its isolation is the
   service's.
 - ``process`` (weak, a fallback to be chosen knowingly): a child process with the same rlimits, an empty
@@ -29,13 +30,13 @@ import os
 import select
 import shutil
 import signal
-import sys
-import tempfile
-import time
-from dataclasses import dataclass
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
