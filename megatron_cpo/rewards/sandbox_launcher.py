@@ -17,7 +17,8 @@ it forks a launcher with those as fds 0-3 and nothing else open. Per program, th
   process in it, so no descendant of the program (double-forked ``setsid`` daemons included) outlives the call;
 - the program: every fd above 2 closed, rlimits set, supplementary groups dropped, uid/gid switched to an
   unprivileged id used by nothing else on the host (so ``RLIMIT_NPROC`` counts only this sandbox's tasks and it
-  may signal nothing outside), ``PR_SET_NO_NEW_PRIVS``, then ``execve`` of the interpreter with an empty environment.
+  may signal nothing outside), ``PR_SET_NO_NEW_PRIVS``, a seccomp filter that refuses new user namespaces, then
+  ``execve`` of the interpreter with an empty environment.
 
 The network namespace has only a loopback interface that is down: no socket reaches any host, the host's own
 loopback included.
@@ -33,15 +34,47 @@ import signal
 import socket
 import sys
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x04000000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
+# per machine: audit arch, and the numbers of pivot_root, unshare, clone, clone3
+SYSCALLS = {"x86_64": (0xC000003E, 155, 272, 56, 435), "aarch64": (0xC00000B7, 41, 97, 220, 435)}
 DEVICES = ("null", "zero", "random", "urandom")
 libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syscalls() -> tuple[int, int, int, int, int]:
+    machine = os.uname().machine
+    if machine not in SYSCALLS:
+        raise OSError(f"sandbox launcher: machine {machine!r} is not supported (only {', '.join(SYSCALLS)})")
+    return SYSCALLS[machine]
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _deny_new_user_namespaces() -> None:
+    """A seccomp filter: ``unshare``/``clone`` with ``CLONE_NEWUSER`` fail with EPERM (a user namespace would give
+    the program capabilities over new namespaces: kernel attack surface it has no use for), ``clone3`` with ENOSYS
+    (its flags cannot be inspected; the C library falls back to ``clone``), the x32 ABI with EPERM, any other
+    architecture's syscalls kill the process. Everything else is allowed."""
+    arch, _, unshare, clone, clone3 = _syscalls()
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys, kill = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x80000000
+    program = [(load, 0, 0, 4), (jeq, 0, 10, arch), (load, 0, 0, 0), (jge, 6, 0, 0x40000000), (jeq, 6, 0, clone3),
+               (jeq, 1, 0, unshare), (jeq, 0, 2, clone), (load, 0, 0, 16), (jset, 1, 0, CLONE_NEWUSER),
+               (ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, enosys), (ret, 0, 0, kill)]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*instruction) for instruction in program])
+    fprog = _SockFprog(len(program), filters)
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
 
 
 def _check(result: int, what: str) -> None:
@@ -100,7 +133,7 @@ def _build_root(settings: dict) -> None:
         target.write(source.read())
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
-    _check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _check(libc.syscall(_syscalls()[1], b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir("/")
 
@@ -116,6 +149,7 @@ def _exec_program(settings: dict) -> None:
     os.setresuid(uid, uid, uid)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     os.chdir("/work")
+    _deny_new_user_namespaces()
     os.execve(settings["argv"][0], settings["argv"], {})
 
 

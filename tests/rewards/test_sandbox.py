@@ -149,6 +149,21 @@ def test_the_host_filesystem_is_hidden():
     assert lines[1:4] == ["/root refused 13", "/etc refused 2", "/home refused 2"]
 
 
+def test_new_user_namespaces_are_refused_but_threads_and_fork_work():
+    """A user namespace would hand the program capabilities over fresh namespaces (kernel attack surface): the
+    seccomp filter refuses CLONE_NEWUSER through unshare and clone, and clone3 (whose flags it cannot read)."""
+    program = ("import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+               "print(libc.syscall(56 if os.uname().machine == 'x86_64' else 220, 0x10000000 | 17, 0, 0, 0, 0), "
+               "ctypes.get_errno())\n"
+               "print(libc.syscall(435, 0, 0), ctypes.get_errno())\n"
+               "thread = threading.Thread(target=print, args=('thread',))\nthread.start()\nthread.join()\n"
+               "child = os.fork()\nif child == 0:\n    os._exit(7)\nprint('fork', os.waitstatus_to_exitcode("
+               "os.waitpid(child, 0)[1]))")
+    result = jailed(program)
+    assert result.stdout.splitlines() == ["-1 1", "-1 1", "-1 38", "thread", "fork 7"], result.stderr
+
+
 def test_a_double_forked_setsid_daemon_does_not_outlive_the_call():
     program = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                "        time.sleep(60)\n    os._exit(0)\nprint('parent done')")
