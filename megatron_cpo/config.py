@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from megatron_cpo.algorithms.cpo import known_rules
+from megatron_cpo.algorithms.kl import known_kl_kinds
+from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,7 @@ class DataConfig:
     """Datasets (verl parquet schema) and batch geometry.
 
     `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
+    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md).
     """
     train_files: str = ""
     val_files: str = ""
@@ -47,9 +50,14 @@ class DataConfig:
     max_response_length: int = 32
     shuffle: bool = True
     val_max_samples: int = -1
+    hint_key: list[str] = field(default_factory=lambda: list(DEFAULT_HINT_KEYS))
 
     def __post_init__(self) -> None:
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        try:
+            check_hint_keys(self.hint_key)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
         _check(self.max_response_length >= 1, f"data.max_response_length={self.max_response_length} must be >= 1")
 
@@ -165,7 +173,7 @@ class ActorConfig:
         _check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         _check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
                       ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, tuple(known_kl_kinds()))  # "+": k2's gradient
         _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
         _check(0 < self.top_entropy_quantile <= 1,
@@ -173,7 +181,9 @@ class ActorConfig:
                "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
 
 
-RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_mean": "mean"}
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
+                        "reward_sum": "sum", "length": "length"}
+"""`rollout_filter_metric` -> group score of `algorithms.filters` (RAGEN's `reward_variance` is its in-group std)."""
 
 
 @dataclass
@@ -181,8 +191,11 @@ class RolloutFilterConfig:
     """RAGEN's rollout filter (keys of `actor_rollout_ref.rollout`): within every generation batch of
     `data.train_batch_size` prompts, rank the groups by `rollout_filter_metric` (`reward_std`: in-group reward std,
     RAGEN's variance filter; `reward_mean`) and keep those that `rollout_filter_strategy` selects: `top_p` (smallest
-    set of groups whose softmax mass over the scores reaches `rollout_filter_value`), `top_k` (the `value` best
-    groups) or `min_p` (score >= value * best score); `none` (the default) turns the filter off.
+    set of best groups whose scores (`rollout_filter_top_p_prob_mode: linear`, RAGEN's default, less
+    `rollout_filter_selection_eps`) or softmax mass (`softmax`) reach `rollout_filter_value` of the total; 1.0 keeps
+    all), `top_k` (the `value` best groups, or that fraction of the groups when `value` < 1) or `min_p` (score >=
+    value * best score); `none` (the default) turns the filter off. Metrics: `reward_std` (= RAGEN's
+    `reward_variance`), `reward_mean` (`reward`), `reward_sum`, `length` (mean response length).
     `rollout_filter_type` `largest` keeps high scores, `smallest` low ones; `rollout_filter_include_zero: false`
     never keeps a group whose score is exactly 0. Groups accumulate until `data.train_batch_size` are kept, bounded
     by `algorithm.filter_groups.max_num_gen_batches` / `on_limit` like DAPO's filter (see docs/filters.md)."""
@@ -191,6 +204,8 @@ class RolloutFilterConfig:
     rollout_filter_type: str = "largest"
     rollout_filter_include_zero: bool = True
     rollout_filter_metric: str = "reward_std"
+    rollout_filter_top_p_prob_mode: str = "linear"
+    rollout_filter_selection_eps: float = 0.01
 
     @property
     def rollout_filter_enabled(self) -> bool:
@@ -203,14 +218,18 @@ class RolloutFilterConfig:
         _check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
         _check(self.rollout_filter_metric in RAGEN_FILTER_METRICS,
                f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose one of "
-               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'reward_variance' ranks like 'reward_std' "
-               "for top_k; use 'reward_std')")
+               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a trainer forward "
+               "pass on every generated group and are not offered)")
+        _check_choice(prefix + "rollout_filter_top_p_prob_mode", self.rollout_filter_top_p_prob_mode,
+                      ("linear", "softmax"))
+        _check(self.rollout_filter_selection_eps >= 0,
+               f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 (RAGEN: 0.01)")
         value, strategy = self.rollout_filter_value, self.rollout_filter_strategy
         _check(strategy != "top_p" or 0 < value <= 1,
                f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability mass to keep)")
-        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()),
+        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()) or 0 < value < 1,
                f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to keep per "
-               "generation batch of data.train_batch_size prompts)")
+               "generation batch of data.train_batch_size prompts) or a fraction in (0, 1) of that batch's groups")
         _check(strategy != "min_p" or 0 <= value <= 1,
                f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best score)")
 
@@ -293,7 +312,7 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see ../shared/spec/cpo.md for the rules behind `wrap_method`."""
+    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -357,20 +376,27 @@ class SandboxFusionConfig:
 class RewardConfig:
     """The reward process pool: how many workers score responses and how long one grading may take.
 
-    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
-    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
-    returns a score or a dict with `score` and `acc`.
+    `custom_reward_function` ("pkg.module:function" or "file.py:function") grades every response instead of the
+    grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords
+    and returns a score or a dict with `score` and `acc`. verl's spelling, `custom_reward_function.path` +
+    `custom_reward_function.name` at the top level, is accepted too (one or the other).
+    `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
+    trainer (data check) and in every grading worker.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    custom_graders: dict[str, str] = field(default_factory=dict)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
         _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s} must be > 0")
+        for source, path in self.custom_graders.items():
+            _check(isinstance(path, str) and ":" in path, f"reward.custom_graders[{source!r}]={path!r} must be "
+                   "'pkg.module:function' or 'file.py:function'")
         _check(self.sandbox.mode != "remote" or bool(self.sandbox_fusion.url),
                "reward.sandbox.mode=remote needs reward.sandbox_fusion.url (e.g. http://host:8080/run_code)")
 
@@ -429,6 +455,24 @@ class TrainerConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's `custom_reward_function`: the Python file `path` and the function `name` in it that grades every
+    response, called as `name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` and returning
+    a score or a dict with `score` (and `acc`)."""
+    path: str = ""
+    name: str = "compute_score"
+
+    def __post_init__(self) -> None:
+        _check(not self.path or bool(self.name), "custom_reward_function.name is empty; name the function in "
+                                                 f"{self.path!r} that computes the score (verl: compute_score)")
+
+    @property
+    def spec(self) -> str:
+        """"file.py:function", the form `megatron_cpo.rewards.load_callable` imports; "" when unset."""
+        return f"{self.path}:{self.name}" if self.path else ""
+
+
+@dataclass
 class Config:
     """The whole run."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -436,6 +480,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
@@ -461,6 +506,15 @@ class Config:
                f"{self.data.max_response_length}; the buffer is the last part of the response budget, make it smaller")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+        _check(not (self.custom_reward_function.path and self.reward.custom_reward_function),
+               f"both custom_reward_function.path={self.custom_reward_function.path!r} and "
+               f"reward.custom_reward_function={self.reward.custom_reward_function!r} are set; keep one")
+
+    @property
+    def reward_function_spec(self) -> str:
+        """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when graders are per
+        source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
+        return self.custom_reward_function.spec or self.reward.custom_reward_function
 
     @property
     def world_model_parallel_size(self) -> int:
@@ -546,7 +600,13 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
                 raise TypeError
             return "" if value is None else str(value)
         if origin in (list, tuple):
+            if isinstance(value, str) and origin is list:
+                return [value]  # one entry written without brackets (data.hint_key=extra_info.answer)
             return list(value) if origin is list else tuple(float(v) for v in value)
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise TypeError
+            return {str(key): item for key, item in value.items()}
     except (TypeError, ValueError):
         pass
     else:
@@ -565,6 +625,28 @@ def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _mapping_fields(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for name, tp in _field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            names.extend(_mapping_fields(tp, f"{prefix}{name}."))
+        elif typing.get_origin(tp) is dict:
+            names.append(prefix + name)
+    return names
+
+
+def _fold_mappings(flat: dict[str, Any]) -> None:
+    """Put `reward.custom_graders.<source>` entries (a YAML mapping, flattened) back into one dict value; the key
+    after the field name is the source, dots and slashes included."""
+    for mapping in _mapping_fields(Config):
+        entries = {name[len(mapping) + 1:]: flat.pop(name) for name in list(flat) if name.startswith(mapping + ".")}
+        if entries:
+            current = flat.get(mapping) or {}
+            if not isinstance(current, dict):
+                raise ConfigError(f"{mapping}={current!r} is not a mapping; give {{source: 'pkg.module:fn'}}")
+            flat[mapping] = {**current, **entries}
+
+
 def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build and validate a `Config` from a nested dict (a parsed YAML file) and dotted overrides applied after it."""
     flat = _flatten(tree or {})
@@ -578,6 +660,7 @@ def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...
         if alias in flat:
             value = flat.pop(alias)
             flat.setdefault(canonical, value)
+    _fold_mappings(flat)
     known = _known_names(Config)
     for name in flat:
         if name not in known:

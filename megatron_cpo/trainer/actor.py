@@ -192,7 +192,9 @@ class MegatronPolicy:
         values = torch.tensor([payload[0][k] for k in keys], dtype=torch.float64)
         dp_size = parallel_state.get_data_parallel_world_size()
         if dp_size > 1 and keys:
+            values = values.to(platform.device())  # NCCL reduces device tensors only
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            values = values.cpu()
             values = torch.where(torch.tensor([k in summed for k in keys]), values, values / dp_size)
         return {(k if "/" in k else f"actor/{k}"): float(v) for k, v in zip(keys, values)}
 

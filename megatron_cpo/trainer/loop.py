@@ -44,7 +44,7 @@ class StopSignal:
 
     def agreed(self) -> bool:
         """Whether any rank was signalled (collective)."""
-        flag = torch.tensor([float(self.received)])
+        flag = torch.tensor([float(self.received)], device=platform.device())  # NCCL reduces device tensors only
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

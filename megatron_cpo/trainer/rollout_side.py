@@ -16,9 +16,10 @@ from megatron.core import parallel_state
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
+from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rewards.registry import register_custom_graders
 from megatron_cpo.rewards.sandbox import SandboxSettings
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
 from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
@@ -31,8 +32,10 @@ RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def load_dataset(files: str, tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
+    """Read and check a data file list; every data_source needs a grader unless one function grades them all."""
     return PromptDataset(DatasetConfig(files=[f for f in files.split(",") if f], shuffle=shuffle,
-                                       max_prompt_length=config.data.max_prompt_length, seed=config.trainer.seed),
+                                       max_prompt_length=config.data.max_prompt_length, seed=config.trainer.seed,
+                                       check_graders=not config.reward_function_spec),
                          tokenizer)
 
 
@@ -44,6 +47,7 @@ class RolloutSide:
         self.config = config
         self.tokenizer = tokenizer
         data, rollout = config.data, config.actor_rollout_ref.rollout
+        register_custom_graders(config.reward.custom_graders)
         self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
         self.val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
@@ -58,10 +62,12 @@ class RolloutSide:
             weight_sync_timeout_s=rollout.weight_sync_timeout_s))
         self.rewards = RewardManager(RewardConfig(
             num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-            custom_reward_function=config.reward.custom_reward_function or None,
+            custom_graders=dict(config.reward.custom_graders),
+            custom_reward_function=config.reward_function_spec or None,
             sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
                                     config.reward.sandbox_fusion.max_concurrent,
                                     config.reward.sandbox_fusion.memory_limit_mb)))
+        self.hint_reader = HintReader(data.hint_key)
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
             self.manager, self.stream, self.score_groups,
@@ -97,10 +103,14 @@ class RolloutSide:
     def hint_contexts(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
         records = [g.record for g in groups for _ in range(g.n)]
-        hints = [gold_hint(r.extra_info, r.reward_model) if self.config.algorithm.gold_as_hint else None
-                 for r in records]
-        return build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
-                                   HintConfig(max_prompt_length=self.config.data.max_prompt_length))
+        hints, source_metrics = [None] * len(records), {}
+        if self.config.algorithm.gold_as_hint:
+            hints, source_metrics = self.hint_reader.read([r.extra_info for r in records],
+                                                          [r.reward_model for r in records])
+        contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
+                                       HintConfig(max_prompt_length=self.config.data.max_prompt_length))
+        contexts.source_metrics = source_metrics
+        return contexts
 
     def validate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out set: `val/acc` and `val/score`."""

@@ -17,6 +17,7 @@ from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_penalty
 from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import TISConfig
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
@@ -39,6 +40,7 @@ class StepBatch:
     hint_prompt_ids: list[list[int]] | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
+    hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
@@ -55,6 +57,7 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         contexts = hint_builder(groups, prompts, responses)
         batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
         batch.hints_truncated = contexts.num_truncated
+        batch.hint_metrics = contexts.source_metrics
     return batch
 
 
@@ -119,7 +122,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         mi = signals.mi[mask.bool()]
         metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
                         "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                        "cpo/hints_truncated": float(batch.hints_truncated)})
+                        "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
         for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
             metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
@@ -139,17 +142,17 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
     lengths = seqs.response_lengths.float()
-    per_response_entropy = (entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_response_entropy = masked_mean(entropy, mask, -1)
     metrics.update(_masked_stats("entropy", per_response_entropy))
     metrics.update({
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(batch.truncated.float().mean()),
-        "advantages/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
-        "advantages/abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        "advantages/mean": float(masked_mean(advantages, mask)),
+        "advantages/abs_mean": float(masked_mean(advantages.abs(), mask)),
         "timing/train_tokens": float(mask.sum()),
     })
     if ref_log_probs is not None:
         kl = kl_penalty(old_log_probs, ref_log_probs, actor_cfg.kl_loss_type)
-        metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        metrics["kl"] = float(masked_mean(kl, mask))
     return metrics

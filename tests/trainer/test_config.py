@@ -65,7 +65,7 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
       "data.train_batch_size=8"], "lower it below train_batch_size"),
     (["actor_rollout_ref.rollout.rollout_filter_strategy=top_p", "actor_rollout_ref.rollout.rollout_filter_value=0"],
      "must be in (0, 1] for top_p"),
-    (["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance"], "use 'reward_std'"),
+    (["actor_rollout_ref.rollout.rollout_filter_metric=entropy"], "'entropy' metrics need a trainer forward pass"),
     (["actor_rollout_ref.rollout.rollout_filter_type=big"], "choose one of 'largest', 'smallest'"),
     (["actor_rollout_ref.actor.filter_loss_scaling=log"], "choose one of 'none', 'linear', 'sqrt'"),
     (["actor_rollout_ref.actor.top_entropy_quantile=0"], "(1.0 keeps all, e.g. 0.2 for the top 20%)"),
