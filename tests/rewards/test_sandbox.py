@@ -25,7 +25,7 @@ from megatron_cpo.rewards.sandbox import SandboxLimits, launcher_server, namespa
 
 pytestmark = pytest.mark.skipif(namespaces_unavailable_reason() is not None,
                                 reason=f"namespaces refused here: {namespaces_unavailable_reason()}")
-FAST = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, output_limit_bytes=64 * 1024)
+FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, output_limit_bytes=64 * 1024)
 SANDBOX_UID_BASE = 1_000_000
 
 
@@ -34,9 +34,16 @@ def jailed(program: str, stdin: str = "", limits: SandboxLimits = FAST, **kwargs
 
 
 def sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes running as a sandbox uid, and any launcher or init still running."""
+    """Live (non-zombie) processes running as a sandbox uid, and any launcher or init still running (an exited
+    launcher may wait a moment as a zombie until the server reaps it: it runs nothing)."""
     server = launcher_server.pid()
-    found = [child.pid for child in psutil.Process(server).children(recursive=True)] if server else []
+    found = []
+    for child in psutil.Process(server).children(recursive=True) if server else []:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
     for process in psutil.process_iter(["uids", "status"]):
         try:
             if process.info["status"] != psutil.STATUS_ZOMBIE and process.info["uids"].real >= SANDBOX_UID_BASE:

@@ -17,7 +17,7 @@ from megatron_cpo.rewards.sandbox import (
 from megatron_cpo.rewards.sandbox_fusion import FusionCompatibleServer, RemoteSandboxError
 
 BACKEND = "namespaces" if namespaces_unavailable_reason() is None else "process"
-FAST = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256)
+FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256)
 STDIO_TESTS = json.dumps({"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3\n", "30\n", "0\n"]})
 
 

@@ -19,7 +19,7 @@ from megatron_cpo.rewards.sandbox import SandboxLimits, SandboxSettings, configu
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 pytestmark = pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here")
-LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, python_executable=SYSTEM_PYTHON)
+LIMITS = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, python_executable=SYSTEM_PYTHON)
 
 
 def test_process_mode_grades_and_is_visibly_weak():
