@@ -117,9 +117,12 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                               seed=config.trainer.seed)
     is_rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    started = time.perf_counter()
     if is_rank0:
         _announce_engines(config, manager is not None)
     side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
+    if is_rank0:
+        logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
     total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
     actor_cfg = config.actor_rollout_ref.actor
     updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
