@@ -196,7 +196,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="engine weights' dtype (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed; each prompt's samples are seeded from "
                         "it and the prompt's index, so a rerun reproduces them (default: %(default)s)")
-    parser.add_argument("--output-dir", default="", help="write metrics.json and samples.jsonl here")
+    parser.add_argument("--output-dir", default="", help="write metrics.json, samples.jsonl and eval.log here")
     parser.add_argument("--ray-address", default="auto",
                         help="'auto' (default): join the Ray cluster in RAY_ADDRESS when that is set (as the SLURM "
                         "launcher sets it), else start a private local one; 'local': always a private one; "

@@ -18,7 +18,8 @@ algorithm="${1:-cpo}"
 config="examples/tiny/${algorithm}_arith.yaml"
 
 echo "== synthetic arithmetic data -> $run_dir/arith"
-"$py" -m megatron_cpo.data.synthetic --out "$run_dir/arith" --keep-levels 1 2
+"$py" -c "import sys; from megatron_cpo.data.synthetic import main; main(sys.argv[1:])" \
+  --out "$run_dir/arith" --keep-levels 1 2
 if [ ! -f examples/tiny/model/config.json ]; then
   echo "== warm-starting the tiny model -> examples/tiny/model (once)"
   "$py" tools/make_tiny_model.py --out examples/tiny/model --warm-start
@@ -50,7 +51,7 @@ PY
 )
 
 echo "== trained policy $policy -> Megatron torch_dist at TP=2 (torchrun, 2 processes) -> $run_dir/policy-mcore"
-"$venv/bin/torchrun" --nproc-per-node 2 tools/convert_hf_to_mcore.py \
+OMP_NUM_THREADS=1 "$venv/bin/torchrun" --nproc-per-node 2 tools/convert_hf_to_mcore.py \
   --hf "$policy" --out "$run_dir/policy-mcore" --tp 2 --force
 
 echo "== Megatron checkpoint -> Hugging Face (loaded at TP=1) -> $run_dir/policy-hf"
