@@ -35,4 +35,7 @@ step "megatron-cpo[$extras] and its dependencies" "$py" -m pip install -q -e ".[
 # transformers' model imports; the project uses none of them.
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$log" 2>&1 || true
 step "checking the imports" "$py" -c "import torch, megatron.core, vllm, ray, triton, transformers"
-"$py" -c "import torch, megatron.core, vllm, ray; print('environment ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)" 2>>"$log"
+# only the versions line reaches the console (whatever else the imports print goes to the log)
+ready=$("$py" -c "import torch, megatron.core, vllm, ray; print('environment ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)" 2>>"$log")
+echo "$ready" >>"$log"
+echo "${ready##*$'\n'}"
