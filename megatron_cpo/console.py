@@ -25,6 +25,9 @@ QUIET_WARNINGS: tuple[tuple[str, str], ...] = (
     ("FutureWarning", r"`torch\.distributed\.\w+` is deprecated"),
     ("FutureWarning", r"torch\.cuda\.amp\.\w+\(args\.\.\.\)` is deprecated"),
     ("FutureWarning", r"`torch\.cuda\.amp\.custom_(fwd|bwd)"),
+    # Megatron-Core 0.16's torch_dist checkpoint loading calls APIs torch 2.13 deprecates.
+    ("FutureWarning", r"`load_state_dict` is deprecated and will be removed"),
+    ("FutureWarning", r"Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 
 _WARNING_LINE = re.compile(r"^\S+:\d+: (\w+): (.*)", re.DOTALL)
