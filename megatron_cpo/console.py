@@ -31,6 +31,11 @@ QUIET_WARNINGS: tuple[tuple[str, str], ...] = (
 )
 
 _WARNING_LINE = re.compile(r"^\S+:\d+: (\w+): (.*)", re.DOTALL)
+_installed_handlers: list[logging.Handler] = []
+
+
+def _is_ours(logger_name: str) -> bool:
+    return logger_name == PACKAGE or logger_name.startswith(PACKAGE + ".")
 
 
 def is_quiet_warning(message: str) -> bool:
@@ -48,7 +53,7 @@ class ConsoleFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "py.warnings":
             return not is_quiet_warning(record.getMessage())
-        if record.name == PACKAGE or record.name.startswith(PACKAGE + "."):
+        if _is_ours(record.name):
             return record.levelno >= logging.INFO
         return record.levelno >= logging.WARNING
 
@@ -57,11 +62,12 @@ class ConsoleFormatter(logging.Formatter):
     """`HH:MM:SS message` for this package's INFO lines; level and logger name for anything louder or foreign."""
 
     def __init__(self) -> None:
-        super().__init__(datefmt="%H:%M:%S")
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        self._brief = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        own_info = record.levelno < logging.WARNING and record.name.startswith(PACKAGE)
-        self._style._fmt = "%(asctime)s %(message)s" if own_info else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if record.levelno < logging.WARNING and _is_ours(record.name):
+            return self._brief.format(record)
         return super().format(record)
 
 
@@ -69,10 +75,10 @@ def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = No
     """Route logging and Python warnings: filtered to `stream` (stderr), everything to `log_file` when given.
     Replaces handlers an earlier call installed on the root logger; returns the log file's path."""
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_megatron_cpo", False):
-            root.removeHandler(handler)
-            handler.close()
+    while _installed_handlers:
+        handler = _installed_handlers.pop()
+        root.removeHandler(handler)
+        handler.close()
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(stream if stream is not None else sys.stderr)
     console.addFilter(ConsoleFilter())
@@ -86,8 +92,8 @@ def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = No
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(file_handler)
     for handler in handlers:
-        handler._megatron_cpo = True
         root.addHandler(handler)
+    _installed_handlers.extend(handlers)
     logging.captureWarnings(True)
     return path
 

@@ -102,7 +102,8 @@ def check_lengths(config: EvalConfig) -> None:
     if positions is not None and total > positions:
         raise ValueError(f"--max-prompt-length {config.max_prompt_length} + --max-response-length "
                          f"{config.max_response_length} = {total} tokens exceed the {positions} positions of "
-                         f"{config.model_path} (max_position_embeddings); lower them so they sum to at most {positions}")
+                         f"{config.model_path} (max_position_embeddings); lower them so they sum to at most "
+                         f"{positions}")
 
 
 def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.ndarray, list[dict]]:
