@@ -9,6 +9,7 @@ user of this recipe can act on.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import re
 import sys
@@ -71,6 +72,15 @@ class ConsoleFormatter(logging.Formatter):
         return super().format(record)
 
 
+class RunLogHandler(logging.handlers.WatchedFileHandler):
+    """The run's log file, reopened by path (parent folder recreated) when it was moved or deleted under the running
+    process, e.g. when the run directory of an earlier run is archived at start-up."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = None) -> Path | None:
     """Route logging and Python warnings: filtered to `stream` (stderr), everything to `log_file` when given.
     Replaces handlers an earlier call installed on the root logger; returns the log file's path."""
@@ -88,7 +98,7 @@ def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = No
     if log_file is not None:
         path = Path(log_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(path, encoding="utf-8")
+        file_handler = RunLogHandler(path, encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(file_handler)
     for handler in handlers:

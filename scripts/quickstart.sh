@@ -28,6 +28,11 @@ fi
 # Save once, after the last step: its checkpoint holds the trained policy as a Hugging Face model.
 steps=$("$py" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer']['total_training_steps'])" \
   "$config")
+if [ -e "$run_dir/$algorithm" ]; then  # a fresh run: keep an earlier one (and its trained policy) beside it
+  previous="$run_dir/$algorithm.previous-$(date -u +%Y%m%d-%H%M%S)"
+  mv "$run_dir/$algorithm" "$previous"
+  echo "== moved the earlier $algorithm run to $previous"
+fi
 echo "== $algorithm training on CPU ($config, $steps steps) -> $run_dir/$algorithm (full log: train.log there)"
 "$venv/bin/megatron-cpo" train --config "$config" \
   data.train_files="$run_dir/arith/train.parquet" data.val_files="$run_dir/arith/test.parquet" \

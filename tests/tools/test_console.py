@@ -49,6 +49,22 @@ def test_library_noise_goes_to_the_log_file_only(tmp_path):
     assert "an unexpected library warning" in done.stderr and "building the Megatron actor" in done.stderr
 
 
+def test_log_file_follows_its_path_when_the_run_directory_is_moved_away(tmp_path):
+    """An earlier run's directory archived at start-up (renamed) must not take this run's log with it."""
+    done = run_python("""
+        import logging, os
+        from megatron_cpo.console import setup_logging
+        setup_logging("run/train.log")
+        log = logging.getLogger("megatron_cpo.trainer.loop")
+        log.info("before the move")
+        os.rename("run", "run.archived")
+        log.info("after the move")
+    """, tmp_path)
+    assert done.returncode == 0 and "Logging error" not in done.stderr, done.stderr
+    assert "before the move" in (tmp_path / "run.archived" / "train.log").read_text()
+    assert "after the move" in (tmp_path / "run" / "train.log").read_text()
+
+
 def test_grading_worker_exits_quietly_when_the_trainer_dies(tmp_path):
     """A trainer that dies without closing its grader pool (an error exit) used to leave each worker printing a
     ConnectionResetError/EOFError traceback on the same terminal."""
