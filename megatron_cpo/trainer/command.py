@@ -45,10 +45,13 @@ def run_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
+    from megatron_cpo.trainer.preflight import preflight
+
     config = load_config(args.config, args.overrides)
+    preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
     from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
-    final = run_training(config)
+    final = run_training(config, checked=True)
     if final:
         print(json.dumps({k: v for k, v in final.items() if k.startswith("val/")}, sort_keys=True), flush=True)

@@ -24,7 +24,7 @@ from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
 from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
-from megatron_cpo.trainer.loggers import MetricLogger, require_sink_packages
+from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
 from megatron_cpo.trainer.workers import build_policies
 
@@ -102,20 +102,21 @@ def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
             "with trainer.early_stop.enable=false")
 
 
-def run_training(config: Config, manager: Any = None) -> dict[str, float]:
+def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
     """
     from megatron_cpo.trainer.preflight import preflight
 
-    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
+    if not checked:
+        preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
 
-    require_sink_packages(config.trainer.logger)
     megatron = config.actor_rollout_ref.actor.megatron
     platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
                               seed=config.trainer.seed)
