@@ -44,6 +44,16 @@ class PackedSequences:
         gathered = per_position.gather(1, index)
         return gathered * self.response_mask().to(gathered.device, gathered.dtype)
 
+    def lengths(self) -> torch.Tensor:
+        """[rows] long, prompt + response tokens of each row (its length before right padding)."""
+        return self.prompt_lengths + self.response_lengths
+
+    def trimmed(self) -> "PackedSequences":
+        """The same rows cut to their own longest row (a micro-batch padded only as far as it needs)."""
+        length = int(self.lengths().max())
+        return PackedSequences(self.tokens[:, :length], self.targets[:, :length], self.prompt_lengths,
+                               self.response_lengths, self.response_width)
+
     def select(self, rows: torch.Tensor | slice) -> "PackedSequences":
         return PackedSequences(self.tokens[rows], self.targets[rows], self.prompt_lengths[rows],
                                self.response_lengths[rows], self.response_width)
