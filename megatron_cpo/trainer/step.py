@@ -23,7 +23,7 @@ from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
-from megatron_cpo.trainer.sequences import pack_sequences
+from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
 
 
 @dataclass
@@ -74,6 +74,12 @@ def _right_pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
+def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
+    """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
+    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
+    return seqs, _right_pad(batch.rollout_log_probs, width)
+
+
 def loss_config_of(config: Config) -> PolicyLossConfig:
     """The policy-loss variant the actor config selects (clip-higher, aggregation, entropy mask, KL, TIS)."""
     actor = config.actor_rollout_ref.actor
@@ -96,7 +102,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     rollout_cfg, actor_cfg, algo = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor, config.algorithm
     temperature = rollout_cfg.temperature or 1.0
     width = config.data.max_response_length
-    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
+    seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     mask = seqs.response_mask()
     metrics: dict[str, float] = {}
 
@@ -126,7 +132,6 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
 
-    rollout_log_probs = _right_pad(batch.rollout_log_probs, width)
     loss_config = loss_config_of(config)
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []
