@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_cpo.trainer.ragged import RaggedRows
+
 IGNORE_INDEX = -100
 
 
@@ -59,25 +61,25 @@ class PackedSequences:
                                self.response_lengths[rows], self.response_width)
 
 
-def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+def pack_sequences(prompts: RaggedRows | list[list[int]], responses: RaggedRows | list[list[int]], pad_token_id: int,
                    response_width: int) -> PackedSequences:
-    """Pack prompt/response token lists (same count) into right-padded tensors with response targets."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one prompt per response")
-    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    """Pack prompt/response token rows (same count; ragged tensors or lists) into right-padded tensors with response
+    targets, vectorised: each ragged tensor is scattered once through a mask, no Python loop over rows."""
+    prompts, responses = RaggedRows.of(prompts), RaggedRows.of(responses)
+    if prompts.rows != responses.rows:
+        raise ValueError(f"{prompts.rows} prompts but {responses.rows} responses; pass one prompt per response")
+    prompt_lengths, response_lengths = prompts.lengths(), responses.lengths()
     if int(prompt_lengths.min()) < 1:
         raise ValueError("an empty prompt cannot predict its first response token; every prompt needs >= 1 token")
     if int(response_lengths.max()) > response_width:
         raise ValueError(f"a response has {int(response_lengths.max())} tokens, more than the response width "
                          f"{response_width} (data.max_response_length); the rollout must cap max_tokens at it")
     length = int((prompt_lengths + response_lengths).max())
-    tokens = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        tokens[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
-    positions = torch.arange(length)[None, :]
-    start = prompt_lengths[:, None] - 1
-    on_response = (positions >= start) & (positions < start + response_lengths[:, None])
-    shifted = torch.cat([tokens[:, 1:], torch.full((len(prompts), 1), pad_token_id, dtype=torch.long)], dim=1)
-    targets = torch.where(on_response, shifted, torch.full_like(shifted, IGNORE_INDEX))
+    tokens = torch.full((prompts.rows, length), pad_token_id, dtype=torch.long)
+    tokens.masked_scatter_(prompts.within(length), prompts.values)
+    on_response = responses.within(length, prompt_lengths)
+    tokens.masked_scatter_(on_response, responses.values)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    # response token j is predicted at position prompt_len + j - 1: one column left of where it sits
+    targets[:, :-1].masked_scatter_(on_response[:, 1:], responses.values)
     return PackedSequences(tokens, targets, prompt_lengths, response_lengths, response_width)

@@ -1,17 +1,19 @@
 """One training update on a collected batch, as every rank runs it (steps 4-6 of ARCHITECTURE.md).
 
-Rank 0 turns the kept groups into a `StepBatch` (plain lists and tensors, hint contexts included) and broadcasts it;
-then every rank computes, in lockstep: old log-probs and entropy, reference log-probs, hint log-probs (CPO), GRPO
-advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over mini-batches.
+Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included)
+and broadcasts it tensor by tensor; then every rank computes, in lockstep: old log-probs and entropy, reference
+log-probs, hint log-probs (CPO), GRPO advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over
+mini-batches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_cpo import platform
 from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
@@ -23,61 +25,101 @@ from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
+from megatron_cpo.trainer.ragged import RaggedRows
 from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
 
 
 @dataclass
 class StepBatch:
-    """Everything the ranks need for one update; one entry per response, responses of a prompt contiguous."""
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_log_probs: list[list[float]]
+    """Everything the ranks need for one update; one row per response, responses of a prompt contiguous.
+
+    Token and log-prob rows are `RaggedRows` (one flat tensor + offsets each; Python lists are converted when the batch
+    is built), so the broadcast sends a few buffers instead of pickling every token.
+    """
+    prompt_ids: RaggedRows
+    response_ids: RaggedRows
+    rollout_log_probs: RaggedRows
     scores: torch.Tensor
     acc: torch.Tensor
     group: torch.Tensor
     truncated: torch.Tensor
     kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
-    hint_prompt_ids: list[list[int]] | None = None
+    hint_prompt_ids: RaggedRows | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = RaggedRows.of(self.prompt_ids)
+        self.response_ids = RaggedRows.of(self.response_ids)
+        self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
+        if self.hint_prompt_ids is not None:
+            self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
     """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
     prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
     responses = [r for g in groups for r in g.response_token_ids]
-    batch = StepBatch(
-        prompt_ids=prompts, response_ids=responses,
-        rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
-        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups])),
-        truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio)
+    hints = {}
     if hint_builder is not None:
         contexts = hint_builder(groups, prompts, responses)
-        batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
-        batch.hints_truncated = contexts.num_truncated
-    return batch
+        hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
+                 "hints_truncated": contexts.num_truncated}
+    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
+    return StepBatch(
+        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).select(group),  # each prompt once
+        response_ids=responses, rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
+        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
+        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+
+
+def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The batch as named tensors (ragged rows as `<field>.values` / `<field>.offsets`) and its other fields."""
+    tensors, other = {}, {}
+    for item in fields(batch):
+        value = getattr(batch, item.name)
+        if isinstance(value, RaggedRows):
+            tensors[f"{item.name}.values"], tensors[f"{item.name}.offsets"] = value.values, value.offsets
+        elif isinstance(value, torch.Tensor):
+            tensors[item.name] = value
+        else:
+            other[item.name] = value
+    return tensors, other
 
 
 def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
-    """Rank 0's batch (or None: stop) on every rank."""
-    payload = [batch]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
-
-
-def _right_pad(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
-    return out
+    """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
+    tensor, on the device the backend needs."""
+    if dist.get_world_size() == 1:
+        return batch
+    header: list[Any] = [None]
+    tensors: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0 and batch is not None:
+        tensors, other = _batch_tensors(batch)
+        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
+    dist.broadcast_object_list(header, src=0)
+    if header[0] is None:
+        return None
+    specs, other = header[0]
+    received = {}
+    for name, (shape, dtype) in specs.items():
+        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
+        wire = wire.contiguous().to(platform.device())
+        dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
+        received[name] = wire.cpu()
+    kwargs = dict(other)
+    for item in fields(StepBatch):
+        if f"{item.name}.values" in received:
+            kwargs[item.name] = RaggedRows(received[f"{item.name}.values"], received[f"{item.name}.offsets"])
+        elif item.name in received:
+            kwargs[item.name] = received[item.name]
+    return StepBatch(**kwargs)
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
     """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
     seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
-    return seqs, _right_pad(batch.rollout_log_probs, width)
+    return seqs, batch.rollout_log_probs.padded(width, 0.0)
 
 
 def loss_config_of(config: Config) -> PolicyLossConfig:
