@@ -36,17 +36,10 @@ class UpdateInputs:
     rollout_log_probs: torch.Tensor | None
 
 
-def _pad_rows(seqs: PackedSequences, multiple: int, pad_token_id: int) -> PackedSequences:
+def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
     """Append empty rows (no response tokens) so the row count is a multiple of `multiple`."""
     extra = (-seqs.rows) % multiple
-    if not extra:
-        return seqs
-    return PackedSequences(
-        torch.cat([seqs.tokens, torch.full((extra, seqs.length), pad_token_id, dtype=torch.long)]),
-        torch.cat([seqs.targets, torch.full((extra, seqs.length), IGNORE_INDEX, dtype=torch.long)]),
-        torch.cat([seqs.prompt_lengths, torch.ones(extra, dtype=torch.long)]),
-        torch.cat([seqs.response_lengths, torch.zeros(extra, dtype=torch.long)]),
-        seqs.response_width)
+    return seqs.with_empty_rows(extra) if extra else seqs
 
 
 class MegatronPolicy:
@@ -114,9 +107,9 @@ class MegatronPolicy:
 
         dp_size = parallel_state.get_data_parallel_world_size()
         if not self.batching.dynamic:
-            padded = _pad_rows(seqs, dp_size * self.batching.micro_batch_size, self.pad_token_id)
+            padded = _pad_rows(seqs, dp_size * self.batching.micro_batch_size)
             return padded, fixed_plan(padded.rows, dp_size, self.batching.micro_batch_size)
-        padded = _pad_rows(seqs, dp_size, self.pad_token_id) if seqs.rows < dp_size else seqs
+        padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages)
 

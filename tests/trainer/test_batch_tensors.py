@@ -25,6 +25,9 @@ def test_pack_sequences_places_tokens_and_targets():
     # response token j of row b is predicted at position prompt_len[b] + j - 1
     assert seqs.targets.tolist() == [[I, 7, 8, I], [I, I, I, I]]
     assert seqs.prompt_lengths.tolist() == [2, 1] and seqs.response_lengths.tolist() == [2, 0]
+    padded = seqs.with_empty_rows(1).select(slice(1, 3))
+    assert padded.tokens.tolist() == [[3, 0, 0, 0], [0, 0, 0, 0]] and padded.targets.tolist() == [[I] * 4] * 2
+    assert padded.response_lengths.tolist() == [0, 0] and padded.trimmed().length == 1
     same = pack_sequences(RaggedRows.from_lists([[1, 2], [3]]), RaggedRows.from_lists([[7, 8], []]), 0, 3)
     assert torch.equal(same.tokens, seqs.tokens) and torch.equal(same.targets, seqs.targets)
 
