@@ -7,10 +7,9 @@ paths must equal those of the padded logits path within 1e-5 (fp32). The rows ar
 budget small, so the dynamic path cuts uneven micro-batches of different lengths (and, at DP=2, uneven row shares).
 The learning rate is 1e-12, so the (Adam) updates leave the fp32 weights as they are and every path sees the same
 model. Plain DDP all-reduces the whole gradient buffer (the distributed optimizer would leave the other ranks' shards
-unreduced), so the buffers can be compared on every rank. An untied model (Qwen2, real vocabulary 128) checks the output-layer weight at TP=2. One spawned pair of
-processes runs every case to pay the start-up once.
+unreduced), so the buffers can be compared on every rank. An untied model (Qwen2, real vocabulary 128) checks the
+output-layer weight at TP=2. One spawned pair of processes runs every case to pay the start-up once.
 """
-import pytest
 import torch
 
 from megatron_cpo.models.tiny import write_tiny_model
@@ -60,7 +59,8 @@ def _compare_modes(model_dir, tp, pp):
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-12", "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"])
     platform.init_distributed(tp, pp, seed=1)
