@@ -118,14 +118,13 @@ class MegatronPolicy:
         """This DP rank's micro-batches: sequences (cut to their own longest row when dynamic) and extra rows."""
         from megatron.core import parallel_state
 
+        full = {name: torch.cat([tensor, tensor.new_zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]))])
+                for name, tensor in (extra or {}).items()}  # zero rows for the empty padding rows, made once
         micro = []
         for index in plan[parallel_state.get_data_parallel_rank()]:
             seqs = padded.select(index)
             batch = {"seqs": seqs.trimmed() if self.batching.dynamic else seqs}
-            for name, tensor in (extra or {}).items():
-                full = torch.cat([tensor, torch.zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]),
-                                                      dtype=tensor.dtype)])
-                batch[name] = full[index]
+            batch.update({name: tensor[index] for name, tensor in full.items()})
             micro.append(batch)
         return micro
 
