@@ -73,8 +73,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The HF model directory the actor, the reference and the rollout engines start from."""
+    """The HF model directory the actor, the reference and the rollout engines start from.
+
+    `use_fused_kernels` (verl's name) computes the actor's and the reference's log-probs and entropy from the final
+    hidden states and the vocab-parallel lm-head weight in one kernel, so the `[tokens, vocab]` logits are never
+    materialised (the memory that dominates at long responses and a 152k vocabulary); the results are the same.
+    """
     path: str = ""
+    use_fused_kernels: bool = False
 
 
 @dataclass
@@ -151,6 +157,11 @@ class ActorConfig:
     `top_entropy_quantile` < 1 (ms-swift's entropy mask) trains the policy gradient only on the tokens whose entropy is
     in that top fraction of the micro-batch; `filter_loss_scaling` (RAGEN: `none`, `linear`, `sqrt`) multiplies the
     advantages by the group filters' kept ratio (see docs/filters.md).
+    `use_dynamic_bsz` (verl's dynamic batch size) replaces the fixed micro-batch row count by token budgets: rows are
+    split over the data-parallel ranks balanced by tokens, then cut into micro-batches of at most
+    `ppo_max_token_len_per_gpu` padded tokens (rows x their own longest prompt + response) for the update, and
+    `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
+    `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -172,6 +183,9 @@ class ActorConfig:
     neg_alpha: float = 0.1
     filter_loss_scaling: str = "none"
     tis_imp_ratio_cap: float = -1.0
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int = 16384
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.actor."
@@ -190,6 +204,9 @@ class ActorConfig:
         _check(0 < self.top_entropy_quantile <= 1,
                f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of "
                "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
+        for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+            _check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "
+                                               "micro-batch; at least the longest prompt + response)")
 
 
 RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
