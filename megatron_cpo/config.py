@@ -18,6 +18,7 @@ from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.kl import known_kl_kinds
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
+from megatron_cpo.rewards.remote import RemoteRewardConfig
 from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 
@@ -421,12 +422,14 @@ class RewardConfig:
     `custom_reward_function.name` at the top level, is accepted too (one or the other).
     `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
     trainer (data check) and in every grading worker.
+    `remote` (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     custom_graders: dict[str, str] = field(default_factory=dict)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")

@@ -39,6 +39,14 @@ def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool
                                        check_graders=not config.reward_function_spec), tokenizer)
 
 
+def build_reward_manager(config: Config) -> RewardManager:
+    """The grading pool of `reward.*` (and the remote reward model of `reward.remote.*` when enabled)."""
+    return RewardManager(RewardConfig(
+        num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
+        custom_graders=dict(config.reward.custom_graders), custom_reward_function=config.reward_function_spec or None,
+        remote=config.reward.remote))
+
+
 class RolloutSide:
     """Rank 0's engines, reward pool, data and controller for one run. A `manager` passed in (already running
     engines, e.g. shared by tests or a notebook) is used and left running; otherwise engines are started here."""
@@ -62,10 +70,7 @@ class RolloutSide:
             weight_sync_timeout_s=rollout.weight_sync_timeout_s, gpu_memory_utilization=rollout.gpu_memory_utilization,
             enable_chunked_prefill=rollout.enable_chunked_prefill,
             max_num_batched_tokens=rollout.max_num_batched_tokens))
-        self.rewards = RewardManager(RewardConfig(
-            num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-            custom_graders=dict(config.reward.custom_graders),
-            custom_reward_function=config.reward_function_spec or None))
+        self.rewards = build_reward_manager(config)
         self.hint_reader = HintReader(data.hint_key)
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
@@ -90,8 +95,13 @@ class RolloutSide:
         """Decode and grade every response of the given groups in one call to the grading pool."""
         texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
         flat_records = [record for (record, responses) in items for _ in responses]
+        prompts = None
+        if self.rewards.remote is not None:  # the reward model reads the prompt as the policy saw it (chat template)
+            prompts = [self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False)
+                       for record, responses in items for _ in responses]
         result = self.rewards.score([r.data_source for r in flat_records], [t for ts in texts for t in ts],
-                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records])
+                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records],
+                                    prompts)
         out, start = [], 0
         for group_texts in texts:
             stop = start + len(group_texts)
