@@ -36,17 +36,17 @@ class _Retryable(Exception):
 
 @dataclass
 class RemoteRewardConfig:
-    """A reward model served over HTTP (``reward.remote``), scoring every graded response.
+    """A reward model served over HTTP (`reward.remote`), scoring every graded response.
 
-    enable: call the server (verl's ``reward_model.enable``, for a model behind a URL instead of in-process).
-    url: the server's base URL; ``/score`` is appended (``python -m megatron_cpo.rewards.reward_server`` serves one).
-    combine: ``replace`` (the model's score is the reward, as in verl when ``rm_scores`` are present) or ``add`` (rule
-        score + model score). The rule graders still run either way: ``acc`` (accuracy metrics,
-        ``filter_groups.metric=acc``, validation) comes from them.
-    batch_size / max_concurrent: items per request and requests in flight (verl's ``sandbox_fusion.max_concurrent``).
+    enable: call the server (verl's `reward_model.enable`, for a model behind a URL instead of in-process).
+    url: the server's base URL; `/score` is appended (`python -m megatron_cpo.rewards.reward_server` serves one).
+    combine: `replace` (the model's score is the reward, as in verl when `rm_scores` are present) or `add` (rule
+        score + model score). The rule graders still run either way: `acc` (accuracy metrics,
+        `filter_groups.metric=acc`, validation) comes from them.
+    batch_size / max_concurrent: items per request and requests in flight (verl's `sandbox_fusion.max_concurrent`).
     timeout_s / max_retries / backoff_s / backoff_multiplier: per-request timeout and the retry schedule.
-    on_error: ``raise`` stops training with an error naming the URL; ``failure_score`` gives the samples of a batch
-        that failed every attempt ``failure_score`` as their model score, counts them in ``reward/remote/failed`` and
+    on_error: `raise` stops training with an error naming the URL; `failure_score` gives the samples of a batch
+        that failed every attempt `failure_score` as their model score, counts them in `reward/remote/failed` and
         trains on.
     """
 
