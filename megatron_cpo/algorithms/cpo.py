@@ -263,23 +263,6 @@ def resolve_rule(name: str) -> ShapingRule:
     return rule
 
 
-@dataclass
-class CPOShapingConfig:
-    """CPO shaping options. rule: a name of `known_rules()` (negonly_mi3 is the seed's recommended default);
-    pos_alpha / neg_alpha: weights of the terms on the positive / negative side (0 or None switches a side off);
-    cpo_lambda: bound of the hint ratio in the naive rules (>= 1)."""
-
-    rule: str = "negonly_mi3"
-    pos_alpha: Optional[float] = None
-    neg_alpha: Optional[float] = None
-    cpo_lambda: float = 5.0
-
-    def __post_init__(self) -> None:
-        resolve_rule(self.rule)
-        if self.cpo_lambda < 1.0:
-            raise ValueError(f"cpo_lambda={self.cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
-
-
 def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
                           hint_correct) -> None:
     shape = tuple(advantages.shape)

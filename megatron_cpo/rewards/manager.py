@@ -66,10 +66,6 @@ class RewardResult:
     details: list[dict]
     metrics: dict[str, float]
 
-    def token_level_rewards(self, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Sparse [N, max_len] rewards, each score at its last valid response token."""
-        return token_level_rewards(self.scores, response_lengths, max_len)
-
 
 def token_level_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """Write ``scores[i]`` at position ``response_lengths[i] - 1`` of row ``i`` of a zero [N, max_len] tensor."""

@@ -6,7 +6,6 @@ import torch
 
 from megatron_cpo.algorithms.cpo import (
     SHAPING_RULES,
-    CPOShapingConfig,
     HintSignals,
     difficulty_mask,
     hint_signals,
@@ -132,7 +131,7 @@ def test_names_with_and_without_suffix():
     with pytest.raises(ValueError, match="known rules: .*negonly_mi3"):
         shape_advantages("mi4", **_batch())
     with pytest.raises(ValueError, match="known rules"):
-        CPOShapingConfig(rule="bogus")
+        resolve_rule("bogus")
 
 
 def test_mi_and_kl_are_clamped_at_ten():
