@@ -42,6 +42,7 @@ class DataConfig:
     (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
     `gen_batch_size` (verl's DAPO): prompts per generation batch, the unit `algorithm.filter_groups.max_num_gen_batches`
     counts in (0: `train_batch_size`).
+    `val_max_samples` (verl): validate on the first this many rows of `val_files` (-1: all of them).
     """
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
@@ -64,6 +65,8 @@ class DataConfig:
                f"data.gen_batch_size={self.gen_batch_size} is below data.train_batch_size={self.train_batch_size}; "
                "raise it (verl's DAPO uses 3 x train_batch_size) or set 0")
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        _check(self.val_max_samples == -1 or self.val_max_samples >= 1, f"data.val_max_samples="
+               f"{self.val_max_samples} must be >= 1, or -1 to validate on every row of data.val_files")
         try:
             check_hint_keys(self.hint_key)
         except ValueError as error:

@@ -130,6 +130,11 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.config.trainer.seed + index)
 
+    def validation_size(self) -> int:
+        """How many rows of the validation set `validate` uses: all, or the first `data.val_max_samples`."""
+        cap = self.config.data.val_max_samples
+        return len(self.val_data) if cap == -1 else min(cap, len(self.val_data))
+
     def validate(self) -> dict[str, float]:
         """Accuracy on the held-out set, sampled as `rollout.val_kwargs` says (greedy by default): `val/acc` and
         `val/score` (means over every sample, i.e. mean@n), and the same per data source (`val/<source>/acc`)."""
@@ -137,7 +142,7 @@ class RolloutSide:
             return {}
         start = time.perf_counter()
         records = {}
-        for index in range(len(self.val_data)):
+        for index in range(self.validation_size()):
             record = self.val_data[index]
             records[f"val-{index}"] = record
             self.manager.submit(f"val-{index}", record.prompt_ids, self.validation_params(index))
