@@ -3,7 +3,8 @@
 A sample whose grader raises, hangs past ``reward_fn_timeout_s`` or kills its worker gets that grader's wrong-answer
 score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
 stops for it. With a remote reward model (``reward.remote``, see ``remote.py``) its score replaces or is added to the
-rule score of every sample; ``acc`` stays the rule graders'. Following the seed (section 2.2), the whole sequence reward sits on the last valid response token.
+rule score of every sample; ``acc`` stays the rule graders'. Following the seed (section 2.2), the whole sequence
+reward sits on the last valid response token.
 """
 from __future__ import annotations
 
