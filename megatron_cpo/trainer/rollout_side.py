@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ class RolloutSide:
                                on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
                                filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
             selection_from_config(config), self.sampling_params)
-        self.last_reward_metrics: dict[str, float] = {}
+        self.remote_counts: Counter = Counter()  # the remote reward model's numbers since they were last logged
 
     def sampling_params(self, seed: int | None, n: int | None = None, greedy: bool = False) -> SamplingParams:
         rollout = self.config.actor_rollout_ref.rollout
@@ -90,9 +91,10 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
 
-    def score_groups(self, items: list[tuple[Any, list[list[int]]]]
+    def score_groups(self, items: list[tuple[Any, list[list[int]]]], remote_counts: Counter | None = None
                      ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        """Decode and grade every response of the given groups in one call to the grading pool."""
+        """Decode and grade every response of the given groups in one call to the grading pool; the remote reward
+        model's numbers are added to `remote_counts` (default: the training step's, see `remote_reward_metrics`)."""
         texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
         flat_records = [record for (record, responses) in items for _ in responses]
         prompts = None
@@ -102,12 +104,27 @@ class RolloutSide:
         result = self.rewards.score([r.data_source for r in flat_records], [t for ts in texts for t in ts],
                                     [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records],
                                     prompts)
+        if "reward/remote/failed" in result.metrics:
+            counts = self.remote_counts if remote_counts is None else remote_counts
+            counts.update({"samples": len(flat_records), "failed": result.metrics["reward/remote/failed"],
+                           "seconds": result.metrics["reward/remote/seconds"],
+                           "score_sum": result.metrics["reward/remote/score_mean"] * len(flat_records)})
         out, start = [], 0
         for group_texts in texts:
             stop = start + len(group_texts)
             out.append((result.scores[start:stop], result.acc[start:stop].float(), group_texts))
             start = stop
         return out
+
+    def remote_reward_metrics(self, counts: Counter | None = None, prefix: str = "reward/remote") -> dict[str, float]:
+        """`reward/remote/{score_mean,failed,seconds}` since the last call (empty without `reward.remote`)."""
+        counts = self.remote_counts if counts is None else counts
+        if not counts["samples"]:
+            return {}
+        metrics = {f"{prefix}/score_mean": counts["score_sum"] / counts["samples"],
+                   f"{prefix}/failed": float(counts["failed"]), f"{prefix}/seconds": float(counts["seconds"])}
+        counts.clear()
+        return metrics
 
     def hint_contexts(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
@@ -148,8 +165,9 @@ class RolloutSide:
             self.manager.submit(f"val-{index}", record.prompt_ids, self.validation_params(index))
         finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
         items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
-        scored = self.score_groups(items)
-        metrics = {"val/count": float(len(records))}
+        val_counts: Counter = Counter()
+        scored = self.score_groups(items, val_counts)
+        metrics = {"val/count": float(len(records)), **self.remote_reward_metrics(val_counts, "val/remote")}
         sources = [record.data_source for record, _ in items]
         for source in [None, *sorted(set(sources))]:
             chosen = [i for i, s in enumerate(sources) if source is None or s == source]

@@ -5,6 +5,7 @@ import selectors
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,25 +54,17 @@ def tokenizer():
 
 
 def grade(tokenizer, overrides, answers=("4", "5")):
-    """Grade one group of responses to "2+2?" (gold 4) through the trainer's path; returns (scores, acc, metrics)."""
+    """Grade one group of responses to "2+2?" (gold 4) through the trainer's path; returns (scores, acc, the
+    remote metrics the step logs)."""
     config = build_config({}, ["reward.num_workers=1", *overrides])
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
     record = PromptRecord(uid="0-0", index=0, messages=[{"role": "user", "content": "2+2?"}], prompt_ids=prompt_ids,
                           data_source=ARITH_DATA_SOURCE, ground_truth="4")
     responses = [tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) for answer in answers]
     with build_reward_manager(config) as rewards:
-        side = SimpleNamespace(rewards=rewards, tokenizer=tokenizer)
-        seen = {}
-        original = rewards.score
-
-        def recording(*arguments):
-            result = original(*arguments)
-            seen["metrics"] = result.metrics
-            return result
-
-        rewards.score = recording
+        side = SimpleNamespace(rewards=rewards, tokenizer=tokenizer, remote_counts=Counter())
         [(scores, acc, _)] = RolloutSide.score_groups(side, [(record, responses)])
-    return scores, acc, seen["metrics"]
+    return scores, acc, RolloutSide.remote_reward_metrics(side)
 
 
 def test_remote_scores_replace_or_add_to_the_rule_scores(verifiable_server, tokenizer):
@@ -83,7 +76,7 @@ def test_remote_scores_replace_or_add_to_the_rule_scores(verifiable_server, toke
     scores, acc, _ = grade(tokenizer, [*remote, "reward.remote.combine=add"])
     assert scores.tolist() == [2.0, -2.0] and acc.tolist() == [1.0, 0.0]
     scores, _, metrics = grade(tokenizer, [])
-    assert scores.tolist() == [1.0, -1.0] and not any(key.startswith("reward/remote") for key in metrics)
+    assert scores.tolist() == [1.0, -1.0] and metrics == {}
 
 
 def test_the_model_reads_the_prompt_the_policy_saw(tokenizer):
