@@ -39,6 +39,7 @@ def start_server(*arguments):
 def stop_server(process):
     process.terminate()
     process.wait(timeout=30)
+    process.stdout.close()
 
 
 @pytest.fixture(scope="module")
