@@ -18,6 +18,7 @@ from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.kl import known_kl_kinds
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
+from megatron_cpo.rewards.remote import RemoteRewardConfig
 from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 
@@ -41,6 +42,7 @@ class DataConfig:
     (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
     `gen_batch_size` (verl's DAPO): prompts per generation batch, the unit `algorithm.filter_groups.max_num_gen_batches`
     counts in (0: `train_batch_size`).
+    `val_max_samples` (verl): validate on the first this many rows of `val_files` (-1: all of them).
     """
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
@@ -63,6 +65,8 @@ class DataConfig:
                f"data.gen_batch_size={self.gen_batch_size} is below data.train_batch_size={self.train_batch_size}; "
                "raise it (verl's DAPO uses 3 x train_batch_size) or set 0")
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        _check(self.val_max_samples == -1 or self.val_max_samples >= 1, f"data.val_max_samples="
+               f"{self.val_max_samples} must be >= 1, or -1 to validate on every row of data.val_files")
         try:
             check_hint_keys(self.hint_key)
         except ValueError as error:
@@ -466,6 +470,7 @@ class RewardConfig:
     `custom_reward_function.name` at the top level, is accepted too (one or the other).
     `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
     trainer (data check) and in every grading worker.
+    `remote` (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
@@ -474,6 +479,7 @@ class RewardConfig:
     custom_graders: dict[str, str] = field(default_factory=dict)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
