@@ -1,9 +1,9 @@
 """The rollout controller's view of the engines: submit prompts, stream finished groups, survive engine deaths.
 
-Lives on trainer rank 0. It joins (or starts) a Ray cluster, spawns `num_engines` vLLM engine actors, sends each
-prompt to the least-loaded live engine and yields groups in the order they finish. When an engine dies, the
-prompts it held are sent again to the others, so every submitted prompt comes back exactly once; when no engine
-is left, `RolloutEnginesLostError` names the prompts that could not be served.
+Lives on trainer rank 0. It joins or starts a Ray cluster (`ray_cluster.connect_ray`), spawns `num_engines` vLLM
+engine actors, sends each prompt to the least-loaded live engine and yields groups in the order they finish. When an
+engine dies, the prompts it held are sent again to the others, so every submitted prompt comes back exactly once;
+when no engine is left, `RolloutEnginesLostError` names the prompts that could not be served.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_cpo.rollout.engine import VLLMEngine
+from megatron_cpo.rollout.ray_cluster import connect_ray
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
@@ -30,27 +31,6 @@ class _Request:
     engine_index: int
 
 
-def _connect_ray(config: RolloutConfig) -> bool:
-    """Join or start Ray as configured; returns True when this process started it (and must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    common = dict(namespace=config.ray_namespace, log_to_driver=False, include_dashboard=False)
-    if config.ray_address == "local":
-        ray.init(address="local", **common)
-        return True
-    if config.ray_address == "auto":
-        try:
-            ray.init(address="auto", **common)
-            return True
-        except ConnectionError:
-            ray.init(address="local", **common)
-            return True
-    ray.init(address=config.ray_address, **common)
-    return True
-
-
 class RolloutManager:
     """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
 
@@ -58,7 +38,7 @@ class RolloutManager:
         import ray
 
         self.config = config
-        self._owns_ray = _connect_ray(config)
+        self._owns_ray = connect_ray(config.ray_address, config.ray_namespace)
         self._name_prefix = f"rollout-engine-{uuid.uuid4().hex[:8]}"
         self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.num_engines))
         self.engines: list = []

@@ -12,7 +12,8 @@ import logging
 
 import yaml
 
-from megatron_cpo.config import config_to_dict, resolve_config
+from megatron_cpo.config import config_to_dict, load_config, resolve_config
+from megatron_cpo.console import run_log_path, setup_logging
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,11 +45,13 @@ def run_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
-    from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.preflight import preflight
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, args.overrides)
-    final = run_training(config)
+    preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
+    log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
+    logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
+    from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
+    final = run_training(config, checked=True)
     if final:
         print(json.dumps({k: v for k, v in final.items() if k.startswith("val/")}, sort_keys=True), flush=True)

@@ -102,15 +102,17 @@ def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
             "with trainer.early_stop.enable=false")
 
 
-def run_training(config: Config, manager: Any = None) -> dict[str, float]:
+def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
     """
     from megatron_cpo.trainer.preflight import preflight
 
-    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
+    if not checked:
+        preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
@@ -120,10 +122,18 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                               seed=config.trainer.seed)
     is_rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    started = time.perf_counter()
+    if is_rank0:
+        _announce_engines(config, manager is not None)
     side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
+    if is_rank0:
+        logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
     total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
     actor_cfg = config.actor_rollout_ref.actor
     updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
+    if is_rank0:
+        logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
+                    megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
     actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
     out_dir = Path(config.trainer.default_local_dir)
     monitor = _early_stop_monitor(config, is_rank0)
@@ -145,6 +155,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             return last
         push_weights(actor.model, side)
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
+            logger.info("validating before training (greedy, held-out prompts); then %d steps", total_steps)
             last = side.validate()
             metric_logger.log(last, 0)
         step = start_step
@@ -182,6 +193,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             if is_rank0:
                 metrics.update(collected.metrics)
                 metrics.update(_batch_reward_metrics(collected.groups))
+                metrics.update(side.remote_reward_metrics())
                 seconds = time.perf_counter() - step_start
                 metrics.update({"timing/step_s": seconds,
                                 "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
@@ -220,6 +232,16 @@ def nothing_to_train_message(config: Config) -> str:
             f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
             "because the ground truths are empty or the task is too easy/hard); check the data's "
             "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
+
+
+def _announce_engines(config: Config, given: bool) -> None:
+    """Say what the slow part of start-up is doing (data, engines) before it happens."""
+    rollout = config.actor_rollout_ref.rollout
+    if given:
+        logger.info("loading data; using the rollout engines passed in")
+    else:
+        logger.info("loading data and starting %d vLLM engine(s) for %s (tens of seconds)",
+                    rollout.num_engines, config.actor_rollout_ref.model.path)
 
 
 def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:
