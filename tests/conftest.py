@@ -1,6 +1,20 @@
-"""Suite-wide settings: CPU runs use the Triton interpreter and keep thread counts small (CI has 2 cores)."""
-import os
+"""Suite-wide settings and fixtures.
 
+CPU runs use the Triton interpreter and keep thread counts small (CI has 2 cores). Tests are marked `engine`,
+`multiprocess` and `slow` (registered in pytest.ini; `pytest -m "not slow"` is the quick loop): a module or test can
+mark itself, and `pytest_collection_modifyitems` below marks what it can tell from the test itself, so that new tests
+are marked without anyone remembering to:
+- `engine`: the test or one of the fixtures it uses (at any depth) builds a `RolloutManager` or calls `run_training`
+  (so every user of the `manager` and `rollout_manager` fixtures is one).
+- `multiprocess`: the test or one of its fixtures calls `tests.multiprocess.run_processes`.
+- `slow`: every `engine` and `multiprocess` test, and every test using a fixture of SLOW_FIXTURES.
+Only the code of the test and fixture functions (and of functions nested in them) is read, not of module helpers
+they call: a test that starts engines or ranks through a helper, or a subprocess, marks itself.
+"""
+import os
+from pathlib import Path
+
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -9,3 +23,57 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Names whose use in the code of a test or of any fixture it uses marks it (fixtures are matched by what they call,
+# not by their names: tests/rewards has a `manager` fixture too, a RewardManager).
+MULTIPROCESS_NAMES = frozenset({"run_processes"})
+ENGINE_NAMES = frozenset({"RolloutManager", "run_training"})
+# Fixtures that make any test using them slow: a private Ray cluster takes seconds to start.
+SLOW_FIXTURES = frozenset({"ray_cluster"})
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The suite's tiny model: random qwen2 weights (seed 0, float32), its character tokenizer and generation config,
+    written once per session (megatron_cpo.models.tiny.write_tiny_model). Tests only read it; a test that needs a
+    different model (another family, dtype or shape) writes its own. examples/tiny/model is a different model (the
+    warm-started one the quickstart trains) and stays the quickstart's."""
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-qwen2", family="qwen2", seed=0)
+
+
+def _code_names(code) -> set[str]:
+    """Global and attribute names a code object (and the functions nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def _names_used(item: pytest.Item) -> set[str]:
+    """Names referred to by the test function and by the functions of every fixture it uses."""
+    functions = [getattr(item, "function", None)]
+    fixture_info = getattr(item, "_fixtureinfo", None)
+    if fixture_info is not None:
+        functions += [definition.func for definitions in fixture_info.name2fixturedefs.values()
+                      for definition in definitions]
+    names: set[str] = set()
+    for function in functions:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            names |= _code_names(code)
+    return names
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = _names_used(item)
+        if ENGINE_NAMES & used:
+            item.add_marker(pytest.mark.engine)
+        if MULTIPROCESS_NAMES & used:
+            item.add_marker(pytest.mark.multiprocess)
+        if (item.get_closest_marker("engine") or item.get_closest_marker("multiprocess")
+                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)

@@ -9,8 +9,9 @@ Every rank contributes its rank to an all-reduce (the sum must be world*(world-1
 all-gather; rank 0 then connects to Ray at RAY_ADDRESS (when set), counts the alive nodes and their GPUs, and writes
 the findings as JSON. Uses NCCL on GPUs and gloo otherwise, like the trainer.
 
-`--wait-for-signal S` then keeps every rank up for S seconds; a rank that receives SIGTERM (what the SLURM launcher
-forwards on preemption) records `<out>.rank<R>.sigterm` and exits, which shows the signal reaches every rank.
+`--wait-for-signal S` then keeps every rank up for S seconds; a rank records `<out>.rank<R>.waiting` once it handles
+SIGTERM, and a rank that receives SIGTERM (what the SLURM launcher forwards on preemption) records
+`<out>.rank<R>.sigterm` and exits, which shows the signal reaches every rank.
 """
 from __future__ import annotations
 
@@ -77,13 +78,16 @@ def main() -> None:
 
 
 def wait_for_sigterm(rank: int, seconds: float, out: str | None) -> None:
-    """Sleep up to `seconds`; on SIGTERM write `<out>.rank<R>.sigterm` and exit with status 0."""
+    """Sleep up to `seconds`; on SIGTERM write `<out>.rank<R>.sigterm` and exit with status 0. `<out>.rank<R>.waiting`
+    says the handler is in place (so a signal sent from then on is recorded)."""
     def record(signum: int, _frame) -> None:
         if out:
             Path(f"{out}.rank{rank}.sigterm").write_text(str(signum))
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, record)
+    if out:
+        Path(f"{out}.rank{rank}.waiting").touch()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(0.2)

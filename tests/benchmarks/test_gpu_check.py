@@ -43,6 +43,7 @@ def _run_script(*args: str, env: dict) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHON": sys.executable, **env}, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script would run the real check")
 def test_without_a_gpu_the_script_says_so_in_one_line_and_exits_2(tmp_path):
     proc = _run_script("--out", str(tmp_path / "out"), env={"GPU_CHECK_WHEELS": str(tmp_path / "none")})
@@ -51,6 +52,7 @@ def test_without_a_gpu_the_script_says_so_in_one_line_and_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.multiprocess
 def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     wheel_dir = tmp_path / "wheels"
     _probe_wheel(wheel_dir)

@@ -1,19 +1,15 @@
-"""Fixtures for the data tests: the real tiny tokenizer and real parquet files of the synthetic task."""
+"""Fixtures for the data tests: the real tiny tokenizer and real parquet files of the synthetic task (the tiny model
+itself is the suite's `tiny_model_dir`, tests/conftest.py)."""
 from pathlib import Path
 
 import pytest
 
 from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
-from megatron_cpo.models.tiny import write_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), family="qwen2", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
+    """The tokenizer of the suite's tiny model (tests/conftest.py)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)

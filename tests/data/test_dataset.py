@@ -95,8 +95,11 @@ def test_overlong_prompt_policies(tmp_path, tokenizer):
         DatasetConfig(files=[path], truncation="middle")
 
 
-def test_unknown_data_source_stops_the_load_with_the_fix(tmp_path, tokenizer):
+def test_unknown_data_source_stops_the_load_with_the_fix(tmp_path, tokenizer, monkeypatch):
+    from megatron_cpo.rewards import registry
     from megatron_cpo.rewards.registry import register_grader
+
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # the graders registered here are undone
 
     rows = [_row(), _row(data_source="my/private-set"), _row(data_source="my/private-set"), _row(data_source="x.y")]
     path = _write(tmp_path, rows, "unknown.parquet")

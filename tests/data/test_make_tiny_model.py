@@ -40,6 +40,7 @@ def test_supervised_batch_trains_only_on_solution_and_end_of_turn(tool, tokenize
         assert tokenizer.decode(ids[i][mask[i].bool()].tolist()) == prompt + row["extra_info"]["solution"] + "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_warm_start_is_deterministic_and_a_prefix_of_a_longer_run(tool, tokenizer, rows, tiny_model_dir):
     config = tool.WarmStartConfig(steps=2, batch_size=4, warmup_steps=1, log_every=0)
     first, second, longer = (_fresh_model(tiny_model_dir) for _ in range(3))

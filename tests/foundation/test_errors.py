@@ -82,6 +82,7 @@ def earlier_output(tmp_path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_tool_refuses_to_overwrite_without_force(tmp_path, earlier_output):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "tools" / "convert_hf_to_mcore.py"), "--hf", str(tmp_path),

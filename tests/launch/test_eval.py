@@ -38,6 +38,7 @@ def test_summarize_by_source_groups_prompts():
     assert report["all"]["mean@2"] == pytest.approx(0.5) and report["all"]["pass@2"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.engine
 def test_eval_command_on_tiny_model_with_real_vllm(tmp_path):
     from megatron_cpo.data.synthetic import ArithConfig, generate_arith, write_parquet
     from megatron_cpo.models.tiny import write_tiny_model

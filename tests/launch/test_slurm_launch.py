@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conditions import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 EMULATION = Path(__file__).parent / "slurm_emulation"
 SCRIPTS = sorted((ROOT / "examples" / "slurm").glob("*")) + sorted((ROOT / "examples" / "torchrun").glob("*.sh"))
@@ -109,6 +111,8 @@ TRAINING_OVERRIDES = [  # the tiny model, 2 prompts x 2 samples, TP=2 x DP=2 ove
 ]
 
 
+@pytest.mark.engine
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1200)  # generous: on a shared, overloaded 2-core machine this test took up to 9 minutes
 def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(tmp_path):
     """launch.sh with SLURM's variables for 2 nodes on loopback, the real trainer (examples/tiny) as the job.
@@ -201,6 +205,7 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     assert not remaining, f"processes outlived the job: {remaining}"
 
 
+@pytest.mark.multiprocess
 def test_multinode_torchrun_script_on_two_loopback_nodes(tmp_path):
     """Two torchrun "nodes" on loopback run check_cluster.py; SIGTERM to torchrun on each node (how the script says
     to preempt) reaches all 4 ranks."""
@@ -216,7 +221,8 @@ def test_multinode_torchrun_script_on_two_loopback_nodes(tmp_path):
         while not out.exists() and all(node.poll() is None for node in nodes) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert out.exists(), [node.communicate(timeout=30)[0] for node in nodes if node.poll() is not None]
-        time.sleep(1)
+        wait_until(lambda: len(list(tmp_path.glob("cluster.json.rank*.waiting"))) == 4, 60,
+                   "all 4 ranks to install their SIGTERM handler")
         for node in nodes:  # the script execs torchrun, so this pid is torchrun's
             node.send_signal(signal.SIGTERM)
         outputs = [node.communicate(timeout=60)[0] for node in nodes]

@@ -1,5 +1,5 @@
 """Shared rollout fixtures: one private Ray cluster and one two-engine manager for the whole session (an engine
-takes tens of seconds to start on CPU, so tests share them), plus the tiny float32 model they serve."""
+takes tens of seconds to start on CPU, so tests share them), serving the suite's tiny float32 model (`tiny_model_dir`, tests/conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -16,13 +16,6 @@ def tiny_rollout_config(model_dir, **overrides):
                     cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
     settings.update(overrides)
     return RolloutConfig(**settings)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from megatron_cpo.models.tiny import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("rollout") / "tiny-qwen2", family="qwen2", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,19 @@
 """Engine failures with real Ray actors: a killed engine's prompts move to the survivor exactly once, losing every
 engine raises a clear error naming the prompts, and an engine that cannot start says why."""
 import json
-import time
 
 import pytest
 import ray
 
 from megatron_cpo.rollout import RolloutEngineStartError, RolloutEnginesLostError, RolloutManager, SamplingParams
 
+from tests.conditions import wait_until
 from tests.rollout.conftest import tiny_rollout_config
+
+
+def samples_in_generation(engine) -> int:
+    """How many requests the engine actor's vLLM engine holds unfinished now (asked inside the actor)."""
+    return ray.get(engine.__ray_call__.remote(lambda actor: actor.engine.get_num_unfinished_requests()), timeout=60)
 
 
 def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a_clear_error(ray_cluster,
@@ -20,7 +25,7 @@ def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a
             manager.submit(request_id, [1, 30 + i, 31 + i], params)
         on_killed_engine = {rid for rid, engine in manager.outstanding_requests().items() if engine == 0}
         assert manager.num_outstanding_per_engine() == [5, 5]
-        time.sleep(0.5)  # let generation start
+        wait_until(lambda: samples_in_generation(manager.engines[0]), 120, "engine 0 to start generating")
         ray.kill(manager.engines[0])
 
         groups = list(manager.completed(timeout=300))

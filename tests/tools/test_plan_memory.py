@@ -63,10 +63,8 @@ def measure_tiny_run(rank: int, world_size: int, model_dir: str) -> dict[str, in
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from megatron_cpo.models.tiny import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("plan") / "tiny", seed=0)
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir  # the suite's tiny model (tests/conftest.py)
 
 
 def test_memory_figure_matches_a_measured_cpu_run_of_the_tiny_model(tiny_dir):

@@ -7,10 +7,9 @@ from megatron_cpo.config import build_config
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from megatron_cpo.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("trainer_tiny_model"), seed=0))
+def tiny_model(tiny_model_dir) -> str:
+    """The suite's tiny model (tests/conftest.py), as the path string configs take."""
+    return str(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ turn to pay the process start-up once.
 import pytest
 import torch
 
-from megatron_cpo.models.tiny import write_tiny_model
 from tests.multiprocess import run_processes
 
 KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
@@ -55,8 +54,8 @@ def three_layouts(rank, world_size, model_dir):
     return results
 
 
-def test_data_tensor_and_pipeline_parallel_updates_agree(tmp_path):
-    model_dir = str(write_tiny_model(tmp_path / "tiny"))
+def test_data_tensor_and_pipeline_parallel_updates_agree(tiny_model_dir):
+    model_dir = str(tiny_model_dir)
     for results in run_processes(three_layouts, 2, model_dir):
         data_parallel = results[(1, 1)]
         assert data_parallel[1]["actor/kl_loss"] > 0 and data_parallel[0]["actor/grad_norm"] > 0

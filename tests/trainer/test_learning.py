@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_cpo.data.synthetic import write_arith_parquet
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.engine  # a whole training run in a subprocess
 
 
 def test_grpo_quickstart_raises_held_out_accuracy(tmp_path):

@@ -181,6 +181,7 @@ def test_dry_run_on_every_shipped_recipe(recipe, files, tmp_path, capsys, monkey
     assert "nothing was started" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh interpreter importing the trainer
 def test_tp3_fails_in_a_real_train_command_before_ray_starts(files, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
