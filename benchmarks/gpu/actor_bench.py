@@ -219,8 +219,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     from megatron_cpo.trainer.workers import build_policies
 
     batch = length_skewed_batch(shape, model["vocab_size"])
-    totals = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    max_response = max(len(r) for r in batch.response_ids)
+    totals = (batch.prompt_ids.lengths() + batch.response_ids.lengths()).tolist()
+    max_response = int(batch.response_ids.lengths().max())
     padded_length = max(totals)
     names = config_names()
     mode = next(m for m in MODES if m.name == mode_name)
