@@ -368,7 +368,9 @@ class TrainerConfig:
     """Run length, evaluation, checkpoints, logging.
 
     `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one;
-    `early_stop` ends the run when the reward variance collapses.
+    `early_stop` ends the run when the reward variance collapses. `resume="disable"` refuses a `default_local_dir`
+    that holds an earlier run unless `overwrite=true`, which first moves that run aside to
+    `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always checkpointed.
     """
     total_epochs: int = 1
     total_training_steps: int = 0
@@ -383,6 +385,7 @@ class TrainerConfig:
     log_completions: int = 0
     seed: int = 1
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         _check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 from megatron_cpo.rollout.buckets import BucketSpec
 from megatron_cpo.rollout.types import RolloutConfig, RolloutGroup, RolloutSample, SamplingParams
@@ -19,7 +20,11 @@ WORKER_EXTENSION = "megatron_cpo.rollout.worker_extension.WeightReloadExtension"
 class VLLMEngine:
     """Wrapped by `ray.remote` in the manager; constructing it starts the vLLM engine (tens of seconds)."""
 
-    def __init__(self, config: RolloutConfig, engine_index: int) -> None:
+    def __init__(self, config: RolloutConfig, engine_index: int, pid_file: str | None = None) -> None:
+        if pid_file is not None and os.path.isdir(os.path.dirname(pid_file)):  # the manager's host only
+            # first, so the manager can end what this actor starts even if the actor never finishes starting
+            with open(pid_file, "w") as file:
+                file.write(f"{socket.gethostname()} {os.getpid()}")
         if not config.uses_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -3,13 +3,24 @@
 Lives on trainer rank 0. It joins (or starts) a Ray cluster, spawns `num_engines` vLLM engine actors, sends each
 prompt to the least-loaded live engine and yields groups in the order they finish. When an engine dies, the
 prompts it held are sent again to the others, so every submitted prompt comes back exactly once; when no engine
-is left, `RolloutEnginesLostError` names the prompts that could not be served.
+is left, `RolloutEnginesLostError` names the prompts that could not be served. A death is logged once (a warning
+naming the engine) and `num_engines_alive()` counts the survivors; weight syncs skip dead engines.
+
+Each engine actor records its host and pid when it starts, so `shutdown()` can end the processes it started (vLLM's
+engine core, its workers) even when the actor is killed before it finished starting (SIGTERM during start-up).
 """
 from __future__ import annotations
 
 import atexit
+import logging
+import shutil
+import signal
+import socket
+import tempfile
+import threading
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -20,6 +31,8 @@ from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, 
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
                                               resolve_weight_transport)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +49,19 @@ def _connect_ray(config: RolloutConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    if threading.current_thread() is threading.main_thread():
+        # ray.init installs a SIGTERM handler that calls sys.exit; keep the caller's (the trainer's stop logic)
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            return _init_ray(config)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return _init_ray(config)
+
+
+def _init_ray(config: RolloutConfig) -> bool:
+    import ray
+
     common = dict(namespace=config.ray_namespace, log_to_driver=False, include_dashboard=False)
     if config.ray_address == "local":
         ray.init(address="local", **common)
@@ -63,6 +89,8 @@ class RolloutManager:
         self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.num_engines))
         self.engines: list = []
         self._alive: list[bool] = []
+        self._ready: list[bool] = []
+        self._pid_dir = Path(tempfile.mkdtemp(prefix="rollout-engine-pids-"))
         self._pending: dict = {}  # Ray ObjectRef -> _Request
         self._closed = False
         self.last_engine_failure: str | None = None
@@ -82,12 +110,15 @@ class RolloutManager:
         for index, name in enumerate(self.engine_names):
             self.engines.append(actor_cls.options(name=name, namespace=self.config.ray_namespace,
                                                   max_concurrency=10_000, runtime_env={"env_vars": env},
-                                                  **resources).remote(self.config, index))
+                                                  **resources).remote(self.config, index,
+                                                                      str(self._pid_dir / f"{index}.pid")))
         self._alive = [True] * len(self.engines)
+        self._ready = [False] * len(self.engines)
         readiness = [engine.ready.remote() for engine in self.engines]
         for index, ref in enumerate(readiness):
             try:
                 ray.get(ref, timeout=self.config.engine_start_timeout_s)
+                self._ready[index] = True
             except ray.exceptions.GetTimeoutError:
                 raise RolloutEngineStartError(
                     f"rollout engine {index} ({self.config.model_path}) did not start within "
@@ -156,6 +187,17 @@ class RolloutManager:
         """Whether each engine answers a health check within `health_timeout_s` (dead engines stay False)."""
         return [self._alive[i] and self._engine_is_healthy(i) for i in range(len(self.engines))]
 
+    def num_engines_alive(self) -> int:
+        """Engines not known to be dead (a death is noticed by a failed request, weight sync or `check_engines`)."""
+        return sum(self._alive)
+
+    def check_engines(self) -> int:
+        """Health-check every live engine, mark the ones that fail as dead (logged once); returns how many live."""
+        for index in self._live_indices():
+            if not self._engine_is_healthy(index):
+                self._mark_dead(index, RuntimeError("it failed its health check (its process died?)"))
+        return self.num_engines_alive()
+
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec:
         """What other trainer ranks need to push their own layers (see `weight_sync`). `transport` ("shm" or
@@ -177,13 +219,30 @@ class RolloutManager:
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        ray.get([self.engines[i].begin_weight_reload.remote() for i in self._live_indices()])
+        self._call_live_engines("begin_weight_reload")
 
     def finish_weight_sync(self) -> None:
         """Close the reload (layers that received no tensors keep their weights) and clear the prefix cache."""
+        self._call_live_engines("finish_weight_reload")
+
+    def _call_live_engines(self, method: str) -> None:
+        """Call `method` on every live engine; an engine that fails and is unhealthy is marked dead (an error of a
+        healthy engine is raised); `RolloutEnginesLostError` when none is left."""
         import ray
 
-        ray.get([self.engines[i].finish_weight_reload.remote() for i in self._live_indices()])
+        live = self._live_indices()
+        refs = [getattr(self.engines[i], method).remote() for i in live]
+        for index, ref in zip(live, refs):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                if self._engine_is_healthy(index):
+                    raise
+                self._mark_dead(index, err)
+        if not self._live_indices():
+            raise RolloutEnginesLostError(
+                f"all {len(self.engines)} rollout engines are dead (last failure: {self.last_engine_failure}); "
+                "weights cannot be synced. Create a new RolloutManager")
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
                      ) -> dict[str, float]:
@@ -208,15 +267,35 @@ class RolloutManager:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        children = self._engine_children()
         if ray.is_initialized():
             close_weight_groups(self.engine_names)
-            stops = [engine.shutdown.remote() for engine, alive in zip(self.engines, self._alive) if alive]
+            stops = [engine.shutdown.remote() for engine, alive, ready in zip(self.engines, self._alive, self._ready)
+                     if alive and ready]
             ray.wait(stops, num_returns=len(stops), timeout=self.config.health_timeout_s)
             for engine in self.engines:
                 ray.kill(engine)
             if self._owns_ray:
                 ray.shutdown()
         self._pending.clear()
+        _end_processes(children, self.config.health_timeout_s)
+        shutil.rmtree(self._pid_dir, ignore_errors=True)
+
+    def _engine_children(self) -> list:
+        """The processes the engine actors started on this host (vLLM's engine core and workers), found from the
+        pid each actor recorded when it started; taken before the actors are killed, which orphans them."""
+        import psutil
+
+        found = []
+        for pid_file in self._pid_dir.glob("*.pid"):
+            host, _, pid = pid_file.read_text().partition(" ")
+            if host != socket.gethostname():
+                continue
+            try:
+                found += psutil.Process(int(pid)).children(recursive=True)
+            except (psutil.Error, ValueError):
+                continue
+        return found
 
     def __enter__(self) -> "RolloutManager":
         return self
@@ -280,7 +359,28 @@ class RolloutManager:
     def _mark_dead(self, index: int, err: BaseException) -> None:
         if self._alive[index]:
             self._alive[index] = False
-            self.last_engine_failure = f"engine {index}: {_root_cause(err)}"
+            self.last_engine_failure = f"engine {index} ({self.engine_names[index]}): {_root_cause(err)}"
+            logger.warning("rollout engine %s died; %d of %d engines left (rollout/engines_alive)",
+                           self.last_engine_failure, self.num_engines_alive(), len(self.engines))
+
+
+def _end_processes(processes: list, grace_s: float) -> None:
+    """Terminate the given processes that are still running, then kill the ones that outlive `grace_s`."""
+    import psutil
+
+    alive = [p for p in processes if p.is_running()]
+    for process in alive:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, still = psutil.wait_procs(alive, timeout=grace_s)
+    for process in still:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(still, timeout=grace_s)
 
 
 def _root_cause(err: BaseException) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 from megatron_cpo.config import load_config
 
@@ -18,11 +19,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def run_train(args: argparse.Namespace) -> None:
-    """Load and validate the config (a bad value raises `ConfigError`), train, print the final val metrics."""
+    """Load and validate the config (a bad value raises `ConfigError`), train, print the final val metrics. A run
+    that stops early (`RunAbortedError`: engines lost, SIGTERM during start-up, no intact checkpoint) prints one
+    `error:` line and exits with its status."""
+    from megatron_cpo.trainer.errors import RunAbortedError
     from megatron_cpo.trainer.loop import run_training
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, args.overrides)
-    final = run_training(config)
+    try:
+        final = run_training(config)
+    except RunAbortedError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     if final:
         print(json.dumps({k: v for k, v in final.items() if k.startswith("val/")}, sort_keys=True), flush=True)
