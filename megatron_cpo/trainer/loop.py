@@ -5,7 +5,7 @@ One step (ARCHITECTURE.md, "One training step"):
 4-6. the batch is broadcast and every rank scores it (actor, hint, reference), shapes advantages and updates;
 7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM), and
      always after the last step.
-`val/acc` (greedy accuracy on the held-out set) is logged before the first step and after the last. With
+`val/acc` (greedy accuracy on the held-out set) is logged before the first step and with the last. With
 `trainer.early_stop.enable` the run also ends (checkpointed, reason logged) once the reward variance has collapsed.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
             last = _validate(side)
             metric_logger.log(last, 0)
-        step = start_step
+        step, exhausted = start_step, False
         while step < total_steps:
             step += 1
             step_start = time.perf_counter()
@@ -171,6 +171,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             if batch is None:
                 logger.info("no batch at step %d (data exhausted); ending the run", step)
                 step -= 1
+                exhausted = True
                 break
             metrics = train_on_batch(batch, actor, reference, config, tokenizer.pad_token_id)
             pushed, lost = _push_weights(actor.model, side)
@@ -193,8 +194,9 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                 metrics.update({"timing/step_s": seconds,
                                 "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                                 "train/epoch": float(side.stream.epoch)})
-                if (not lost and config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0
-                        and step < total_steps):
+                # the last step's row carries the final validation, so every step is one row of metrics.jsonl
+                if not lost and (step == total_steps or early_stopped or (
+                        config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
                     metrics.update(_validate(side))
                 metric_logger.log(metrics, step)
                 _log_completions(metric_logger, collected.groups, config.trainer.log_completions, step)
@@ -214,7 +216,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                     logger.warning("%s", _early_stop_reason(monitor, step))
                 break
         step_done = _broadcast(step)
-        if is_rank0:
+        if is_rank0 and exhausted and step_done > start_step:  # otherwise the last step's row has it
             final = _validate(side)
             if final:
                 metric_logger.log(final, step_done)
