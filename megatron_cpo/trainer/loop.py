@@ -140,6 +140,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
                                       config.trainer.experiment_name, config_to_dict(config), start_step)
                          if is_rank0 else None)
+        startup.check()
         startup.restore()
         stop = StopSignal()
         last: dict[str, float] = {}
@@ -224,6 +225,10 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         if step_done > 0 and checkpoints.saved_step != step_done:
             checkpoints.save(step_done)  # the last (or early-stopped) step, whatever save_freq is
         return last
+    except BaseException as err:
+        if startup.received and not isinstance(err, RunAbortedError):
+            raise startup.error() from err  # the signal's exception, as it surfaced (see StartupSignal)
+        raise
     finally:
         startup.restore()
         if stop is not None:

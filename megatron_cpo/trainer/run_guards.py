@@ -54,18 +54,32 @@ def prepare_run_directory(config: Config) -> Path | None:
 
 
 class StartupSignal:
-    """While installed, SIGTERM raises `RunAbortedError` (exit status 143) in the main thread. Ray's own handler
-    (installed by `ray.init`, it calls `sys.exit`) is kept out by the rollout manager, which restores ours."""
+    """While installed, SIGTERM interrupts the main thread; `run_training` turns whatever exception that surfaces as
+    (the handler's KeyboardInterrupt, or an error of the C extension it interrupted) into `error()`, a
+    `RunAbortedError` with exit status 143, after the normal unwinding stopped the engines. `check()` catches a
+    signal whose exception some library swallowed. Ray's own handler (installed by `ray.init`, it calls `sys.exit`)
+    is kept out by the rollout manager, which restores ours."""
 
     def __init__(self) -> None:
+        self.received = False
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.received:  # once: a second signal must not interrupt the clean-up the first one started
+            self.received = True
+            # a KeyboardInterrupt, because that is what Ray's blocking calls expect from a signal handler and pass on
+            raise KeyboardInterrupt("SIGTERM during start-up")
+
     @staticmethod
-    def _handle(signum: int, frame: Any) -> None:
-        raise RunAbortedError("stopped by SIGTERM during start-up, before the first step; nothing was trained or "
-                              "written (start the run again to train)", exit_code=SIGTERM_EXIT_CODE)
+    def error() -> RunAbortedError:
+        return RunAbortedError("stopped by SIGTERM during start-up, before the first step; nothing was trained or "
+                               "written (start the run again to train)", exit_code=SIGTERM_EXIT_CODE)
+
+    def check(self) -> None:
+        if self.received:
+            raise self.error()
 
     def restore(self) -> None:
         if self._previous is not None:

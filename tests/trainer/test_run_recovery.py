@@ -97,14 +97,14 @@ class TrainProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the run exited (rc {self.proc.returncode}) before {what}:\n"
                                      f"{self.stderr.read_text()[-3000:]}")
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.stderr.read_text()[-3000:]}"
             time.sleep(0.1)
 
     def wait_exit(self, timeout: float = 300.0) -> int:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None:
             self.descendants()
-            assert time.monotonic() < deadline, "the run did not exit"
+            assert time.monotonic() < deadline, f"the run did not exit:\n{self.stderr.read_text()[-3000:]}"
             time.sleep(0.1)
         return self.proc.returncode
 
@@ -250,5 +250,5 @@ def test_sigterm_during_engine_start_exits_cleanly(small_run_overrides, tmp_path
     assert returncode == 143, stderr[-3000:]
     [error] = error_lines(stderr)
     assert "SIGTERM during start-up" in error
-    assert stray == []
+    assert stray == [], stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
