@@ -234,8 +234,8 @@ class RolloutManager:
         refs = [getattr(self.engines[i], method).remote() for i in live]
         for index, ref in zip(live, refs):
             try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
+                ray.get(ref, timeout=self.config.weight_sync_timeout_s)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
                 if self._engine_is_healthy(index):
                     raise
                 self._mark_dead(index, err)
@@ -359,9 +359,10 @@ class RolloutManager:
     def _mark_dead(self, index: int, err: BaseException) -> None:
         if self._alive[index]:
             self._alive[index] = False
-            self.last_engine_failure = f"engine {index} ({self.engine_names[index]}): {_root_cause(err)}"
-            logger.warning("rollout engine %s died; %d of %d engines left (rollout/engines_alive)",
-                           self.last_engine_failure, self.num_engines_alive(), len(self.engines))
+            cause = _root_cause(err)
+            self.last_engine_failure = f"engine {index} ({self.engine_names[index]}): {cause}"
+            logger.warning("rollout engine %d (%s) died; %d of %d engines left (rollout/engines_alive): %s", index,
+                           self.engine_names[index], self.num_engines_alive(), len(self.engines), cause)
 
 
 def _end_processes(processes: list, grace_s: float) -> None:

@@ -198,11 +198,15 @@ class CheckpointManager:
         return state
 
     def _restore(self, state: dict, step: int) -> None:
+        directory = self.root / step_dir_name(step)
+        if state["world_size"] != dist.get_world_size():  # a checkpoint written before manifests existed
+            raise CheckpointError(f"checkpoint {directory} was written by {state['world_size']} ranks, this run has "
+                                  f"{dist.get_world_size()}; resume with the same layout or set "
+                                  "trainer.resume=disable with a new trainer.default_local_dir")
         self.actor.model.load_state_dict(state["model"])
         load_optimizer_state(self.actor.optimizer, state["optimizer"])
         self.actor.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        directory = self.root / step_dir_name(step)
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
         saved_controls = state.get("controls", {})

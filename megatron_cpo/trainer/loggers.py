@@ -84,7 +84,8 @@ class JsonlSink:
         self.path = path
         dropped = truncate_jsonl(path, resume_step)
         if dropped:
-            logger.info("%s: dropped %d rows logged after step %d by an earlier attempt", path, dropped, resume_step)
+            logger.warning("%s: dropped %d rows an earlier attempt logged after step %d (the step this run starts "
+                           "from)", path, dropped, resume_step)
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -276,6 +276,8 @@ def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | 
     from megatron_cpo.rollout import RolloutEnginesLostError
     from megatron_cpo.trainer.rollout_side import push_weights
 
+    import ray
+
     lost = None
     if side is not None and side.manager.check_engines() == 0:
         lost = side.manager.last_engine_failure or "no engine answers"
@@ -283,10 +285,12 @@ def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | 
         return {}, lost
     try:
         return push_weights(actor_model, side), None
-    except RolloutEnginesLostError as err:
+    except (RolloutEnginesLostError, ray.exceptions.RayError) as err:
         if dist.get_world_size() > 1:
             raise  # the other ranks are inside the transfer; no clean way back from here
-        return {}, str(err)
+        # an engine died during the transfer: the survivors hold a partial update, so the run stops here too
+        side.manager.check_engines()
+        return {}, side.manager.last_engine_failure or str(err).splitlines()[0]
 
 
 def _push_weights_or_abort(actor_model: Any, side: Any, checkpoints: CheckpointManager, step: int) -> None:
@@ -302,8 +306,8 @@ def _abort_engines_lost(side: Any, checkpoints: CheckpointManager, step: int) ->
         if checkpoints.saved_step != step:
             saved = checkpoints.save(step)
     failure = side.manager.last_engine_failure if side is not None else None
-    num_engines = len(side.manager.engines) if side is not None else 0
-    raise RunAbortedError(engines_lost_message(failure, num_engines, step, saved))
+    engines = (side.manager.num_engines_alive(), len(side.manager.engines)) if side is not None else (0, 0)
+    raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
 
 
 def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:

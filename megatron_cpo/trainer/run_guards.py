@@ -87,11 +87,14 @@ class StartupSignal:
             self._previous = None
 
 
-def engines_lost_message(failure: str | None, num_engines: int, step: int, checkpoint: Path | None) -> str:
-    """One line: which engine died, what was kept, how to go on."""
+def engines_lost_message(failure: str | None, engines: tuple[int, int], step: int, checkpoint: Path | None) -> str:
+    """One line: which engine died, what was kept, how to go on. `engines`: (alive, started)."""
+    alive, started = engines
+    state = ("no rollout engine is left" if alive == 0 else
+             f"a rollout engine died during the weight sync ({alive} of {started} left hold a partial update)")
     kept = (f"the {step} trained steps are in checkpoint {checkpoint}" if checkpoint is not None
             else "no step had been trained, nothing was written")
-    return (f"no rollout engine is left ({num_engines} started; last failure: {failure or 'unknown'}), so step "
-            f"{step + 1} cannot be generated; {kept}. Find the cause in that engine's log (often out of memory: "
-            "lower actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
+    return (f"{state} ({started} started; last failure: {failure or 'unknown'}), so step {step + 1} cannot be "
+            f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
+            "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
             "actor_rollout_ref.rollout.num_engines), then continue with trainer.resume=auto")

@@ -63,14 +63,29 @@ class TrainProcess:
     """`python -m megatron_cpo.trainer` in a session of its own; remembers every process it started (Ray's and the
     engines' included), so the test can check that none outlives it and clean up after a failure."""
 
-    def __init__(self, overrides: list[str], log_dir: Path) -> None:
+    def __init__(self, overrides: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
         self.stdout, self.stderr = log_dir / "stdout.log", log_dir / "stderr.log"
         with self.stdout.open("w") as out, self.stderr.open("w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "megatron_cpo.trainer", "--config", str(EXAMPLE),
                                           *overrides], cwd=REPO, stdout=out, stderr=err, start_new_session=True,
-                                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                                         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
         self.seen: dict[int, psutil.Process] = {}
+
+    @classmethod
+    def pausing(cls, overrides: list[str], log_dir: Path, run_dir: Path, after_step: int) -> "TrainProcess":
+        """A run whose grader waits for `resume_rollout()` during the rollout of step `after_step` + 1
+        (tests/trainer/graders.py: even_first_character_pausing)."""
+        grader = "reward.custom_reward_function=tests.trainer.graders:even_first_character_pausing"
+        return cls([*overrides, grader, "reward.timeout_s=150"], log_dir,
+                   {"PAUSE_DIR": str(log_dir), "PAUSE_RUN_DIR": str(run_dir), "PAUSE_AFTER_STEP": str(after_step)})
+
+    def wait_until_paused(self) -> None:
+        self.wait_for((self.log_dir / "paused").exists, "the rollout's pause")
+
+    def resume_rollout(self) -> None:
+        (self.log_dir / "go").touch()
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -128,23 +143,28 @@ class TrainProcess:
 
 def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides, rollout_manager, tmp_path):
     """Three attempts at one 5-step run (save_freq=2), as the issue's repros:
-    1. two engines: one engine's worker is killed after step 1 (the run goes on with one: logged once, counted in
-       rollout/engines_alive), then the whole job is killed with -9 after step 3 (the checkpoint is step 2's);
-    2. resume=auto with one engine: step 3 is redone (its first row is dropped), then the engine's worker is killed:
-       the run checkpoints step 3 and exits with one line naming the engine and the fix, leaving no process behind;
-    3. resume=auto on the session's engine: steps 4 and 5, the last one checkpointed although 2 does not divide 5.
+    1. two engines: one engine's worker is killed during step 2's rollout (the run goes on with the other: logged
+       once, counted in rollout/engines_alive), then the whole job is killed with -9 after step 3 (the checkpoint
+       is step 2's);
+    2. resume=auto with one engine: step 3 is redone (its first row is dropped), then the engine's worker is killed
+       during step 4's rollout: the run checkpoints what it trained (step 3, or 4 when the death is noticed only at
+       the weight sync after step 4's update) and exits with one line naming the engine and the fix, leaving no
+       process behind;
+    3. resume=auto on the session's engine: to step 5, which is checkpointed although 2 does not divide 5.
     metrics.jsonl then reads every step once."""
     run_dir = tmp_path / "run"
     run = [*small_run_overrides, "trainer.total_training_steps=5", "trainer.save_freq=2",
            "trainer.val_before_train=true"]
     subprocess_run = [*run, "actor_rollout_ref.rollout.ray_address=local"]
 
-    first = TrainProcess([*subprocess_run, "actor_rollout_ref.rollout.num_engines=2"], tmp_path / "first")
+    first = TrainProcess.pausing([*subprocess_run, "actor_rollout_ref.rollout.num_engines=2"], tmp_path / "first",
+                                 run_dir, after_step=1)
     try:
-        first.wait_for(lambda: 1 in logged_steps(run_dir), "step 1")
+        first.wait_until_paused()
         workers = first.engine_workers()
         assert len(workers) == 2, workers
         workers[0].kill()
+        first.resume_rollout()
         first.wait_for(lambda: 3 in logged_steps(run_dir), "step 3")
     finally:
         first.kill_all()
@@ -152,24 +172,28 @@ def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides
     assert [rows(run_dir)[step]["rollout/engines_alive"] for step in (1, 2, 3)] == [2.0, 1.0, 1.0]
     assert first.stderr.read_text().count("died; 1 of 2 engines left") == 1
     assert latest(run_dir) == "step_000002"
-    killed_row_3 = rows(run_dir)[3]
 
-    second = TrainProcess([*subprocess_run, "trainer.resume=auto"], tmp_path / "second")
+    second = TrainProcess.pausing([*subprocess_run, "trainer.resume=auto"], tmp_path / "second", run_dir,
+                                  after_step=3)
     try:
-        second.wait_for(lambda: 3 in logged_steps(run_dir) and rows(run_dir)[3] != killed_row_3, "step 3 again")
+        second.wait_until_paused()
+        assert logged_steps(run_dir) == [0, 1, 2, 3]  # step 3's row of the killed attempt was dropped and redone
         workers = second.engine_workers()
         assert len(workers) == 1, workers
         workers[0].kill()
+        second.resume_rollout()
         returncode = second.wait_exit()
         stray = second.still_running(grace_s=30)
     finally:
         second.kill_all()
     stderr = second.stderr.read_text()
     assert returncode == 1, stderr[-3000:]
+    trained = max(logged_steps(run_dir))
+    assert trained in (3, 4) and logged_steps(run_dir) == list(range(trained + 1))
+    assert latest(run_dir) == f"step_{trained:06d}"
     [error] = error_lines(stderr)
-    assert "engine 0" in error and "step_000003" in error and "trainer.resume=auto" in error, error
-    assert stray == []
-    assert logged_steps(run_dir) == [0, 1, 2, 3] and latest(run_dir) == "step_000003"
+    assert "engine 0" in error and f"step_{trained:06d}" in error and "trainer.resume=auto" in error, error
+    assert stray == [], stderr[-3000:]
 
     run_training(load_config(EXAMPLE, [*run, "trainer.resume=auto"]), rollout_manager)
     assert logged_steps(run_dir) == [0, 1, 2, 3, 4, 5]
@@ -177,7 +201,7 @@ def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides
     assert latest(run_dir) == "step_000005"
     assert (run_dir / "checkpoints" / "step_000005" / "huggingface" / "config.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "latest", "step_000002", "step_000003", "step_000004", "step_000005"]
+        "latest", *sorted({"step_000002", f"step_{trained:06d}", "step_000004", "step_000005"})]
 
 
 def test_damaged_checkpoints_fall_back_or_stop_naming_the_file_and_runs_never_mix(make_config, rollout_manager,
