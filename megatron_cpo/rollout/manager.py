@@ -15,7 +15,6 @@ import atexit
 import logging
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_cpo.rollout.engine import VLLMEngine
+from megatron_cpo.rollout.processes import end_processes, engine_processes
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
@@ -194,8 +194,9 @@ class RolloutManager:
     def check_engines(self) -> int:
         """Health-check every live engine, mark the ones that fail as dead (logged once); returns how many live."""
         for index in self._live_indices():
-            if not self._engine_is_healthy(index):
-                self._mark_dead(index, RuntimeError("it failed its health check (its process died?)"))
+            problem = self._health_problem(index)
+            if problem is not None:
+                self._mark_dead(index, RuntimeError(f"failed its health check: {problem}"))
         return self.num_engines_alive()
 
     # --- weights --------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class RolloutManager:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        children = self._engine_children()
+        children = engine_processes(self._pid_dir)
         if ray.is_initialized():
             close_weight_groups(self.engine_names)
             stops = [engine.shutdown.remote() for engine, alive, ready in zip(self.engines, self._alive, self._ready)
@@ -278,24 +279,8 @@ class RolloutManager:
             if self._owns_ray:
                 ray.shutdown()
         self._pending.clear()
-        _end_processes(children, self.config.health_timeout_s)
+        end_processes(children, self.config.health_timeout_s)
         shutil.rmtree(self._pid_dir, ignore_errors=True)
-
-    def _engine_children(self) -> list:
-        """The processes the engine actors started on this host (vLLM's engine core and workers), found from the
-        pid each actor recorded when it started; taken before the actors are killed, which orphans them."""
-        import psutil
-
-        found = []
-        for pid_file in self._pid_dir.glob("*.pid"):
-            host, _, pid = pid_file.read_text().partition(" ")
-            if host != socket.gethostname():
-                continue
-            try:
-                found += psutil.Process(int(pid)).children(recursive=True)
-            except (psutil.Error, ValueError):
-                continue
-        return found
 
     def __enter__(self) -> "RolloutManager":
         return self
@@ -349,12 +334,19 @@ class RolloutManager:
             return None
 
     def _engine_is_healthy(self, index: int) -> bool:
+        return self._health_problem(index) is None
+
+    def _health_problem(self, index: int) -> str | None:
+        """None when engine `index` answers its health check in time, else why not (one line)."""
         import ray
 
         try:
-            return bool(ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s))
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
+            ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s)
+            return None
+        except ray.exceptions.GetTimeoutError:
+            return f"no answer within rollout health_timeout_s={self.config.health_timeout_s}s"
+        except ray.exceptions.RayError as err:
+            return _root_cause(err)
 
     def _mark_dead(self, index: int, err: BaseException) -> None:
         if self._alive[index]:
@@ -363,25 +355,6 @@ class RolloutManager:
             self.last_engine_failure = f"engine {index} ({self.engine_names[index]}): {cause}"
             logger.warning("rollout engine %d (%s) died; %d of %d engines left (rollout/engines_alive): %s", index,
                            self.engine_names[index], self.num_engines_alive(), len(self.engines), cause)
-
-
-def _end_processes(processes: list, grace_s: float) -> None:
-    """Terminate the given processes that are still running, then kill the ones that outlive `grace_s`."""
-    import psutil
-
-    alive = [p for p in processes if p.is_running()]
-    for process in alive:
-        try:
-            process.terminate()
-        except psutil.Error:
-            pass
-    _, still = psutil.wait_procs(alive, timeout=grace_s)
-    for process in still:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(still, timeout=grace_s)
 
 
 def _root_cause(err: BaseException) -> str:
