@@ -38,7 +38,10 @@ def prepare_run_directory(config: Config) -> Path | None:
     fresh (`resume=disable`); returns the archive's path when one was made. Every rank decides the same."""
     trainer = config.trainer
     out_dir = Path(trainer.default_local_dir)
-    if trainer.resume != "disable" or not holds_earlier_run(out_dir):
+    held = trainer.resume == "disable" and holds_earlier_run(out_dir)
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank has looked before rank 0 moves anything
+    if not held:
         return None
     if not trainer.overwrite:
         raise ConfigError(f"trainer.default_local_dir={out_dir} holds an earlier run and trainer.resume=disable would "
