@@ -6,23 +6,19 @@ A run is described by a YAML file whose nesting follows verl's (`data.train_batc
 live in `Config.__post_init__`. Every error names the offending value and says how to fix it.
 
 Accepted aliases (the seeds' names) are rewritten to the canonical names when the file is loaded, see `ALIASES`.
+Parsing, coercion and building live in `config_loader.py`; `load_config` / `build_config` are its entry points.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from megatron_cpo.algorithms.cpo import known_rules
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which value and how to fix it."""
+from megatron_cpo.algorithms.kl import known_kl_kinds
+from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
+from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
+from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 
 def _check(condition: bool, message: str) -> None:
@@ -39,17 +35,38 @@ class DataConfig:
     """Datasets (verl parquet schema) and batch geometry.
 
     `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
+    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md).
+    `train_files` / `val_files` are lists of parquet paths (a single path, `a,b` or verl's `[a,b]` all work).
+    `prompt_key` is the column holding the chat messages; prompts longer than `max_prompt_length` are dropped
+    (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
+    `gen_batch_size` (verl's DAPO): prompts per generation batch, the unit `algorithm.filter_groups.max_num_gen_batches`
+    counts in (0: `train_batch_size`).
     """
-    train_files: str = ""
-    val_files: str = ""
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
     train_batch_size: int = 8
     max_prompt_length: int = 128
     max_response_length: int = 32
     shuffle: bool = True
     val_max_samples: int = -1
+    hint_key: list[str] = field(default_factory=lambda: list(DEFAULT_HINT_KEYS))
+    prompt_key: str = "prompt"
+    truncation: str = "error"
+    filter_overlong_prompts: bool = False
+    gen_batch_size: int = 0
 
     def __post_init__(self) -> None:
+        self.train_files = [f for entry in self.train_files for f in str(entry).split(",") if f]
+        self.val_files = [f for entry in self.val_files for f in str(entry).split(",") if f]
+        _check_choice("data.truncation", self.truncation, ("error", "left", "right"))
+        _check(self.gen_batch_size == 0 or self.gen_batch_size >= self.train_batch_size,
+               f"data.gen_batch_size={self.gen_batch_size} is below data.train_batch_size={self.train_batch_size}; "
+               "raise it (verl's DAPO uses 3 x train_batch_size) or set 0")
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        try:
+            check_hint_keys(self.hint_key)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         _check(self.max_prompt_length >= 1, f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
         _check(self.max_response_length >= 1, f"data.max_response_length={self.max_response_length} must be >= 1")
 
@@ -73,6 +90,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
+        _check(len(self.betas) == 2, f"actor_rollout_ref.actor.optim.betas={list(self.betas)} must hold two numbers "
+                                     "(Adam's beta1, beta2), e.g. [0.9,0.999]")
         _check(self.lr > 0, f"actor_rollout_ref.actor.optim.lr={self.lr} must be > 0")
         _check(0 <= self.min_lr <= self.lr, f"actor_rollout_ref.actor.optim.min_lr={self.min_lr} must be in [0, lr]")
         _check(self.lr_warmup_steps >= 0, f"actor_rollout_ref.actor.optim.lr_warmup_steps={self.lr_warmup_steps} "
@@ -165,7 +184,7 @@ class ActorConfig:
         _check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         _check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
                       ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+        _check_choice(prefix + "kl_loss_type", self.kl_loss_type, tuple(known_kl_kinds()))  # "+": k2's gradient
         _check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         _check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
         _check(0 < self.top_entropy_quantile <= 1,
@@ -173,7 +192,9 @@ class ActorConfig:
                "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
 
 
-RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_mean": "mean"}
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
+                        "reward_sum": "sum", "length": "length"}
+"""`rollout_filter_metric` -> group score of `algorithms.filters` (RAGEN's `reward_variance` is its in-group std)."""
 
 
 @dataclass
@@ -181,8 +202,11 @@ class RolloutFilterConfig:
     """RAGEN's rollout filter (keys of `actor_rollout_ref.rollout`): within every generation batch of
     `data.train_batch_size` prompts, rank the groups by `rollout_filter_metric` (`reward_std`: in-group reward std,
     RAGEN's variance filter; `reward_mean`) and keep those that `rollout_filter_strategy` selects: `top_p` (smallest
-    set of groups whose softmax mass over the scores reaches `rollout_filter_value`), `top_k` (the `value` best
-    groups) or `min_p` (score >= value * best score); `none` (the default) turns the filter off.
+    set of best groups whose scores (`rollout_filter_top_p_prob_mode: linear`, RAGEN's default, less
+    `rollout_filter_selection_eps`) or softmax mass (`softmax`) reach `rollout_filter_value` of the total; 1.0 keeps
+    all), `top_k` (the `value` best groups, or that fraction of the groups when `value` < 1) or `min_p` (score >=
+    value * best score); `none` (the default) turns the filter off. Metrics: `reward_std` (= RAGEN's
+    `reward_variance`), `reward_mean` (`reward`), `reward_sum`, `length` (mean response length).
     `rollout_filter_type` `largest` keeps high scores, `smallest` low ones; `rollout_filter_include_zero: false`
     never keeps a group whose score is exactly 0. Groups accumulate until `data.train_batch_size` are kept, bounded
     by `algorithm.filter_groups.max_num_gen_batches` / `on_limit` like DAPO's filter (see docs/filters.md)."""
@@ -191,6 +215,8 @@ class RolloutFilterConfig:
     rollout_filter_type: str = "largest"
     rollout_filter_include_zero: bool = True
     rollout_filter_metric: str = "reward_std"
+    rollout_filter_top_p_prob_mode: str = "linear"
+    rollout_filter_selection_eps: float = 0.01
 
     @property
     def rollout_filter_enabled(self) -> bool:
@@ -203,16 +229,38 @@ class RolloutFilterConfig:
         _check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
         _check(self.rollout_filter_metric in RAGEN_FILTER_METRICS,
                f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose one of "
-               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'reward_variance' ranks like 'reward_std' "
-               "for top_k; use 'reward_std')")
+               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a trainer forward "
+               "pass on every generated group and are not offered)")
+        _check_choice(prefix + "rollout_filter_top_p_prob_mode", self.rollout_filter_top_p_prob_mode,
+                      ("linear", "softmax"))
+        _check(self.rollout_filter_selection_eps >= 0,
+               f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 (RAGEN: 0.01)")
         value, strategy = self.rollout_filter_value, self.rollout_filter_strategy
         _check(strategy != "top_p" or 0 < value <= 1,
                f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability mass to keep)")
-        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()),
+        _check(strategy != "top_k" or (value >= 1 and float(value).is_integer()) or 0 < value < 1,
                f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to keep per "
-               "generation batch of data.train_batch_size prompts)")
+               "generation batch of data.train_batch_size prompts) or a fraction in (0, 1) of that batch's groups")
         _check(strategy != "min_p" or 0 <= value <= 1,
                f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best score)")
+
+
+@dataclass
+class ValKwargsConfig:
+    """How validation samples (verl's `rollout.val_kwargs`): greedy unless `do_sample`; with `do_sample`, `n`
+    samples per prompt at `temperature` / `top_p` / `top_k`, and the accuracy is their mean (`mean@n`)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout.val_kwargs."
+        _check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
+        _check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
+        _check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k > 0, f"{prefix}top_k={self.top_k} must be -1 (off) or > 0")
 
 
 @dataclass
@@ -225,7 +273,10 @@ class RolloutConfig(RolloutFilterConfig):
     NCCL group between each sending rank and every engine worker, engines on any node), "auto" (collective when the
     Ray cluster or the trainer spans several nodes, else shm); `weight_sync_timeout_s` bounds forming that group and
     each broadcast.
-    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default."""
+    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default.
+    vLLM engine options (GPU engines): `gpu_memory_utilization`, `enable_chunked_prefill`, `max_num_batched_tokens`
+    (CPU engines never chunk prefills, see rollout/engine.py). `log_prob_micro_batch_size_per_gpu`: responses per
+    forward when the actor recomputes log-probs (0: `actor.ppo_micro_batch_size_per_gpu`)."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -237,9 +288,20 @@ class RolloutConfig(RolloutFilterConfig):
     ray_address: str = "auto"
     weight_transport: str = "auto"
     weight_sync_timeout_s: float = 300.0
+    gpu_memory_utilization: float = 0.6
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 8192
+    log_prob_micro_batch_size_per_gpu: int = 0
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        _check(self.max_num_batched_tokens >= 1, f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} "
+                                                 "must be >= 1")
+        _check(self.log_prob_micro_batch_size_per_gpu >= 0, f"{prefix}log_prob_micro_batch_size_per_gpu="
+               f"{self.log_prob_micro_batch_size_per_gpu} must be >= 0 (0: actor.ppo_micro_batch_size_per_gpu)")
         _check_choice(prefix + "weight_transport", self.weight_transport, ("auto", "shm", "collective"))
         _check(self.weight_sync_timeout_s > 0,
                f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
@@ -253,10 +315,13 @@ class RolloutConfig(RolloutFilterConfig):
 
 @dataclass
 class RefConfig:
-    """The frozen reference policy; `sync_ref_model` mixes the actor into it every `ref_model_sync_steps` steps."""
+    """The frozen reference policy; `sync_ref_model` mixes the actor into it every `ref_model_sync_steps` steps.
+    It runs in the actor's TP/PP layout; `log_prob_micro_batch_size_per_gpu` is responses per forward (0: the
+    actor's `ppo_micro_batch_size_per_gpu`)."""
     sync_ref_model: bool = False
     ref_model_sync_steps: int = 64
     ref_model_mixup_alpha: float = 0.6
+    log_prob_micro_batch_size_per_gpu: int = 0
 
     def __post_init__(self) -> None:
         _check(self.ref_model_sync_steps >= 1,
@@ -292,15 +357,36 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """verl's `algorithm.kl_ctrl`: the coefficient of the KL penalty in the reward (`algorithm.use_kl_in_reward`).
+    Only `type: fixed` is implemented; `adaptive` is refused rather than run as fixed."""
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(self.type == "fixed", f"algorithm.kl_ctrl.type={self.type!r} is not supported (only 'fixed'; an "
+                                     "adaptive coefficient is not implemented); set algorithm.kl_ctrl.type=fixed")
+        _check(self.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={self.kl_coef} must be >= 0")
+
+
+@dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see ../shared/spec/cpo.md for the rules behind `wrap_method`."""
+    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`.
+    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
+    summed over the response, from each response's score before the advantages (needs the reference model)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     gold_as_hint: bool = True
     wrap_method: str = "negonly_mi3"
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     def __post_init__(self) -> None:
+        _check_choice("algorithm.kl_penalty", self.kl_penalty, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
         _check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo", "cpo"))
         rules = known_rules()
         _check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
@@ -329,18 +415,25 @@ class OverlongBufferConfig:
 class RewardConfig:
     """The reward process pool: how many workers score responses and how long one grading may take.
 
-    `custom_reward_function` ("pkg.module:function", verl's option) grades every response instead of the grader
-    registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords and
-    returns a score or a dict with `score` and `acc`.
+    `custom_reward_function` ("pkg.module:function" or "file.py:function") grades every response instead of the
+    grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info` keywords
+    and returns a score or a dict with `score` and `acc`. verl's spelling, `custom_reward_function.path` +
+    `custom_reward_function.name` at the top level, is accepted too (one or the other).
+    `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
+    trainer (data check) and in every grading worker.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    custom_graders: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
         _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s} must be > 0")
+        for source, path in self.custom_graders.items():
+            _check(isinstance(path, str) and ":" in path, f"reward.custom_graders[{source!r}]={path!r} must be "
+                   "'pkg.module:function' or 'file.py:function'")
 
 
 @dataclass
@@ -368,9 +461,12 @@ class TrainerConfig:
     """Run length, evaluation, checkpoints, logging.
 
     `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one;
-    `early_stop` ends the run when the reward variance collapses. `resume="disable"` refuses a `default_local_dir`
-    that holds an earlier run unless `overwrite=true`, which first moves that run aside to
-    `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always checkpointed.
+    `early_stop` ends the run when the reward variance collapses. `nnodes` x `n_gpus_per_node` (verl), when set,
+    must equal the trainer's world size (torchrun's); 0 leaves it unchecked. `log_verl_metric_names` also logs each
+    metric under verl's name (`critic/score/mean`, `response_length/mean`, ...) so verl dashboards keep working.
+    `resume="disable"` refuses a `default_local_dir` that holds an earlier run unless `overwrite=true`, which first
+    moves that run aside to `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always
+    checkpointed.
     """
     total_epochs: int = 1
     total_training_steps: int = 0
@@ -385,6 +481,9 @@ class TrainerConfig:
     log_completions: int = 0
     seed: int = 1
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
+    log_verl_metric_names: bool = True
     overwrite: bool = False
 
     def __post_init__(self) -> None:
@@ -400,6 +499,24 @@ class TrainerConfig:
 
 
 @dataclass
+class CustomRewardFunctionConfig:
+    """verl's `custom_reward_function`: the Python file `path` and the function `name` in it that grades every
+    response, called as `name(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` and returning
+    a score or a dict with `score` (and `acc`)."""
+    path: str = ""
+    name: str = "compute_score"
+
+    def __post_init__(self) -> None:
+        _check(not self.path or bool(self.name), "custom_reward_function.name is empty; name the function in "
+                                                 f"{self.path!r} that computes the score (verl: compute_score)")
+
+    @property
+    def spec(self) -> str:
+        """"file.py:function", the form `megatron_cpo.rewards.load_callable` imports; "" when unset."""
+        return f"{self.path}:{self.name}" if self.path else ""
+
+
+@dataclass
 class Config:
     """The whole run."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -407,6 +524,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
@@ -430,8 +548,22 @@ class Config:
         _check(not overlong.enable or overlong.len <= self.data.max_response_length,
                f"reward.overlong_buffer.len={overlong.len} exceeds data.max_response_length="
                f"{self.data.max_response_length}; the buffer is the last part of the response budget, make it smaller")
+        model_len = self.data.max_prompt_length + self.data.max_response_length
+        _check(rollout.enable_chunked_prefill or rollout.max_num_batched_tokens >= model_len,
+               f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is below "
+               f"data.max_prompt_length + data.max_response_length = {model_len}, which vLLM needs without chunked "
+               "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         _check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+        _check(not (self.custom_reward_function.path and self.reward.custom_reward_function),
+               f"both custom_reward_function.path={self.custom_reward_function.path!r} and "
+               f"reward.custom_reward_function={self.reward.custom_reward_function!r} are set; keep one")
+
+    @property
+    def reward_function_spec(self) -> str:
+        """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when graders are per
+        source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
+        return self.custom_reward_function.spec or self.reward.custom_reward_function
 
     @property
     def world_model_parallel_size(self) -> int:
@@ -453,120 +585,13 @@ ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {
 }
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Parse one `dotted.name=value` command-line override; the value is read as YAML (numbers, lists, bools)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} has no '='; write it as dotted.name=value, e.g. data.train_batch_size=8")
-    name, raw = text.split("=", 1)
-    name = name.strip().lstrip("+")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value {raw!r} is not valid YAML ({err}); quote it") from err
-    return name, value
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _known_names(cls: type, prefix: str = "") -> list[str]:
-    names = []
-    for name, tp in _field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            names.extend(_known_names(tp, f"{prefix}{name}."))
-        else:
-            names.append(prefix + name)
-    return names
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML value to the field's declared type, or explain what was expected."""
-    origin = typing.get_origin(tp)
-    try:
-        if tp is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if not isinstance(value, bool):
-                raise TypeError
-            return value
-        if tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
-        if tp is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if tp is str:
-            if isinstance(value, (dict, list)):
-                raise TypeError
-            return "" if value is None else str(value)
-        if origin in (list, tuple):
-            return list(value) if origin is list else tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"{name}={value!r} is not a valid {getattr(tp, '__name__', tp)}; give a value of that type")
-
-
-def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
-    kwargs = {}
-    for name, tp in _field_types(cls).items():
-        dotted = prefix + name
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, flat, dotted + ".")
-        elif dotted in flat:
-            kwargs[name] = _coerce(dotted, flat[dotted], tp)
-    return cls(**kwargs)
-
-
-def build_config(tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build and validate a `Config` from a nested dict (a parsed YAML file) and dotted overrides applied after it."""
-    flat = _flatten(tree or {})
-    for text in overrides:
-        name, value = parse_override(text)
-        flat[name] = value
-    for alias, implied in ALIAS_IMPLIES.items():
-        if alias in flat and implied[0] not in flat:
-            flat[implied[0]] = implied[1]
-    for alias, canonical in ALIASES.items():
-        if alias in flat:
-            value = flat.pop(alias)
-            flat.setdefault(canonical, value)
-    known = _known_names(Config)
-    for name in flat:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else "; see megatron_cpo/config.py for the accepted names"
-            raise ConfigError(f"unknown config key {name!r}{hint}")
-    return _build(Config, flat)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config file (optional) and apply dotted `name=value` overrides; validate the result."""
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
-        tree = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return build_config(tree, overrides)
+# The loader (YAML + dotted overrides -> typed tree) lives in config_loader.py; these names stay importable from here.
+_LOADER = ConfigLoader(Config, {**ALIASES, **VERL_ALIASES}, ALIAS_IMPLIES, VERL_NO_OP_KEYS, VERL_MUST_EQUAL,
+                       VERL_MOVED_HINTS)
+build_config = _LOADER.build
+load_config = _LOADER.load
+resolve_config = _LOADER.resolve_file
+_known_names = known_names
 
 
 def config_to_dict(config: Config) -> dict:

@@ -69,7 +69,27 @@ def render() -> str:
     lines += ["## Accepted aliases", "", "Seed spellings rewritten to the canonical name when a file is loaded.", "",
               "| alias | canonical name |", "|---|---|"]
     lines += [f"| `{alias}` | `{canonical}` |" for alias, canonical in config.ALIASES.items()]
+    lines += verl_sections()
     return "\n".join(lines) + "\n"
+
+
+def verl_sections() -> list[str]:
+    """verl's spellings, the verl keys accepted without effect and those that must agree (docs/verl_compat.md)."""
+    from megatron_cpo import verl_compat
+
+    lines = ["", "## verl keys", "",
+             "How a verl launch script's overrides load is explained in [verl_compat.md](verl_compat.md).", "",
+             "verl spellings rewritten to our name:", "", "| verl name | canonical name |", "|---|---|"]
+    lines += [f"| `{alias}` | `{canonical}` |" for alias, canonical in verl_compat.VERL_ALIASES.items()]
+    lines += ["", "Accepted without effect (one warning lists those a run uses); any other value than the allowed "
+              "ones is refused because it would change the run:", "",
+              "| verl key | why it does not apply | allowed |", "|---|---|---|"]
+    for key in verl_compat.VERL_NO_OP_KEYS:
+        allowed = ", ".join(f"`{v!r}`" for v in key.allowed) if key.allowed is not None else "any"
+        lines.append(f"| `{key.pattern}` | {key.reason} | {allowed} |")
+    lines += ["", "Accepted when equal to our setting:", "", "| verl key | must equal | why |", "|---|---|---|"]
+    lines += [f"| `{key}` | `{target}` | {why} |" for key, (target, why) in verl_compat.VERL_MUST_EQUAL.items()]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,19 @@
 
     python tools/prepare_data.py --kind gsm8k --input gsm8k/train.jsonl --output data/gsm8k_train.parquet
     python tools/prepare_data.py --kind math --input MATH-500/test.jsonl --output data/math500.parquet --split test
+    python tools/prepare_data.py --kind verl --input ~/data/gsm8k/train.parquet --output data/gsm8k_checked.parquet
+    python tools/prepare_data.py --kind verl --input ~/data/math/train.parquet --output data/math_hints.parquet \
+        --attach-solutions MATH/train.jsonl --solutions-kind math
 
 Input files are read in their usual release formats: JSON lines, a JSON list (or {"data": [...]}), CSV (GPQA) and
 parquet. Every output row holds `prompt` (one user message: the question and the dataset's instruction),
 `data_source` (which picks the grader in `megatron_cpo.rewards`), `ability`, `reward_model.ground_truth` and
 `extra_info` with `split`, `index`, `question` and the gold `solution` that CPO shows as its hint.
+
+Rows already in verl's schema (`data_source`, `prompt`, `reward_model`: what verl's own preprocessing scripts write)
+are validated and passed through unchanged, whatever `--kind` says (`--kind verl` accepts only such rows); with
+`--attach-solutions` the gold solutions of a raw release are added to them as `extra_info.solution` (see
+`verl_rows.py`), so CPO's hint is a worked solution rather than the bare answer.
 
 Bad rows are never dropped silently: every one is named (file, row number, what is wrong). By default any bad row
 stops the run before anything is written; `--skip-bad-rows` writes the good rows and still lists the bad ones.
@@ -18,17 +26,20 @@ import argparse
 import csv
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_sources import SOURCES, RecordError  # noqa: E402
+from verl_rows import VERL_FIELDS, SolutionIndex, attach_solutions, is_verl_row, pass_through  # noqa: E402
 
 from megatron_cpo.data.dataset import DataValidationError, row_problems  # noqa: E402
 from megatron_cpo.data.synthetic import write_parquet as write_rows  # noqa: E402
+from megatron_cpo.rewards.registry import missing_graders  # noqa: E402
 
 READABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+VERL_KIND = "verl"
 
 
 def read_records(path: str | Path) -> list[tuple[str, Any]]:
@@ -74,6 +85,7 @@ class PrepareResult:
 
     rows: list[dict[str, Any]]
     problems: list[str]
+    notes: list[str] = field(default_factory=list)
 
 
 def to_verl_row(record: Any, kind: str, split: str, index: int, data_source: str | None = None,
@@ -83,6 +95,12 @@ def to_verl_row(record: Any, kind: str, split: str, index: int, data_source: str
         raise record
     if not isinstance(record, dict):
         raise RecordError(f"record must be an object with named fields, got {type(record).__name__}")
+    if is_verl_row(record):
+        row = pass_through(record)
+        return {**row, "data_source": data_source} if data_source else row
+    if kind == VERL_KIND:
+        absent = ", ".join(repr(name) for name in VERL_FIELDS if name not in record)
+        raise RecordError(f"not a verl-schema row: missing field(s) {absent}")
     source = SOURCES[kind]
     converted = source.convert(record)
     prompt_text = f"{converted.question}\n\n{instruction if instruction is not None else source.instruction}".strip()
@@ -105,8 +123,8 @@ def to_verl_row(record: Any, kind: str, split: str, index: int, data_source: str
 def prepare(inputs: list[str | Path], kind: str, split: str = "train", data_source: str | None = None,
             instruction: str | None = None, limit: int = 0) -> PrepareResult:
     """Read and convert every input file; collects (never raises on) bad rows so that all are reported at once."""
-    if kind not in SOURCES:
-        raise ValueError(f"--kind {kind!r} is not supported; choose one of {', '.join(SOURCES)}")
+    if kind not in SOURCES and kind != VERL_KIND:
+        raise ValueError(f"--kind {kind!r} is not supported; choose one of {', '.join([*SOURCES, VERL_KIND])}")
     rows, problems = [], []
     for path in inputs:
         for where, record in read_records(path):
@@ -117,6 +135,22 @@ def prepare(inputs: list[str | Path], kind: str, split: str = "train", data_sour
             except RecordError as error:
                 problems.append(f"{path} {where}: {error}")
     return PrepareResult(rows, problems)
+
+
+def add_solutions(result: PrepareResult, raw_inputs: list[str | Path], kind: str, overwrite: bool = False) -> None:
+    """Attach the gold solutions of the raw release files `raw_inputs` (read as `--kind kind`) to the rows; bad raw
+    records and rows left without a solution are listed in `result.notes` (they do not stop the run)."""
+    if kind not in SOURCES:
+        raise ValueError(f"--attach-solutions needs the raw files' format: pass --solutions-kind, one of "
+                         f"{', '.join(SOURCES)} (got {kind!r})")
+    records = [(f"{path} {where}", record) for path in raw_inputs for where, record in read_records(path)]
+    index = SolutionIndex(records, kind)
+    unmatched = attach_solutions(result.rows, index, overwrite)
+    result.notes += [f"raw solutions: {problem}" for problem in index.problems]
+    if unmatched:
+        shown = ", ".join(map(str, unmatched[:20])) + (" ..." if len(unmatched) > 20 else "")
+        result.notes.append(f"{len(unmatched)} of {len(result.rows)} rows found no solution in {len(index.by_question)}"
+                            f" raw records (rows {shown}); their hint stays what data.hint_key finds")
 
 
 def _uniform_extra_info(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,7 +168,8 @@ def write_parquet(rows: list[dict[str, Any]], output: str | Path) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--kind", required=True, choices=sorted(SOURCES), help="dataset the input files come from")
+    parser.add_argument("--kind", required=True, choices=sorted([*SOURCES, VERL_KIND]),
+                        help="dataset the input files come from; 'verl' for parquet already in verl's schema")
     parser.add_argument("--input", required=True, nargs="+", help="local files: .jsonl, .json, .csv or .parquet")
     parser.add_argument("--output", required=True, help="parquet file to write")
     parser.add_argument("--split", default="train", help="stored in extra_info.split (train/test)")
@@ -142,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override data_source (picks the grader), e.g. aime2025 or math500")
     parser.add_argument("--instruction", default=None, help="text appended to every question (default per kind)")
     parser.add_argument("--limit", type=int, default=0, help="keep at most this many rows (0: all)")
+    parser.add_argument("--attach-solutions", nargs="+", default=None, metavar="RAW",
+                        help="raw release files whose gold solutions go to extra_info.solution (CPO's hint)")
+    parser.add_argument("--solutions-kind", default=None, choices=sorted(SOURCES),
+                        help="format of the --attach-solutions files (default: --kind)")
+    parser.add_argument("--overwrite-solutions", action="store_true",
+                        help="replace an extra_info.solution a row already has")
     parser.add_argument("--skip-bad-rows", action="store_true",
                         help="write the good rows even when some are bad (bad ones are still listed)")
     return parser
@@ -152,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = prepare(args.input, args.kind, args.split, args.data_source, args.instruction, args.limit)
+        if args.attach_solutions:
+            add_solutions(result, args.attach_solutions, args.solutions_kind or args.kind, args.overwrite_solutions)
+        missing = missing_graders(row["data_source"] for row in result.rows)
+        if missing:
+            result.notes.append(f"no built-in grader for data_source {', '.join(map(repr, missing))}; training "
+                                "needs reward.custom_graders or custom_reward_function for them")
+        for note in result.notes:
+            print(f"note: {note}", file=sys.stderr)
         if result.problems:
             error = DataValidationError(", ".join(map(str, args.input)), result.problems)
             print(f"{'warning' if args.skip_bad_rows else 'error'}: {error}", file=sys.stderr)

@@ -4,6 +4,7 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 `group: LongTensor[N]` of indices 0..G-1.
 
 - groups.py: per-group count / sum / mean / std / min / max by scatter reductions.
+- masked.py: masked sum / mean that ignore padded values, NaN and inf included (select, not multiply).
 - advantages.py: GRPO and Dr.GRPO advantages.
 - losses.py: clipped policy loss, loss aggregation, entropy mask (kl.py: KL estimators; mismatch.py: rollout/trainer
   mismatch metrics and TIS, re-exported by losses.py).

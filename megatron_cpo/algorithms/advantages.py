@@ -10,6 +10,7 @@ One deliberate difference from verl: a prompt with a single response has no peer
 import torch
 
 from megatron_cpo.algorithms.groups import check_group, group_count, group_mean, group_std
+from megatron_cpo.algorithms.masked import masked_select_zero
 
 
 def grpo_scalar_advantages(
@@ -46,4 +47,4 @@ def grpo_advantages(
             f"response_mask has shape {tuple(response_mask.shape)}; expected ({scores.shape[0]}, T) to match scores"
         )
     per_response = grpo_scalar_advantages(scores, group, norm_by_std=norm_by_std, eps=eps)
-    return per_response[:, None] * response_mask.to(per_response.dtype)
+    return masked_select_zero(per_response[:, None].expand(-1, response_mask.shape[1]), response_mask)

@@ -1,4 +1,4 @@
-"""CPO: hint-conditioned advantage shaping on top of GRPO (semantics: shared/spec/cpo.md).
+"""CPO: hint-conditioned advantage shaping on top of GRPO (the full specification: docs/cpo.md).
 
 The policy scores each sampled response twice: as sampled (`log_probs`) and with the gold solution in the context
 (`hint_log_probs`). Where the hint makes a token much more (or less) likely, the token carries information the model
@@ -9,10 +9,13 @@ The 18 rules of the reference are rows of data (`SHAPING_RULES`): each rule is a
 sign-clamp flag. Every term's change is computed from the GRPO advantage and the changes are summed; within each rule
 the terms select disjoint tokens or only add, so this equals applying them one after another.
 
-Differences from the reference, all deliberate (see the spec): the difficulty mask has its intended meaning (the
-reference's was always 0); `wrong` is `not correct`; signals are 0 on padding. With `hint_correct` (the spec's `yw`),
-the terms that select wrong responses also require it; terms that act on any response (naive, mi, mi_accmask, the
-difficulty rule) are not gated, as they do not look at correctness.
+Differences from the reference code, all deliberate (docs/cpo.md, "Where we follow the specification"): the
+difficulty mask has its intended meaning (the reference's was always 0); `wrong` is `not correct` (the reference
+compared the score with 1 or -1 depending on the rule); the entropy max of the naive rules is taken over the
+response's unmasked tokens (the reference also counted padding); signals are 0 on padding. With `hint_correct` (the
+spec's `yw`), every term that selects wrong responses also requires it (the reference gated only some rules); terms
+that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
+correctness.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -202,8 +205,8 @@ SHAPING_RULES: dict[str, ShapingRule] = {rule.name: rule for rule in (
     ShapingRule("noaccmask_qwen3", _NAIVE, sign_clamp=True),
     ShapingRule("mi_qwen3", (Term("pos", ("mi_nonneg",), ("mi", "u")),
                              Term("neg", ("mi_neg",), ("mi", "1-u"))), sign_clamp=True),
-    ShapingRule("mi_accmask_qwen3", (Term("pos", ("mi_nonneg",), ("mi", "1+u")),
-                                     Term("neg", ("mi_neg",), ("mi", "2-u"))), sign_clamp=True),
+    ShapingRule("mi_accmask_qwen3", (Term("pos", ("correct", "mi_nonneg"), ("mi", "1+u")),
+                                     Term("neg", ("wrong", "mi_neg"), ("mi", "2-u"))), sign_clamp=True),
     ShapingRule("mi_unify_qwen3", (Term("pos", ("correct",), ("mi", "1-u")),
                                    Term("neg", ("wrong",), ("mi", "1-u"))), sign_clamp=True),
     ShapingRule("mi_clamp_unify_qwen3", (Term("pos", ("correct",), ("mi_clamped", "1-u")),

@@ -16,7 +16,15 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from megatron_cpo.algorithms.groups import check_group, group_count, group_max, group_mean, group_min, group_std
+from megatron_cpo.algorithms.groups import (
+    check_group,
+    group_count,
+    group_max,
+    group_mean,
+    group_min,
+    group_std,
+    group_sum,
+)
 
 
 @dataclass
@@ -73,49 +81,112 @@ def filter_groups(metric: torch.Tensor, group: torch.Tensor) -> GroupFilterResul
     return _result(keep_group, count > 0, group, group_std(values, group, unbiased=False))
 
 
-def _top_p(scores: torch.Tensor, candidate: torch.Tensor, value: float) -> torch.Tensor:
-    probs = torch.softmax(scores.masked_fill(~candidate, float("-inf")), dim=0)
-    order = torch.sort(probs, descending=True, stable=True).indices
-    mass_before = torch.cumsum(probs[order], dim=0) - probs[order]
-    chosen_sorted = mass_before < value
-    chosen_sorted[0] = True
+ZERO_SCORE_TOL = 1e-10
+"""A group score with |score| <= this counts as zero (RAGEN's `include_zero` test); a constant group's std is 0."""
+MIN_P_TOL = 1e-10
+
+
+def _ranked_order(scores: torch.Tensor, candidate: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Group indices best-first (high scores first for `largest`, low first otherwise), candidates before the rest,
+    ties in group order."""
+    key = scores if largest else -scores
+    return torch.sort(key.masked_fill(~candidate, float("-inf")), descending=True, stable=True).indices
+
+
+def _top_p_softmax(scores, candidate, config, num_groups):
+    """Smallest best-first prefix whose softmax mass reaches `value` (RAGEN: `searchsorted(cumsum, value) + 1`)."""
+    logits = scores if config.filter_type == "largest" else -scores
+    probs = torch.softmax(logits.double().masked_fill(~candidate, float("-inf")), dim=0)
+    order = _ranked_order(scores, candidate, config.filter_type == "largest")
+    cumulative = torch.cumsum(probs[order], dim=0)
+    cutoff = int(torch.searchsorted(cumulative, torch.tensor([config.value], dtype=cumulative.dtype)))
+    count = min(cutoff + 1, int(candidate.sum()))
+    return _first(order, count, candidate)
+
+
+def _top_p_linear(scores, candidate, config, num_groups):
+    """RAGEN's linear top-p: walk the groups best-first adding their scores until the sum reaches
+    `value * (sum of the candidates' scores) - selection_eps`; stop early at a score <= 0; keep the prefix only if
+    the sum was reached, else nothing."""
+    order = _ranked_order(scores, candidate, config.filter_type == "largest")
+    ranked = scores.double()[order][: int(candidate.sum())]
+    threshold = config.value * float(scores.double()[candidate].sum()) - config.selection_eps
+    positive_prefix = torch.cumprod((ranked > 0).long(), dim=0).bool()
+    before = torch.cumsum(ranked, dim=0) - ranked
+    taken = positive_prefix & (before < threshold)
+    if float(ranked[taken].sum()) < threshold:
+        return torch.zeros_like(candidate)
+    return _first(order, int(taken.sum()), candidate)
+
+
+def _top_p(scores, candidate, config, num_groups):
+    if config.value >= 1.0:  # every candidate, exactly (a peaked softmax must not drop the tail by rounding)
+        return candidate.clone()
+    mode = _top_p_softmax if config.top_p_prob_mode == "softmax" else _top_p_linear
+    return mode(scores, candidate, config, num_groups)
+
+
+def _top_k(scores, candidate, config, num_groups):
+    """The k best groups, k = int(value * groups) for a fraction value < 1 (RAGEN's `top_k`), else int(value)
+    (RAGEN's `top_k_abs`); at least one, at most the candidates."""
+    k = int(config.value * num_groups) if config.value < 1 else int(config.value)
+    k = max(min(k, int(candidate.sum())), 1)
+    return _first(_ranked_order(scores, candidate, config.filter_type == "largest"), k, candidate)
+
+
+def _min_p(scores, candidate, config, num_groups):
+    """largest: score >= value * best; smallest: score <= best / value (RAGEN's thresholds, with its 1e-10 slack).
+    The best group itself is always kept: with a negative best score the threshold lies beyond it (value * best >
+    best) and RAGEN would keep nothing (docs/filters.md)."""
+    values = scores.double()
+    if config.filter_type == "largest":
+        best = values.masked_fill(~candidate, float("-inf")).max()
+        chosen = values >= best * config.value - MIN_P_TOL
+    else:
+        best = values.masked_fill(~candidate, float("inf")).min()
+        chosen = values <= best / (config.value + MIN_P_TOL) + MIN_P_TOL
+    return (chosen | (values == best)) & candidate
+
+
+def _first(order: torch.Tensor, count: int, candidate: torch.Tensor) -> torch.Tensor:
     chosen = torch.zeros_like(candidate)
-    chosen[order] = chosen_sorted
-    return chosen
+    chosen[order[:count]] = True
+    return chosen & candidate
 
 
-def _top_k(scores: torch.Tensor, candidate: torch.Tensor, value: float) -> torch.Tensor:
-    order = torch.sort(scores.masked_fill(~candidate, float("-inf")), descending=True, stable=True).indices
-    chosen = torch.zeros_like(candidate)
-    chosen[order[: int(value)]] = True
-    return chosen
+def _group_std_exact(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Unbiased in-group std (RAGEN's `std(dim=-1)`), exactly 0 for a constant group (max == min, as filter_groups
+    tests it) so that rounding can neither keep it under include_zero=false nor rank it above another group."""
+    constant = group_max(values, group) == group_min(values, group)
+    return torch.where(constant, 0.0, group_std(values, group, unbiased=True))
 
 
-def _min_p(scores: torch.Tensor, candidate: torch.Tensor, value: float) -> torch.Tensor:
-    best = scores.masked_fill(~candidate, float("-inf")).max()
-    return (scores >= value * best) | (scores == best)
-
-
-RAGEN_STRATEGIES: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+RAGEN_STRATEGIES: dict[str, Callable] = {
     "top_p": _top_p,
     "top_k": _top_k,
     "min_p": _min_p,
 }
 GROUP_SCORES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "std": lambda rewards, group: group_std(rewards, group, unbiased=True),
+    "std": _group_std_exact,
     "mean": group_mean,
+    "sum": group_sum,
+    "length": group_mean,  # mean response length: the filter is given lengths instead of rewards
 }
+TOP_P_PROB_MODES = ("linear", "softmax")
 
 
 @dataclass
 class RagenFilterConfig:
-    """RAGEN rollout filter.
+    """RAGEN rollout filter (RAGEN's `rollout_filter`; the option mapping is in docs/filters.md).
 
-    strategy: `top_p` (smallest set of groups whose softmax probability mass reaches `value`, at least one),
-    `top_k` (the `value` best groups, an integer >= 1) or `min_p` (score >= value * best score; the best is kept).
-    filter_type: `largest` keeps high scores, `smallest` low ones (the scores are negated).
-    include_zero: whether groups whose score is exactly 0 may be kept at all.
-    group_score: `std` (in-group reward std, RAGEN's variance filter) or `mean` (mean reward).
+    strategy: `top_p` (value >= 1 keeps every candidate; else by `top_p_prob_mode`: `linear` (RAGEN's default)
+    keeps the best groups until their scores sum to `value` of the total (minus `selection_eps`), `softmax` the
+    smallest set whose softmax mass reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the
+    `value` best groups; at least one) or `min_p` (score >= value * best; `smallest`: score <= best / value).
+    filter_type: `largest` ranks high scores first, `smallest` low ones.
+    include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is exactly 0) may be kept.
+    group_score: `std` (in-group reward std, RAGEN's `reward_variance`), `mean` (`reward`), `sum` (`reward_sum`) or
+    `length` (mean response length; `ragen_filter` is then given the lengths).
     """
 
     strategy: str = "top_p"
@@ -123,6 +194,8 @@ class RagenFilterConfig:
     filter_type: str = "largest"
     include_zero: bool = True
     group_score: str = "std"
+    top_p_prob_mode: str = "linear"
+    selection_eps: float = 0.01
 
     def __post_init__(self) -> None:
         if self.strategy not in RAGEN_STRATEGIES:
@@ -133,29 +206,53 @@ class RagenFilterConfig:
             raise ValueError(f"rollout_filter_type={self.filter_type!r} is unknown; choose 'largest' or 'smallest'")
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score={self.group_score!r} is unknown; choose one of {list(GROUP_SCORES)}")
+        if self.top_p_prob_mode not in TOP_P_PROB_MODES:
+            raise ValueError(
+                f"rollout_filter_top_p_prob_mode={self.top_p_prob_mode!r} is unknown; choose one of {TOP_P_PROB_MODES}"
+            )
         if self.strategy == "top_p" and not 0.0 < self.value <= 1.0:
             raise ValueError(f"top_p needs rollout_filter_value in (0, 1], got {self.value}")
-        if self.strategy == "top_k" and (self.value < 1 or self.value != int(self.value)):
-            raise ValueError(f"top_k needs an integer rollout_filter_value >= 1 (groups to keep), got {self.value}")
+        whole = self.value >= 1 and self.value == int(self.value)
+        if self.strategy == "top_k" and not (0.0 < self.value < 1.0 or whole):
+            raise ValueError(
+                f"top_k needs rollout_filter_value as a fraction of the groups in (0, 1) or a whole number >= 1 of "
+                f"groups to keep, got {self.value}"
+            )
         if self.strategy == "min_p" and not 0.0 <= self.value <= 1.0:
             raise ValueError(f"min_p needs rollout_filter_value in [0, 1], got {self.value}")
+        if self.selection_eps < 0:
+            raise ValueError(f"rollout_filter_selection_eps={self.selection_eps} must be >= 0 (RAGEN's default 0.01)")
 
 
-def ragen_filter(rewards: torch.Tensor, group: torch.Tensor, config: RagenFilterConfig) -> GroupFilterResult:
-    """Keep the prompt groups that RAGEN's strategy selects by group score; returns whole-group keep mask + metrics."""
+def ragen_group_scores(
+    rewards: torch.Tensor, group: torch.Tensor, config: RagenFilterConfig, lengths: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The per-group score RAGEN ranks by, Tensor[G]: reward std / mean / sum, or mean response length."""
+    if config.group_score == "length":
+        if lengths is None or lengths.shape != rewards.shape:
+            raise ValueError("group_score='length' needs the response lengths: pass lengths= with one per response")
+        return group_mean(lengths.double(), group)
+    return GROUP_SCORES[config.group_score](rewards.double(), group)
+
+
+def ragen_filter(
+    rewards: torch.Tensor, group: torch.Tensor, config: RagenFilterConfig, lengths: Optional[torch.Tensor] = None
+) -> GroupFilterResult:
+    """Keep the prompt groups that RAGEN's strategy selects by group score; returns whole-group keep mask + metrics.
+
+    rewards (and lengths for the `length` score): one per response, Tensor[N]. Scores are computed in float64.
+    """
     if rewards.dim() != 1:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}; pass one reward per response, shape (N,)")
     check_group(group, rewards.shape[0])
-    values = rewards.float()
-    raw = GROUP_SCORES[config.group_score](values, group)
+    scores = ragen_group_scores(rewards, group, config, lengths)
     present = group_count(group) > 0
-    candidate = present if config.include_zero else present & (raw != 0)
-    scores = -raw if config.filter_type == "smallest" else raw
+    candidate = present if config.include_zero else present & (scores.abs() > ZERO_SCORE_TOL)
     if bool(candidate.any()):
-        keep_group = RAGEN_STRATEGIES[config.strategy](scores, candidate, config.value) & candidate
+        keep_group = RAGEN_STRATEGIES[config.strategy](scores, candidate, config, int(present.sum())) & candidate
     else:
         keep_group = torch.zeros_like(candidate)
-    return _result(keep_group, present, group, group_std(values, group, unbiased=True))
+    return _result(keep_group, present, group, group_std(rewards.float(), group, unbiased=True))
 
 
 FILTER_LOSS_SCALINGS: dict[str, Callable[[float], float]] = {

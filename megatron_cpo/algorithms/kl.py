@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from megatron_cpo.algorithms.masked import masked_select_zero, masked_sum
+
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
@@ -80,7 +82,7 @@ def kl_in_reward(
     The rewards are computed without gradient: the penalty shapes the return, it is not a loss term.
     """
     with torch.no_grad():
-        kl = kl_penalty(log_probs, ref_log_probs, kind) * mask
+        kl = masked_select_zero(kl_penalty(log_probs, ref_log_probs, kind), mask)
         rewards = token_level_scores - coef * kl
-        seq_kl = kl.sum(-1) / mask.sum(-1).clamp(min=1)
+        seq_kl = masked_sum(kl, mask, -1) / mask.sum(-1).clamp(min=1)
     return rewards, {"actor/reward_kl_penalty": float(seq_kl.mean()), "actor/reward_kl_penalty_coeff": float(coef)}

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP, check_kl_kind, kl_penalty
+from megatron_cpo.algorithms.masked import masked_sum
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
     TISConfig,
     rollout_mismatch_metrics,
@@ -25,11 +26,11 @@ from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the 
 
 
 def _token_mean(values, mask, global_tokens, global_seqs, norm_length):
-    return (values * mask).sum() / (global_tokens if global_tokens is not None else mask.sum().clamp(min=1))
+    return masked_sum(values, mask) / (global_tokens if global_tokens is not None else mask.sum().clamp(min=1))
 
 
 def _token_sum(values, mask, global_tokens, global_seqs, norm_length):
-    return (values * mask).sum()
+    return masked_sum(values, mask)
 
 
 def _seq_count(mask, global_seqs):
@@ -37,17 +38,17 @@ def _seq_count(mask, global_seqs):
 
 
 def _seq_mean_token_sum(values, mask, global_tokens, global_seqs, norm_length):
-    return (values * mask).sum() / _seq_count(mask, global_seqs)
+    return masked_sum(values, mask) / _seq_count(mask, global_seqs)
 
 
 def _seq_mean_token_mean(values, mask, global_tokens, global_seqs, norm_length):
-    per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_seq = masked_sum(values, mask, -1) / mask.sum(-1).clamp(min=1)
     return per_seq.sum() / _seq_count(mask, global_seqs)
 
 
 def _seq_mean_token_sum_norm(values, mask, global_tokens, global_seqs, norm_length):
     length = norm_length if norm_length is not None else mask.shape[-1]
-    return (values * mask).sum() / (_seq_count(mask, global_seqs) * length)
+    return masked_sum(values, mask) / (_seq_count(mask, global_seqs) * length)
 
 
 LOSS_AGGREGATIONS: dict[str, Callable] = {
@@ -78,6 +79,7 @@ def aggregate_loss(
     global_tokens / global_seqs: counts over the whole batch (all micro-batches, all DP ranks); with them the result
     is this micro-batch's additive share, without them the local loss. Sequences with no unmasked token do not count.
     norm_length: the constant L of `seq-mean-token-sum-norm` (default T, the padded response length).
+    Padded positions are ignored whatever they hold (NaN / inf included; `masked.masked_sum`).
     """
     check_loss_agg_mode(mode)
     if global_tokens is not None and global_tokens <= 0:
@@ -125,7 +127,11 @@ def clipped_policy_loss(
     high: ratio > 1 + high with A > 0).
     """
     valid = mask.bool()
-    log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # Padding may hold anything (NaN included): zero it before the arithmetic, so that neither the loss nor its
+    # gradient (d loss / d ratio = -A) can pick a NaN up from a padded position.
+    advantages = torch.where(valid, advantages, 0.0)
+    log_ratio = torch.where(valid, log_probs - old_log_probs, 0.0)
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     neg_advantages = -advantages
     loss_unclipped = neg_advantages * ratio
@@ -251,7 +257,8 @@ def policy_loss(
     if config.use_kl_loss:
         if ref_log_probs is None:
             raise ValueError("use_kl_loss=True needs ref_log_probs from the reference model; pass ref_log_probs=")
-        kl = kl_penalty(log_probs, ref_log_probs, config.kl_loss_type)
+        # ref_log_probs zeroed on padding like old_log_probs above (log_probs itself is finite there)
+        kl = kl_penalty(log_probs, torch.where(mask.bool(), ref_log_probs, log_probs.detach()), config.kl_loss_type)
         kl_loss = aggregate_loss(kl, mask, config.loss_agg_mode, global_tokens, global_seqs)
         metrics["kl_loss"] = float(kl_loss.detach())
         loss = loss + config.kl_loss_coef * kl_loss

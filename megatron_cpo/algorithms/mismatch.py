@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
+from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 
 TIS_LEVELS = ("token", "sequence")
 
@@ -33,10 +34,6 @@ class TISConfig:
             raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
 def rollout_mismatch_metrics(
     trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
@@ -54,11 +51,11 @@ def rollout_mismatch_metrics(
         k3 = torch.exp(log_ratio) - log_ratio - 1.0
         has_tokens = bool(valid.any())
         return {
-            "mismatch/probs_diff_mean": float(_masked_mean(prob_diff, mask)),
+            "mismatch/probs_diff_mean": float(masked_mean(prob_diff, mask)),
             "mismatch/probs_diff_max": float(prob_diff[valid].max()) if has_tokens else 0.0,
-            "mismatch/log_probs_diff_mean": float(_masked_mean(log_prob_diff, mask)),
+            "mismatch/log_probs_diff_mean": float(masked_mean(log_prob_diff, mask)),
             "mismatch/log_probs_diff_max": float(log_prob_diff[valid].max()) if has_tokens else 0.0,
-            "mismatch/k3_kl": float(_masked_mean(k3, mask)),
+            "mismatch/k3_kl": float(masked_mean(k3, mask)),
         }
 
 
@@ -71,13 +68,13 @@ def truncated_importance_weights(
     """Detached TIS weights `min(pi_trainer / pi_rollout, C)`, Tensor[N, T] (1 on padding), and their metrics."""
     with torch.no_grad():
         mask_f = mask.to(old_log_probs.dtype)
-        log_ratio = (old_log_probs - rollout_log_probs) * mask_f
+        log_ratio = masked_select_zero(old_log_probs - rollout_log_probs, mask_f)
         if config.level == "sequence":
             log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_log_probs)
         ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         weights = torch.where(mask_f > 0, ratio.clamp(max=config.threshold), torch.ones_like(ratio))
         metrics = {
-            "tis/weight_mean": float(_masked_mean(weights, mask_f)),
-            "tis/truncated_frac": float(_masked_mean((ratio > config.threshold).to(mask_f.dtype), mask_f)),
+            "tis/weight_mean": float(masked_mean(weights, mask_f)),
+            "tis/truncated_frac": float(masked_mean((ratio > config.threshold).to(mask_f.dtype), mask_f)),
         }
     return weights, metrics

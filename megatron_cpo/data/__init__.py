@@ -1,12 +1,12 @@
 """Data: verl-schema parquet prompt datasets, CPO hint contexts and the synthetic arithmetic task."""
 from megatron_cpo.data.dataset import (DatasetConfig, DataValidationError, PromptDataset, PromptRecord, PromptSampler,
                                        validate_rows)
-from megatron_cpo.data.hints import HintConfig, HintContexts, build_hint_contexts, gold_hint, hint_batch, \
-    pad_prompt_response
+from megatron_cpo.data.hints import HintConfig, HintContexts, HintReader, build_hint_contexts, find_hint, gold_hint, \
+    hint_batch, pad_prompt_response
 from megatron_cpo.data.synthetic import ArithConfig, generate_arith, write_arith_parquet
 
 __all__ = [
-    "ArithConfig", "DataValidationError", "DatasetConfig", "HintConfig", "HintContexts", "PromptDataset",
-    "PromptRecord", "PromptSampler", "build_hint_contexts", "generate_arith", "gold_hint", "hint_batch",
+    "ArithConfig", "DataValidationError", "DatasetConfig", "HintConfig", "HintContexts", "HintReader", "PromptDataset",
+    "PromptRecord", "PromptSampler", "build_hint_contexts", "find_hint", "generate_arith", "gold_hint", "hint_batch",
     "pad_prompt_response", "validate_rows", "write_arith_parquet",
 ]

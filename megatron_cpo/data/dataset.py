@@ -42,6 +42,7 @@ class DatasetConfig:
     prompt_key: str = "prompt"
     shuffle: bool = True
     seed: int = 0
+    check_graders: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.files, (str, Path)):
@@ -63,7 +64,7 @@ class PromptRecord:
     messages: list[dict[str, str]]
     prompt_ids: list[int]
     data_source: str
-    ground_truth: str
+    ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
     reward_model: dict[str, Any] = field(default_factory=dict)
 
@@ -109,9 +110,10 @@ def row_problems(row: dict[str, Any], prompt_key: str = "prompt") -> list[str]:
         problems.append(f"reward_model must be a dict, got {type(reward_model).__name__}")
     elif reward_model.get("ground_truth") is None:
         problems.append("missing field 'reward_model.ground_truth'")
-    elif not isinstance(reward_model["ground_truth"], (str, int, float)) or isinstance(reward_model["ground_truth"], bool):
-        problems.append(f"reward_model.ground_truth must be a string or number, got "
-                        f"{type(reward_model['ground_truth']).__name__}")
+    elif not isinstance(reward_model["ground_truth"], (str, int, float, dict, list)) or isinstance(
+            reward_model["ground_truth"], bool):
+        problems.append(f"reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's "
+                        f"{{'target': [...]}}), got {type(reward_model['ground_truth']).__name__}")
     extra_info = row.get("extra_info")
     if extra_info is not None and not isinstance(extra_info, dict):
         problems.append(f"extra_info must be a dict, got {type(extra_info).__name__}")
@@ -164,8 +166,28 @@ def fit_prompt(ids: list[int], max_length: int, truncation: str, where: str) -> 
                      f"data.max_prompt_length, set data.truncation=left|right, or data.filter_overlong_prompts=true")
 
 
+def check_graders(rows: list[dict[str, Any]], where: str) -> None:
+    """Raise ValueError naming every data_source of ``rows`` that has no grader in this process (register custom
+    graders before calling), so an unknown source stops the run at data load, before Ray and the engines start."""
+    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders
+
+    missing = missing_graders(row["data_source"] for row in rows)
+    if missing:
+        counts = ", ".join(f"{source}: {sum(row['data_source'] == source for row in rows)} rows" for source in missing)
+        raise ValueError(missing_grader_message(missing, f"{where} ({counts})"))
+
+
+def _ground_truth(value: Any) -> Any:
+    """Scalars as text (verl's graders compare strings); structured truths (Search-R1's {'target': [...]},
+    code tests as a dict) unchanged."""
+    return value if isinstance(value, (dict, list)) else str(value)
+
+
 class PromptDataset:
-    """Validated, tokenized prompt records from one or more verl-schema parquet files."""
+    """Validated, tokenized prompt records from one or more verl-schema parquet files.
+
+    With ``check_graders`` (the default) every ``data_source`` must have a grader (``missing_graders``); turn it off
+    only when one custom reward function grades every source."""
 
     def __init__(self, config: DatasetConfig, tokenizer):
         self.config = config
@@ -175,6 +197,8 @@ class PromptDataset:
             validate_rows(file_rows, str(path), config.prompt_key)
             rows += file_rows
             where += [f"{path} row {i}" for i in range(len(file_rows))]
+        if config.check_graders:
+            check_graders(rows, ", ".join(map(str, config.files)))
         conversations = [[dict(role=m["role"], content=m["content"]) for m in row[config.prompt_key]] for row in rows]
         token_ids = encode_texts(tokenizer, render_prompts(tokenizer, conversations))
         self.num_filtered = 0
@@ -190,10 +214,12 @@ class PromptDataset:
                 messages=messages,
                 prompt_ids=fit_prompt(ids, config.max_prompt_length, config.truncation, row_where),
                 data_source=row["data_source"],
-                ground_truth=str(reward_model["ground_truth"]),
+                ground_truth=_ground_truth(reward_model["ground_truth"]),
                 extra_info=dict(row.get("extra_info") or {}),
                 reward_model=reward_model,
             ))
+        if not self.records and not self.num_filtered:
+            raise ValueError(f"no rows in {config.files}; give data files with prompts in them")
         if not self.records:
             raise ValueError(f"no prompts left in {config.files} after filtering {self.num_filtered} overlong ones; "
                              f"raise data.max_prompt_length={config.max_prompt_length}")

@@ -1,6 +1,6 @@
 """The CPO hint context: the same response, scored after a conversation that already shows the gold solution.
 
-Per ../shared/spec/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
+Per docs/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
 assistant turn holding the hint (the gold solution), a second user turn that repeats the question and adds an
 instruction, then the assistant generation prompt. It is rendered through the tokenizer's own chat template, so any
 model family works and no token id is hard-coded. The response token ids are appended unchanged.
@@ -8,21 +8,30 @@ model family works and no token id is hard-coded. The response token ids are app
 When the hinted prompt is longer than `max_prompt_length`, the hint is cut from the left (its end, with the answer,
 survives) and the number of truncated contexts is reported. A row without any hint source keeps its plain prompt and
 is flagged `has_hint=False`: the trainer then sets `hint_log_probs = old_log_probs` for it, so its MI is 0.
+
+The hint is the first non-empty value among `data.hint_key` (default `DEFAULT_HINT_KEYS`: a worked solution where the
+data set keeps one, the bare answer last). `HintReader` counts where each hint came from (`cpo/hint_source/<key>`)
+and warns once when hints are bare answers, which carry far less information than a worked solution.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from megatron_cpo.data.dataset import encode_texts
+from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTION = (
     "Please refer to the above solution to derive your answer, reason step by step, and put your final answer "
     "within \\boxed{}."
 )
-HINT_SOURCES = ("extra_info.solution", "extra_info.gold_solution", "reward_model.ground_truth")
+HINT_SOURCES = DEFAULT_HINT_KEYS
 _SLOT = "\u2063HINT\u2063"  # invisible separator: marks where the template placed the hint text
 
 
@@ -52,6 +61,7 @@ class HintContexts:
     prompt_ids: list[list[int]]
     has_hint: torch.Tensor
     truncated_tokens: torch.Tensor
+    source_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_truncated(self) -> int:
@@ -59,14 +69,53 @@ class HintContexts:
         return int((self.truncated_tokens > 0).sum())
 
 
-def gold_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | None) -> str | None:
-    """The gold text used as hint: extra_info.solution, else extra_info.gold_solution, else reward_model.ground_truth;
-    None when none is present and non-empty."""
-    extra_info, reward_model = extra_info or {}, reward_model or {}
-    for value in (extra_info.get("solution"), extra_info.get("gold_solution"), reward_model.get("ground_truth")):
-        if value is not None and str(value).strip():
-            return str(value)
-    return None
+def find_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | None,
+              keys: tuple[str, ...] | list[str] = DEFAULT_HINT_KEYS) -> tuple[str | None, str | None]:
+    """(hint text, the key it was read from): the first non-empty value among ``keys``; (None, None) if none."""
+    roots = {"extra_info": extra_info or {}, "reward_model": reward_model or {}}
+    for key in keys:
+        root, *path = key.split(".")
+        value: Any = roots.get(root)
+        for name in path:
+            value = value.get(name) if isinstance(value, dict) else None
+        if value is not None and not isinstance(value, (dict, list)) and str(value).strip():
+            return str(value), key
+    return None, None
+
+
+def gold_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | None,
+              keys: tuple[str, ...] | list[str] = DEFAULT_HINT_KEYS) -> str | None:
+    """The gold text used as hint (see ``find_hint``); None when no key holds a non-empty value."""
+    return find_hint(extra_info, reward_model, keys)[0]
+
+
+class HintReader:
+    """Reads the hints of a batch from ``keys`` (``data.hint_key``), counts their sources and warns once per run
+    when some hints are bare answers (the hint equals ``reward_model.ground_truth``)."""
+
+    def __init__(self, keys: tuple[str, ...] | list[str] = DEFAULT_HINT_KEYS) -> None:
+        check_hint_keys(keys)
+        self.keys = tuple(keys)
+        self.warned_bare = False
+
+    def read(self, extra_infos: list[dict[str, Any] | None], reward_models: list[dict[str, Any] | None]
+             ) -> tuple[list[str | None], dict[str, float]]:
+        """Hints per row and ``cpo/hint_source/<key>`` counts (``none`` for rows without a hint) plus
+        ``cpo/hint_bare_answer``, the number of hints that are the bare ground truth."""
+        found = [find_hint(e, r, self.keys) for e, r in zip(extra_infos, reward_models)]
+        sources = Counter(key or "none" for _, key in found)
+        bare = [key for (hint, key), r in zip(found, reward_models)
+                if hint is not None and hint.strip() == str((r or {}).get("ground_truth", "")).strip()]
+        if bare and not self.warned_bare:
+            self.warned_bare = True
+            logger.warning(
+                "%d of %d CPO hints are the bare answer (read from %s), not a worked solution; CPO then learns from "
+                "little more than the answer. Attach solutions (tools/prepare_data.py --attach-solutions) or point "
+                "data.hint_key at the field that holds them (now %s). Logged once.",
+                len(bare), len(found), ", ".join(sorted(set(bare))), list(self.keys))
+        metrics = {f"cpo/hint_source/{key}": float(count) for key, count in sorted(sources.items())}
+        metrics["cpo/hint_bare_answer"] = float(len(bare))
+        return [hint for hint, _ in found], metrics
 
 
 def _last_user_question(messages: list[dict[str, str]]) -> str:

@@ -143,6 +143,14 @@ class TritonBackend:
             raise ValueError(f"impl='triton' got a tensor on {tensor.device}: Triton kernels need CUDA tensors, or "
                              "TRITON_INTERPRET=1 set before triton is imported (tests); use impl='torch' on CPU")
 
+    @staticmethod
+    def _check_offsets(name: str, rows: int, row_stride: int) -> None:
+        """The linear kernels index ``rows x row_stride`` elements with 32-bit offsets; refuse what would overflow."""
+        if rows * row_stride >= 2**31:
+            raise ValueError(f"{name} spans {rows} x {row_stride} elements, past the 2^31 the Triton linear kernels "
+                             f"can address; split the tokens into smaller micro-batches (or shard the lm-head over "
+                             f"more TP ranks), or use impl='torch'")
+
     def _launch_options(self, tensor: torch.Tensor) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages} if tensor.is_cuda else {}
 
@@ -157,21 +165,22 @@ class TritonBackend:
 
     def logits_grad(self, logits: torch.Tensor, row_grads: RowGrads, inv_temp: float, n_valid: int) -> torch.Tensor:
         self._check_device(logits)
-        grad = torch.empty_like(logits)
         n_rows, n_cols = logits.shape
+        grad = torch.empty(n_rows, n_cols, dtype=logits.dtype, device=logits.device)
         if n_rows > 0 and n_cols > 0:
             grid = (n_rows, triton.cdiv(n_cols, self.logits_block_v))
             triton_kernels.logits_grad_kernel[grid](
-                logits, grad, logits.stride(0), row_grads.local_targets, row_grads.max, row_grads.log_sum_exp,
-                row_grads.entropy,
-                row_grads.grad_log_probs, row_grads.grad_entropy, n_valid, n_cols, inv_temp,
-                BLOCK_V=self.logits_block_v)
+                logits, grad, logits.stride(0), grad.stride(0), row_grads.local_targets, row_grads.max,
+                row_grads.log_sum_exp, row_grads.entropy, row_grads.grad_log_probs, row_grads.grad_entropy, n_valid,
+                n_cols, inv_temp, BLOCK_V=self.logits_block_v)
         return grad
 
     def linear_stats(self, hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
                      n_valid: int) -> SoftmaxStats:
         self._check_device(hidden)
         num_tokens, hidden_size = hidden.shape
+        self._check_offsets("hidden", num_tokens, hidden.stride(0))
+        self._check_offsets("weight", weight.shape[0], weight.stride(0))
         if n_valid == 0 or num_tokens == 0:
             return empty_stats(num_tokens, hidden.device)
         token_blocks = triton.cdiv(num_tokens, self.block_n)
@@ -192,6 +201,7 @@ class TritonBackend:
         self._check_device(hidden)
         num_tokens, hidden_size = hidden.shape
         n_cols = weight.shape[0]
+        self._check_offsets("weight", n_cols, weight.stride(0))
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight)
         chunk = max(self.block_n, self.grad_chunk_bytes // max(1, n_cols * hidden.element_size()))

@@ -1,4 +1,4 @@
-"""The hint mutual-information signals of CPO (see shared/spec/cpo.md) from per-token log-probs and entropy.
+"""The hint mutual-information signals of CPO (see docs/cpo.md) from per-token log-probs and entropy.
 
 All five signals are elementwise or per-row masked reductions over ``[responses, T]`` tensors: a handful of fused
 elementwise/reduction ops that read each input once, memory-bound and negligible next to the log-prob passes that
@@ -55,4 +55,6 @@ def hint_mi_signals(log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entro
     ent_max = torch.where(has_tokens, ent_max, 0.0)
     u = torch.where(on, (ent - ent_min) / (ent_max - ent_min + ENTROPY_RANGE_EPS), 0.0)
     count = m.sum(dim=-1) + MASKED_MEAN_EPS
-    return HintSignals(mi, kl, u, (ent * m).sum(dim=-1) / count, (kl * m).sum(dim=-1) / count)
+    # select, not multiply: a NaN / inf on padding must not reach the per-response means
+    ubar = torch.where(on, ent, 0.0).sum(dim=-1) / count
+    return HintSignals(mi, kl, u, ubar, torch.where(on, kl, 0.0).sum(dim=-1) / count)

@@ -49,9 +49,12 @@ def logits_stats_kernel(logits_ptr, stride_row, targets_ptr, max_ptr, sum_exp_pt
 
 
 @triton.jit
-def logits_grad_kernel(logits_ptr, grad_ptr, stride_row, targets_ptr, max_ptr, lse_ptr, entropy_ptr, grad_lp_ptr,
-                       grad_ent_ptr, n_valid, n_cols, inv_temp, BLOCK_V: tl.constexpr):
-    """Grid (tokens, column tiles): gradient of the logits tile, written in the logits' dtype (zero on padding)."""
+def logits_grad_kernel(logits_ptr, grad_ptr, stride_row, stride_grad, targets_ptr, max_ptr, lse_ptr, entropy_ptr,
+                       grad_lp_ptr, grad_ent_ptr, n_valid, n_cols, inv_temp, BLOCK_V: tl.constexpr):
+    """Grid (tokens, column tiles): gradient of the logits tile, written in the logits' dtype (zero on padding).
+
+    ``stride_grad`` is the gradient's own row stride: logits may be a column slice of a wider buffer (row stride >
+    ``n_cols``) while the gradient is allocated dense."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     valid = cols < n_valid
@@ -60,7 +63,7 @@ def logits_grad_kernel(logits_ptr, grad_ptr, stride_row, targets_ptr, max_ptr, l
     grad = _grad_of_z(z, cols == target, tl.load(max_ptr + row), tl.load(lse_ptr + row), tl.load(entropy_ptr + row),
                       tl.load(grad_lp_ptr + row), tl.load(grad_ent_ptr + row))
     grad = tl.where(valid, grad * inv_temp, 0.0)
-    tl.store(grad_ptr + row * stride_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(grad_ptr + row * stride_grad + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @triton.jit

@@ -1,10 +1,12 @@
 """Megatron-Core `GPTModel` built from a Hugging Face config of the Qwen2 or Llama family.
 
-The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta and Llama-3 scaling),
-grouped-query attention, Qwen2's qkv bias, tied or untied embeddings. Tensor and pipeline sizes come from
-`megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary is padded only
-up to a multiple of the TP size (so each rank holds an equal slice); the model keeps the real size as
-`model.hf_vocab_size` so callers can drop the padded logit columns.
+The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta, Llama-3 or linear
+scaling), grouped-query attention, Qwen2's qkv bias and sliding window, Llama's attention/MLP biases, tied or untied
+embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py lists every one). Tensor and pipeline
+sizes come from `megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary
+is padded only up to a multiple of the TP size (so each rank holds an equal slice; checkpoints load whatever padding
+they were saved with); the model keeps the real size as `model.hf_vocab_size` so callers can drop the padded logit
+columns.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cpo import platform
+from megatron_cpo.models.hf_options import (check_supported_options, rope_settings,  # noqa: F401 (re-exported)
+                                            sliding_window_settings)
 
 
 @dataclass(frozen=True)
@@ -24,17 +28,13 @@ class Family:
     """What distinguishes one supported HF architecture from another, as far as the Megatron model is concerned."""
 
     name: str
-    qkv_bias_attribute: str | None  # HF config attribute that turns the q/k/v bias on, or None when always on
-    always_qkv_bias: bool = False
+    always_qkv_bias: bool = False  # Qwen2: q/k/v always biased, nothing else; Llama: the config's bias flags decide
 
 
 FAMILIES = {
-    "qwen2": Family("qwen2", qkv_bias_attribute=None, always_qkv_bias=True),
-    "llama": Family("llama", qkv_bias_attribute="attention_bias"),
+    "qwen2": Family("qwen2", always_qkv_bias=True),
+    "llama": Family("llama"),
 }
-
-# Megatron-Core's Llama-3 RoPE scaling hard-codes these; configs that differ would silently get other frequencies.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:
@@ -63,32 +63,21 @@ def head_dim_of(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def has_qkv_bias(hf_config: Any) -> bool:
-    """Whether q/k/v projections carry a bias (always for Qwen2, `attention_bias` for Llama)."""
-    family = family_of(hf_config)
-    if family.always_qkv_bias:
-        return True
-    return bool(getattr(hf_config, family.qkv_bias_attribute, False))
+@dataclass(frozen=True)
+class LinearBiases:
+    """Which projections carry a bias: q/k/v, the attention output (o_proj) and the MLP (gate/up and down)."""
+
+    qkv: bool
+    attention_output: bool
+    mlp: bool
 
 
-def rope_settings(hf_config: Any) -> dict:
-    """GPTModel keyword arguments for the config's RoPE (theta and optional Llama-3 scaling)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy_scaling = getattr(hf_config, "rope_scaling", None) or {}
-    if not params:
-        params = {"rope_theta": getattr(hf_config, "rope_theta", 10000.0), **legacy_scaling}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    settings = {"rotary_base": params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)),
-                "rope_scaling": False}
-    if rope_type == "default":
-        return settings
-    if rope_type == "llama3":
-        mismatched = {k: params.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if float(params.get(k, v)) != v}
-        if mismatched:
-            raise ValueError(f"llama3 RoPE scaling with {mismatched} is not supported; Megatron-Core implements "
-                             f"only {_MEGATRON_LLAMA3_ROPE}")
-        return {**settings, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
-    raise ValueError(f"unsupported RoPE scaling rope_type={rope_type!r}; supported: 'default', 'llama3'")
+def linear_biases(hf_config: Any) -> LinearBiases:
+    """Qwen2: q/k/v only. Llama: `attention_bias` for q/k/v and o_proj, `mlp_bias` for gate/up/down."""
+    if family_of(hf_config).always_qkv_bias:
+        return LinearBiases(qkv=True, attention_output=False, mlp=False)
+    attention = bool(getattr(hf_config, "attention_bias", False))
+    return LinearBiases(qkv=attention, attention_output=attention, mlp=bool(getattr(hf_config, "mlp_bias", False)))
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
@@ -115,8 +104,8 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
     from megatron.core.transformer import TransformerConfig
 
     family_of(hf_config)
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; the Qwen2/Llama MLP is SwiGLU (silu)")
+    check_supported_options(hf_config)
+    biases = linear_biases(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     check_parallel_sizes(hf_config, tp, pp)
@@ -131,10 +120,10 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=has_qkv_bias(hf_config),
+        add_bias_linear=biases.attention_output or biases.mlp,
+        add_qkv_bias=biases.qkv,
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -150,20 +139,46 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        **sliding_window_settings(hf_config),
         **platform.megatron_config_kwargs(),
     )
 
 
-def layer_spec(config: Any):
-    """Transformer Engine layer spec when TE is importable (GPU), Megatron-Core's local spec otherwise."""
+def _without_bias(linear_class: type) -> type:
+    """`linear_class` that never creates a bias, whatever `add_bias_linear` says (Megatron has one flag for both the
+    attention output and the MLP; Llama has one per module)."""
+
+    def __init__(self, *args, bias: bool = False, **kwargs):
+        linear_class.__init__(self, *args, bias=False, **kwargs)
+
+    return type(f"{linear_class.__name__}WithoutBias", (linear_class,), {"__init__": __init__})
+
+
+def layer_spec(config: Any, biases: LinearBiases | None = None):
+    """Transformer Engine layer spec when TE is importable (GPU), Megatron-Core's local spec otherwise.
+
+    Megatron's `add_bias_linear` covers the attention and the MLP linears together; when it is on for only one of them
+    (Llama's `mlp_bias` without `attention_bias`, or the reverse), the other's linears are swapped for bias-free
+    versions, so the model has exactly the HF biases.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return get_gpt_layer_local_spec(normalization=config.normalization)
-    return get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    if biases is not None and config.add_bias_linear:
+        attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+        if not biases.qkv:  # Megatron gives linear_qkv a bias when add_bias_linear or add_qkv_bias is on
+            attention.linear_qkv = _without_bias(attention.linear_qkv)
+        if not biases.attention_output:
+            attention.linear_proj = _without_bias(attention.linear_proj)
+        if not biases.mlp:
+            mlp.linear_fc1, mlp.linear_fc2 = _without_bias(mlp.linear_fc1), _without_bias(mlp.linear_fc2)
+    return spec
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32):
@@ -181,7 +196,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
     vocab = padded_vocab_size(hf_config.vocab_size, tp)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, linear_biases(hf_config)),
         vocab_size=vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -117,12 +117,17 @@ LAYER_MAPPINGS = (
     Mapping(tuple(f"{_ATTN}{p}_proj.bias" for p in "qkv"), ("self_attention.linear_qkv.bias",), 0,
             _merge_qkv, _split_qkv),
     Mapping((f"{_ATTN}o_proj.weight",), ("self_attention.linear_proj.weight",), 1),
+    Mapping((f"{_ATTN}o_proj.bias",), ("self_attention.linear_proj.bias",), None),  # added once, after the TP reduce
     Mapping(("post_attention_layernorm.weight",),
             ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), None),
     Mapping(("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.linear_fc1.weight",), 0,
             _merge_gated, _split_gated),
+    Mapping(("mlp.gate_proj.bias", "mlp.up_proj.bias"), ("mlp.linear_fc1.bias",), 0, _merge_gated, _split_gated),
     Mapping(("mlp.down_proj.weight",), ("mlp.linear_fc2.weight",), 1),
+    Mapping(("mlp.down_proj.bias",), ("mlp.linear_fc2.bias",), None),
 )
+# Buffers some checkpoints carry that transformers recomputes from the config and ignores when loading.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 EMBEDDING = Mapping(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), 0, _pad_vocab, _trim_vocab)
 FINAL_NORM = Mapping(("model.norm.weight",), ("decoder.final_layernorm.weight",), None)
 LM_HEAD = Mapping(("lm_head.weight",), ("output_layer.weight",), 0, _pad_vocab, _trim_vocab)
@@ -204,8 +209,10 @@ def _shard(full: torch.Tensor, mapping: Mapping, tp_rank: int, tp_size: int) -> 
 def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     """Fill this rank's slice of `model` (from `build_gpt_model`, wrapped or not) with the HF weights in `hf_dir`.
 
-    Every rank reads only the tensors its PP stage owns and keeps only its TP slice. Raises if a tensor is missing or
-    its shape does not match the config the model was built from.
+    Every rank reads only the tensors its PP stage owns and keeps only its TP slice. Raises if a tensor is missing,
+    its shape does not match the config the model was built from, or a tensor in the files is used by no rank (an
+    option of the config the model does not implement, or a config that does not match the weights). Collective over
+    all ranks (they share which tensors they used).
     """
     from megatron.core import parallel_state
 
@@ -214,12 +221,14 @@ def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     shape = _shape(model, hf_config)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     reader = SafetensorsReader(hf_dir)
-    loaded = set()
+    loaded, used = set(), set()
     for mapping, hf_prefix, name, param in _model_entries(model, hf_config):
-        full = mapping.merge([reader.get(hf_prefix + n) for n in mapping.hf_names], shape)
+        hf_names = [hf_prefix + n for n in mapping.hf_names]
+        full = mapping.merge([reader.get(n) for n in hf_names], shape)
+        used.update(hf_names)
         shard = _shard(full, mapping, tp_rank, shape.tp_size)
         if shard.shape != param.shape:
-            raise ValueError(f"{[hf_prefix + n for n in mapping.hf_names]} in {str(hf_dir)!r} give shape "
+            raise ValueError(f"{hf_names} in {str(hf_dir)!r} give shape "
                              f"{tuple(shard.shape)} for Megatron parameter {name!r} of shape {tuple(param.shape)}; "
                              f"the checkpoint does not match its config.json")
         param.copy_(shard)
@@ -227,6 +236,24 @@ def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise RuntimeError(f"no HF weights were mapped to Megatron parameters {missing}")
+    _check_every_tensor_used(model, reader, used)
+
+
+def _check_every_tensor_used(model: Any, reader: "SafetensorsReader", used: set[str]) -> None:
+    """Raise naming the HF tensors no rank loaded; a tied checkpoint's lm_head.weight counts if it equals the
+    embedding (transformers ignores it then, and so do we)."""
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, sorted(used))
+    left_over = set(reader.files) - set().union(*map(set, per_rank))
+    left_over = {n for n in left_over if not n.endswith(IGNORED_HF_SUFFIXES)}
+    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
+    if tied and LM_HEAD.hf_names[0] in left_over:
+        if torch.equal(reader.get(LM_HEAD.hf_names[0]), reader.get(EMBEDDING.hf_names[0])):
+            left_over.discard(LM_HEAD.hf_names[0])
+    if left_over:
+        raise ValueError(f"{len(left_over)} tensor(s) in {str(reader.dir)!r} are not used by the model built from its "
+                         f"config.json: {sorted(left_over)[:8]}{' ...' if len(left_over) > 8 else ''}; the config "
+                         f"does not describe these weights (e.g. a bias flag or tie_word_embeddings is wrong)")
 
 
 @torch.no_grad()

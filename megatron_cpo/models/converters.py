@@ -22,6 +22,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
+def config_dtype(hf_config) -> str:
+    """The dtype name the HF config declares (`dtype`, or `torch_dtype` in older configs) if we can write it, else
+    float32: converters write what the model was published in unless told otherwise."""
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    name = str(declared).removeprefix("torch.")
+    return name if name in DTYPES else "float32"
+
+
 def check_output_dir(out_dir: str | Path, force: bool) -> Path:
     """The output path, or an error when it holds files and `force` is not set (nothing is deleted here)."""
     out = Path(out_dir)
@@ -66,19 +74,27 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                        dtype: str = "float32", force: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Write the HF model in `hf_dir` as a torch_dist Megatron checkpoint (loadable at any TP/PP) to `out_dir`."""
-    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+                        dtype: str | None = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Write the HF model in `hf_dir` as a torch_dist Megatron checkpoint (loadable at any TP/PP) to `out_dir`.
+
+    Parameters are stored in `dtype` (default: the HF config's dtype, e.g. bfloat16, else float32). Config options the
+    Megatron model cannot reproduce are refused before any process group starts (see models/hf_options.py).
+    """
+    from megatron_cpo.models.builder import build_gpt_model, family_of, load_hf_config
     from megatron_cpo.models.checkpoint import save_checkpoint
     from megatron_cpo.models.conversion import load_hf_weights
+    from megatron_cpo.models.hf_options import check_supported_options
 
     out = check_output_dir(out_dir, force)
     hf_config = load_hf_config(hf_dir)
+    family_of(hf_config)
+    check_supported_options(hf_config)
+    dtype = dtype or config_dtype(hf_config)
     _init_model_parallel(tp, pp)
     say = _rank0_log(log)
     start = time.perf_counter()
     say(f"[1/3] building {hf_config.model_type} GPTModel ({hf_config.num_hidden_layers} layers) at TP={tp} PP={pp}, "
-        f"{dist.get_world_size()} process(es), {platform.backend()}")
+        f"{dist.get_world_size()} process(es), {platform.backend()}, {dtype}")
     model = build_gpt_model(hf_config, params_dtype=DTYPES[dtype])
     say(f"[2/3] loading HF weights from {hf_dir}")
     load_hf_weights(model, hf_dir)
@@ -151,7 +167,8 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_di
     """Write the torch_dist checkpoint in `mcore_dir` as an HF model directory (weights, config, tokenizer).
 
     `hf_config_dir` is the HF directory the checkpoint came from: its config and tokenizer files are copied. Tensors
-    are saved in `dtype` (default: the config's dtype, else float32).
+    are saved in `dtype` (default: the config's dtype, else float32). `mcore_dir` may be a plain Megatron-Core
+    checkpoint (Megatron-LM, verl) whose tensors match the config; the checkpoint may be saved at any TP/PP.
     """
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.models.checkpoint import load_checkpoint, read_checkpoint_info
@@ -159,8 +176,7 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_di
     out = check_output_dir(out_dir, force)
     hf_config = load_hf_config(hf_config_dir)
     read_checkpoint_info(mcore_dir)
-    config_dtype = str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
-    save_dtype = DTYPES[dtype or (config_dtype if config_dtype in DTYPES else "float32")]
+    save_dtype = DTYPES[dtype or config_dtype(hf_config)]
     _init_model_parallel(tp, pp)
     say = _rank0_log(log)
     start = time.perf_counter()
@@ -205,14 +221,16 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--out", required=True, help="output directory for the torch_dist checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype of the checkpoint")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="parameter dtype of the checkpoint (default: the HF config's dtype, else float32)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     return parser
 
 
 def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of the Megatron -> HF command (shared by the tool and the CLI)."""
-    parser.add_argument("--mcore", required=True, help="torch_dist checkpoint directory")
+    parser.add_argument("--mcore", required=True,
+                        help="torch_dist checkpoint directory (ours, or a plain Megatron-LM/verl one of this model)")
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--hf-config", required=True,
                         help="HF directory the checkpoint came from (its config and tokenizer are copied)")

@@ -85,8 +85,13 @@ def tiny_config(family: str = "qwen2", **overrides):
     raise ValueError(f"unknown tiny model family {family!r}; choose 'qwen2' or 'llama'")
 
 
-def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, **overrides) -> Path:
-    """Write a randomly initialised tiny model, its tokenizer and generation config to `out_dir` (HF layout)."""
+def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, *, random_biases: bool = False,
+                     dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Write a randomly initialised tiny model, its tokenizer and generation config to `out_dir` (HF layout).
+
+    transformers initialises biases to zero; `random_biases` draws them (std 0.1) so that a dropped bias shows in the
+    logits. The weights are drawn in float32 and saved in `dtype` (which the saved config then declares).
+    """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
@@ -94,6 +99,12 @@ def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if random_biases:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+    model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer = build_char_tokenizer()
     if len(tokenizer) > config.vocab_size:

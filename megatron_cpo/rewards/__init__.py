@@ -12,6 +12,8 @@ from megatron_cpo.rewards.registry import (
     get_grader,
     known_sources,
     load_callable,
+    missing_graders,
+    register_custom_graders,
     register_grader,
 )
 
@@ -29,7 +31,7 @@ _LAZY = {
 }
 
 __all__ = ["ARITH_DATA_SOURCE", "Grader", "compute_score", "get_grader", "known_sources", "load_callable",
-           "register_grader", *_LAZY]
+           "missing_graders", "register_custom_graders", "register_grader", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import re
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BOX_COMMAND = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BRACE = re.compile(r"[{}]")
+_SPACES_THEN_BRACE = re.compile(r"[ \t\n]*\{")
+_SPACE_FORM = re.compile(r" [ \t]*([^\s$]+)")
 
-_ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
+_ANSWER_PHRASES = re.compile(r"\b(?:final answer|answer)\s*(?:is|:|=)", re.IGNORECASE)
+_WHITESPACE = re.compile(r"\s*")
+MAX_ANNOUNCED_CHARS = 1000  # an announced answer is one short line; longer text is not inspected further
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _UNIT_WORDS = (
     "units", "unit", "sq", "square", "cubic", "cm", "mm", "km", "m", "meters", "meter", "inches", "inch", "feet",
@@ -32,50 +37,73 @@ def _braced_argument(text: str, start: int) -> tuple[str, int] | None:
     if start >= len(text) or text[start] != "{":
         return None
     depth = 0
-    for index in range(start, len(text)):
-        char = text[index]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:index], index + 1
+    for brace in _BRACE.finditer(text, start):
+        depth += 1 if brace.group() == "{" else -1
+        if depth == 0:
+            return text[start + 1:brace.start()], brace.end()
+    return None
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of the matching ``}`` for every ``{`` of ``text`` that is closed, in one pass over its braces."""
+    closing, open_positions = {}, []
+    for brace in _BRACE.finditer(text):
+        if brace.group() == "{":
+            open_positions.append(brace.start())
+        elif open_positions:
+            closing[open_positions.pop()] = brace.start()
+    return closing
+
+
+def last_boxed_at(text: str) -> tuple[str, int] | None:
+    """(content, start index) of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too),
+    else None.
+
+    Linear in ``len(text)``: braces are matched in one pass, then the commands are visited from the last one back
+    (an unclosed ``\\boxed{`` repeated thousands of times used to rescan the rest of the text for each of them).
+    """
+    closing: dict[int, int] | None = None
+    for command in reversed(list(_BOX_COMMAND.finditer(text))):
+        after = command.end()
+        opening = _SPACES_THEN_BRACE.match(text, after)
+        if opening is not None:
+            if closing is None:
+                closing = _closing_braces(text)
+            brace = opening.end() - 1
+            if brace in closing:
+                return text[brace + 1:closing[brace]], command.start()
+            continue
+        bare = _SPACE_FORM.match(text, after)
+        if bare is not None:
+            return bare.group(1), command.start()
     return None
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{}``/``\\fbox{}`` (nested braces allowed; ``\\boxed 5`` too), else None."""
-    best_position, best_content = -1, None
-    for command in _BOX_COMMANDS:
-        position = text.rfind(command)
-        while position != -1:
-            after = position + len(command)
-            if after < len(text) and text[after].isalpha():
-                position = text.rfind(command, 0, position)
-                continue
-            rest = text[after:]
-            stripped = rest.lstrip()
-            if stripped.startswith("{"):
-                group = _braced_argument(text, after + len(rest) - len(stripped))
-                content = group[0] if group is not None else None
-            elif rest.startswith(" "):
-                content = stripped.split("$")[0].split()[0] if stripped.split() else None
-            else:
-                content = None
-            if content is not None:
-                if position > best_position:
-                    best_position, best_content = position, content
-                break
-            position = text.rfind(command, 0, position)
-    return best_content
+    """Content of the last ``\\boxed{}``/``\\fbox{}`` (see ``last_boxed_at``), else None."""
+    found = last_boxed_at(text)
+    return found[0] if found is not None else None
 
 
 def announced_answer(text: str) -> str | None:
-    """The answer a solution states in words ("The final answer is $x$", "Answer: x"), else None."""
-    matches = list(_ANSWER_PHRASES.finditer(text))
-    if not matches:
+    """The answer a solution states in words ("The final answer is $x$", "Answer: x"), else None.
+
+    The phrase is found by a regex whose only repetition is followed by a literal, and what follows it (blank space,
+    an optional colon, the rest of that line) is read with plain scans, so a failed match never backtracks over
+    long runs of whitespace.
+    """
+    last = None
+    for last in _ANSWER_PHRASES.finditer(text):
+        pass
+    if last is None:
         return None
-    candidate = matches[-1].group(1).strip()
+    start = _WHITESPACE.match(text, last.end()).end()
+    if text.startswith(":", start):
+        start = _WHITESPACE.match(text, start + 1).end()
+    line_end = text.find("\n", start)
+    candidate = text[start:line_end if line_end >= 0 else len(text)][:MAX_ANNOUNCED_CHARS].strip()
+    if not candidate:
+        return None
     dollar_span = re.match(r"^\$+(.+?)\$+", candidate)
     if dollar_span:
         candidate = dollar_span.group(1)
@@ -162,8 +190,9 @@ def strip_string(answer: str) -> str:
     if _THOUSANDS.match(text):
         text = text.replace(",", "")
     text = re.sub(r"(^|[\s{(\[,=+\-])\.(\d)", r"\g<1>0.\2", text)
-    if re.fullmatch(r"[A-Za-z]\s*=\s*[^=]+", text) and len(text.split("=")[0].strip()) <= 2:
-        text = text.split("=", 1)[1]
+    variable, equals, value = text.partition("=")
+    if equals and value and "=" not in value and re.fullmatch(r"[A-Za-z]\s*", variable):
+        text = value
     text = _fix_sqrt(text)
     text = text.replace(" ", "")
     text = _fix_fracs(text)

@@ -4,16 +4,19 @@ Equivalence is decided in three stages, cheapest first: the normalised strings m
 are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
 (sets, intervals, matrices, roots, pi, expressions). math-verify's own timeout is a wall-clock ``signal.alarm`` in
 whole seconds, which on a loaded machine fires on checks that merely waited for a core; the symbolic stage therefore
-runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Signals
-only reach the main thread, so on other threads there is no budget and the hard bound is the reward manager's
-per-sample wall timeout, which kills the worker process (``megatron_cpo.rewards.manager``).
+runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Inputs whose
+evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials, power towers),
+and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no value overflows
+and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another thread sends its
+symbolic check to a helper process under the same budget and a wall-clock limit (``symbolic_process``). In training
+the grading pool's per-sample wall timeout bounds everything (``megatron_cpo.rewards.manager``).
 
 Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
 """
 from __future__ import annotations
 
+import decimal
 import logging
-import math
 import re
 import signal
 import threading
@@ -23,32 +26,59 @@ from contextlib import contextmanager
 from math_verify import parse as mv_parse
 from math_verify import verify as mv_verify
 
-from megatron_cpo.rewards.math_answer import extract_answer, strip_string
+from megatron_cpo.rewards.math_answer import extract_answer, last_boxed, strip_string
 
 MAX_SYMBOLIC_CHARS = 400
-_INTEGER = re.compile(r"^-?\d+$")
-_FRACTION = re.compile(r"^(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
-_SCIENTIFIC = re.compile(r"^(-?[\d.]+)\\(?:times|cdot)10\^\{?(-?\d+)\}?$")
+_INTEGER = re.compile(r"^[-+]?\d+$")
+_PLAIN_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_NUMBER_LITERAL = re.compile(rf"^{_PLAIN_NUMBER}(?:[eE][-+]?\d{{1,6}})?$")
+_FRACTION = re.compile(rf"^(-?)\\frac\{{({_PLAIN_NUMBER})\}}\{{({_PLAIN_NUMBER})\}}$")
+_SCIENTIFIC = re.compile(rf"^({_PLAIN_NUMBER})\\(?:times|cdot)10\^\{{?([-+]?\d{{1,6}})\}}?$")
+# Inputs sympy cannot finish in bounded time inside one C call (where no signal can interrupt it): exponents or
+# factorials of 4+ digit numbers, and towers of powers. The symbolic stage is skipped for them.
+_EXPLOSIVE = re.compile(r"\^\s*\{?\s*[-+]?\d{4,}|\d{4,}\s*!|\^\s*\{[^{}]*\^|\^\s*\d+\s*\^")
+_NUMERIC_CONTEXT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
 
 
-def numeric_value(normalised: str) -> float | None:
-    """The value of a normalised answer that is a plain number, fraction or scientific literal, else None."""
+def numeric_value(normalised: str) -> decimal.Decimal | None:
+    """The exact value of a normalised answer that is a plain number, fraction or scientific literal, else None.
+
+    Decimal, not float: ``1e999`` and ``1e500`` are different numbers (as floats both are inf), ``10^{400}`` does not
+    overflow, and malformed literals such as ``1.2.3`` are simply not numbers.
+    """
     text = normalised
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    if _NUMBER_LITERAL.match(text):
+        return _NUMERIC_CONTEXT.create_decimal(text)
     fraction = _FRACTION.match(text)
     if fraction:
-        denominator = float(fraction.group(3))
+        denominator = _NUMERIC_CONTEXT.create_decimal(fraction.group(3))
         if denominator == 0:
             return None
-        value = float(fraction.group(2)) / denominator
+        value = _NUMERIC_CONTEXT.divide(_NUMERIC_CONTEXT.create_decimal(fraction.group(2)), denominator)
         return -value if fraction.group(1) else value
     scientific = _SCIENTIFIC.match(text)
     if scientific:
-        return float(scientific.group(1)) * 10.0 ** int(scientific.group(2))
+        return _NUMERIC_CONTEXT.create_decimal(scientific.group(1)).scaleb(int(scientific.group(2)), _NUMERIC_CONTEXT)
     return None
+
+
+def numbers_close(first: decimal.Decimal, second: decimal.Decimal, rel_tol: float, abs_tol: float) -> bool:
+    """``math.isclose`` for exact decimals of any magnitude (no overflow, no inf == inf)."""
+    context = _NUMERIC_CONTEXT
+    difference = context.abs(context.subtract(first, second))
+    scale = context.max(context.abs(first), context.abs(second))
+    tolerance = context.max(context.multiply(context.create_decimal(repr(rel_tol)), scale),
+                            context.create_decimal(repr(abs_tol)))
+    return difference <= tolerance
+
+
+def integers_equal(first: str, second: str) -> bool:
+    """Two integer literals (``_INTEGER``) are the same number, compared as text: no int() digit limit."""
+    def canonical(text: str) -> str:
+        sign = "-" if text.startswith("-") else ""
+        digits = text.lstrip("+-").lstrip("0") or "0"
+        return ("" if digits == "0" else sign) + digits
+    return canonical(first) == canonical(second)
 
 
 class SymbolicTimeout(BaseException):
@@ -113,11 +143,20 @@ def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_
         return True, "exact"
     predicted_value, true_value = numeric_value(normalised_prediction), numeric_value(normalised_truth)
     if predicted_value is not None and true_value is not None:
-        if math.isclose(predicted_value, true_value, rel_tol=1e-6, abs_tol=1e-9):
+        if numbers_close(predicted_value, true_value, rel_tol=1e-6, abs_tol=1e-9):
             return True, "numeric"
-        return False, f"numeric mismatch: {predicted_value!r} != {true_value!r}"
+        return False, f"numeric mismatch: {predicted_value} != {true_value}"
     if len(prediction) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
         return False, f"answer longer than {MAX_SYMBOLIC_CHARS} characters; symbolic check skipped"
+    if _EXPLOSIVE.search(prediction) or _EXPLOSIVE.search(ground_truth):
+        return False, "huge exponent or factorial; symbolic check skipped"
+    if threading.current_thread() is not threading.main_thread():
+        from megatron_cpo.rewards.symbolic_process import symbolic_equal_in_helper
+
+        equal, why_not = symbolic_equal_in_helper(str(prediction), str(ground_truth), symbolic_timeout_s)
+        if equal:
+            return True, "symbolic"
+        return False, why_not or f"not equivalent: {normalised_prediction!r} vs {normalised_truth!r}"
     try:
         if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
             return True, "symbolic"
@@ -134,11 +173,18 @@ def _result(correct: bool, prediction: str | None, how: str, wrong_score: float)
 
 def compute_math_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *,
-    wrong_score: float = -1.0, symbolic_timeout_s: float = 5.0,
+    wrong_score: float = -1.0, symbolic_timeout_s: float = 5.0, require_boxed: bool = False,
 ) -> dict:
-    """MATH-style grade (hendrycks_math, math500, the synthetic arithmetic task): +1 if equivalent else wrong_score."""
-    prediction = extract_answer(solution_str)
+    """MATH-style grade: +1 if the final answer is equivalent to the ground truth, else ``wrong_score``.
+
+    The final answer is the last ``\\boxed{}``; without one, the announced answer or the last number unless
+    ``require_boxed`` (verl's lighteval/MATH rule: no box, no credit).
+    """
+    prediction = last_boxed(solution_str) if require_boxed and isinstance(solution_str, str) else (
+        None if require_boxed else extract_answer(solution_str))
     correct, how = math_equivalent(prediction, str(ground_truth), symbolic_timeout_s)
+    if prediction is None and require_boxed:
+        how = "no \\boxed{} answer found"
     return _result(correct, prediction, how, wrong_score)
 
 
@@ -152,8 +198,8 @@ def compute_strict_math_score(
         return _result(False, None, "no answer found in the response", wrong_score)
     normalised_prediction, normalised_truth = strip_string(prediction), strip_string(str(ground_truth))
     both_integers = _INTEGER.match(normalised_prediction) and _INTEGER.match(normalised_truth)
-    if normalised_prediction == normalised_truth or (both_integers and int(normalised_prediction) == int(
-            normalised_truth)):
+    if normalised_prediction == normalised_truth or (both_integers and integers_equal(normalised_prediction,
+                                                                                     normalised_truth)):
         return _result(True, prediction, "exact", wrong_score)
     return _result(False, prediction, f"strict mismatch: {normalised_prediction!r} vs {normalised_truth!r}",
                    wrong_score)

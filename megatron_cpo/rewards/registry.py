@@ -3,14 +3,41 @@
 A grader is any callable ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict | float``
 returning at least ``score`` and ``acc`` (a bare number is wrapped: ``acc = score > 0``). Each registered grader also
 declares ``failure_score``, the score a sample gets when the grader raises, hangs or crashes, which is that grader's
-wrong-answer score. Users add graders with ``register_grader(source, "pkg.module:fn")`` or through
-``RewardConfig.custom_graders``; adding a source touches one row of ``_BUILTIN_GRADERS``.
+wrong-answer score, and ``defaults``, keyword arguments that give a source verl's score values. Users add graders with
+``register_grader(source, "pkg.module:fn")`` or through ``reward.custom_graders``; adding a source touches one row of
+``_BUILTIN_GRADERS``.
+
+Every source verl's ``default_compute_score`` grades is covered with verl's score values:
+
+==========================================================  ===========  ================================================
+data_source                                                  scores       where ours is more lenient than verl
+==========================================================  ===========  ================================================
+openai/gsm8k                                                 1 / 0        ``\\boxed{}`` fallback, numbers by value,
+                                                                          whole response (verl: last 300 chars)
+lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,          1 / 0        numeric and symbolic (math-verify) equivalence
+HuggingFaceH4/MATH-500                                                    besides verl's normalised string match
+math_dapo, math, math_dapo_reasoning                         +1 / -1      ``\\boxed{}`` when no "Answer:" line (or the
+                                                                          box follows it), whole response,
+                                                                          numeric/symbolic equivalence
+aime* (any source starting with "aime")                      +1 / -1      ``\\boxed{}`` fallback, ``042`` == ``42``
+numina_aops_forum, numina_synthetic_math, numina_amc_aime,   1 / 0        same equivalence as MATH (verl: PRIME's
+numina_synthetic_amc, numina_cn_k12, numina_olympiads                     sympy grader); extraction from the box, the
+                                                                          announced answer or the last number
+codecontests, apps, codeforces, taco                         [0, 1]       none: fraction of the first 10 tests passed,
+                                                                          1 when all pass (our sandbox, not PRIME's)
+hiyouga/geometry3k                                           1/.9/.1/0    1% numeric slack on the boxed value
+searchR1_nq, _triviaqa, _popqa, _hotpotqa,                   1/.25/0      none (exact match after SQuAD normalisation)
+_2wikimultihopqa, _musique, _bamboogle
+==========================================================  ===========  ================================================
+
+Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, amc23 strict) or 1/0 (gpqa).
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_cpo.rewards.answer_graders import (
     compute_geometry_score,
@@ -18,6 +45,7 @@ from megatron_cpo.rewards.answer_graders import (
     compute_multiple_choice_score,
 )
 from megatron_cpo.rewards.code_grader import compute_code_score
+from megatron_cpo.rewards.dataset_graders import compute_dapo_score, compute_qa_exact_match_score
 from megatron_cpo.rewards.math_grader import compute_math_score, compute_strict_math_score
 
 ARITH_DATA_SOURCE = "megatron_cpo/arith"
@@ -30,43 +58,78 @@ class Grader:
     fn: Callable[..., dict | float]
     failure_score: float
     name: str
+    defaults: dict = field(default_factory=dict)
+
+
+def _load_module_file(file_path: str, dotted_path: str) -> object:
+    """Import a Python file by path (verl's ``custom_reward_function.path``)."""
+    import importlib.util
+
+    path = Path(file_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"reward function file {file_path!r} (from {dotted_path!r}) does not exist; give the path "
+                         "of a .py file")
+    spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(str(path.resolve())))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise ValueError(f"cannot import reward function file {file_path!r}: {type(error).__name__}: {error}") \
+            from error
+    return module
 
 
 def load_callable(dotted_path: str) -> Callable:
-    """Import ``pkg.module:fn`` (or ``pkg.module.fn``); errors name the path and what is missing."""
-    module_name, separator, attribute = dotted_path.partition(":")
+    """Import ``pkg.module:fn`` (or ``pkg.module.fn``), or ``path/to/file.py:fn`` (verl's custom reward file);
+    errors name the path and what is missing."""
+    module_name, separator, attribute = dotted_path.rpartition(":") if ".py:" in dotted_path else \
+        dotted_path.partition(":")
     if not separator:
         module_name, _, attribute = dotted_path.rpartition(".")
     if not module_name or not attribute:
-        raise ValueError(f"grader path {dotted_path!r} must look like 'pkg.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import module {module_name!r} of grader {dotted_path!r}: {error}; "
-                         "make sure it is on PYTHONPATH") from error
+        raise ValueError(f"grader path {dotted_path!r} must look like 'pkg.module:function' or 'file.py:function'")
+    if module_name.endswith(".py"):
+        module = _load_module_file(module_name, dotted_path)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"cannot import module {module_name!r} of grader {dotted_path!r}: {error}; "
+                             "make sure it is on PYTHONPATH") from error
     function = getattr(module, attribute, None)
     if not callable(function):
         raise ValueError(f"module {module_name!r} has no callable {attribute!r} (grader {dotted_path!r})")
     return function
 
 
-def _builtin(fn: Callable, failure_score: float) -> Grader:
-    return Grader(fn=fn, failure_score=failure_score, name=fn.__name__)
+def _builtin(fn: Callable, failure_score: float, **defaults) -> Grader:
+    return Grader(fn=fn, failure_score=failure_score, name=fn.__name__, defaults=defaults)
 
+
+VERL_MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+NUMINA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                  "numina_cn_k12", "numina_olympiads")
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+SEARCH_R1_SOURCES = tuple(f"searchR1_{name}" for name in (
+    "nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"))
 
 _BUILTIN_GRADERS: dict[str, Grader] = {
     **{source: _builtin(compute_math_score, -1.0) for source in (
-        "math", "hendrycks_math", "hendrycks_math:train_MATH-500:test", "math500", "HuggingFaceH4/MATH-500",
-        ARITH_DATA_SOURCE)},
-    **{source: _builtin(compute_strict_math_score, -1.0) for source in ("aime2024", "aime2025", "amc23")},
+        "hendrycks_math", "hendrycks_math:train_MATH-500:test", "math500", ARITH_DATA_SOURCE)},
+    **{source: _builtin(compute_math_score, 0.0, wrong_score=0.0, require_boxed=True) for source in VERL_MATH_SOURCES},
+    **{source: _builtin(compute_dapo_score, -1.0) for source in DAPO_SOURCES},
+    **{source: _builtin(compute_math_score, 0.0, wrong_score=0.0) for source in NUMINA_SOURCES},
+    "amc23": _builtin(compute_strict_math_score, -1.0),
     "openai/gsm8k": _builtin(compute_gsm8k_score, 0.0),
     "gpqa": _builtin(compute_multiple_choice_score, 0.0),
     "hiyouga/geometry3k": _builtin(compute_geometry_score, 0.0),
-    **{source: _builtin(compute_code_score, 0.0) for source in ("codecontests", "apps", "codeforces", "taco")},
+    **{source: _builtin(compute_code_score, 0.0, continuous=True, max_tests=10) for source in CODE_SOURCES},
+    **{source: _builtin(compute_qa_exact_match_score, 0.0) for source in SEARCH_R1_SOURCES},
 }
+# verl grades every source whose name starts with one of these prefixes alike (``data_source.startswith("aime")``).
+_PREFIX_GRADERS: dict[str, Grader] = {"aime": _builtin(compute_dapo_score, -1.0, strict=True)}
 _registered: dict[str, Grader] = dict(_BUILTIN_GRADERS)
-
-
 def register_grader(data_source: str, grader: Callable | str, failure_score: float = 0.0,
                     overwrite: bool = False) -> Grader:
     """Register ``grader`` (a callable or a ``pkg.module:fn`` path) for ``data_source`` in this process."""
@@ -80,17 +143,46 @@ def register_grader(data_source: str, grader: Callable | str, failure_score: flo
     return entry
 
 
+def register_custom_graders(custom_graders: dict[str, str], failure_score: float = 0.0) -> None:
+    """Register ``reward.custom_graders`` (``{data_source: "pkg.module:fn" | "file.py:fn"}``) in this process,
+    replacing built-ins of the same name; the trainer does this before its data check, each grading worker at
+    start."""
+    for source, path in custom_graders.items():
+        register_grader(source, path, failure_score=failure_score, overwrite=True)
+
+
 def known_sources() -> list[str]:
-    """Every data_source with a grader in this process, sorted."""
-    return sorted(_registered)
+    """Every data_source with a grader in this process, sorted (prefix rules shown as ``aime*``)."""
+    return sorted([*_registered, *(f"{prefix}*" for prefix in _PREFIX_GRADERS)])
+
+
+def _lookup(data_source: str) -> Grader | None:
+    grader = _registered.get(data_source)
+    if grader is None:
+        grader = next((g for prefix, g in _PREFIX_GRADERS.items() if data_source.startswith(prefix)), None)
+    return grader
+
+
+def missing_graders(data_sources: Iterable[str]) -> list[str]:
+    """The distinct sources among ``data_sources`` with no grader in this process (register custom graders first),
+    sorted; empty when every source can be graded."""
+    return sorted({str(source) for source in data_sources if _lookup(str(source)) is None})
+
+
+def missing_grader_message(missing: list[str], where: str | None = None) -> str:
+    """One line naming the sources without a grader (and the files they are in) and the two ways to fix it."""
+    example = missing[0]
+    return (f"no grader for data_source {', '.join(map(repr, missing))}{f' in {where}' if where else ''}; set "
+            f"reward.custom_graders={{'{example}': 'pkg.module:fn'}} (one source) or custom_reward_function.path="
+            f"<file.py> with custom_reward_function.name=<fn> (every source), or use one of the known sources: "
+            f"{', '.join(known_sources())}")
 
 
 def get_grader(data_source: str) -> Grader:
     """The grader for ``data_source``; an unknown source is an error listing the known ones."""
-    grader = _registered.get(data_source)
+    grader = _lookup(data_source)
     if grader is None:
-        raise ValueError(f"no grader for data_source={data_source!r}; known sources: {', '.join(known_sources())}. "
-                       "Register one with reward.custom_graders={'<source>': 'pkg.module:fn'}")
+        raise ValueError(missing_grader_message([data_source]))
     return grader
 
 
@@ -110,14 +202,15 @@ def normalise_result(raw: dict | float | int | bool, grader_name: str) -> dict:
     return result
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None,
                   **grader_kwargs) -> dict:
     """Grade one response with the grader registered for ``data_source`` (verl's ``compute_score`` signature).
 
     Returns at least ``score`` (float), ``acc`` (bool), ``pred`` (the extracted answer) and, when wrong, ``reason``.
-    ``grader_kwargs`` reach the grader, e.g. ``wrong_score=0.0`` for 1/0 math scores.
+    ``grader_kwargs`` reach the grader over its source's defaults, e.g. ``wrong_score=0.0`` for 1/0 math scores.
     """
     grader = get_grader(data_source)
     raw = grader.fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                    extra_info=extra_info, **grader_kwargs)
+                    extra_info=extra_info, **{**grader.defaults, **grader_kwargs})
     return normalise_result(raw, grader.name)
+

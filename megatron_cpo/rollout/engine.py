@@ -46,8 +46,8 @@ class VLLMEngine:
             enforce_eager=not config.uses_gpu,
             # vLLM's CPU sampler cannot rewind a seeded request's torch generator when a chunked prefill discards
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
-            enable_chunked_prefill=config.uses_gpu,
-            max_num_batched_tokens=None if config.uses_gpu else max(config.max_model_len, 2048),
+            enable_chunked_prefill=config.uses_gpu and config.enable_chunked_prefill,
+            max_num_batched_tokens=config.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)

@@ -105,6 +105,8 @@ class RolloutConfig:
     `max_num_seqs`: sequences one engine decodes at once (vLLM's scheduler limit; None keeps vLLM's default, 128 for
     an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
     max_num_seqs / n prompts only queues.
+    `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process; None: vLLM's default)
+    are vLLM's options on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step.
     """
 
     model_path: str
@@ -127,6 +129,8 @@ class RolloutConfig:
     health_timeout_s: float = 30.0
     seed: int = 0
     engine_env: dict[str, str] = field(default_factory=dict)
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):

@@ -57,15 +57,17 @@ class GroupSelection:
     def windowed(self) -> bool:
         return self.ragen is not None
 
-    def keep(self, metric: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Bool [groups] keep mask for [groups, n] metric and score matrices."""
+    def keep(self, metric: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Bool [groups] keep mask for [groups, n] metric and score matrices (and response lengths, which RAGEN's
+        `length` score ranks by)."""
         keep = self.metric_filter(metric) if self.metric_filter is not None else torch.ones(len(metric), dtype=bool)
         if self.ragen is None or not bool(keep.any()):
             return keep
         candidates = torch.nonzero(keep).squeeze(1)
         rows = scores[candidates]
         group = torch.arange(len(candidates)).repeat_interleave(rows.shape[1])
-        chosen = ragen_filter(rows.reshape(-1), group, self.ragen).keep.reshape(rows.shape)[:, 0]
+        row_lengths = lengths[candidates].reshape(-1) if lengths is not None else None
+        chosen = ragen_filter(rows.reshape(-1), group, self.ragen, lengths=row_lengths).keep.reshape(rows.shape)[:, 0]
         keep = torch.zeros_like(keep)
         keep[candidates[chosen]] = True
         return keep
@@ -173,7 +175,8 @@ class GroupAccumulator:
         ready, self._window = self._window, []
         metric = torch.stack([g.metric(self.metric) for g in ready])
         scores = torch.stack([g.scores.float() for g in ready])
-        keep = self.selection.keep(metric, scores)
+        lengths = torch.tensor([[len(r) for r in g.response_token_ids] for g in ready], dtype=torch.float32)
+        keep = self.selection.keep(metric, scores, lengths)
         needed = self.target_prompts - len(self.kept)
         kept_so_far = torch.cumsum(keep.long(), 0)
         fills = torch.nonzero(kept_so_far >= needed)
@@ -250,7 +253,9 @@ def selection_from_config(config: Config) -> GroupSelection | None:
         ragen = RagenFilterConfig(
             strategy=rollout.rollout_filter_strategy, value=rollout.rollout_filter_value,
             filter_type=rollout.rollout_filter_type, include_zero=rollout.rollout_filter_include_zero,
-            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric])
+            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric],
+            top_p_prob_mode=rollout.rollout_filter_top_p_prob_mode,
+            selection_eps=rollout.rollout_filter_selection_eps)
     shaping = None
     if overlong.enable:
         shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)

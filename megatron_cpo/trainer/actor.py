@@ -48,19 +48,21 @@ class MegatronPolicy:
     """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates."""
 
     def __init__(self, model: Any, pad_token_id: int, micro_batch_size: int, ddp_model: Any = None,
-                 optimizer: Any = None, scheduler: Any = None) -> None:
+                 optimizer: Any = None, scheduler: Any = None, log_prob_micro_batch_size: int = 0) -> None:
         self.model = model
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.pad_token_id = pad_token_id
         self.micro_batch_size = micro_batch_size
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size or micro_batch_size  # forward-only scoring
 
     @property
     def _module(self) -> Any:
         return self.ddp_model if self.ddp_model is not None else self.model
 
-    def _run(self, micro_batches: list[dict], length: int, step_fn: Callable, forward_only: bool) -> list:
+    def _run(self, micro_batches: list[dict], length: int, step_fn: Callable, forward_only: bool,
+             micro_size: int) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         positions = torch.arange(length, device=platform.device()).unsqueeze(0)
@@ -73,7 +75,7 @@ class MegatronPolicy:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self._module],
-            num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=self.micro_batch_size,
+            num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=micro_size,
             forward_only=forward_only)
 
     def _log_probs_entropy(self, logits: torch.Tensor, seqs: PackedSequences, temperature: float
@@ -87,18 +89,19 @@ class MegatronPolicy:
             ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
         return seqs.to_response(log_probs), seqs.to_response(entropy)
 
-    def _split(self, seqs: PackedSequences, extra: dict[str, torch.Tensor] | None = None) -> tuple[list[dict], int]:
+    def _split(self, seqs: PackedSequences, micro_size: int, extra: dict[str, torch.Tensor] | None = None
+               ) -> tuple[list[dict], int]:
         """This DP rank's rows of `seqs`, padded and cut into micro-batches; returns them and the padded row count."""
         from megatron.core import parallel_state
 
         dp_size = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
-        padded = _pad_rows(seqs, dp_size * self.micro_batch_size, self.pad_token_id)
+        padded = _pad_rows(seqs, dp_size * micro_size, self.pad_token_id)
         per_rank = padded.rows // dp_size
         rows = torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         micro = []
-        for start in range(0, per_rank, self.micro_batch_size):
-            index = rows[start: start + self.micro_batch_size]
+        for start in range(0, per_rank, micro_size):
+            index = rows[start: start + micro_size]
             batch = {"seqs": padded.select(index)}
             for name, tensor in (extra or {}).items():
                 full = torch.cat([tensor, torch.zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]),
@@ -113,11 +116,11 @@ class MegatronPolicy:
         from megatron.core import parallel_state
 
         self._module.eval()
-        micro, padded_rows = self._split(seqs)
+        micro, padded_rows = self._split(seqs, self.log_prob_micro_batch_size)
         outputs = self._run(micro, seqs.length,
                             lambda logits, batch: (torch.zeros((), device=logits.device),
                                                    self._log_probs_entropy(logits, batch["seqs"], temperature)),
-                            forward_only=True)
+                            forward_only=True, micro_size=self.log_prob_micro_batch_size)
         width = seqs.response_width
         local_rows = padded_rows // parallel_state.get_data_parallel_world_size()
         local = torch.zeros(2, local_rows, width, device=platform.device())
@@ -149,7 +152,7 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
-        micro, _ = self._split(seqs, extra)
+        micro, _ = self._split(seqs, self.micro_batch_size, extra)
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
 
         def loss_step(logits, batch):
@@ -166,7 +169,7 @@ class MegatronPolicy:
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, seqs.length, loss_step, forward_only=False)
+        outputs = self._run(micro, seqs.length, loss_step, forward_only=False, micro_size=self.micro_batch_size)
         self.scheduler.step(increment=1)
         updated, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(outputs)
@@ -192,7 +195,9 @@ class MegatronPolicy:
         values = torch.tensor([payload[0][k] for k in keys], dtype=torch.float64)
         dp_size = parallel_state.get_data_parallel_world_size()
         if dp_size > 1 and keys:
+            values = values.to(platform.device())  # NCCL reduces device tensors only
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            values = values.cpu()
             values = torch.where(torch.tensor([k in summed for k in keys]), values, values / dp_size)
         return {(k if "/" in k else f"actor/{k}"): float(v) for k, v in zip(keys, values)}
 

@@ -7,7 +7,7 @@ observed in this and earlier steps: enough uncommitted prompts to fill the batch
 `inflight_cap` (a prompt requested too late costs a whole response's latency, one requested needlessly only the
 tokens it got before cancellation). When `train_batch_size` prompts are kept, what is still running is cancelled and
 the unused prompts go back to the data stream. `max_num_gen_batches` caps the prompts requested (in units of
-`train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
+`gen_batch_size`, verl's DAPO generation batch, by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
 Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
 keep-rate history is a speed hint that checkpoints need not hold.
 """
@@ -42,6 +42,12 @@ class ControllerSettings:
     max_inflight_prompts: int = 0
     filter_metric: str = "acc"
     poll_timeout_s: float = 600.0
+    gen_batch_size: int = 0
+
+    @property
+    def generation_batch(self) -> int:
+        """Prompts per generation batch, the unit of `max_num_gen_batches` (verl's data.gen_batch_size)."""
+        return self.gen_batch_size or self.train_batch_size
 
     @property
     def inflight_cap(self) -> int:
@@ -49,7 +55,7 @@ class ControllerSettings:
 
     @property
     def prompt_limit(self) -> int | None:
-        return self.max_num_gen_batches * self.train_batch_size if self.max_num_gen_batches > 0 else None
+        return self.max_num_gen_batches * self.generation_batch if self.max_num_gen_batches > 0 else None
 
 
 @dataclass
@@ -151,7 +157,7 @@ class RolloutController:
             return CollectedBatch(acc.batch(), True, False, metrics)
         if not data_exhausted:
             limit = s.prompt_limit
-            message = (f"step {step}: num_gen_batches={math.ceil(acc.next_seq / s.train_batch_size)} >= "
+            message = (f"step {step}: num_gen_batches={math.ceil(acc.next_seq / s.generation_batch)} >= "
                        f"max_num_gen_batches={s.max_num_gen_batches} with only {len(acc.kept)}/{s.train_batch_size} "
                        f"prompts kept after {limit} prompts; the data may be too easy or too hard for the filter. "
                        "Raise algorithm.filter_groups.max_num_gen_batches, or set "
@@ -206,13 +212,13 @@ class RolloutController:
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
     def _log_progress(self, step: int, acc: GroupAccumulator, logged: int) -> int:
-        """The seeds' per-generation-batch line, once per train_batch_size committed prompts."""
-        size = self.settings.train_batch_size
+        """The seeds' per-generation-batch line, once per generation batch of committed prompts."""
+        size, wanted = self.settings.generation_batch, self.settings.train_batch_size
         while (logged + 1) * size <= acc.next_seq or (acc.full and logged * size < acc.next_seq):
             logged += 1
             logger.info("[filter_groups] step %d, gen batch %d: committed %d prompts, filtered %d trajectories, "
                         "accumulated %d/%d", step, logged, acc.next_seq, acc.stats.filtered_trajectories,
-                        min(len(acc.kept), size), size)
+                        min(len(acc.kept), wanted), wanted)
         return logged
 
     def _metrics(self, acc: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float

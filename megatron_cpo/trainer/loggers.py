@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_cpo.trainer.verl_metrics import with_verl_names
+
 logger = logging.getLogger(__name__)
 
 CONSOLE_KEYS = ("val/acc", "reward/mean", "reward/acc", "filter/kept_prompts", "filter/num_gen_batches",
@@ -137,11 +139,15 @@ def _installed(module: str) -> bool:
 
 
 class MetricLogger:
-    """Fans metrics out to the configured sinks; `log_table` writes completion tables as JSONL."""
+    """Fans metrics out to the configured sinks; `log_table` writes completion tables as JSONL. With `verl_names`
+    the file and dashboard sinks also get verl's names for the same metrics (verl_metrics.py; not the console)."""
 
     def __init__(self, sinks: list[str], out_dir: Path, total_steps: int, project: str, name: str,
-                 config: dict[str, Any], resume_step: int = 0) -> None:
+                 config: dict[str, Any], verl_names: bool = False, val_samples: int = 1,
+                 resume_step: int = 0) -> None:
         self.out_dir = out_dir
+        self.verl_names = verl_names
+        self.val_samples = val_samples
         out_dir.mkdir(parents=True, exist_ok=True)
         for table in TABLES:  # forget the rows an earlier attempt logged after resume_step
             truncate_jsonl(out_dir / f"{table}.jsonl", resume_step)
@@ -159,8 +165,9 @@ class MetricLogger:
                 logger.warning("trainer.logger %r: its package is not installed; skipping that sink", sink)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        extended = with_verl_names(metrics, step, self.val_samples) if self.verl_names else metrics
         for sink in self.sinks:
-            sink.log(metrics, step)
+            sink.log(metrics if isinstance(sink, ConsoleSink) else extended, step)
 
     def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
         """Append rows (e.g. prompt / completion / reward) tagged with the step to `<name>.jsonl` (`name` in

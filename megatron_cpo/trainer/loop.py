@@ -47,7 +47,7 @@ class StopSignal:
 
     def agreed(self) -> bool:
         """Whether any rank was signalled (collective)."""
-        flag = torch.tensor([float(self.received)])
+        flag = torch.tensor([float(self.received)], device=platform.device())  # NCCL reduces device tensors only
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -84,6 +84,7 @@ def _batch_reward_metrics(groups: list) -> dict[str, float]:
     acc = torch.stack([g.acc.float() for g in groups])
     group_std = scores.std(dim=1, unbiased=False)
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
+            "reward/max": float(scores.max()), "reward/min": float(scores.min()),
             "reward_std": float(group_std.mean()), "frac_reward_zero_std": float((group_std == 0).float().mean()),
             "reward/acc": float(acc.mean())}
 
@@ -112,6 +113,9 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
     The last step is always checkpointed; a run that loses every rollout engine checkpoints what it trained and
     raises `RunAbortedError` (one line naming the engine and the fix), as does SIGTERM during start-up.
     """
+    from megatron_cpo.trainer.preflight import preflight
+
+    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide
@@ -138,7 +142,9 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         start_step = checkpoints.maybe_resume(config.trainer.resume)
         early_stopped = _broadcast(monitor is not None and monitor.stopped)
         metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
-                                      config.trainer.experiment_name, config_to_dict(config), start_step)
+                                      config.trainer.experiment_name, config_to_dict(config),
+                                      config.trainer.log_verl_metric_names,
+                                      config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=start_step)
                          if is_rank0 else None)
         startup.check()
         startup.restore()
@@ -170,6 +176,8 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
                 batch = make_step_batch(collected.groups, kept_ratio, hints)
             batch = broadcast_batch(batch)
             if batch is None:
+                if step == 1 and start_step == 0:
+                    raise ValueError(nothing_to_train_message(config))
                 logger.info("no batch at step %d (data exhausted); ending the run", step)
                 step -= 1
                 exhausted = True
@@ -309,6 +317,14 @@ def _abort_engines_lost(side: Any, checkpoints: CheckpointManager, step: int) ->
     failure = side.manager.last_engine_failure if side is not None else None
     engines = (side.manager.num_engines_alive(), len(side.manager.engines)) if side is not None else (0, 0)
     raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
+
+
+def nothing_to_train_message(config: Config) -> str:
+    """Why a run that has not trained a single step stops (instead of exiting 0 with nothing done)."""
+    return ("no training batch could be formed at step 1: the filters dropped every group before "
+            f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
+            "because the ground truths are empty or the task is too easy/hard); check the data's "
+            "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
 
 
 def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:

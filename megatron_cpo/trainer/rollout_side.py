@@ -16,9 +16,10 @@ from megatron.core import parallel_state
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-from megatron_cpo.data.hints import HintConfig, build_hint_contexts, gold_hint
+from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rewards.registry import register_custom_graders
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
 from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
@@ -29,10 +30,13 @@ from megatron_cpo.trainer.prompt_stream import PromptStream
 RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
-def load_dataset(files: str, tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
-    return PromptDataset(DatasetConfig(files=[f for f in files.split(",") if f], shuffle=shuffle,
-                                       max_prompt_length=config.data.max_prompt_length, seed=config.trainer.seed),
-                         tokenizer)
+def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
+    """Read and check a data file list; every data_source needs a grader unless one function grades them all."""
+    data = config.data
+    return PromptDataset(DatasetConfig(files=files, shuffle=shuffle, max_prompt_length=data.max_prompt_length,
+                                       truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
+                                       prompt_key=data.prompt_key, seed=config.trainer.seed,
+                                       check_graders=not config.reward_function_spec), tokenizer)
 
 
 class RolloutSide:
@@ -43,6 +47,7 @@ class RolloutSide:
         self.config = config
         self.tokenizer = tokenizer
         data, rollout = config.data, config.actor_rollout_ref.rollout
+        register_custom_graders(config.reward.custom_graders)
         self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
         self.val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
@@ -54,10 +59,14 @@ class RolloutSide:
             max_model_len=data.max_prompt_length + data.max_response_length,
             cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed,
             ray_address=rollout.ray_address, weight_transport=rollout.weight_transport,
-            weight_sync_timeout_s=rollout.weight_sync_timeout_s))
+            weight_sync_timeout_s=rollout.weight_sync_timeout_s, gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enable_chunked_prefill=rollout.enable_chunked_prefill,
+            max_num_batched_tokens=rollout.max_num_batched_tokens))
         self.rewards = RewardManager(RewardConfig(
             num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-            custom_reward_function=config.reward.custom_reward_function or None))
+            custom_graders=dict(config.reward.custom_graders),
+            custom_reward_function=config.reward_function_spec or None))
+        self.hint_reader = HintReader(data.hint_key)
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
             self.manager, self.stream, self.score_groups,
@@ -65,7 +74,7 @@ class RolloutSide:
                                max_num_gen_batches=groups.max_num_gen_batches
                                if groups.enable or rollout.rollout_filter_enabled else 0,
                                on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
-                               filter_metric=groups.metric),
+                               filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
             selection_from_config(config), self.sampling_params)
         self.last_reward_metrics: dict[str, float] = {}
 
@@ -93,13 +102,27 @@ class RolloutSide:
     def hint_contexts(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
         records = [g.record for g in groups for _ in range(g.n)]
-        hints = [gold_hint(r.extra_info, r.reward_model) if self.config.algorithm.gold_as_hint else None
-                 for r in records]
-        return build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
-                                   HintConfig(max_prompt_length=self.config.data.max_prompt_length))
+        hints, source_metrics = [None] * len(records), {}
+        if self.config.algorithm.gold_as_hint:
+            hints, source_metrics = self.hint_reader.read([r.extra_info for r in records],
+                                                          [r.reward_model for r in records])
+        contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
+                                       HintConfig(max_prompt_length=self.config.data.max_prompt_length))
+        contexts.source_metrics = source_metrics
+        return contexts
+
+    def validation_params(self, index: int) -> SamplingParams:
+        """verl's `rollout.val_kwargs`: greedy unless `do_sample`, then `n` seeded samples per prompt."""
+        val = self.config.actor_rollout_ref.rollout.val_kwargs
+        if not val.do_sample:
+            return self.sampling_params(None, n=val.n, greedy=True)
+        return SamplingParams(n=val.n, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k,
+                              max_tokens=self.config.data.max_response_length,
+                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.config.trainer.seed + index)
 
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out set: `val/acc` and `val/score`."""
+        """Accuracy on the held-out set, sampled as `rollout.val_kwargs` says (greedy by default): `val/acc` and
+        `val/score` (means over every sample, i.e. mean@n), and the same per data source (`val/<source>/acc`)."""
         if self.val_data is None:
             return {}
         start = time.perf_counter()
@@ -107,14 +130,19 @@ class RolloutSide:
         for index in range(len(self.val_data)):
             record = self.val_data[index]
             records[f"val-{index}"] = record
-            self.manager.submit(f"val-{index}", record.prompt_ids, self.sampling_params(None, n=1, greedy=True))
+            self.manager.submit(f"val-{index}", record.prompt_ids, self.validation_params(index))
         finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
-        items = [(records[rid], [finished[rid].samples[0].token_ids]) for rid in records]
+        items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
         scored = self.score_groups(items)
-        scores = torch.cat([s for s, _, _ in scored])
-        acc = torch.cat([a for _, a, _ in scored])
-        return {"val/acc": float(acc.mean()), "val/score": float(scores.mean()),
-                "val/count": float(len(records)), "timing/val_s": time.perf_counter() - start}
+        metrics = {"val/count": float(len(records))}
+        sources = [record.data_source for record, _ in items]
+        for source in [None, *sorted(set(sources))]:
+            chosen = [i for i, s in enumerate(sources) if source is None or s == source]
+            prefix = "val" if source is None else f"val/{source}"
+            metrics[f"{prefix}/acc"] = float(torch.cat([scored[i][1] for i in chosen]).mean())
+            metrics[f"{prefix}/score"] = float(torch.cat([scored[i][0].float() for i in chosen]).mean())
+        metrics["timing/val_s"] = time.perf_counter() - start
+        return metrics
 
     def close(self) -> None:
         self.rewards.close()

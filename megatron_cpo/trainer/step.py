@@ -2,7 +2,8 @@
 
 Rank 0 turns the kept groups into a `StepBatch` (plain lists and tensors, hint contexts included) and broadcasts it;
 then every rank computes, in lockstep: old log-probs and entropy, reference log-probs, hint log-probs (CPO), GRPO
-advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over mini-batches.
+advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over mini-batches. With verl's
+`algorithm.use_kl_in_reward` the scores the advantages see carry the KL penalty against the reference.
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch.distributed as dist
 from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
-from megatron_cpo.algorithms.kl import kl_penalty
+from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import TISConfig
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
+from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.sequences import pack_sequences
@@ -39,6 +42,7 @@ class StepBatch:
     hint_prompt_ids: list[list[int]] | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
+    hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
@@ -55,6 +59,7 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         contexts = hint_builder(groups, prompts, responses)
         batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
         batch.hints_truncated = contexts.num_truncated
+        batch.hint_metrics = contexts.source_metrics
     return batch
 
 
@@ -84,6 +89,16 @@ def loss_config_of(config: Config) -> PolicyLossConfig:
                             kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, tis=tis)
 
 
+def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                           mask: torch.Tensor, response_lengths: torch.Tensor, kind: str, coef: float
+                           ) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's `use_kl_in_reward` for outcome rewards: each response's score, placed on its last token, minus
+    `coef` x the per-token KL estimate (`kind`) summed over the response; GRPO then groups these sums."""
+    token_scores = token_level_rewards(scores.float(), response_lengths.clamp(min=1), mask.shape[1])
+    rewards, metrics = kl_in_reward(token_scores, log_probs, ref_log_probs, mask, kind, coef)
+    return rewards.sum(-1), metrics
+
+
 def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": float(per_response.mean()), f"{prefix}/max": float(per_response.max()),
             f"{prefix}/min": float(per_response.min())}
@@ -101,7 +116,13 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
 
     old_log_probs, entropy = actor.log_probs(seqs, temperature)
     ref_log_probs = reference.log_probs(seqs, temperature)[0] if reference is not None else None
-    advantages = grpo_advantages(batch.scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
+    scores = batch.scores
+    if algo.use_kl_in_reward:
+        scores, kl_metrics = scores_with_kl_penalty(scores, old_log_probs, ref_log_probs, mask, seqs.response_lengths,
+                                                    algo.kl_penalty, algo.kl_ctrl.kl_coef)
+        metrics.update(kl_metrics)
+        metrics["reward/with_kl_mean"] = float(scores.mean())
+    advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
 
     if algo.adv_estimator == "cpo":
         hint_log_probs = old_log_probs
@@ -119,7 +140,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         mi = signals.mi[mask.bool()]
         metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
                         "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                        "cpo/hints_truncated": float(batch.hints_truncated)})
+                        "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
         for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
             metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
@@ -139,17 +160,17 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
     lengths = seqs.response_lengths.float()
-    per_response_entropy = (entropy * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_response_entropy = masked_mean(entropy, mask, -1)
     metrics.update(_masked_stats("entropy", per_response_entropy))
     metrics.update({
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(batch.truncated.float().mean()),
-        "advantages/mean": float((advantages * mask).sum() / mask.sum().clamp(min=1)),
-        "advantages/abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        "advantages/mean": float(masked_mean(advantages, mask)),
+        "advantages/abs_mean": float(masked_mean(advantages.abs(), mask)),
         "timing/train_tokens": float(mask.sum()),
     })
     if ref_log_probs is not None:
         kl = kl_penalty(old_log_probs, ref_log_probs, actor_cfg.kl_loss_type)
-        metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        metrics["kl"] = float(masked_mean(kl, mask))
     return metrics

@@ -11,7 +11,8 @@ from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
 
 def build_policies(config: Config, pad_token_id: int, total_updates: int
                    ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
-    """The actor (DDP + optimizer + schedule) and, when a KL loss or reference sync needs it, the reference.
+    """The actor (DDP + optimizer + schedule) and, when a KL loss, KL in the reward or reference sync needs it, the
+    reference.
 
     Both start from `actor_rollout_ref.model.path`; `total_updates` sizes the learning-rate schedule.
     """
@@ -25,12 +26,14 @@ def build_policies(config: Config, pad_token_id: int, total_updates: int
     load_hf_weights(model, model_dir)
     ddp_model = wrap_ddp(model, actor_cfg.megatron.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(ddp_model, actor_cfg, total_updates)
-    actor = MegatronPolicy(model, pad_token_id, micro, ddp_model, optimizer, scheduler)
+    actor = MegatronPolicy(model, pad_token_id, micro, ddp_model, optimizer, scheduler,
+                           config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
 
     reference = None
-    if actor_cfg.use_kl_loss or ref_cfg.sync_ref_model:
+    if actor_cfg.use_kl_loss or ref_cfg.sync_ref_model or config.algorithm.use_kl_in_reward:
         ref_model = build_gpt_model(hf_config, params_dtype=dtype)
         load_hf_weights(ref_model, model_dir)
         ref_model.requires_grad_(False)
-        reference = MegatronPolicy(ref_model, pad_token_id, micro)
+        reference = MegatronPolicy(ref_model, pad_token_id, micro,
+                                   log_prob_micro_batch_size=ref_cfg.log_prob_micro_batch_size_per_gpu)
     return actor, reference

@@ -1,4 +1,4 @@
-"""CPO: signals, difficulty mask and every shaping rule on hand-computed cases (shared/spec/cpo.md)."""
+"""CPO: signals, difficulty mask and every shaping rule on hand-computed cases (docs/cpo.md)."""
 import math
 
 import pytest
@@ -83,7 +83,9 @@ EXPECTED = {
     "naive_qwen3": [[3.0, 1.0], [-1.0, -3.0], [-0.5, -2.5], [2.5, 9.0]],
     "noaccmask_qwen3": [[3.0, 0.0], [0.0, -3.0], [0.0, -2.5], [2.5, 9.0]],
     "mi_qwen3": [[1.125, 0.5], [-0.875, -1.5], [-0.375, -1.0], [0.625, 9.0]],
-    "mi_accmask_qwen3": [[1.625, 0.0], [-0.375, -2.5], [0.0, -2.0], [1.125, 9.0]],
+    # positive term only on correct responses where mi >= 0 (token 0: +1 * 0.5 * 1.25), negative term only on wrong
+    # ones where mi < 0 (token 1: +2 * -0.5 * 1.5 = -1.5); r0's token 1 and r1's token 0 stay as GRPO gave them
+    "mi_accmask_qwen3": [[1.625, 1.0], [-1.0, -2.5], [-0.5, -2.0], [1.125, 9.0]],
     "mi_unify_qwen3": [[1.375, 0.75], [-0.25, -1.5], [0.0, -1.0], [0.875, 9.0]],
     "mi_clamp_unify_qwen3": [[1.375, 0.75], [-0.25, -1.5], [0.0, -1.0], [0.875, 9.0]],
     "mi_clamp_unify_difficulty_qwen3": [[1.75, 0.5], [-0.25, -1.5], [-0.125, -0.75], [0.875, 9.0]],
@@ -176,3 +178,18 @@ def test_bad_inputs_are_named():
         shape_advantages("mi3", **_batch(entropy=torch.ones(4, 3)))
     with pytest.raises(ValueError, match="cpo_lambda"):
         shape_advantages("naive", **_batch(cpo_lambda=0.5))
+
+
+def test_mi_accmask_gates_by_correctness_issue_repro():
+    # issue 12 item 1: one token each, p 0.2 -> p_hint 0.8, so mi = 0.8 * ln 4 >= 0 and u = 0 (one token per row).
+    # correct r0: 0.7071 + 1 * 0.8 * ln 4 * (1 + 0) = 1.8161; wrong r1: the positive term does not apply -> -0.7071.
+    log_probs = torch.full((2, 1), math.log(0.2))
+    hint_log_probs = torch.full((2, 1), math.log(0.8))
+    entropy, mask = torch.ones(2, 1), torch.ones(2, 1)
+    correct = torch.tensor([True, False])
+    signals = hint_signals(log_probs, hint_log_probs, entropy, mask)
+    shaped, _ = shape_advantages("mi_accmask", torch.tensor([[0.7071], [-0.7071]]), signals, entropy, mask, correct,
+                                 torch.tensor([0, 0]), log_probs, hint_log_probs, pos_alpha=1.0, neg_alpha=0.0,
+                                 cpo_lambda=5.0)
+    torch.testing.assert_close(shaped, torch.tensor([[0.7071 + 0.8 * math.log(4.0)], [-0.7071]]))
+    assert abs(float(shaped[0, 0]) - 1.816) < 1e-3

@@ -56,16 +56,80 @@ def _kept_groups(config):
     (RagenFilterConfig("top_k", 2), [0, 3]),
     (RagenFilterConfig("top_k", 2, filter_type="smallest"), [1, 2]),
     (RagenFilterConfig("top_k", 2, filter_type="smallest", include_zero=False), [0, 2]),
+    # top_k as a fraction of the 4 groups: int(0.5 * 4) = 2; int(0.3 * 4) = 1; int(0.1 * 4) = 0 -> at least 1
+    (RagenFilterConfig("top_k", 0.5), [0, 3]),
+    (RagenFilterConfig("top_k", 0.3), [3]),
+    (RagenFilterConfig("top_k", 0.1), [3]),
     (RagenFilterConfig("min_p", 0.5), [0, 2, 3]),
     # softmax of the stds: g3 0.380, g0 0.249, g2 0.231, g1 0.140
+    (RagenFilterConfig("top_p", 0.3, top_p_prob_mode="softmax"), [3]),
+    (RagenFilterConfig("top_p", 0.5, top_p_prob_mode="softmax"), [0, 3]),
+    (RagenFilterConfig("top_p", 0.7, top_p_prob_mode="softmax"), [0, 2, 3]),
+    (RagenFilterConfig("top_p", 1.0, top_p_prob_mode="softmax"), [0, 1, 2, 3]),
+    # linear (RAGEN's default): stds sum to 2.0774; keep best-first until value * 2.0774 - 0.01 is reached.
+    # 0.3 -> 0.613: g3 (1.0) reaches it; 0.5 -> 1.029: g3 + g0 = 1.577; 0.9 -> 1.860: g3 + g0 + g2 = 2.077
     (RagenFilterConfig("top_p", 0.3), [3]),
     (RagenFilterConfig("top_p", 0.5), [0, 3]),
-    (RagenFilterConfig("top_p", 0.7), [0, 2, 3]),
+    (RagenFilterConfig("top_p", 0.9), [0, 2, 3]),
     (RagenFilterConfig("top_p", 1.0), [0, 1, 2, 3]),
+    # smallest, ascending: g1's 0 stops the walk at once, the sum is never reached: nothing (as RAGEN); without
+    # zero groups: g2 0.5 + g0 0.577 = 1.077 >= 0.5 * 2.0774 - 0.01
+    (RagenFilterConfig("top_p", 0.5, filter_type="smallest"), []),
+    (RagenFilterConfig("top_p", 0.5, filter_type="smallest", include_zero=False), [0, 2]),
     (RagenFilterConfig("top_k", 1, group_score="mean"), [1]),  # means 0.5, 1, 0.25, 0.5
+    (RagenFilterConfig("top_k", 1, group_score="sum"), [1]),  # sums 2, 4, 1, 2
+    (RagenFilterConfig("top_k", 2, group_score="sum", filter_type="smallest"), [0, 2]),  # ties: group order
 ])
 def test_ragen_strategies_hand_computed(config, kept):
     assert _kept_groups(config) == kept
+
+
+def test_ragen_length_score():
+    lengths = torch.tensor([10, 20, 30, 40, 5, 5, 5, 5, 100, 0, 0, 0, 1, 1, 1, 1.0])  # group means 25, 5, 25, 1
+    keep = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RagenFilterConfig("top_k", 2, group_score="length"),
+                        lengths=lengths).keep
+    assert [g for g in range(4) if bool(keep[4 * g])] == [0, 2]
+    with pytest.raises(ValueError, match="needs the response lengths"):
+        ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RagenFilterConfig("top_k", 2, group_score="length"))
+
+
+@pytest.mark.parametrize("mode", ["linear", "softmax"])
+def test_top_p_one_keeps_every_group_issue_repro(mode):
+    # a very peaked softmax (20 vs 0): the tail's mass rounds away in float32, yet value 1.0 keeps all
+    rewards, group = torch.tensor([20.0, 20.0, 0.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    config = RagenFilterConfig("top_p", 1.0, group_score="mean", top_p_prob_mode=mode)
+    assert ragen_filter(rewards, group, config).keep.all()
+
+
+def test_min_p_smallest_keeps_scores_up_to_min_over_value_issue_repro():
+    # group means 0.2, 0.3, 0.5; min / value = 0.4: groups 0 and 1
+    rewards, group = torch.tensor([0.2, 0.2, 0.3, 0.3, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2])
+    keep = ragen_filter(rewards, group, RagenFilterConfig("min_p", 0.5, "smallest", group_score="mean")).keep
+    assert keep.tolist() == [True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize("filter_type,kept", [("largest", [1]), ("smallest", [0])])
+def test_min_p_with_only_negative_scores_keeps_the_best(filter_type, kept):
+    # means -1, -0.5, -2. largest: value * best = -0.25 lies above every score; smallest: best / value = -4 lies
+    # below every score; RAGEN would keep nothing, we keep the best group (docs/filters.md).
+    rewards, group = torch.tensor([-1.0, -1.0, -0.5, -0.5, -2.0, -2.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    keep = ragen_filter(rewards, group, RagenFilterConfig("min_p", 0.5, filter_type, group_score="mean")).keep
+    expected = [1] if filter_type == "largest" else [2]
+    assert [g for g in range(3) if bool(keep[2 * g])] == expected and kept
+
+
+def test_constant_group_std_is_exactly_zero_issue_repro():
+    # float32 [0.9, 0.9, 0.9] has a rounding std of 7e-8; it must count as 0: dropped with include_zero=false, and
+    # tied with the other constant group under top_k (ties go to the earlier group), never ahead of it.
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.9, 0.9])
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert not ragen_filter(rewards, group, RagenFilterConfig("top_k", 1, include_zero=False)).keep.any()
+    assert not ragen_filter(rewards, group, RagenFilterConfig("top_p", 1.0, include_zero=False)).keep.any()
+    keep = ragen_filter(rewards, group, RagenFilterConfig("top_k", 1)).keep
+    assert keep.tolist() == [True, True, True, False, False, False]
+    varied = torch.tensor([0.9, 0.9, 0.9, 0.0, 1.0, 0.0])
+    keep = ragen_filter(varied, group, RagenFilterConfig("top_p", 1.0, include_zero=False)).keep
+    assert keep.tolist() == [False, False, False, True, True, True]
 
 
 def test_ragen_metrics_and_empty_candidates():
@@ -77,12 +141,14 @@ def test_ragen_metrics_and_empty_candidates():
 
 
 def test_ragen_config_errors_name_the_fix():
-    with pytest.raises(ValueError, match="integer rollout_filter_value >= 1"):
-        RagenFilterConfig("top_k", 0.5)
+    with pytest.raises(ValueError, match="fraction of the groups in \\(0, 1\\) or a whole number >= 1"):
+        RagenFilterConfig("top_k", 2.5)
     with pytest.raises(ValueError, match="rollout_filter_strategy='top_q'"):
         RagenFilterConfig("top_q", 0.5)
     with pytest.raises(ValueError, match="top_p needs"):
         RagenFilterConfig("top_p", 1.5)
+    with pytest.raises(ValueError, match="top_p_prob_mode='nucleus'"):
+        RagenFilterConfig("top_p", 0.5, top_p_prob_mode="nucleus")
 
 
 def test_filter_loss_scaling():
@@ -130,3 +196,27 @@ def test_overlong_filter_mask():
     assert overlong_filter_mask(mask, torch.tensor([False, True])).tolist() == [[1, 1], [0, 0]]
     with pytest.raises(ValueError, match="truncated has shape"):
         overlong_filter_mask(mask, torch.tensor([True]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor_rollout_ref.rollout.rollout_filter_top_p_prob_mode=nucleus"],
+     "rollout_filter_top_p_prob_mode='nucleus' is not supported; choose one of 'linear', 'softmax'"),
+    (["actor_rollout_ref.rollout.rollout_filter_selection_eps=-0.1"], "rollout_filter_selection_eps=-0.1 must be >= 0"),
+    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=2.5"],
+     "or a fraction in \\(0, 1\\)"),
+])
+def test_rollout_filter_config_keys_are_validated(overrides, message):
+    from megatron_cpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, overrides)
+
+
+def test_rollout_filter_metric_names_map_to_ragen_scores():
+    from megatron_cpo.config import build_config
+
+    rollout = build_config({}, ["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance",
+                                "actor_rollout_ref.rollout.rollout_filter_strategy=top_k",
+                                "actor_rollout_ref.rollout.rollout_filter_value=0.25"]).actor_rollout_ref.rollout
+    assert (rollout.rollout_filter_metric, rollout.rollout_filter_value) == ("reward_variance", 0.25)
+    assert rollout.rollout_filter_top_p_prob_mode == "linear" and rollout.rollout_filter_selection_eps == 0.01

@@ -53,24 +53,25 @@ def test_filter_groups_keeps_whole_groups_in_any_order(batch):
 
 @FAST
 @given(grouped_batch(binary=True), st.sampled_from(["top_p", "top_k", "min_p"]), st.floats(0.05, 1.0),
-       st.sampled_from(["largest", "smallest"]), st.booleans(), st.sampled_from(["std", "mean"]))
-def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, include_zero, group_score):
+       st.sampled_from(["largest", "smallest"]), st.booleans(), st.sampled_from(["std", "mean", "sum"]),
+       st.sampled_from(["linear", "softmax"]))
+def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, include_zero, group_score, mode):
     scores, group, perm = batch
-    value = float(max(1, round(value * 4))) if strategy == "top_k" else value
-    config = RagenFilterConfig(strategy, value, filter_type, include_zero, group_score)
+    value = float(max(1, round(value * 4))) if strategy == "top_k" and value > 0.5 else value
+    config = RagenFilterConfig(strategy, value, filter_type, include_zero, group_score, top_p_prob_mode=mode)
     keep = ragen_filter(scores, group, config).keep
     for g in group.unique():
         assert keep[group == g].all() or not keep[group == g].any()
     assert torch.equal(ragen_filter(scores[perm], group[perm], config).keep, keep[perm])
-    if include_zero and strategy in ("top_p", "min_p"):
-        assert keep.any()
+    if include_zero and (strategy in ("top_k", "min_p") or (strategy == "top_p" and mode == "softmax")):
+        assert keep.any()  # linear top_p may keep nothing, as RAGEN's (the sum is never reached)
 
 
 @FAST
 @given(grouped_batch(), st.floats(0.01, 1.0))
-def test_top_p_keeps_at_least_one_group(batch, value):
+def test_softmax_top_p_keeps_at_least_one_group(batch, value):
     scores, group, _ = batch
-    assert ragen_filter(scores, group, RagenFilterConfig("top_p", value)).keep.any()
+    assert ragen_filter(scores, group, RagenFilterConfig("top_p", value, top_p_prob_mode="softmax")).keep.any()
 
 
 @st.composite

@@ -66,8 +66,10 @@ def test_missing_fields_and_wrong_types_are_named():
     assert row_problems(_row(extra_info="x")) == ["extra_info must be a dict, got str"]
     assert row_problems(_row(prompt=[{"role": "user", "content": 5}])) == ["prompt[0].content must be a string, got int"]
     assert row_problems(_row(prompt="Compute 1+2")) == ["prompt must be a list of chat messages, got str"]
-    assert row_problems(_row(reward_model={"ground_truth": ["3"]})) == [
-        "reward_model.ground_truth must be a string or number, got list"]
+    assert row_problems(_row(reward_model={"ground_truth": True})) == [
+        "reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's {'target': [...]}), "
+        "got bool"]
+    assert row_problems(_row(reward_model={"ground_truth": {"target": ["Paris"]}})) == []
 
 
 def test_missing_file_is_a_clear_error(tokenizer, tmp_path):
@@ -130,3 +132,27 @@ def test_sampler_resumes_exactly(arith_files, tokenizer):
     other_seed = PromptSampler(PromptDataset(DatasetConfig(files=config.files, seed=5), tokenizer))
     with pytest.raises(ValueError, match="cannot resume the data sampler"):
         other_seed.load_state_dict(state)
+
+
+def test_unknown_data_source_stops_the_load_with_the_fix(tmp_path, tokenizer):
+    from megatron_cpo.rewards.registry import register_grader
+
+    rows = [_row(), _row(data_source="my/private-set"), _row(data_source="my/private-set"), _row(data_source="x.y")]
+    path = _write(tmp_path, rows, "unknown.parquet")
+    with pytest.raises(ValueError) as error:
+        PromptDataset(DatasetConfig(files=[path]), tokenizer)
+    message = str(error.value)
+    assert message.startswith("no grader for data_source 'my/private-set', 'x.y' in ")
+    assert "my/private-set: 2 rows, x.y: 1 rows" in message and path in message
+    assert "reward.custom_graders={'my/private-set': 'pkg.module:fn'}" in message
+    assert "custom_reward_function.path=" in message
+    assert len(PromptDataset(DatasetConfig(files=[path], check_graders=False), tokenizer)) == 4
+    for source in ("my/private-set", "x.y"):
+        register_grader(source, "tests.rewards.hostile_graders:exact_match", overwrite=True)
+    assert len(PromptDataset(DatasetConfig(files=[path]), tokenizer)) == 4
+
+
+def test_structured_ground_truth_is_kept(tmp_path, tokenizer):
+    rows = [_row(data_source="searchR1_nq", reward_model={"style": "rule", "ground_truth": {"target": ["Paris"]}})]
+    dataset = PromptDataset(DatasetConfig(files=[_write(tmp_path, rows, "qa.parquet")]), tokenizer)
+    assert dataset[0].ground_truth == {"target": ["Paris"]}

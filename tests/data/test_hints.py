@@ -1,11 +1,11 @@
 """CPO hint contexts through the real tiny tokenizer's chat template: contents, truncation, unchanged responses,
-the gold-hint fallback chain and the padded batch layout."""
+the gold-hint fallback chain (data.hint_key) on verl-built GSM8K and MATH rows, and the padded batch layout."""
 import pytest
 import torch
 
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset, PromptSampler
-from megatron_cpo.data.hints import (DEFAULT_INSTRUCTION, HintConfig, build_hint_contexts, gold_hint, hint_batch,
-                                     pad_prompt_response)
+from megatron_cpo.data.hints import (DEFAULT_INSTRUCTION, HintConfig, HintReader, build_hint_contexts, find_hint,
+                                     gold_hint, hint_batch, pad_prompt_response)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +112,57 @@ def test_pad_prompt_response_layout(tokenizer):
     assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 0]]
     with pytest.raises(ValueError, match="longer than the requested widths"):
         pad_prompt_response([[1, 2]], [[3]], pad_token_id=0, prompt_width=1)
+
+
+# Rows built the way verl's examples/data_preprocess scripts build them (gsm8k.py, math_dataset.py), and ours.
+GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                "altogether in April and May.\n#### 72")
+VERL_GSM8K_ROW = {"reward_model": {"style": "rule", "ground_truth": "72"},
+                  "extra_info": {"split": "train", "index": 0, "answer": GSM8K_ANSWER,
+                                 "question": "Natalia sold clips to 48 of her friends in April, ..."}}
+VERL_MATH_ROW = {"reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},
+                 "extra_info": {"split": "test", "index": 3}}
+PREPARED_MATH_ROW = {"reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},
+                     "extra_info": {"split": "test", "index": 3, "answer": "\\frac{1}{2}",
+                                    "solution": "Half of it: $\\boxed{\\frac{1}{2}}$."}}
+
+
+def test_gsm8k_hint_is_the_worked_answer_not_the_bare_number():
+    hint, key = find_hint(VERL_GSM8K_ROW["extra_info"], VERL_GSM8K_ROW["reward_model"])
+    assert (hint, key) == (GSM8K_ANSWER, "extra_info.answer")
+
+
+def test_math_hints_prefer_the_solution_and_fall_back_to_the_answer():
+    assert find_hint(PREPARED_MATH_ROW["extra_info"], PREPARED_MATH_ROW["reward_model"]) == (
+        "Half of it: $\\boxed{\\frac{1}{2}}$.", "extra_info.solution")
+    assert find_hint(VERL_MATH_ROW["extra_info"], VERL_MATH_ROW["reward_model"]) == (
+        "\\frac{1}{2}", "reward_model.ground_truth")
+
+
+def test_hint_keys_are_an_ordered_configurable_list():
+    nested = {"meta": {"worked": "step 1, step 2"}, "solution": " "}
+    assert find_hint(nested, {}, ["extra_info.solution", "extra_info.meta.worked"]) == (
+        "step 1, step 2", "extra_info.meta.worked")
+    assert find_hint(VERL_MATH_ROW["extra_info"], VERL_MATH_ROW["reward_model"], ["extra_info.solution"]) == (
+        None, None)
+    with pytest.raises(ValueError, match="must be a dotted path starting at extra_info or reward_model"):
+        HintReader(["solution"])
+
+
+def test_hint_reader_counts_sources_and_warns_once_about_bare_answers(caplog):
+    reader = HintReader()
+    rows = [VERL_GSM8K_ROW, VERL_MATH_ROW, PREPARED_MATH_ROW, VERL_MATH_ROW, {"extra_info": {}, "reward_model": {}}]
+    with caplog.at_level("WARNING", logger="megatron_cpo.data.hints"):
+        hints, metrics = reader.read([r["extra_info"] for r in rows], [r["reward_model"] for r in rows])
+        reader.read([VERL_MATH_ROW["extra_info"]], [VERL_MATH_ROW["reward_model"]])
+    assert hints == [GSM8K_ANSWER, "\\frac{1}{2}", "Half of it: $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}", None]
+    assert metrics == {"cpo/hint_source/extra_info.answer": 1.0, "cpo/hint_source/extra_info.solution": 1.0,
+                       "cpo/hint_source/reward_model.ground_truth": 2.0, "cpo/hint_source/none": 1.0,
+                       "cpo/hint_bare_answer": 2.0}
+    warnings = [r.getMessage() for r in caplog.records if "bare answer" in r.getMessage()]
+    assert len(warnings) == 1 and "2 of 5 CPO hints" in warnings[0] and "reward_model.ground_truth" in warnings[0]
+
+
+def test_an_answer_field_holding_the_bare_answer_is_flagged_too():
+    _, metrics = HintReader().read([{"answer": "72"}], [{"ground_truth": "72"}])
+    assert metrics["cpo/hint_source/extra_info.answer"] == 1.0 and metrics["cpo/hint_bare_answer"] == 1.0

@@ -61,7 +61,7 @@ def test_missing_files(tmp_path):
         load_hf_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         SafetensorsReader(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a megatron-cpo checkpoint"):
+    with pytest.raises(FileNotFoundError, match="is not a Megatron-Core torch_dist checkpoint"):
         read_checkpoint_info(tmp_path)
     save_file({"a": torch.zeros(2)}, tmp_path / "model-00001-of-00002.safetensors")
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}

@@ -103,6 +103,26 @@ def test_leading_dims_and_entropy_only_backward(impl):
     assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad, ref_grad) < FLOAT32_TOL
 
 
+@pytest.mark.parametrize("impl", SMALL_BACKENDS)
+def test_logits_sliced_from_a_wider_buffer(impl):
+    """Logits that are a column slice of a wider buffer (row stride > V): the gradient is dense [N, V] and correct.
+
+    The Triton backward once wrote the dense gradient with the input's row stride (out of bounds on CUDA; a crash or
+    garbage under the interpreter)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = _logits(gen, "fp32")
+    targets = _targets(gen, V)
+    ref_input = logits.clone().requires_grad_()
+    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, 0.9)
+    (ref_grad,) = torch.autograd.grad((ref_lp + ref_ent).sum(), ref_input)
+    wide = torch.cat([logits, torch.randn(N, 37, generator=gen, dtype=torch.float64)], dim=1).float()
+    wide.requires_grad_()
+    lp, ent = logprobs_and_entropy(wide[:, :V], targets, temperature=0.9, impl=SMALL_BACKENDS[impl])
+    (grad,) = torch.autograd.grad((lp + ent).sum(), wide)
+    assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad[:, :V], ref_grad) < FLOAT32_TOL
+    assert (grad[:, V:] == 0).all()
+
+
 LINEAR_CASES = {  # name: (dtype, temperature, tolerance)
     "fp32": (torch.float32, 0.7, FLOAT32_TOL),
     "bf16": (torch.bfloat16, 1.3, BF16_TOL),
@@ -180,3 +200,15 @@ def test_bad_inputs_name_the_value_and_the_fix():
         logprobs_and_entropy(logits.long(), targets.clamp(max=3))
     with pytest.raises(ValueError, match=r"must be \[V_local, 10\]"):
         linear_logprobs_and_entropy(logits, torch.zeros(7, 9), targets.clamp(max=3))
+
+
+def test_triton_linear_kernels_refuse_offsets_past_int32():
+    """The linear kernels form ``row * row_stride`` in 32 bits: 2^20 tokens x 2048 hidden = 2^31 elements would wrap
+    (so would a 152064 x 16384 lm-head at TP=1); the backend says so instead of reading the wrong memory."""
+    from megatron_cpo.kernels import TritonBackend
+
+    TritonBackend._check_offsets("hidden", 2**20, 2**11 - 1)
+    with pytest.raises(ValueError, match=r"hidden spans 1048576 x 2048 elements.*impl='torch'"):
+        TritonBackend._check_offsets("hidden", 2**20, 2**11)
+    with pytest.raises(ValueError, match="weight spans 152064 x 16384"):
+        TritonBackend._check_offsets("weight", 152064, 16384)

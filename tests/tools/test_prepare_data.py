@@ -116,3 +116,87 @@ def test_unreadable_inputs_get_clear_errors(tmp_path):
         read_records(tmp_path / "scalar.json")
     with pytest.raises(ValueError, match="--kind 'mmlu' is not supported"):
         prepare([FIXTURES / "math.json"], "mmlu")
+
+
+# Rows built the way verl's examples/data_preprocess/gsm8k.py and math_dataset.py build them.
+GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def _verl_gsm8k_rows():
+    raw = [json.loads(line) for line in (FIXTURES / "gsm8k.jsonl").read_text().splitlines()[:2]]
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": r["question"] + " " +
+                                                        GSM8K_INSTRUCTION}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": r["answer"].split("#### ")[1]},
+             "extra_info": {"split": "train", "index": i, "answer": r["answer"], "question": r["question"]}}
+            for i, r in enumerate(raw)]
+
+
+def _verl_math_rows():
+    problems = ["What is $1+2+3$?", "Simplify $\\frac{4}{6}$.", "A problem the raw release does not have."]
+    return [{"data_source": "DigitalLearningGmbH/MATH-lighteval",
+             "prompt": [{"role": "user", "content": problem + " " + MATH_INSTRUCTION}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": "test", "index": i}}
+            for i, (problem, answer) in enumerate(zip(problems, ["6", "\\frac{2}{3}", "1"]))]
+
+
+def _write_rows(rows, path):
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["verl", "gsm8k"])
+def test_verl_schema_rows_pass_through_unchanged(tmp_path, kind):
+    rows = _verl_gsm8k_rows()
+    result = prepare([_write_rows(rows, tmp_path / "train.parquet")], kind)
+    assert result.problems == [] and result.rows == rows
+
+
+def test_broken_verl_rows_are_named(tmp_path):
+    rows = _verl_gsm8k_rows()
+    rows[1]["reward_model"] = {"style": "rule"}
+    rows.append({"question": "a raw record among verl rows", "answer": "#### 1"})
+    result = prepare([_write_rows(rows, tmp_path / "train.parquet")], "verl")
+    assert len(result.rows) == 1
+    assert result.problems[0].endswith("row 1: missing field 'reward_model.ground_truth'")
+    assert result.problems[1].endswith("row 2: missing field 'prompt'; missing field 'data_source'; "
+                                       "missing field 'reward_model'")  # parquet gives every row every column
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    result = prepare([tmp_path / "mixed.jsonl"], "verl")
+    assert result.problems[1].endswith("line 3: not a verl-schema row: missing field(s) 'data_source', 'prompt', "
+                                       "'reward_model'")
+
+
+def test_cli_attaches_raw_solutions_to_verl_built_rows(tmp_path, capsys):
+    from megatron_cpo.data.hints import HintReader
+
+    verl_file = _write_rows(_verl_math_rows(), tmp_path / "math.parquet")
+    output = tmp_path / "math_hints.parquet"
+    assert main(["--kind", "verl", "--input", str(verl_file), "--output", str(output), "--attach-solutions",
+                 str(FIXTURES / "math.json"), "--solutions-kind", "math"]) == 0
+    notes = capsys.readouterr().err
+    assert "1 of 3 rows found no solution in 3 raw records (rows 2)" in notes
+    assert "raw solutions:" in notes and "row 4: missing field 'problem'" in notes and "row 5: record must" in notes
+    rows = read_parquet_rows(output)
+    validate_rows(rows, str(output))
+    assert [row["extra_info"]["solution"] for row in rows] == [
+        "Adding, $1+2+3=\\boxed{6}$.", "Divide by 2: $\\boxed{\\frac{2}{3}}$.", None]
+    hints, metrics = HintReader().read([r["extra_info"] for r in rows], [r["reward_model"] for r in rows])
+    assert hints[0] == "Adding, $1+2+3=\\boxed{6}$." and metrics["cpo/hint_source/extra_info.solution"] == 2.0
+    for row in rows[:2]:
+        assert compute_score(row["data_source"], row["extra_info"]["solution"], row["reward_model"]["ground_truth"])[
+            "acc"]
+
+
+def test_attach_matches_gsm8k_by_question_and_keeps_existing_solutions(tmp_path):
+    from prepare_data import add_solutions
+
+    result = prepare([_write_rows(_verl_gsm8k_rows(), tmp_path / "train.parquet")], "verl")
+    result.rows[1]["extra_info"]["solution"] = "kept"
+    add_solutions(result, [FIXTURES / "gsm8k.jsonl"], "gsm8k")
+    assert result.rows[0]["extra_info"]["solution"].endswith("altogether in April and May.\n#### 72")
+    assert "<<" not in result.rows[0]["extra_info"]["solution"] and result.rows[1]["extra_info"]["solution"] == "kept"
+    with pytest.raises(ValueError, match="pass --solutions-kind"):
+        add_solutions(result, [FIXTURES / "gsm8k.jsonl"], "verl")

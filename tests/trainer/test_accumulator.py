@@ -120,6 +120,24 @@ def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_w
     assert acc.metrics()["filter/kept_ratio"] == pytest.approx(1 / 3)
 
 
+def test_ragen_length_metric_and_options_from_the_config(tokenizer):
+    from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.accumulator import selection_from_config
+
+    config = build_config({"data": {"train_batch_size": 4}, "actor_rollout_ref": {
+        "actor": {"ppo_mini_batch_size": 4}, "rollout": {
+        "rollout_filter_strategy": "top_k", "rollout_filter_value": 0.5, "rollout_filter_metric": "length",
+        "rollout_filter_top_p_prob_mode": "softmax", "rollout_filter_selection_eps": 0.0}}})
+    selection = selection_from_config(config)
+    assert (selection.ragen.group_score, selection.ragen.top_p_prob_mode, selection.ragen.selection_eps) == (
+        "length", "softmax", 0.0)
+    acc = GroupAccumulator(2, selection)
+    # mean response lengths 3, 9, 6, 1: top_k 0.5 of 4 groups keeps the two longest, groups 1 and 2
+    lengths = {0: [2, 4], 1: [9, 9], 2: [6, 6], 3: [1, 1]}
+    acc.add([scored_with(tokenizer, seq, [0.0, 1.0], lengths[seq]) for seq in range(4)])
+    assert [g.seq for g in acc.batch()] == [1, 2]
+
+
 def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
     # max 10 tokens, buffer 4: lengths 6 (no penalty), 8 (-0.5) and 10 (-1.0 with factor 1)
     overlong = OverlongShaping(max_response_length=10, buffer_len=4, penalty_factor=1.0)

@@ -1,7 +1,8 @@
 """The Megatron actor under DP=2, TP=2 and PP=2 (real Megatron-Core over gloo) gives the same update.
 
-Two updates with GRPO advantages and a KL loss against the frozen reference: losses, clip fractions, gradient norms
-and learning rates must agree across layouts (the vocab-parallel kernel, the pipeline schedule, the data-parallel
+Two updates with GRPO advantages, a KL loss against the frozen reference and verl's KL penalty in the reward:
+losses, clip fractions, gradient norms and learning rates must agree across layouts (the TP layout also scores
+log-probs in other micro-batch sizes, verl's `log_prob_micro_batch_size_per_gpu`, which must not change them) (the vocab-parallel kernel, the pipeline schedule, the data-parallel
 split of rows and the distributed optimizer are all on the path). One pair of processes runs the three layouts in
 turn to pay the process start-up once.
 """
@@ -12,10 +13,10 @@ from megatron_cpo.models.tiny import write_tiny_model
 from tests.multiprocess import run_processes
 
 KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-        "actor/pg_clipfrac", "kl", "entropy/mean")
+        "actor/pg_clipfrac", "kl", "entropy/mean", "actor/reward_kl_penalty")
 
 
-def two_updates(model_dir, tp, pp):
+def two_updates(model_dir, tp, pp, *overrides):
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -28,7 +29,8 @@ def two_updates(model_dir, tp, pp):
         "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
-        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"])
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.5", *overrides])
     platform.init_distributed(tp, pp, seed=1)
     actor, reference = build_policies(config, pad_token_id=0, total_updates=10)
     generator = torch.Generator().manual_seed(0)
@@ -45,7 +47,10 @@ def two_updates(model_dir, tp, pp):
 def three_layouts(rank, world_size, model_dir):
     from megatron_cpo import platform
 
-    results = {layout: two_updates(model_dir, *layout) for layout in ((1, 1), (2, 1), (1, 2))}
+    micro = ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4")
+    results = {layout: two_updates(model_dir, *layout, *(micro if layout == (2, 1) else ()))
+               for layout in ((1, 1), (2, 1), (1, 2))}
     platform.destroy_distributed()
     return results
 
@@ -55,6 +60,8 @@ def test_data_tensor_and_pipeline_parallel_updates_agree(tmp_path):
     for results in run_processes(three_layouts, 2, model_dir):
         data_parallel = results[(1, 1)]
         assert data_parallel[1]["actor/kl_loss"] > 0 and data_parallel[0]["actor/grad_norm"] > 0
+        # the penalty is 0 while the actor equals the reference, then the first update moves it away
+        assert data_parallel[0]["actor/reward_kl_penalty"] == 0 and data_parallel[1]["actor/reward_kl_penalty"] != 0
         for layout in ((2, 1), (1, 2)):
             for expected, got in zip(data_parallel, results[layout]):
                 for key in KEYS:

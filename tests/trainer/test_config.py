@@ -65,7 +65,7 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
       "data.train_batch_size=8"], "lower it below train_batch_size"),
     (["actor_rollout_ref.rollout.rollout_filter_strategy=top_p", "actor_rollout_ref.rollout.rollout_filter_value=0"],
      "must be in (0, 1] for top_p"),
-    (["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance"], "use 'reward_std'"),
+    (["actor_rollout_ref.rollout.rollout_filter_metric=entropy"], "'entropy' metrics need a trainer forward pass"),
     (["actor_rollout_ref.rollout.rollout_filter_type=big"], "choose one of 'largest', 'smallest'"),
     (["actor_rollout_ref.actor.filter_loss_scaling=log"], "choose one of 'none', 'linear', 'sqrt'"),
     (["actor_rollout_ref.actor.top_entropy_quantile=0"], "(1.0 keeps all, e.g. 0.2 for the top 20%)"),
@@ -76,6 +76,12 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
     (["trainer.early_stop.window=0"], "trainer.early_stop.window=0 must be >= 1"),
     (["actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"], "resume needs them"),
     (["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,weights]"], "unknown entries"),
+    (["actor_rollout_ref.rollout.enable_chunked_prefill=false", "actor_rollout_ref.rollout.max_num_batched_tokens=100"],
+     "max_num_batched_tokens=100 is below data.max_prompt_length + data.max_response_length = 160"),
+    (["data.truncation=middle"], "data.truncation='middle' is not supported; choose one of 'error', 'left', 'right'"),
+    (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1"),
+    (["algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9' is not supported"),
+    (["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"], "gpu_memory_utilization=1.5 must be in (0, 1]"),
 ])
 def test_bad_values_are_rejected_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as err:
@@ -122,3 +128,44 @@ def test_dapo_recipes_shape_overlong_responses():
         overlong = config.reward.overlong_buffer
         assert overlong.enable and overlong.penalty_factor == 1.0, path
         assert 0 < overlong.len <= config.data.max_response_length // 3, path  # the last part of the budget only
+
+
+def test_a_scalar_for_a_list_key_is_a_one_element_list():
+    """Issue 12 item 9: `trainer.logger=jsonl` was split into characters ("entry='j' is not supported")."""
+    assert build_config({}, ["trainer.logger=jsonl"]).trainer.logger == ["jsonl"]
+    with pytest.raises(ConfigError) as err:  # one entry, judged as one: resume needs the other contents
+        build_config({}, ["actor_rollout_ref.actor.checkpoint.save_contents=model"])
+    assert "save_contents=['model'] leaves out ['optimizer', 'extra']" in str(err.value)
+    contents = build_config({}, ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]"])
+    assert contents.actor_rollout_ref.actor.checkpoint.save_contents == ["model", "optimizer", "extra"]
+
+
+@pytest.mark.parametrize("override, files", [
+    ("data.train_files=[a.parquet,b.parquet]", ["a.parquet", "b.parquet"]),  # verl's list syntax
+    ("data.train_files=['/d/a.parquet', '/d/b.parquet']", ["/d/a.parquet", "/d/b.parquet"]),  # verl's GRPO script
+    ("data.train_files=a.parquet,b.parquet", ["a.parquet", "b.parquet"]),  # our comma form
+    ("data.train_files=a.parquet", ["a.parquet"]),
+])
+def test_data_files_take_verl_lists(override, files):
+    assert build_config({}, [override]).data.train_files == files
+
+
+def test_data_files_as_a_yaml_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_files: [a.parquet, b.parquet]\n  val_files: c.parquet\n")
+    config = load_config(path)
+    assert (config.data.train_files, config.data.val_files) == (["a.parquet", "b.parquet"], ["c.parquet"])
+
+
+def test_tuple_lengths_are_checked():
+    """Issue 12 item 10: `optim.betas=[0.9]` was accepted and crashed with an IndexError after the engines started."""
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.optim.betas=\[0.9\] must hold 2 values"):
+        build_config({}, ["actor_rollout_ref.actor.optim.betas=[0.9]"])
+    with pytest.raises(ConfigError, match="must hold 2 values"):
+        build_config({}, ["actor_rollout_ref.actor.optim.betas=[0.9,0.95,0.99]"])
+    assert build_config({}, ["actor_rollout_ref.actor.optim.betas=[0.8,0.95]"]).actor_rollout_ref.actor.optim.betas \
+        == (0.8, 0.95)
+    from megatron_cpo.config import OptimConfig
+
+    with pytest.raises(ConfigError, match="must hold two numbers"):
+        OptimConfig(betas=(0.9,))

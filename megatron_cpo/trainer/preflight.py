@@ -1,0 +1,240 @@
+"""Everything about a run that can be checked before Ray, torch.distributed and the engines start.
+
+`preflight(config)` reads only small files (the model's config.json, the parquet files' metadata and the columns it
+needs) and reports every problem at once in one `ConfigError`: the model directory, TP/PP against the heads, layers
+and world size, verl's `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, with a prompt column,
+ground truths and a grader for every data source) and the output directory. It returns the `Layout` the config
+implies, which `megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second
+instead of after the engines have started.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_cpo.config import Config, ConfigError
+
+MODEL_KEY = "actor_rollout_ref.model.path"
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class Layout:
+    """The parallel layout and batch arithmetic a config implies on `world_size` trainer processes."""
+    world_size: int
+    world_source: str
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    num_engines: int
+    engine_tensor_parallel: int
+    responses_per_step: int
+    mini_batches_per_step: int
+    micro_batches_per_rank: int
+    generation_batch: int
+    train_prompts: int | None
+    steps: int | None
+
+    def describe(self) -> str:
+        """Lines for `--dry-run`."""
+        steps = "unknown (data not readable)" if self.steps is None else str(self.steps)
+        return "\n".join([
+            f"trainer: {self.world_size} process(es) ({self.world_source}) = TP {self.tensor_parallel} x "
+            f"PP {self.pipeline_parallel} x DP {self.data_parallel}",
+            f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} "
+            f"({self.num_engines * self.engine_tensor_parallel} GPU(s) on GPU machines, besides the trainer's)",
+            f"per step: {self.responses_per_step} responses in {self.mini_batches_per_step} optimizer step(s), "
+            f"{self.micro_batches_per_rank} micro-batch(es) per DP rank per optimizer step",
+            f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
+            f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
+            f"steps: {steps}",
+        ])
+
+
+def trainer_world_size(config: Config, planning: bool) -> tuple[int, str]:
+    """torchrun's WORLD_SIZE when set; when only planning (`--dry-run`), verl's nnodes x n_gpus_per_node if given."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+    trainer = config.trainer
+    if planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0:
+        return trainer.nnodes * trainer.n_gpus_per_node, "trainer.nnodes x trainer.n_gpus_per_node"
+    return 1, "a single process"
+
+
+def model_problems(config: Config, world_size: int) -> list[str]:
+    """The model directory exists and holds a model whose heads and layers the TP/PP layout divides."""
+    path = Path(config.actor_rollout_ref.model.path)
+    if not config.actor_rollout_ref.model.path:
+        return [f"{MODEL_KEY} is not set; point it at a Hugging Face model directory (config.json, weights, "
+                "tokenizer)"]
+    if not path.exists():
+        looks_like_repo = len(path.parts) == 2 and not str(path).startswith((".", "/", "~"))
+        fix = (f"download it first (huggingface-cli download {path} --local-dir <dir>) and pass that directory"
+               if looks_like_repo else "point it at a Hugging Face model directory")
+        return [f"{MODEL_KEY}={str(path)!r} does not exist; {fix}"]
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return [f"{MODEL_KEY}={str(path)!r} is not a model directory (no config.json); point it at a Hugging Face "
+                "model directory, e.g. one written by megatron-cpo convert-mcore-to-hf"]
+    problems = []
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        problems.append(f"{MODEL_KEY}={str(path)!r} holds no weights (*.safetensors / *.bin)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"{MODEL_KEY}={str(path)!r} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        return problems + [f"{MODEL_KEY}={str(path)!r}: config.json is not readable JSON ({err})"]
+    megatron = config.actor_rollout_ref.actor.megatron
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    prefix = "actor_rollout_ref.actor.megatron."
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    if isinstance(heads, int) and heads % tp:
+        problems.append(f"{prefix}tensor_model_parallel_size={tp} does not divide the model's "
+                        f"num_attention_heads={heads}; choose a TP that divides it")
+    if isinstance(kv_heads, int) and kv_heads % tp:
+        problems.append(f"{prefix}tensor_model_parallel_size={tp} does not divide the model's "
+                        f"num_key_value_heads={kv_heads}; choose a TP that divides it")
+    if isinstance(layers, int) and layers % pp:
+        problems.append(f"{prefix}pipeline_model_parallel_size={pp} does not divide the model's "
+                        f"num_hidden_layers={layers}; choose a PP that divides it")
+    rollout_tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if isinstance(heads, int) and heads % rollout_tp:
+        problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
+                        f"model's num_attention_heads={heads}; vLLM needs a TP that divides it")
+    return problems
+
+
+def layout_problems(config: Config, world_size: int, world_source: str, planning: bool) -> list[str]:
+    """TP x PP divides the world; verl's nnodes x n_gpus_per_node, when given, is the world."""
+    megatron, trainer = config.actor_rollout_ref.actor.megatron, config.trainer
+    model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+    problems = []
+    if world_size % model_parallel:
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} x "
+            f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} = {model_parallel} does not divide "
+            f"the trainer's {world_size} process(es) ({world_source}); launch a multiple of {model_parallel} "
+            f"processes (torchrun --nproc-per-node) or lower TP/PP")
+    declared = trainer.nnodes * trainer.n_gpus_per_node
+    if not planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0 and declared != world_size:
+        problems.append(
+            f"trainer.nnodes={trainer.nnodes} x trainer.n_gpus_per_node={trainer.n_gpus_per_node} = {declared} but "
+            f"the trainer runs on {world_size} process(es) ({world_source}); launch it with torchrun --nnodes "
+            f"{trainer.nnodes} --nproc-per-node {trainer.n_gpus_per_node}, or drop these keys (the rollout engines "
+            "are separate processes and not counted here)")
+    return problems
+
+
+def data_problems(config: Config) -> tuple[list[str], int | None]:
+    """Every data file exists, is a non-empty parquet file with the prompt column, ground truths and a grader for
+    each data source; returns the problems and the number of training rows (None when unreadable)."""
+    import pyarrow.parquet as pq
+
+    from megatron_cpo.rewards.registry import missing_graders
+
+    data = config.data
+    problems: list[str] = []
+    if not data.train_files:
+        return ["data.train_files is empty; set it to one or more parquet files (verl schema, see docs/data.md)"], None
+    train_rows: int | None = 0
+    sources: set[str] = set()
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        for file in files:
+            path = Path(file)
+            if not path.is_file():
+                what = "is a directory" if path.is_dir() else "does not exist"
+                problems.append(f"{key}: {file!r} {what}; give parquet files (tools/prepare_data.py or python -m megatron_cpo.data.synthetic write them)")
+                train_rows = None if key == "data.train_files" else train_rows
+                continue
+            try:
+                names = pq.read_schema(path).names
+                table = pq.read_table(path, columns=[c for c in ("data_source", "reward_model") if c in names])
+            except Exception as err:  # noqa: BLE001 - any reader failure means "not a parquet file we can read"
+                problems.append(f"{key}: {file!r} is not a readable parquet file ({type(err).__name__}: {err})")
+                train_rows = None if key == "data.train_files" else train_rows
+                continue
+            if table.num_rows == 0:
+                problems.append(f"{key}: {file!r} has no rows; give a file with prompts in it")
+            if data.prompt_key not in names:
+                problems.append(f"data.prompt_key={data.prompt_key!r} is not a column of {file!r} (columns: "
+                                f"{', '.join(names)}); set data.prompt_key to the column holding the chat messages")
+            if "data_source" in names:
+                sources.update(s for s in table.column("data_source").to_pylist() if isinstance(s, str))
+            if "reward_model" in names:
+                truths = [r.get("ground_truth") if isinstance(r, dict) else None
+                          for r in table.column("reward_model").to_pylist()]
+                empty = [i for i, t in enumerate(truths) if t is None or not str(t).strip()]
+                if empty:
+                    problems.append(f"{key}: {file!r} has {len(empty)} of {len(truths)} row(s) with an empty "
+                                    f"reward_model.ground_truth (rows {empty[:5]}); no response can be graded "
+                                    "right against it: fill in the answers or drop those rows")
+            if key == "data.train_files" and train_rows is not None:
+                train_rows += table.num_rows
+    if not config.reward.custom_reward_function:
+        missing = missing_graders(sources)
+        if missing:
+            problems.append(f"no grader for data_source {', '.join(map(repr, missing))}; use a built-in source "
+                            "(docs/data.md) or set reward.custom_reward_function=pkg.module:function")
+    return problems, train_rows
+
+
+def output_problems(config: Config) -> list[str]:
+    """`trainer.default_local_dir` and its checkpoints folder are folders (or can be created)."""
+    out = Path(config.trainer.default_local_dir)
+    problems = []
+    for path in (out, out / "checkpoints"):
+        if path.exists() and not path.is_dir():
+            problems.append(f"trainer.default_local_dir={str(out)!r}: {str(path)!r} is a file, not a folder; choose "
+                            "another trainer.default_local_dir")
+            break
+    for parent in [out, *out.parents]:
+        if parent.exists():
+            if parent.is_dir() and not os.access(parent, os.W_OK):
+                problems.append(f"trainer.default_local_dir={str(out)!r}: {str(parent)!r} is not writable; choose "
+                                "a folder you can write to")
+            elif not parent.is_dir() and parent != out:
+                problems.append(f"trainer.default_local_dir={str(out)!r}: {str(parent)!r} is a file, not a folder")
+            break
+    return problems
+
+
+def preflight(config: Config, planning: bool = False) -> Layout:
+    """Check what can be checked without starting anything; raise one `ConfigError` listing every problem.
+
+    `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun.
+    Under torchrun only rank 0 reads the data files (the only rank that loads them), every rank checks the rest."""
+    world_size, world_source = trainer_world_size(config, planning)
+    problems = model_problems(config, world_size)
+    problems += layout_problems(config, world_size, world_source, planning)
+    found, train_rows = data_problems(config) if planning or os.environ.get("RANK", "0") == "0" else ([], None)
+    problems += found + output_problems(config)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems found before starting:\n" +
+                          "\n".join(f"  - {p}" for p in problems))
+    return _layout(config, world_size, world_source, train_rows)
+
+
+def _layout(config: Config, world_size: int, world_source: str, train_rows: int | None) -> Layout:
+    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
+    rollout, data, trainer = config.actor_rollout_ref.rollout, config.data, config.trainer
+    dp = world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size)
+    per_mini = actor.ppo_mini_batch_size * rollout.n
+    steps = trainer.total_training_steps or (
+        trainer.total_epochs * math.ceil(train_rows / data.train_batch_size) if train_rows is not None else None)
+    return Layout(world_size=world_size, world_source=world_source,
+                  tensor_parallel=megatron.tensor_model_parallel_size,
+                  pipeline_parallel=megatron.pipeline_model_parallel_size, data_parallel=dp,
+                  num_engines=rollout.num_engines, engine_tensor_parallel=rollout.tensor_model_parallel_size,
+                  responses_per_step=data.train_batch_size * rollout.n,
+                  mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
+                  micro_batches_per_rank=math.ceil(per_mini / dp / actor.ppo_micro_batch_size_per_gpu),
+                  generation_batch=data.gen_batch_size or data.train_batch_size, train_prompts=train_rows,
+                  steps=steps)

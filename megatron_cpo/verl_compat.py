@@ -1,0 +1,81 @@
+"""verl's configuration names that are not ours: the ones that moved, the ones that cannot apply here, and the ones
+that must agree with another setting. Data only; `config_loader` applies it (docs/index.md, "Coming from verl").
+
+A key listed in `VERL_NO_OP_KEYS` is accepted, and reported in one warning with the reason it does not apply. It is
+listed only when it changes how fast or where verl computes, never what: a value that would change the algorithm
+(e.g. `trainer.critic_warmup > 0`, `rollout.name=sglang`) is in its `allowed` set's complement and refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# verl spellings that mean one of our settings: accepted, rewritten to the canonical name.
+VERL_ALIASES: dict[str, str] = {
+    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
+       for key in ("enable", "len", "penalty_factor", "log")},
+}
+
+
+@dataclass(frozen=True)
+class NoOpKey:
+    """A verl key (fnmatch pattern) accepted without effect; `allowed` (when set) are the only values that mean
+    the same here, any other value is refused with `reason`."""
+    pattern: str
+    reason: str
+    allowed: tuple[Any, ...] | None = None
+
+
+_COLOCATED = "offloading applies to verl's colocated actor/rollout; our engines are separate processes"
+_DYNAMIC_BSZ = "micro-batches are fixed-size here (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu)"
+
+VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
+    NoOpKey("actor_rollout_ref.*.fsdp_config.*", "FSDP settings; the trainer is Megatron-Core"),
+    NoOpKey("actor_rollout_ref.*.ulysses_sequence_parallel_size", "Ulysses sequence parallelism is FSDP's; the "
+            "Megatron trainer splits the model with TP/PP"),
+    NoOpKey("actor_rollout_ref.actor.megatron.param_offload", _COLOCATED),
+    NoOpKey("actor_rollout_ref.actor.megatron.grad_offload", _COLOCATED),
+    NoOpKey("actor_rollout_ref.actor.megatron.optimizer_offload", _COLOCATED),
+    NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _COLOCATED),
+    NoOpKey("actor_rollout_ref.actor.use_dynamic_bsz", _DYNAMIC_BSZ),
+    NoOpKey("actor_rollout_ref.*.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
+    NoOpKey("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    NoOpKey("actor_rollout_ref.*.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    NoOpKey("actor_rollout_ref.model.use_remove_padding", "sequences are always packed without padding waste"),
+    NoOpKey("actor_rollout_ref.model.use_fused_kernels", "log-probs and entropy always come from the fused kernel"),
+    NoOpKey("actor_rollout_ref.model.enable_gradient_checkpointing", "activation recomputation is not wired "
+            "(memory only, the update is the same)"),
+    NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
+    NoOpKey("actor_rollout_ref.rollout.mode", "the controller always streams groups from asynchronous engines",
+            ("async", "sync")),
+    NoOpKey("data.return_raw_chat", "records always keep their chat messages"),
+    NoOpKey("reward_model.reward_manager", "responses are graded per data source like verl's naive/dapo "
+            "managers; DAPO's overlong penalty is reward.overlong_buffer", ("naive", "dapo")),
+    NoOpKey("trainer.critic_warmup", "there is no critic (GRPO/DAPO/CPO); a warm-up > 0 would skip actor updates",
+            (0,)),
+    NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
+            "training ones)"),
+)
+
+# verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).
+VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
+    "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": (
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "the reference runs in the actor's layout"),
+    "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": (
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "the reference runs in the actor's layout"),
+    "reward_model.reward_kwargs.max_resp_len": (
+        "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
+}
+
+# verl names that moved or have another name here, for "did you mean" hints (not accepted silently).
+VERL_MOVED_HINTS: dict[str, str] = {
+    "actor_rollout_ref.actor.optim.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    "actor_rollout_ref.actor.clip_grad": "actor_rollout_ref.actor.optim.clip_grad",
+    "actor_rollout_ref.actor.lr": "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    "actor_rollout_ref.actor.optim.warmup_style": "actor_rollout_ref.actor.optim.lr_decay_style",
+    "actor_rollout_ref.rollout.tensor_parallel_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.tensor_parallel_size": "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "trainer.resume_from_path": "trainer.resume",
+}

@@ -1,0 +1,215 @@
+"""Pre-start checks on real files: each bad model, data, layout or output setting is named before anything starts,
+all at once; `train --dry-run` prints the config and the layout; TP=3 fails in a real `megatron-cpo train` before Ray.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_cpo.config import ConfigError, build_config
+from megatron_cpo.trainer.preflight import preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_MODEL = ROOT / "examples" / "tiny" / "model"  # num_attention_heads 4, num_key_value_heads 2, 2 layers
+
+
+def _row(source="megatron_cpo/arith", truth="4"):
+    return {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": source,
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": 0}}
+
+
+def write_rows(path: Path, rows: list[dict]) -> str:
+    schema = pa.table({k: [v] for k, v in _row().items()}).schema
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return str(path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    return {"train": write_rows(tmp_path / "train.parquet", [_row(), _row(truth="5")]),
+            "val": write_rows(tmp_path / "val.parquet", [_row()])}
+
+
+@pytest.fixture
+def make(files, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def make(*overrides):
+        return build_config({}, [f"actor_rollout_ref.model.path={TINY_MODEL}", f"data.train_files={files['train']}",
+                                 f"data.val_files={files['val']}", "data.train_batch_size=2",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                 f"trainer.default_local_dir={tmp_path / 'run'}", *overrides])
+    return make
+
+
+def problems_of(config, planning=False) -> str:
+    with pytest.raises(ConfigError) as err:
+        preflight(config, planning)
+    return str(err.value)
+
+
+def test_a_valid_config_gives_its_layout(make):
+    layout = preflight(make("actor_rollout_ref.rollout.n=4", "trainer.total_epochs=3"))
+    # 2 prompts x n=4 responses; train_batch_size 2 / mini 1 = 2 optimizer steps of 4 responses, micro 8 -> 1 each
+    assert (layout.world_size, layout.data_parallel, layout.responses_per_step) == (1, 1, 8)
+    assert (layout.mini_batches_per_step, layout.micro_batches_per_rank) == (2, 1)
+    assert (layout.train_prompts, layout.steps, layout.generation_batch) == (2, 3, 2)  # 3 epochs of 1 step
+
+
+def test_model_path_missing_or_not_a_model(make, tmp_path):
+    assert ("actor_rollout_ref.model.path='Qwen/Qwen2-7B-Instruct' does not exist; download it first "
+            "(huggingface-cli download Qwen/Qwen2-7B-Instruct") in problems_of(make(
+                "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct"))
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for path in (tmp_path / "empty_dir", tmp_path / "a_file"):
+        assert f"actor_rollout_ref.model.path='{path}' is not a model directory (no config.json)" in problems_of(
+            make(f"actor_rollout_ref.model.path={path}"))
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(TINY_MODEL / "config.json", weightless / "config.json")
+    message = problems_of(make(f"actor_rollout_ref.model.path={weightless}"))
+    assert "holds no weights" in message and "holds no tokenizer" in message
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+     "tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4"),
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+     "tensor_model_parallel_size=4 does not divide the model's num_key_value_heads=2"),
+    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3",
+     "pipeline_model_parallel_size=3 does not divide the model's num_hidden_layers=2"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+     "rollout.tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4"),
+    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+     "= 2 does not divide the trainer's 1 process(es) (a single process)"),
+])
+def test_layout_is_checked_against_the_model_and_the_world(make, override, expected):
+    assert expected in problems_of(make(override))
+
+
+def test_nnodes_times_gpus_must_be_the_world_but_plans_a_dry_run(make, monkeypatch):
+    config = make("trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron."
+                  "tensor_model_parallel_size=2")
+    assert ("trainer.nnodes=2 x trainer.n_gpus_per_node=8 = 16 but the trainer runs on 1 process(es)"
+            in problems_of(config))
+    layout = preflight(config, planning=True)
+    assert (layout.world_size, layout.tensor_parallel, layout.data_parallel) == (16, 2, 8)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert preflight(config).world_size == 16
+
+
+def test_data_problems_are_named(make, tmp_path):
+    empty = write_rows(tmp_path / "empty.parquet", [])
+    assert f"data.train_files: '{empty}' has no rows" in problems_of(make(f"data.train_files={empty}"))
+    blank = write_rows(tmp_path / "blank.parquet", [_row(truth=""), _row(truth=" "), _row()])
+    assert (f"'{blank}' has 2 of 3 row(s) with an empty reward_model.ground_truth (rows [0, 1])"
+            in problems_of(make(f"data.train_files={blank}")))
+    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
+    assert "no grader for data_source 'my_task'" in problems_of(make(f"data.val_files={unknown}"))
+    assert "data.prompt_key='question' is not a column" in problems_of(make("data.prompt_key=question"))
+    assert f"'{tmp_path}' is a directory" in problems_of(make(f"data.train_files={tmp_path}"))
+    (tmp_path / "text.parquet").write_text("not parquet")
+    assert "is not a readable parquet file" in problems_of(make(f"data.train_files={tmp_path / 'text.parquet'}"))
+
+
+def test_a_custom_reward_function_grades_any_source(make, tmp_path):
+    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
+    preflight(make(f"data.train_files={unknown}", "reward.custom_reward_function=tests.trainer.graders:never_correct"))
+
+
+def test_output_folder_that_is_a_file(make, tmp_path):
+    (tmp_path / "out_file").write_text("x")
+    assert "'{0}' is a file, not a folder".format(tmp_path / "out_file") in problems_of(
+        make(f"trainer.default_local_dir={tmp_path / 'out_file'}"))
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "checkpoints").write_text("x")
+    assert "'{0}' is a file, not a folder".format(tmp_path / "run2" / "checkpoints") in problems_of(
+        make(f"trainer.default_local_dir={tmp_path / 'run2'}"))
+
+
+def test_every_problem_is_reported_at_once(make, tmp_path):
+    empty = write_rows(tmp_path / "empty.parquet", [])
+    (tmp_path / "out_file").write_text("x")
+    message = problems_of(make("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+                               f"data.train_files={empty}", f"trainer.default_local_dir={tmp_path / 'out_file'}"))
+    assert message.startswith("5 problems found before starting:")  # heads, KV heads, world, empty file, output
+
+
+def test_dry_run_prints_config_ignored_keys_and_layout(files, tmp_path, capsys, monkeypatch):
+    from megatron_cpo.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    main(["train", "--config", str(ROOT / "examples/tiny/grpo_arith.yaml"), "--dry-run",
+          f"data.train_files={files['train']}", f"data.val_files={files['val']}",
+          f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=vllm",
+          "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+    out = capsys.readouterr().out
+    assert "# resolved config" in out and "  train_batch_size: 2" in out
+    assert "# 1 verl setting(s) accepted but not used here: actor_rollout_ref.rollout.name='vllm'" in out
+    assert "# trainer: 1 process(es) (a single process) = TP 1 x PP 1 x DP 1" in out
+    assert "# per step: 16 responses in 1 optimizer step(s)" in out  # 2 prompts x n=8
+    assert not (tmp_path / "run").exists(), "a dry run writes nothing"
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/*/*.yaml")))
+def test_dry_run_on_every_shipped_recipe(recipe, files, tmp_path, capsys, monkeypatch):
+    """Tiny recipes run as shipped (on this test's data); Qwen recipes on a stand-in model folder that holds the
+    real model's config.json dimensions (heads, layers) but tiny weights, at the layout their header documents."""
+    from megatron_cpo.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    overrides = [f"data.train_files={files['train']}", f"data.val_files={files['val']}",
+                 f"trainer.default_local_dir={tmp_path / 'run'}"]
+    if "qwen2.5-math" in recipe:
+        model = tmp_path / "model"
+        shutil.copytree(TINY_MODEL, model)
+        hf = json.loads((model / "config.json").read_text())
+        # Qwen2.5-Math-1.5B: 12 heads / 2 KV heads / 28 layers; 7B: 28 / 4 / 28 (their config.json on the Hub)
+        heads, kv = (12, 2) if "1.5b" in recipe else (28, 4)
+        hf.update(num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=28)
+        (model / "config.json").write_text(json.dumps(hf))
+        overrides += [f"actor_rollout_ref.model.path={model}", "trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
+    main(["train", "--config", str(ROOT / recipe), "--dry-run", *overrides])
+    assert "nothing was started" in capsys.readouterr().out
+
+
+def test_tp3_fails_in_a_real_train_command_before_ray_starts(files, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_cpo.cli", "train", "--config", str(ROOT / "examples/tiny/grpo_arith.yaml"),
+         f"data.train_files={files['train']}", f"data.val_files={files['val']}",
+         f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.ray_address=local",
+         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+        capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 2 problems found before starting:") or "does not divide" in result.stderr
+    assert "tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "ray" not in (result.stdout + result.stderr).lower(), "Ray must not have started"
+    assert not (tmp_path / "run").exists()
+    assert seconds < 60, f"took {seconds:.1f}s"  # measured about 10 s on a loaded 2-core machine
+
+
+def test_a_run_that_cannot_form_its_first_batch_is_an_error(make_config, rollout_manager):
+    """Every group filtered (a grader that marks everything wrong, as empty ground truths would) used to end the
+    run after zero steps with exit status 0."""
+    from megatron_cpo.trainer.loop import run_training
+
+    config = make_config("algorithm.filter_groups.enable=true", "trainer.total_training_steps=2",
+                         "reward.custom_reward_function=tests.trainer.graders:never_correct",
+                         "trainer.val_before_train=false")
+    with pytest.raises(ValueError, match="no training batch could be formed at step 1: the filters dropped every "
+                                         "group before data.train_batch_size=4 were kept"):
+        run_training(config, rollout_manager)

@@ -1,0 +1,114 @@
+"""The verl settings that mean something here reach the code that uses them (hand-derived expected values)."""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_cpo.config import build_config
+from megatron_cpo.trainer.controller import ControllerSettings
+from megatron_cpo.trainer.step import scores_with_kl_penalty
+from megatron_cpo.trainer.verl_metrics import with_verl_names
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
+
+
+def test_kl_in_reward_subtracts_the_summed_kl_from_each_score():
+    # response 0: 2 tokens, k1 = log p - log p_ref = (-1 - -1.5, -2 - -1) = (0.5, -1), sum -0.5;
+    # response 1: 1 token, k1 = -0.3 - -0.1 = -0.2; the padded positions carry garbage that must not count.
+    log_probs = torch.tensor([[-1.0, -2.0, 5.0], [-0.3, 7.0, 7.0]])
+    ref_log_probs = torch.tensor([[-1.5, -1.0, 0.0], [-0.1, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    scores, metrics = scores_with_kl_penalty(torch.tensor([1.0, 0.0]), log_probs, ref_log_probs, mask,
+                                             torch.tensor([2, 1]), "k1", 0.2)
+    assert scores.tolist() == pytest.approx([1.0 - 0.2 * -0.5, 0.0 - 0.2 * -0.2])  # [1.1, 0.04]
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
+
+
+def test_kl_in_reward_settings():
+    config = build_config({}, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05",
+                               "algorithm.kl_penalty=low_var_kl"])
+    assert (config.algorithm.kl_ctrl.kl_coef, config.algorithm.kl_penalty) == (0.05, "low_var_kl")
+
+
+def test_gen_batch_size_is_the_unit_of_max_num_gen_batches():
+    settings = ControllerSettings(train_batch_size=4, max_num_gen_batches=3, gen_batch_size=12)
+    assert (settings.generation_batch, settings.prompt_limit) == (12, 36)
+    assert ControllerSettings(train_batch_size=4, max_num_gen_batches=3).prompt_limit == 12
+    with pytest.raises(ValueError, match="data.gen_batch_size=2 is below data.train_batch_size=4"):
+        build_config({}, ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                          "data.gen_batch_size=2"])
+
+
+def test_val_kwargs_choose_the_validation_sampling():
+    from megatron_cpo.trainer.rollout_side import RolloutSide
+
+    def side(*overrides):
+        fake = SimpleNamespace(config=build_config({}, list(overrides)), tokenizer=SimpleNamespace(eos_token_id=2))
+        fake.sampling_params = lambda seed, n=None, greedy=False: RolloutSide.sampling_params(fake, seed, n, greedy)
+        return fake
+
+    greedy = RolloutSide.validation_params(side(), 5)
+    assert (greedy.n, greedy.temperature, greedy.top_p, greedy.top_k) == (1, 0.0, 1.0, -1)
+    sampled = RolloutSide.validation_params(side(
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.n=4",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6", "actor_rollout_ref.rollout.val_kwargs.top_p=0.7",
+        "data.max_response_length=20", "trainer.seed=3"), 5)
+    assert (sampled.n, sampled.temperature, sampled.top_p, sampled.max_tokens, sampled.seed) == (4, 0.6, 0.7, 20, 8)
+
+
+def test_data_keys_reach_the_dataset(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.trainer.rollout_side import load_dataset
+
+    def rows(texts):
+        return [{"question": [{"role": "user", "content": t}], "data_source": "math",
+                 "reward_model": {"ground_truth": "1"}} for t in texts]
+
+    pq.write_table(pa.Table.from_pylist(rows(["short", "x " * 200])), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows(["also short"])), tmp_path / "b.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    files = f"data.train_files=[{tmp_path / 'a.parquet'},{tmp_path / 'b.parquet'}]"
+    config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
+                               "data.filter_overlong_prompts=true"])
+    dataset = load_dataset(config.data.train_files, tokenizer, config, shuffle=False)
+    assert (len(dataset), dataset.num_filtered) == (2, 1)  # the long prompt of a.parquet is dropped
+    config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
+                               "data.truncation=left"])
+    dataset = load_dataset(config.data.train_files, tokenizer, config, shuffle=False)
+    assert len(dataset) == 3 and max(len(r.prompt_ids) for r in dataset.records) == 64
+
+
+def test_verl_metric_names_are_added_beside_ours():
+    ours = {"reward/mean": 0.5, "reward/max": 1.0, "completions/mean_length": 12.0, "pg_loss": 0.1,
+            "entropy/mean": 2.0, "val/acc": 0.25, "val/math/acc": 0.5, "val/math/score": 0.0, "kl": 0.3}
+    logged = with_verl_names(ours, step=7, val_samples=4)
+    assert {k: v for k, v in logged.items() if k in ours} == ours  # our names stay
+    assert logged["critic/score/mean"] == logged["critic/rewards/mean"] == 0.5
+    assert logged["critic/score/max"] == 1.0 and logged["response_length/mean"] == 12.0
+    assert (logged["actor/pg_loss"], logged["actor/entropy"], logged["training/global_step"]) == (0.1, 2.0, 7.0)
+    assert logged["val-core/math/acc/mean@4"] == 0.5 and logged["val-core/math/reward/mean@4"] == 0.0
+    assert "actor/ppo_kl" not in logged  # our kl (actor vs reference) is not verl's ppo_kl
+    with_kl = with_verl_names({"reward/mean": 0.5, "reward/with_kl_mean": 0.4}, step=1)
+    assert with_kl["critic/rewards/mean"] == 0.4 and with_kl["critic/score/mean"] == 0.5
+
+
+def test_metric_logger_writes_verl_names_to_files_not_the_console(tmp_path, capsys):
+    import json
+
+    from megatron_cpo.trainer.loggers import MetricLogger
+
+    metric_logger = MetricLogger(["console", "jsonl"], tmp_path, 10, "p", "n", {}, verl_names=True)
+    metric_logger.log({"reward/mean": 0.5}, 1)
+    metric_logger.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["reward/mean"] == row["critic/score/mean"] == 0.5
+    assert "critic/score/mean" not in capsys.readouterr().out
+    (tmp_path / "plain").mkdir()
+    plain = MetricLogger(["jsonl"], tmp_path / "plain", 10, "p", "n", {}, verl_names=False)
+    plain.log({"reward/mean": 0.5}, 1)
+    plain.close()
+    assert "critic/score/mean" not in (tmp_path / "plain" / "metrics.jsonl").read_text()
