@@ -412,6 +412,34 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Where model-written code runs (see `megatron_cpo/rewards/sandbox.py`). `namespaces`: an unprivileged uid in
+    its own PID/mount/IPC/UTS/network namespaces with rlimits (the isolation boundary; needs root or CAP_SYS_ADMIN);
+    `remote`: a SandboxFusion service (`reward.sandbox_fusion.url`); `process`: rlimits and a throwaway uid only,
+    NOT a boundary (logs a warning and `reward/sandbox_weak=1`); `auto`: remote when a URL is set, else namespaces
+    when this machine allows them, else process; the choice is logged."""
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("reward.sandbox.mode", self.mode, ("auto", "namespaces", "process", "remote"))
+
+
+@dataclass
+class SandboxFusionConfig:
+    """verl's `reward_model.sandbox_fusion` (accepted as an alias): `url` of the `run_code` endpoint (e.g.
+    `http://host:8080/run_code`), `max_concurrent` requests per grading worker (the test cases of one sample run in
+    parallel), `memory_limit_mb` per program."""
+    url: str = ""
+    max_concurrent: int = 64
+    memory_limit_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(self.max_concurrent >= 1, f"reward.sandbox_fusion.max_concurrent={self.max_concurrent} must be >= 1")
+        _check(self.memory_limit_mb >= 64, f"reward.sandbox_fusion.memory_limit_mb={self.memory_limit_mb} must be "
+                                           ">= 64 (a Python interpreter needs about that)")
+
+
+@dataclass
 class RewardConfig:
     """The reward process pool: how many workers score responses and how long one grading may take.
 
@@ -427,6 +455,8 @@ class RewardConfig:
     custom_reward_function: str = ""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     custom_graders: dict[str, str] = field(default_factory=dict)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")
@@ -434,6 +464,8 @@ class RewardConfig:
         for source, path in self.custom_graders.items():
             _check(isinstance(path, str) and ":" in path, f"reward.custom_graders[{source!r}]={path!r} must be "
                    "'pkg.module:function' or 'file.py:function'")
+        _check(self.sandbox.mode != "remote" or bool(self.sandbox_fusion.url),
+               "reward.sandbox.mode=remote needs reward.sandbox_fusion.url (e.g. http://host:8080/run_code)")
 
 
 @dataclass
@@ -578,6 +610,8 @@ ALIASES: dict[str, str] = {
     "trainer.resume_mode": "trainer.resume",
     **{f"reward_model.overlong_buffer.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
+    **{f"reward_model.sandbox_fusion.{key}": f"reward.sandbox_fusion.{key}"
+       for key in ("url", "max_concurrent", "memory_limit_mb")},
 }
 # Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {

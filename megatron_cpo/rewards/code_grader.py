@@ -5,9 +5,10 @@ Ground truth follows the APPS/TACO convention: JSON (or a dict) with ``inputs`` 
 (whitespace-insensitive, numbers within 1e-6); with ``fn_name`` each input is the argument list of a call and the
 return value is compared (APPS wraps expected values in a one-element list; both forms are accepted).
 
-Each test case is a separate sandboxed process (``sandbox.run_python``). ``continuous=True`` (the seed's choice) scores
-the fraction of tests passed; ``continuous=False`` scores 1 when all pass and ``wrong_score`` otherwise, and stops at
-the first failure.
+Each test case is a separate sandboxed process (``sandbox.run_python``, in the backend ``reward.sandbox.mode``
+selects); with the remote (SandboxFusion) backend up to ``reward.sandbox_fusion.max_concurrent`` cases of one sample
+are in flight at once. ``continuous=True`` (the seed's choice) scores the fraction of tests passed;
+``continuous=False`` scores 1 when all pass and ``wrong_score`` otherwise, and stops at the first failure.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import json
 import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from megatron_cpo.rewards.sandbox import SandboxLimits, run_python
+from megatron_cpo.rewards.sandbox import SandboxLimits, active_mode, current_settings, run_python
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -88,21 +90,34 @@ def compute_code_score(
     inputs, outputs, fn_name = parse_test_cases(ground_truth)
     program = extract_code(solution_str)
     limits = SandboxLimits(**limits) if isinstance(limits, dict) else (limits or SandboxLimits())
-    deadline = time.monotonic() + total_timeout_s
-    statuses: list[str] = []
-    for test_input, expected in list(zip(inputs, outputs))[:max_tests]:
-        if time.monotonic() > deadline:
-            statuses.append("budget_exhausted")
-            break
+    cases = list(zip(inputs, outputs))[:max_tests]
+
+    def run_case(case: tuple) -> str:
+        test_input, expected = case
         if fn_name:
             run = run_python(program, json.dumps(test_input), limits=limits, mode="call", fn_name=fn_name)
             passed = run.status == "ok" and return_value_matches(run.stdout, expected)
         else:
             run = run_python(program, _as_text(test_input), limits=limits)
             passed = run.status == "ok" and stdout_matches(run.stdout, _as_text(expected))
-        statuses.append("passed" if passed else (run.status if run.status != "ok" else "wrong_answer"))
-        if not passed and not continuous:
-            break
+        return "passed" if passed else (run.status if run.status != "ok" else "wrong_answer")
+
+    statuses: list[str] = []
+    if active_mode() == "remote":  # latency-bound: cases of one sample in parallel, as verl does
+        with ThreadPoolExecutor(min(current_settings().fusion_max_concurrent, len(cases))) as executor:
+            for status in executor.map(run_case, cases):
+                statuses.append(status)
+                if status != "passed" and not continuous:
+                    break
+    else:
+        deadline = time.monotonic() + total_timeout_s
+        for case in cases:
+            if time.monotonic() > deadline:
+                statuses.append("budget_exhausted")
+                break
+            statuses.append(run_case(case))
+            if statuses[-1] != "passed" and not continuous:
+                break
     total = min(len(inputs), max_tests)
     passed_count = statuses.count("passed")
     all_passed = passed_count == total

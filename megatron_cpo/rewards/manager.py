@@ -13,6 +13,7 @@ import torch
 
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
 from megatron_cpo.rewards.registry import get_grader, load_callable
+from megatron_cpo.rewards.sandbox import SandboxSettings, configure_sandbox, sandbox_metrics
 
 
 @dataclass
@@ -28,6 +29,8 @@ class RewardConfig:
         ``{"math500": {"wrong_score": 0.0}}`` for 1/0 math rewards or ``{"apps": {"continuous": False}}``.
     worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
         MemoryError instead of exhausting the host); None for no limit.
+    sandbox: which backend runs model-written code (``reward.sandbox.mode`` and ``reward.sandbox_fusion``; see
+        ``sandbox.py``); batches with code samples log ``reward/sandbox_weak``.
     """
 
     num_workers: int = 2
@@ -37,6 +40,7 @@ class RewardConfig:
     custom_failure_score: float = 0.0
     grader_kwargs: dict[str, dict] = field(default_factory=dict)
     worker_memory_limit_mb: int | None = 4096
+    sandbox: SandboxSettings = field(default_factory=SandboxSettings)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -113,7 +117,8 @@ class RewardManager:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
         self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function,
-                                dict(config.grader_kwargs), config.worker_memory_limit_mb)
+                                dict(config.grader_kwargs), config.worker_memory_limit_mb, config.sandbox)
+        configure_sandbox(config.sandbox, resolve=False)  # this process resolves it too, for the log and metric
 
     def _grader_for(self, data_source: str) -> tuple[str, float]:
         """(grader name, failure score); unknown sources fail here, before any work is done."""
@@ -153,6 +158,8 @@ class RewardManager:
                                  [name for name, _ in graders])
         metrics["reward/grading_seconds"] = time.monotonic() - started
         metrics["reward/worker_restarts"] = float(self._pool.restarts)
+        if any(name == "compute_code_score" for name, _ in graders):
+            metrics.update(sandbox_metrics())
         return RewardResult(scores=scores, acc=acc, details=details, metrics=metrics)
 
     def close(self) -> None:

@@ -16,6 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_cpo.rewards.sandbox import SandboxSettings
 
 _STARTUP_TIMEOUT_S = 120.0
 GradingTask = tuple[str, str, object, object]  # data_source, solution_str, ground_truth, extra_info
@@ -32,9 +36,14 @@ class TaskOutcome:
 
 
 def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None) -> None:
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None,
+                 sandbox_settings: SandboxSettings | None = None) -> None:
     """Grade tasks received on ``connection`` until it sends None."""
     from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_grader
+    from megatron_cpo.rewards.sandbox import configure_sandbox
+
+    if sandbox_settings is not None:  # the code sandbox's backend (the probe of ``auto`` runs on first use)
+        configure_sandbox(sandbox_settings, resolve=False)
 
     if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -94,8 +103,9 @@ class GraderPool:
     """``num_workers`` grading processes; ``run`` grades a batch and returns one ``TaskOutcome`` per task, in order."""
 
     def __init__(self, num_workers: int, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None = None) -> None:
-        self._init_args = (custom_graders, custom_reward_function, grader_kwargs, memory_limit_mb)
+                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None = None,
+                 sandbox_settings: SandboxSettings | None = None) -> None:
+        self._init_args = (custom_graders, custom_reward_function, grader_kwargs, memory_limit_mb, sandbox_settings)
         self._workers = [_Worker(self._init_args) for _ in range(num_workers)]
         self.restarts = 0
 

@@ -1,42 +1,55 @@
-"""Run untrusted Python in a contained child process.
+"""Run untrusted Python (model-written code) behind an operating-system boundary.
 
-What is enforced, and by what:
+Backends, chosen by ``reward.sandbox.mode`` (``configure_sandbox``):
 
-- Operating system, always: a fresh session and process group (the whole group is SIGKILLed on timeout and after
-  every run), ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (stdout and stderr go to files,
-  so this caps output: a flood dies of SIGXFSZ), ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0``, ``RLIMIT_NPROC`` (the kernel
-  ignores it for root), ``PR_SET_PDEATHSIG`` (the child dies with its parent), a cleared environment, a throwaway
-  working directory deleted afterwards, and ``python -I -S`` (no site-packages, no PYTHON* variables).
-- Operating system, where the kernel allows it (root, or unprivileged user namespaces): a new, empty network
-  namespace, so no socket can reach any host, loopback included. ``network_namespace_mode()`` says which applies.
-- Python audit hook (``sandbox_guard.py``), always: refuses sockets, ctypes, process creation, writes outside the
-  working directory and reads outside it and the standard library (other processes' ``/proc`` entries included).
+- ``namespaces`` (the boundary): ``sandbox_launcher.py`` runs each program as a fresh unprivileged uid/gid in its
+  own PID, mount, IPC, UTS and network namespaces, with ``no_new_privs``, an empty environment, a private tmpfs
+  ``/work``, only ``/usr`` and the interpreter visible (read-only), no network at all, rlimits (CPU time, address
+  space, file size, open files, processes) and PID-namespace teardown: when the call returns or times out, every
+  process the program started is gone. Needs root (or ``CAP_SYS_ADMIN``) in the grading process. Each grading
+  process keeps one small launcher server (``launcher_server``) that forks the per-run launchers.
+- ``remote``: a SandboxFusion service (``reward.sandbox_fusion.url``; ``sandbox_fusion.py``); its isolation is the
+  service's.
+- ``process`` (weak, a fallback to be chosen knowingly): a child process with the same rlimits, an empty
+  environment, a throwaway working directory, its own session, and -- when the grader runs as root -- a fresh
+  unprivileged uid whose every process is SIGKILLed after the call. It sees the host's filesystem (what that uid may
+  read or write: world-writable directories included) and network. Without root it runs as the grader's own user
+  and can read and signal the grader's processes. Choosing it logs a warning and sets ``reward/sandbox_weak``.
+- ``auto`` (default): ``remote`` when a SandboxFusion URL is configured, else ``namespaces`` when this machine
+  allows them (probed once per process), else ``process`` with the warning. The choice is logged.
+
+No Python-level guard (audit hook, restricted builtins) is part of the boundary: those can be switched off from
+inside the interpreter they guard.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
+import json
+import logging
 import os
-import resource
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_GUARD_SOURCE = (Path(__file__).parent / "sandbox_guard.py").read_text(encoding="utf-8")
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger(__name__)
+MODES = ("auto", "namespaces", "process", "remote")
+RUNNER_SOURCE = (Path(__file__).parent / "sandbox_runner.py").read_text(encoding="utf-8")
+_LAUNCHER = str(Path(__file__).parent / "sandbox_launcher.py")
+SANDBOX_UID_BASE = 1_000_000  # sandbox uid/gid = this + a live pid: unique, unused by anything on the host
 
 
 @dataclass
 class SandboxLimits:
-    """Per-run limits. ``wall_timeout_s`` bounds real time, ``cpu_time_s`` CPU time, both per test case."""
+    """Per-run limits. ``wall_timeout_s`` bounds real time, ``cpu_time_s`` CPU time, both per test case;
+    ``work_dir_mb`` the private scratch directory (namespaces mode)."""
 
     wall_timeout_s: float = 4.0
     cpu_time_s: int = 3
@@ -44,7 +57,7 @@ class SandboxLimits:
     output_limit_bytes: int = 1 << 20
     max_open_files: int = 64
     max_processes: int = 32
-    isolate_network: bool = True
+    work_dir_mb: int = 16
     python_executable: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -55,6 +68,15 @@ class SandboxLimits:
             raise ValueError(f"sandbox memory_mb={self.memory_mb} is too small for a Python interpreter; use >= 64")
         if self.output_limit_bytes < 1024:
             raise ValueError(f"sandbox output_limit_bytes={self.output_limit_bytes}; use >= 1024")
+        if self.max_processes < 1 or self.max_open_files < 16 or self.work_dir_mb < 1:
+            raise ValueError(f"sandbox max_processes={self.max_processes} (>= 1), max_open_files="
+                             f"{self.max_open_files} (>= 16), work_dir_mb={self.work_dir_mb} (>= 1) out of range")
+
+    def rlimits(self) -> dict[str, int]:
+        """The resource limits of the program, by ``resource`` constant name (CPU's hard limit is one above)."""
+        return {"RLIMIT_CPU": self.cpu_time_s, "RLIMIT_AS": self.memory_mb << 20,
+                "RLIMIT_FSIZE": self.output_limit_bytes, "RLIMIT_NOFILE": self.max_open_files,
+                "RLIMIT_NPROC": self.max_processes, "RLIMIT_CORE": 0}
 
 
 @dataclass
@@ -68,53 +90,83 @@ class SandboxResult:
     wall_s: float
 
 
+@dataclass(frozen=True)
+class SandboxSettings:
+    """Which backend runs programs in this process (``reward.sandbox`` and ``reward.sandbox_fusion``)."""
+
+    mode: str = "auto"
+    fusion_url: str = ""
+    fusion_max_concurrent: int = 64
+    fusion_memory_limit_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"reward.sandbox.mode={self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode == "remote" and not self.fusion_url:
+            raise ValueError("reward.sandbox.mode=remote needs reward.sandbox_fusion.url (e.g. "
+                             "http://host:8080/run_code)")
+        if self.fusion_max_concurrent < 1 or self.fusion_memory_limit_mb < 64:
+            raise ValueError(f"reward.sandbox_fusion.max_concurrent={self.fusion_max_concurrent} (>= 1) and "
+                             f"memory_limit_mb={self.fusion_memory_limit_mb} (>= 64) out of range")
+
+
+_settings = SandboxSettings()
+
+
+def configure_sandbox(settings: SandboxSettings, resolve: bool = True) -> str | None:
+    """Set the backend every later ``run_python`` call of this process uses; returns the resolved mode (``resolve``
+    False leaves ``auto``'s probe to the first run)."""
+    global _settings
+    _settings = settings
+    return active_mode() if resolve else None
+
+
+def current_settings() -> SandboxSettings:
+    return _settings
+
+
+def active_mode() -> str:
+    """The backend in use: ``namespaces``, ``process`` or ``remote`` (``auto`` resolved, and logged once)."""
+    return _resolve(_settings.mode, bool(_settings.fusion_url))
+
+
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+def _resolve(mode: str, has_url: bool) -> str:
+    if mode == "auto":
+        reason = namespaces_unavailable_reason()
+        mode = "remote" if has_url else ("namespaces" if reason is None else "process")
+        logger.info("code sandbox: reward.sandbox.mode=auto runs the %r backend", mode)
+    elif mode == "namespaces" and (reason := namespaces_unavailable_reason()) is not None:
+        raise RuntimeError(f"reward.sandbox.mode=namespaces, but this machine refuses them ({reason}); run the "
+                           "grader as root (or with CAP_SYS_ADMIN), or set reward.sandbox.mode=remote with "
+                           "reward.sandbox_fusion.url, or knowingly reward.sandbox.mode=process")
+    if mode == "process":
+        logger.warning(
+            "CODE SANDBOX IS WEAK: reward.sandbox.mode resolved to 'process' (no namespaces here: %s). Model-written "
+            "code runs with rlimits only and can see this machine's files and network%s. Use "
+            "reward.sandbox.mode=namespaces (root / CAP_SYS_ADMIN) or remote (reward.sandbox_fusion.url) for "
+            "untrusted code; reward/sandbox_weak=1 is logged every step.", namespaces_unavailable_reason(),
+            "" if os.geteuid() == 0 else ", and as the trainer's own user, can read and signal its processes")
+    return mode
 
 
-def _try_unshare_network() -> bool:
-    libc = _libc()
-    if libc.unshare(_CLONE_NEWNET) == 0:
-        return True
-    return libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0
+def sandbox_metrics() -> dict[str, float]:
+    """``reward/sandbox_weak``: 1 when code runs in the weak process mode."""
+    return {"reward/sandbox_weak": float(active_mode() == "process")}
 
 
 @functools.cache
-def network_namespace_mode() -> str:
-    """``"namespace"`` if children can get an empty network namespace here, else ``"audit_hook"``."""
-    probe = subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], preexec_fn=_probe_unshare,
-                           capture_output=True, check=False)
-    return "namespace" if probe.returncode == 0 else "audit_hook"
-
-
-def _probe_unshare() -> None:
-    if not _try_unshare_network():
-        os._exit(3)
-
-
-def _child_setup(limits: SandboxLimits, use_network_namespace: bool) -> None:
-    """Runs in the forked child before exec: namespaces, death signal, resource limits."""
-    if use_network_namespace and not _try_unshare_network():
-        os._exit(125)
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    memory = limits.memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_time_s, limits.cpu_time_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_limit_bytes, limits.output_limit_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-
-
-def _kill_group(process_group: int) -> None:
+def namespaces_unavailable_reason() -> str | None:
+    """None when the namespace backend works here (one real trial run), else why not."""
     try:
-        os.killpg(process_group, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        result = _run_namespaced("print(6 * 7)", "", SandboxLimits(wall_timeout_s=30.0), "stdio", None)
+    except (RuntimeError, OSError) as error:
+        return str(error)
+    return None if result.stdout.strip() == "42" else f"trial run gave {result.status}: {result.stderr[-300:]}"
 
 
-def _classify(returncode: int | None, timed_out: bool, stderr: str, output_full: bool) -> str:
+def classify(returncode: int | None, timed_out: bool, stderr: str, output_full: bool) -> str:
+    """A run's status from how it ended."""
     if timed_out:
         return "timeout"
     if returncode == -signal.SIGXFSZ or output_full or "File too large" in stderr:
@@ -128,42 +180,136 @@ def _classify(returncode: int | None, timed_out: bool, stderr: str, output_full:
     return "runtime_error"
 
 
+def read_outputs(directory: Path, limits: SandboxLimits) -> tuple[str, str, bool]:
+    """(stdout, the tail of stderr, whether stdout reached the output limit) from the run's output files."""
+    raw_stdout = (directory / "stdout.txt").read_bytes()
+    stderr = (directory / "stderr.txt").read_bytes()[-4096:].decode("utf-8", "replace")
+    return raw_stdout.decode("utf-8", "replace"), stderr, len(raw_stdout) >= limits.output_limit_bytes
+
+
+def _interpreter(limits: SandboxLimits) -> tuple[str, list[str]]:
+    """The real interpreter binary (not a venv link: the program gets the bare standard library) and the
+    directories the namespace jail must show read-only for it to start."""
+    binary = os.path.realpath(limits.python_executable)
+    prefix = os.path.dirname(os.path.dirname(binary))
+    return binary, [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
+
+
+class _LauncherServer:
+    """This process's ``sandbox_launcher.py`` server, started on first use and again after a fork or its death."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner, self._socket, self._process = -1, None, None
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen([sys.executable, "-I", "-S", "-B", _LAUNCHER, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), env={}, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        theirs.close()
+        self._owner, self._socket = os.getpid(), ours
+
+    def submit(self, settings: dict, fds: tuple[int, int, int, int]) -> None:
+        """Hand one run to the server: ``fds`` become the launcher's stdin, stdout, stderr and status pipe."""
+        message = json.dumps(settings).encode()
+        with self._lock:
+            for attempt in range(2):
+                if self._owner != os.getpid() or self._process.poll() is not None:
+                    self._start()
+                try:
+                    socket.send_fds(self._socket, [message], list(fds))
+                    return
+                except OSError:
+                    if attempt:
+                        raise
+                    self._owner = -1
+
+    def pid(self) -> int | None:
+        """The server's pid in this process, if one runs."""
+        return self._process.pid if self._process is not None and self._owner == os.getpid() else None
+
+
+launcher_server = _LauncherServer()
+
+
+def _read_status(status_read: int, backstop_s: float) -> list[str]:
+    """The launcher's last status line, read until every writer has closed the pipe (the launcher and the init
+    have exited, and with the init the whole sandbox). The launcher enforces the wall time; past ``backstop_s``
+    it is SIGKILLed here (its init follows through the parent-death signal)."""
+    received, killed, deadline = b"", False, time.monotonic() + backstop_s
+    while True:
+        wait_s = None if killed else max(0.0, deadline - time.monotonic())
+        if not select.select([status_read], [], [], wait_s)[0]:
+            first = received.split(b"\n", 1)
+            if len(first) < 2 or not first[0].startswith(b"launcher "):
+                break  # no launcher ever started
+            os.kill(int(first[0].split()[1]), signal.SIGKILL)
+            killed = True
+            continue
+        chunk = os.read(status_read, 4096)
+        if not chunk:
+            break
+        received += chunk
+    lines = [line.split() for line in received.decode().splitlines() if line.strip()]
+    return lines[-1] if lines else []
+
+
+def _run_namespaced(program: str, stdin: str, limits: SandboxLimits, mode: str, fn_name: str | None
+                    ) -> SandboxResult:
+    directory = Path(tempfile.mkdtemp(prefix="mcpo-sandbox-"))
+    status_read, status_write = os.pipe()
+    try:
+        (directory / "root").mkdir()
+        (directory / "program.py").write_text(program, encoding="utf-8")
+        (directory / "stdin.txt").write_text(stdin, encoding="utf-8")
+        binary, read_only = _interpreter(limits)
+        settings = {"root_dir": str(directory / "root"), "program_path": str(directory / "program.py"),
+                    "read_only_paths": ["/usr", *read_only], "uid_base": SANDBOX_UID_BASE,
+                    "work_dir_mb": limits.work_dir_mb, "rlimits": limits.rlimits(), "status_fd": 3,
+                    "wall_timeout_s": limits.wall_timeout_s,
+                    "argv": [binary, "-I", "-S", "-B", "-c", RUNNER_SOURCE, mode, "solution.py",
+                             *([fn_name] if fn_name else [])]}
+        started = time.monotonic()
+        with open(directory / "stdin.txt", "rb") as stdin_file, open(directory / "stdout.txt", "wb") as out, \
+                open(directory / "stderr.txt", "wb") as err:
+            launcher_server.submit(settings, (stdin_file.fileno(), out.fileno(), err.fileno(), status_write))
+        os.close(status_write)
+        status_write = -1
+        report = _read_status(status_read, limits.wall_timeout_s + 30.0)
+        wall_s = time.monotonic() - started
+        if not report or report[0] not in ("exit", "signal", "timeout"):
+            detail = " ".join(report[1:]) if report[:1] == ["error"] else "the launcher ended without a status"
+            raise RuntimeError(f"the namespace sandbox could not run the program: {detail}")
+        stdout, stderr, output_full = read_outputs(directory, limits)
+        timed_out = report[0] == "timeout"
+        returncode = None if timed_out else (int(report[1]) if report[0] == "exit" else -int(report[1]))
+        return SandboxResult(classify(returncode, timed_out, stderr, output_full), returncode, stdout, stderr,
+                             wall_s)
+    finally:
+        for descriptor in (status_read, status_write):
+            if descriptor >= 0:
+                os.close(descriptor)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run_python(program: str, stdin: str = "", *, limits: SandboxLimits | None = None, mode: str = "stdio",
-               fn_name: str | None = None) -> SandboxResult:
-    """Run ``program`` in a fresh sandbox. mode ``stdio`` feeds ``stdin``; mode ``call`` calls ``fn_name`` with the
-    JSON argument list in ``stdin`` and returns its JSON result on stdout."""
+               fn_name: str | None = None, backend: str | None = None) -> SandboxResult:
+    """Run ``program`` once in the configured sandbox (``backend`` overrides it for this call). mode ``stdio`` feeds
+    ``stdin``; mode ``call`` calls ``fn_name`` with the JSON argument list in ``stdin`` and returns its JSON result
+    on stdout."""
     if mode not in ("stdio", "call") or (mode == "call" and not fn_name):
         raise ValueError(f"run_python mode={mode!r}, fn_name={fn_name!r}: use mode='stdio', or 'call' with fn_name")
     limits = limits or SandboxLimits()
-    use_namespace = limits.isolate_network and network_namespace_mode() == "namespace"
-    _libc()  # load libc here: the forked child must not dlopen between fork and exec
-    workdir = Path(tempfile.mkdtemp(prefix="mcpo-sandbox-"))
-    try:
-        (workdir / "solution.py").write_text(program, encoding="utf-8")
-        (workdir / "stdin.txt").write_text(stdin, encoding="utf-8")
-        command = [limits.python_executable, "-I", "-S", "-c", _GUARD_SOURCE, mode, "solution.py"]
-        command += [fn_name] if fn_name else []
-        started = time.monotonic()
-        with open(workdir / "stdin.txt", "rb") as stdin_file, open(workdir / "stdout.txt", "wb") as stdout_file, \
-                open(workdir / "stderr.txt", "wb") as stderr_file:
-            child = subprocess.Popen(
-                command, cwd=workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"},
-                stdin=stdin_file, stdout=stdout_file, stderr=stderr_file, close_fds=True, start_new_session=True,
-                preexec_fn=functools.partial(_child_setup, limits, use_namespace),
-            )
-            timed_out = False
-            try:
-                child.wait(timeout=limits.wall_timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(child.pid)
-                child.wait()
-        wall_s = time.monotonic() - started
-        raw_stdout = (workdir / "stdout.txt").read_bytes()
-        stdout = raw_stdout.decode("utf-8", "replace")
-        stderr = (workdir / "stderr.txt").read_bytes()[-4096:].decode("utf-8", "replace")
-        status = _classify(child.returncode, timed_out, stderr, len(raw_stdout) >= limits.output_limit_bytes)
-        return SandboxResult(status, child.returncode, stdout, stderr, wall_s)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    backend = backend or active_mode()
+    if backend == "namespaces":
+        return _run_namespaced(program, stdin, limits, mode, fn_name)
+    if backend == "process":
+        from megatron_cpo.rewards.sandbox_process import run_in_process
+
+        return run_in_process(program, stdin, limits, mode, fn_name)
+    if backend == "remote":
+        from megatron_cpo.rewards.sandbox_fusion import run_remote
+
+        return run_remote(program, stdin, limits, mode, fn_name, _settings)
+    raise ValueError(f"sandbox backend={backend!r}; choose namespaces, process or remote")

@@ -48,7 +48,7 @@ def test_batch_with_failing_graders_is_scored_and_counted(manager):
 
 def test_code_samples_are_sandboxed_inside_pool_workers(manager):
     tests = json.dumps({"inputs": ["2\n", "5\n"], "outputs": ["4\n", "10\n"]})
-    solutions = ["```python\nprint(int(input()) * 2)\n```", "```python\nimport os\nos.fork()\n```"]
+    solutions = ["```python\nprint(int(input()) * 2)\n```", "```python\nprint(open('/etc/shadow').read())\n```"]
     result = manager.score(["codecontests", "apps"], solutions, [tests, tests])
     assert result.scores.tolist() == [1.0, -1.0]
     assert result.details[1]["test_statuses"] == ["runtime_error"]
