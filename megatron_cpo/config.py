@@ -267,8 +267,8 @@ class ValKwargsConfig:
 class RolloutConfig(RolloutFilterConfig):
     """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
     (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache. `ray_address`: "auto" joins the
-    running Ray cluster (as the SLURM launcher starts it, via RAY_ADDRESS) or starts a local one when there is none;
-    "local" always starts a private one; "host:port" joins that cluster. `weight_transport`: how weights reach the
+    Ray cluster in RAY_ADDRESS when that is set (the SLURM launcher sets it) and otherwise starts a private local one
+    (never a cluster merely running on the machine); "local" always starts a private one; "host:port" joins that. `weight_transport`: how weights reach the
     engines after each update: "shm" (/dev/shm buckets, engines on the sending ranks' node), "collective" (a gloo or
     NCCL group between each sending rank and every engine worker, engines on any node), "auto" (collective when the
     Ray cluster or the trainer spans several nodes, else shm); `weight_sync_timeout_s` bounds forming that group and

@@ -8,18 +8,20 @@ Each prompt is sampled `n` times by the same Ray-spawned vLLM engines the traine
   1 - C(n - c, k) / C(n, k) with c correct samples out of n, averaged over prompts;
 - `score@n`: the mean grader score (which may differ from accuracy, e.g. -1/1 math scores or partial code credit).
 
-Greedy decoding (`temperature=0`) with n=1 gives the usual single-answer accuracy.
+Greedy decoding (`temperature=0`) with n=1 gives the usual single-answer accuracy. Prompt plus response lengths are
+checked against the model's positions before anything starts; a progress line with an ETA counts finished prompts.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from megatron_cpo.progress import ProgressLine
 
 
 def pass_at_k(num_correct: np.ndarray, num_samples: int, k: int) -> np.ndarray:
@@ -86,6 +88,22 @@ class EvalConfig:
                              "or a positive temperature")
         if self.max_prompts < 0:
             raise ValueError(f"--max-prompts={self.max_prompts} must be >= 0 (0: every prompt)")
+        if self.max_prompt_length < 1 or self.max_response_length < 1:
+            raise ValueError(f"--max-prompt-length={self.max_prompt_length} and --max-response-length="
+                             f"{self.max_response_length} must both be >= 1")
+
+
+def check_lengths(config: EvalConfig) -> None:
+    """Prompt + response tokens must fit the model's positions (vLLM would otherwise fail deep in engine start)."""
+    from megatron_cpo.models import load_hf_config
+
+    positions = getattr(load_hf_config(config.model_path), "max_position_embeddings", None)
+    total = config.max_prompt_length + config.max_response_length
+    if positions is not None and total > positions:
+        raise ValueError(f"--max-prompt-length {config.max_prompt_length} + --max-response-length "
+                         f"{config.max_response_length} = {total} tokens exceed the {positions} positions of "
+                         f"{config.model_path} (max_position_embeddings); lower them so they sum to at most "
+                         f"{positions}")
 
 
 def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.ndarray, list[dict]]:
@@ -96,6 +114,7 @@ def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.nd
     from megatron_cpo.rewards import compute_score
     from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
 
+    check_lengths(config)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     dataset = PromptDataset(DatasetConfig(files=config.data_files, max_prompt_length=config.max_prompt_length,
                                           truncation="left", shuffle=False), tokenizer)
@@ -112,8 +131,10 @@ def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.nd
                                     max_tokens=config.max_response_length, stop_token_ids=stop,
                                     seed=config.seed * 1_000_003 + record.index)
             manager.submit(str(record.index), record.prompt_ids, params)
+        progress = ProgressLine("eval", len(records), "prompts")
         for group in manager.completed():
             groups[int(group.request_id)] = group
+            progress.update(len(groups))
     correct = np.zeros((len(records), config.n), dtype=bool)
     scores = np.zeros((len(records), config.n))
     samples = []
@@ -156,25 +177,39 @@ def run_eval(config: EvalConfig) -> dict[str, dict[str, float]]:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `megatron-cpo eval`."""
     parser.add_argument("--data", nargs="+", required=True, help="verl-schema parquet file(s) (tools/prepare_data.py)")
-    parser.add_argument("--model", required=True, help="HF model directory")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt (pass@k for k up to n)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-prompt-length", type=int, default=1024)
-    parser.add_argument("--max-response-length", type=int, default=1024)
+    parser.add_argument("--model", required=True, help="HF model directory (config, weights, tokenizer)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt; pass@k is reported for k up to n "
+                        "(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature; 0 is greedy and needs --n 1 (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    parser.add_argument("--max-prompt-length", type=int, default=1024,
+                        help="prompt tokens kept (longer prompts lose their start); with --max-response-length it "
+                        "must fit the model's max_position_embeddings (default: %(default)s)")
+    parser.add_argument("--max-response-length", type=int, default=1024,
+                        help="tokens generated at most per sample (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=0, help="evaluate the first N prompts only (0: all)")
-    parser.add_argument("--num-engines", type=int, default=1)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default="", help="write metrics.json and samples.jsonl here")
-    parser.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
-                        help="'auto' joins a running cluster or starts one; 'local' starts a private one")
+    parser.add_argument("--num-engines", type=int, default=1, help="vLLM engines sharing the prompts "
+                        "(default: %(default)s)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="engine weights' dtype (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed; each prompt's samples are seeded from "
+                        "it and the prompt's index, so a rerun reproduces them (default: %(default)s)")
+    parser.add_argument("--output-dir", default="", help="write metrics.json, samples.jsonl and eval.log here")
+    parser.add_argument("--ray-address", default="auto",
+                        help="'auto' (default): join the Ray cluster in RAY_ADDRESS when that is set (as the SLURM "
+                        "launcher sets it), else start a private local one; 'local': always a private one; "
+                        "'host:port': join that cluster")
     return parser
 
 
 def run_eval_command(args: argparse.Namespace) -> None:
     """`megatron-cpo eval`: print the per-source table (and write files with --output-dir)."""
+    from megatron_cpo.console import setup_logging
+
+    setup_logging(Path(args.output_dir) / "eval.log" if args.output_dir else None)
     config = EvalConfig(data_files=args.data, model_path=args.model, n=args.n, temperature=args.temperature,
                         top_p=args.top_p, max_prompt_length=args.max_prompt_length,
                         max_response_length=args.max_response_length, max_prompts=args.max_prompts,

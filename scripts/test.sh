@@ -2,5 +2,5 @@
 # Set up the environment and run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh cpu,test
+bash scripts/setup_env.sh cpu,tools,test
 exec .venv/bin/python -m pytest tests "$@"

@@ -6,7 +6,17 @@
 One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length), each drawing the
 metrics it lists that the run logged; panels with nothing logged are left out. Several files overlay as runs. A resumed
 run appends to the same file, so a step logged twice keeps its last value. `--smooth` is an exponential moving
-average weight (0: raw values); the raw curve stays visible behind the smoothed one.
+average weight (0: raw values); the raw curve stays visible behind the smoothed one. Sparse series (logged at fewer
+than half the steps of the run's densest one, e.g. `val/acc` every `test_freq` steps) are never smoothed: an EMA over
+five evaluations mixes the final accuracy with the first (0.70 drawn as 0.63).
+
+Filter rate panel: `filter/filter_rate` and `filter/kept_ratio` need not sum to 1, because they count different
+groups. `filter_rate` is dropped / committed prompts, the prompts consumed from the data stream up to the one that
+filled the batch; `kept_ratio` is kept / judged groups, which also counts the groups that finished after the batch was
+full (they go back to the data stream, but their filter outcome is still a sample of the keep rate, and it is what
+`filter_loss_scaling` scales by). The legend says which denominator each uses.
+
+Needs matplotlib (`pip install -e '.[tools]'`, which `scripts/setup_env.sh` installs by default).
 """
 from __future__ import annotations
 
@@ -37,6 +47,21 @@ PANELS: tuple[Panel, ...] = (
     Panel("Entropy", ("actor/entropy",), "nats / token"),
     Panel("Response length", ("completions/mean_length", "completions/max_length"), "tokens"),
 )
+
+
+# What the legend calls a metric whose name alone misleads.
+LEGEND_NAMES = {"filter/filter_rate": "filter/filter_rate (dropped / committed prompts)",
+                "filter/kept_ratio": "filter/kept_ratio (kept / all judged groups)"}
+
+MATPLOTLIB_MISSING = ("matplotlib is not installed; install it with: pip install matplotlib  "
+                      "(or the project's tools extra: pip install -e '.[tools]')")
+
+
+def smoothing_for(run: dict[str, tuple[np.ndarray, np.ndarray]], metric: str, smoothing: float) -> float:
+    """The EMA weight to draw `metric` with: `smoothing`, or 0 for a sparse series (logged at fewer than half the
+    steps of the run's densest series: validation every test_freq steps, early-stop events)."""
+    densest = max(len(steps) for steps, _ in run.values())
+    return 0.0 if len(run[metric][0]) < 0.5 * densest else smoothing
 
 
 def read_metrics(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -84,8 +109,10 @@ def smooth(values: np.ndarray, weight: float) -> np.ndarray:
 def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str], out: str | Path,
          smoothing: float = 0.0, panels: tuple[Panel, ...] = PANELS, title: str = "") -> list[str]:
     """Draw the panels that have data into one PNG at `out`; returns the titles of the panels drawn."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ModuleNotFoundError(MATPLOTLIB_MISSING) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -104,11 +131,13 @@ def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]
                 steps, values = run[metric]
                 # one run: a color per metric; several runs: a color per run and a line style per metric
                 color = colors[(metric_index if len(runs) == 1 else run_index) % len(colors)]
-                name = metric if len(runs) == 1 else f"{label}: {metric}"
-                if smoothing > 0:
+                shown_name = LEGEND_NAMES.get(metric, metric)
+                name = shown_name if len(runs) == 1 else f"{label}: {shown_name}"
+                weight = smoothing_for(run, metric, smoothing)
+                if weight > 0:
                     axis.plot(steps, values, color=color, alpha=0.25, linewidth=1)
                 marker = "o" if len(steps) < 30 else None
-                axis.plot(steps, smooth(values, smoothing), color=color, label=name, marker=marker, markersize=3,
+                axis.plot(steps, smooth(values, weight), color=color, label=name, marker=marker, markersize=3,
                           linestyle="-" if len(runs) == 1 else styles[metric_index % len(styles)], linewidth=1.6)
         axis.set_title(panel.title)
         axis.set_xlabel("step")
@@ -132,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", help="metrics.jsonl of one or more runs")
     parser.add_argument("--out", default="metrics.png", help="PNG to write")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per file (default: parent folder)")
-    parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1), e.g. 0.6")
+    parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1), e.g. 0.6; sparse series "
+                        "such as val/acc are drawn raw")
     parser.add_argument("--title", default="", help="figure title")
     args = parser.parse_args(argv)
     labels = args.labels or [Path(path).parent.name or Path(path).stem for path in args.files]
@@ -142,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.smooth < 1:
             raise ValueError(f"--smooth={args.smooth} must be in [0, 1)")
         drawn = plot([read_metrics(path) for path in args.files], labels, args.out, args.smooth, title=args.title)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} with panels: {', '.join(drawn)}")

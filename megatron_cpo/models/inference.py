@@ -77,6 +77,13 @@ def greedy_generate(model: Any, prompt_ids: list[int], max_new_tokens: int, eos_
     return new_tokens
 
 
+def format_generation(prompt_text: str, prompt_ids: list[int], new_tokens: list[int], text: str) -> str:
+    """What `generate` prints: the prompt and the continuation, each as text and as the token ids the model saw or
+    produced (a tokenizer mismatch or a stray special token shows up in the ids, not in the text)."""
+    return (f"prompt ({len(prompt_ids)} tokens): {prompt_text!r}\nprompt token ids: {prompt_ids}\n"
+            f"generation ({len(new_tokens)} tokens): {text!r}\ngeneration token ids: {new_tokens}")
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `megatron-cpo generate`."""
     source = parser.add_mutually_exclusive_group(required=True)
@@ -85,14 +92,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--hf-config", help="HF directory with the config and tokenizer of --mcore")
     parser.add_argument("--prompt", default="What is 2 + 3?", help="user message")
     parser.add_argument("--system", default=None, help="optional system message")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens to generate at most")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     return parser
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    """Load a model (HF dir or Megatron checkpoint), score the chat prompt, greedily continue it and print the text."""
+    """Load a model (HF dir or Megatron checkpoint), score the chat prompt, greedily continue it and print the text
+    with its token ids."""
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
 
@@ -127,7 +135,7 @@ def run_generate(args: argparse.Namespace) -> None:
                   f"prompt next-token NLL {nll.item():.4f}", flush=True)
         new_tokens = greedy_generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_token_id)
         if dist.get_rank() == 0:
-            print(f"prompt: {prompt_text!r}\ngeneration ({len(new_tokens)} tokens): "
-                  f"{tokenizer.decode(new_tokens, skip_special_tokens=False)!r}", flush=True)
+            print(format_generation(prompt_text, prompt_ids, new_tokens,
+                                    tokenizer.decode(new_tokens, skip_special_tokens=False)), flush=True)
     finally:
         platform.destroy_distributed()

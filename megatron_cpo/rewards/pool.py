@@ -185,4 +185,7 @@ class GraderPool:
 
 if __name__ == "__main__":
     _channel = Connection(int(sys.argv[1]))
-    _worker_main(_channel, *_channel.recv())
+    try:
+        _worker_main(_channel, *_channel.recv())
+    except (EOFError, ConnectionError):  # the trainer exited without closing the pool (it reports its own error)
+        sys.exit(0)

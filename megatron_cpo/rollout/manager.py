@@ -1,13 +1,13 @@
 """The rollout controller's view of the engines: submit prompts, stream finished groups, survive engine deaths.
 
-Lives on trainer rank 0. It joins (or starts) a Ray cluster, spawns `num_engines` vLLM engine actors, sends each
-prompt to the least-loaded live engine and yields groups in the order they finish. When an engine dies, the
-prompts it held are sent again to the others, so every submitted prompt comes back exactly once; when no engine
-is left, `RolloutEnginesLostError` names the prompts that could not be served. A death is logged once (a warning
-naming the engine) and `num_engines_alive()` counts the survivors; weight syncs skip dead engines.
-
-Each engine actor records its host and pid when it starts, so `shutdown()` can end the processes it started (vLLM's
-engine core, its workers) even when the actor is killed before it finished starting (SIGTERM during start-up).
+Lives on trainer rank 0. It joins or starts a Ray cluster (`ray_cluster.connect_ray`), spawns `num_engines` vLLM
+engine actors, sends each prompt to the least-loaded live engine and yields groups in the order they finish. When an
+engine dies, the prompts it held are sent again to the others, so every submitted prompt comes back exactly once;
+when no engine is left, `RolloutEnginesLostError` names the prompts that could not be served.
+A death is logged once (a warning naming the engine) and `num_engines_alive()` counts the survivors; weight syncs
+skip dead engines. Each engine actor records its host and pid when it starts, so `shutdown()` can end the processes
+it started (vLLM's engine core, its workers) even when the actor is killed before it finished starting (SIGTERM
+during start-up).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 
 from megatron_cpo.rollout.engine import VLLMEngine
 from megatron_cpo.rollout.processes import end_processes, engine_processes
+from megatron_cpo.rollout.ray_cluster import connect_ray
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
@@ -44,37 +45,16 @@ class _Request:
 
 
 def _connect_ray(config: RolloutConfig) -> bool:
-    """Join or start Ray as configured; returns True when this process started it (and must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if threading.current_thread() is threading.main_thread():
-        # ray.init installs a SIGTERM handler that calls sys.exit; keep the caller's (the trainer's stop logic)
-        previous = signal.getsignal(signal.SIGTERM)
-        try:
-            return _init_ray(config)
-        finally:
+    """`connect_ray`, keeping the caller's SIGTERM handler (the trainer's stop logic): `ray.init` installs one that
+    calls sys.exit."""
+    if threading.current_thread() is not threading.main_thread():
+        return connect_ray(config.ray_address, config.ray_namespace)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return connect_ray(config.ray_address, config.ray_namespace)
+    finally:
+        if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return _init_ray(config)
-
-
-def _init_ray(config: RolloutConfig) -> bool:
-    import ray
-
-    common = dict(namespace=config.ray_namespace, log_to_driver=False, include_dashboard=False)
-    if config.ray_address == "local":
-        ray.init(address="local", **common)
-        return True
-    if config.ray_address == "auto":
-        try:
-            ray.init(address="auto", **common)
-            return True
-        except ConnectionError:
-            ray.init(address="local", **common)
-            return True
-    ray.init(address=config.ray_address, **common)
-    return True
 
 
 class RolloutManager:

@@ -92,8 +92,9 @@ class RolloutGroup:
 class RolloutConfig:
     """Rollout engines: what model they serve, how many, where, and how weights reach them.
 
-    `ray_address`: "auto" joins the running Ray cluster (as under SLURM) and starts a local one when none is
-    found; "local" always starts a private local cluster; "host:port" joins that cluster.
+    `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
+    and otherwise starts a private local one, never a cluster merely found on the machine; "local" always starts a
+    private local cluster; "host:port" joins that cluster (`ray_cluster.resolve_ray_address`).
     On CPU each engine takes `cpus_per_engine` Ray CPU slots and `cpu_kv_cache_gib` GiB of KV cache; on GPU it takes
     `tensor_parallel_size` GPUs and `gpu_memory_utilization` of their memory.
     `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);

@@ -13,7 +13,8 @@ import sys
 
 import yaml
 
-from megatron_cpo.config import config_to_dict, resolve_config
+from megatron_cpo.config import config_to_dict, load_config, resolve_config
+from megatron_cpo.console import run_log_path, setup_logging
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,12 +48,11 @@ def run_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
-    from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.errors import RunAbortedError
-    from megatron_cpo.trainer.loop import run_training
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, args.overrides)
+    log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
+    logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
+    from megatron_cpo.trainer.errors import RunAbortedError
+    from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
     try:
         final = run_training(config)
     except RunAbortedError as err:

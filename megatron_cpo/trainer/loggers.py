@@ -1,7 +1,8 @@
-"""Metric sinks: console (with a progress bar), JSONL, TensorBoard and Weights & Biases when installed.
+"""Metric sinks: console (with a progress bar and ETA), JSONL, TensorBoard and Weights & Biases.
 
 Every sink takes `log(metrics, step)`; `MetricLogger` fans out to the ones named in `trainer.logger`. A sink whose
-package is missing is reported once and skipped, so a config written for a cluster still runs on a laptop.
+package is missing is an error at start naming the `pip install` line (`require_sink_packages`): a run that was asked
+to report to W&B and silently does not is worse than one that does not start.
 
 A run resumed from step k's checkpoint redoes steps k+1.., so every sink first forgets what an earlier attempt logged
 after step k (`resume_step=k`; 0 for a fresh start, which forgets everything): the JSONL files are cut back to the
@@ -12,16 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_cpo.progress import bar, eta_seconds, format_duration
 from megatron_cpo.trainer.verl_metrics import with_verl_names
-
-logger = logging.getLogger(__name__)
 
 CONSOLE_KEYS = ("val/acc", "reward/mean", "reward/acc", "filter/kept_prompts", "filter/num_gen_batches",
                 "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/step_s")
@@ -37,19 +36,28 @@ class Sink(Protocol):
 
 
 class ConsoleSink:
-    """One line per step with a progress bar and the headline metrics (the rest go to the file sinks)."""
+    """One line per step with a progress bar, elapsed time, ETA and the headline metrics (the rest go to the file
+    sinks). The ETA is the mean time per step since the first logged step (validation included) times the steps
+    left; a resumed run counts from the step it resumed at."""
 
     def __init__(self, total_steps: int, stream=sys.stdout) -> None:
         self.total_steps = max(total_steps, 1)
         self.stream = stream
         self.start = time.perf_counter()
+        self._first: tuple[int, float] | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        done = min(step / self.total_steps, 1.0)
-        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        eta = eta_seconds(step - first_step, self.total_steps - first_step, now - first_time)
+        timing = f"{now - self.start:6.0f}s"
+        if step < self.total_steps:
+            timing += f" ETA {format_duration(eta)}" if eta is not None else " ETA ?"
         shown = " ".join(f"{key}={metrics[key]:.4g}" for key in CONSOLE_KEYS if key in metrics)
-        elapsed = time.perf_counter() - self.start
-        print(f"[{bar}] step {step}/{self.total_steps} {elapsed:6.0f}s {shown}", file=self.stream, flush=True)
+        print(f"{bar(step, self.total_steps)} step {step}/{self.total_steps} {timing} {shown}", file=self.stream,
+              flush=True)
 
     def close(self) -> None:
         pass
@@ -100,6 +108,8 @@ class JsonlSink:
 
 
 class TensorBoardSink:
+    """Scalars under `<default_local_dir>/tensorboard` (`tensorboard --logdir <default_local_dir>/tensorboard`)."""
+
     def __init__(self, log_dir: Path, resume_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -134,8 +144,22 @@ class WandbSink:
         self.run.finish()
 
 
+# sink -> (module it needs, how to install it)
+SINK_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard  (or: pip install -e '.[tools]')"),
+                 "wandb": ("wandb", "pip install wandb")}
+
+
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def require_sink_packages(sinks: list[str]) -> None:
+    """Raise a one-line error naming the install command for every requested sink whose package is missing."""
+    for sink in sinks:
+        if sink in SINK_PACKAGES and not _installed(SINK_PACKAGES[sink][0]):
+            module, install = SINK_PACKAGES[sink]
+            raise ValueError(f"trainer.logger includes {sink!r} but the {module!r} package is not installed; "
+                             f"{install}, or remove {sink!r} from trainer.logger")
 
 
 class MetricLogger:
@@ -145,6 +169,7 @@ class MetricLogger:
     def __init__(self, sinks: list[str], out_dir: Path, total_steps: int, project: str, name: str,
                  config: dict[str, Any], verl_names: bool = False, val_samples: int = 1,
                  resume_step: int = 0) -> None:
+        require_sink_packages(sinks)
         self.out_dir = out_dir
         self.verl_names = verl_names
         self.val_samples = val_samples
@@ -157,12 +182,13 @@ class MetricLogger:
                 self.sinks.append(ConsoleSink(total_steps))
             elif sink == "jsonl":
                 self.sinks.append(JsonlSink(out_dir / "metrics.jsonl", resume_step))
-            elif sink == "tensorboard" and _installed("tensorboard"):
+            elif sink == "tensorboard":
                 self.sinks.append(TensorBoardSink(out_dir / "tensorboard", resume_step))
-            elif sink == "wandb" and _installed("wandb"):
+            elif sink == "wandb":
                 self.sinks.append(WandbSink(project, name, config, out_dir, resume_step))
             else:
-                logger.warning("trainer.logger %r: its package is not installed; skipping that sink", sink)
+                raise ValueError(f"trainer.logger entry {sink!r} is not a sink; use console, jsonl, tensorboard or "
+                                 "wandb")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         extended = with_verl_names(metrics, step, self.val_samples) if self.verl_names else metrics

@@ -26,7 +26,7 @@ from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
 from megatron_cpo.trainer.errors import RunAbortedError
-from megatron_cpo.trainer.loggers import MetricLogger
+from megatron_cpo.trainer.loggers import MetricLogger, require_sink_packages
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
 from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
 from megatron_cpo.trainer.workers import build_policies
@@ -120,6 +120,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
 
     from megatron_cpo.trainer.rollout_side import RolloutSide
 
+    require_sink_packages(config.trainer.logger)
     startup = StartupSignal()
     side = metric_logger = stop = None
     megatron = config.actor_rollout_ref.actor.megatron
@@ -129,10 +130,18 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
         prepare_run_directory(config)
         is_rank0 = dist.get_rank() == 0
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        started = time.perf_counter()
+        if is_rank0:
+            _announce_engines(config, manager is not None)
         side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
+        if is_rank0:
+            logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
         total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
         actor_cfg = config.actor_rollout_ref.actor
         updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
+        if is_rank0:
+            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
+                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
         actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
         out_dir = Path(config.trainer.default_local_dir)
         monitor = _early_stop_monitor(config, is_rank0)
@@ -161,6 +170,7 @@ def run_training(config: Config, manager: Any = None) -> dict[str, float]:
             return last
         _push_weights_or_abort(actor.model, side, checkpoints, start_step)
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
+            logger.info("validating before training (greedy, held-out prompts); then %d steps", total_steps)
             last = _validate(side)
             metric_logger.log(last, 0)
         step, exhausted = start_step, False
@@ -325,6 +335,16 @@ def nothing_to_train_message(config: Config) -> str:
             f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
             "because the ground truths are empty or the task is too easy/hard); check the data's "
             "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
+
+
+def _announce_engines(config: Config, given: bool) -> None:
+    """Say what the slow part of start-up is doing (data, engines) before it happens."""
+    rollout = config.actor_rollout_ref.rollout
+    if given:
+        logger.info("loading data; using the rollout engines passed in")
+    else:
+        logger.info("loading data and starting %d vLLM engine(s) for %s (tens of seconds)",
+                    rollout.num_engines, config.actor_rollout_ref.model.path)
 
 
 def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:

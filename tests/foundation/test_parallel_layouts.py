@@ -157,3 +157,4 @@ def test_cli_generate_from_checkpoint_matches_transformers(layout_run):
     assert "forward: " in done.stdout and "prompt next-token NLL" in done.stdout
     generated = tokenizer.decode(expected, skip_special_tokens=False)
     assert f"generation ({len(expected)} tokens): {generated!r}" in done.stdout, done.stdout
+    assert f"generation token ids: {expected}" in done.stdout, "generate prints the token ids beside the text"

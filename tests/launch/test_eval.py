@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_cpo.cli import build_parser
 from megatron_cpo.eval import pass_at_k, pass_ks, summarize_by_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +52,13 @@ def test_eval_command_on_tiny_model_with_real_vllm(tmp_path):
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-m", "megatron_cpo.cli", "eval", "--data", str(data), "--model",
                            str(model), "--n", "3", "--max-response-length", "12", "--max-prompt-length", "96",
-                           "--dtype", "float32", "--output-dir", str(out), "--ray-address", "local"],
+                           "--dtype", "float32", "--output-dir", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "megatron_cpo/arith" in done.stdout and "pass@3" in done.stdout
+    # the default ray address without RAY_ADDRESS: a private cluster, never one found running on the machine
+    assert "starting a private local Ray cluster (ray_address=auto and RAY_ADDRESS is not set" in done.stderr
+    assert "eval [####################] 4/4 prompts" in done.stderr and "done" in done.stderr, done.stderr[-2000:]
     report = json.loads((out / "metrics.json").read_text())["metrics"]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 * 3 and {s["data_source"] for s in samples} == {"math", "megatron_cpo/arith"}
@@ -76,3 +80,28 @@ def test_eval_command_on_tiny_model_with_real_vllm(tmp_path):
                           str(model), "--n", "2", "--temperature", "0"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "greedy" in bad.stderr
+
+
+def test_lengths_beyond_the_models_positions_fail_before_any_engine_starts(tmp_path):
+    """The tiny model has 1024 positions: the default 1024 + 1024 tokens cannot fit (vLLM would fail in engine
+    start with a pydantic traceback); the error is one line naming both flags, and nothing (Ray, vLLM) starts."""
+    from megatron_cpo.data.synthetic import ArithConfig, generate_arith, write_parquet
+
+    data = write_parquet(generate_arith(ArithConfig(num_train=2, num_test=2, seed=3))["test"], tmp_path / "t.parquet")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "megatron_cpo.cli", "eval", "--data", str(data), "--model",
+                           str(ROOT / "examples" / "tiny" / "model"), "--max-response-length", "64"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: --max-prompt-length 1024 + --max-response-length 64 = 1088 tokens exceed "
+                                "the 1024 positions of "), lines
+    assert "Traceback" not in done.stderr and "Ray" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_every_flag_has_help(command):
+    parser = build_parser()
+    subparser = next(action for action in parser._subparsers._group_actions).choices[command]
+    missing = [action.dest for action in subparser._actions if not action.help]
+    assert not missing, f"flags of `megatron-cpo {command}` without help text: {missing}"

@@ -172,6 +172,7 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     assert {"actor/grad_norm", "reward/mean", "timing/step_s", "filter/kept_prompts"} <= trained[0].keys()
     assert [record["step"] for record in records] == [0, 1], "the preempted run must stop after step 1"
     assert "stopped by SIGTERM after step 1" in trainer_log, trainer_log[-4000:]
+    assert re.search(r"joining the Ray cluster at \S+ \(RAY_ADDRESS is set", trainer_log), trainer_log[-4000:]
     checkpoint = run_dir / "checkpoints" / "step_000001"
     assert sorted(p.name for p in checkpoint.iterdir()) == ["huggingface"] + [f"rank_{rank:05d}.pt" for rank in range(4)]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"

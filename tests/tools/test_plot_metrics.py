@@ -1,5 +1,7 @@
 """tools/plot_metrics.py: reading the trainer's metrics JSONL and rendering learning curves to PNG."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from plot_metrics import main, read_metrics, smooth  # noqa: E402
+from plot_metrics import main, read_metrics, smooth, smoothing_for  # noqa: E402
 
 from megatron_cpo.trainer.loggers import JsonlSink  # noqa: E402
 
@@ -80,3 +82,29 @@ def test_renders_a_real_trainer_run(tmp_path, capsys):
     assert main([str(run), "--out", str(out)]) == 0
     assert "Reward, Accuracy, Filter rate, Entropy, Response length" in capsys.readouterr().out
     assert out.stat().st_size > 10_000
+
+
+def test_sparse_series_are_drawn_raw(tmp_path):
+    """val/acc logged every 10 of 40 steps (and at 0): an EMA would mix the last evaluation with the first."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": step, "reward/mean": step / 40} for step in range(1, 41)]
+    rows += [{"step": step, "val/acc": acc} for step, acc in zip((0, 10, 20, 30, 40), (0.5, 0.55, 0.6, 0.65, 0.7))]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_metrics(path)
+    assert smoothing_for(run, "val/acc", 0.6) == 0.0
+    assert smoothing_for(run, "reward/mean", 0.6) == 0.6
+    assert main([str(path), "--out", str(tmp_path / "c.png"), "--smooth", "0.6"]) == 0
+
+
+def test_missing_matplotlib_names_the_install_line(tmp_path):
+    """matplotlib made unimportable in a fresh interpreter (sys.modules entry None), the tool run as a script."""
+    run = Path(__file__).parent / "fixtures" / "tiny_grpo_run_metrics.jsonl"
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['plot_metrics.py', {str(run)!r}, '--out', {str(tmp_path / 'x.png')!r}]; "
+            f"runpy.run_path({str(ROOT / 'tools' / 'plot_metrics.py')!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("error: matplotlib is not installed; install it with: pip install matplotlib  "
+                                   "(or the project's tools extra: pip install -e '.[tools]')")
+    assert not (tmp_path / "x.png").exists()

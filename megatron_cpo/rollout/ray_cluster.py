@@ -1,0 +1,64 @@
+"""Which Ray cluster the rollout engines run on.
+
+`ray.init(address="auto")` joins *any* cluster it finds on the machine (through /tmp/ray), including another user's
+or another test run's; on a shared machine a run then lands on, and dies with, someone else's cluster. So "auto"
+here means: join the cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher, examples/slurm/launch.sh,
+and the multi-node torchrun example export it), otherwise start a private local cluster. Joining is always logged
+with the address.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayTarget:
+    """Where to connect: `address` for `ray.init` ("local" starts a private cluster) and why that one."""
+
+    address: str
+    reason: str
+
+    @property
+    def joins_existing(self) -> bool:
+        return self.address != "local"
+
+
+def resolve_ray_address(configured: str, environ: Mapping[str, str] | None = None) -> RayTarget:
+    """`configured` ("auto", "local" or "host:port") and the environment -> the cluster to use."""
+    environ = os.environ if environ is None else environ
+    configured = configured.strip()
+    if not configured:
+        raise ValueError("ray_address is empty; use 'auto', 'local' or 'host:port'")
+    if configured == "local":
+        return RayTarget("local", "ray_address=local")
+    if configured != "auto":
+        return RayTarget(configured, f"ray_address={configured}")
+    from_environment = environ.get("RAY_ADDRESS", "").strip()
+    if from_environment:
+        return RayTarget(from_environment, "RAY_ADDRESS is set (as the SLURM launcher sets it)")
+    return RayTarget("local", "ray_address=auto and RAY_ADDRESS is not set")
+
+
+def connect_ray(configured: str, namespace: str) -> bool:
+    """Join or start Ray as `resolve_ray_address` says; returns True when this process connected (and must call
+    `ray.shutdown()`), False when Ray was already initialised in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    target = resolve_ray_address(configured)
+    common = dict(namespace=namespace, log_to_driver=False, include_dashboard=False)
+    if target.joins_existing:
+        logger.info("joining the Ray cluster at %s (%s)", target.address, target.reason)
+        ray.init(address=target.address, **common)
+        logger.info("joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+    else:
+        logger.info("starting a private local Ray cluster (%s; set RAY_ADDRESS or ray_address=host:port to join "
+                    "a running one)", target.reason)
+        ray.init(address="local", **common)
+    return True
