@@ -48,13 +48,16 @@ def run_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
+    from megatron_cpo.trainer.preflight import preflight
+
     config = load_config(args.config, args.overrides)
+    preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
     from megatron_cpo.trainer.errors import RunAbortedError
     from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
     try:
-        final = run_training(config)
+        final = run_training(config, checked=True)
     except RunAbortedError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)

@@ -1,8 +1,8 @@
 """Metric sinks: console (with a progress bar and ETA), JSONL, TensorBoard and Weights & Biases.
 
 Every sink takes `log(metrics, step)`; `MetricLogger` fans out to the ones named in `trainer.logger`. A sink whose
-package is missing is an error at start naming the `pip install` line (`require_sink_packages`): a run that was asked
-to report to W&B and silently does not is worse than one that does not start.
+package is missing is an error at start naming the `pip install` line (`sink_package_problems`, which preflight runs):
+a run that was asked to report to W&B and silently does not is worse than one that does not start.
 
 A run resumed from step k's checkpoint redoes steps k+1.., so every sink first forgets what an earlier attempt logged
 after step k (`resume_step=k`; 0 for a fresh start, which forgets everything): the JSONL files are cut back to the
@@ -153,13 +153,22 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def require_sink_packages(sinks: list[str]) -> None:
-    """Raise a one-line error naming the install command for every requested sink whose package is missing."""
+def sink_package_problems(sinks: list[str]) -> list[str]:
+    """One line per requested sink whose package is missing, naming the install command."""
+    problems = []
     for sink in sinks:
         if sink in SINK_PACKAGES and not _installed(SINK_PACKAGES[sink][0]):
             module, install = SINK_PACKAGES[sink]
-            raise ValueError(f"trainer.logger includes {sink!r} but the {module!r} package is not installed; "
-                             f"{install}, or remove {sink!r} from trainer.logger")
+            problems.append(f"trainer.logger includes {sink!r} but the {module!r} package is not installed; "
+                            f"{install}, or remove {sink!r} from trainer.logger")
+    return problems
+
+
+def require_sink_packages(sinks: list[str]) -> None:
+    """Raise a one-line error naming the install command for every requested sink whose package is missing."""
+    problems = sink_package_problems(sinks)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 class MetricLogger:

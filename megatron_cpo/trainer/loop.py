@@ -26,7 +26,7 @@ from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
 from megatron_cpo.trainer.errors import RunAbortedError
-from megatron_cpo.trainer.loggers import MetricLogger, require_sink_packages
+from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
 from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
 from megatron_cpo.trainer.workers import build_policies
@@ -105,22 +105,23 @@ def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
             "with trainer.early_stop.enable=false")
 
 
-def run_training(config: Config, manager: Any = None) -> dict[str, float]:
+def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
     The last step is always checkpointed; a run that loses every rollout engine checkpoints what it trained and
     raises `RunAbortedError` (one line naming the engine and the fix), as does SIGTERM during start-up.
+    `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
     """
     from megatron_cpo.trainer.preflight import preflight
 
-    preflight(config)  # model, layout, data, graders, output folder: fail before anything starts or loads
+    if not checked:
+        preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.rollout_side import RolloutSide
 
-    require_sink_packages(config.trainer.logger)
     startup = StartupSignal()
     side = metric_logger = stop = None
     megatron = config.actor_rollout_ref.actor.megatron

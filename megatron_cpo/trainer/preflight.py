@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.trainer.loggers import sink_package_problems
+from megatron_cpo.trainer.run_guards import mixing_problem
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -136,7 +138,7 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
     each data source; returns the problems and the number of training rows (None when unreadable)."""
     import pyarrow.parquet as pq
 
-    from megatron_cpo.rewards.registry import missing_graders
+    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders, register_custom_graders
 
     data = config.data
     problems: list[str] = []
@@ -176,11 +178,11 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
                                     "right against it: fill in the answers or drop those rows")
             if key == "data.train_files" and train_rows is not None:
                 train_rows += table.num_rows
-    if not config.reward.custom_reward_function:
+    if not config.reward_function_spec:
+        register_custom_graders(dict(config.reward.custom_graders))
         missing = missing_graders(sources)
         if missing:
-            problems.append(f"no grader for data_source {', '.join(map(repr, missing))}; use a built-in source "
-                            "(docs/data.md) or set reward.custom_reward_function=pkg.module:function")
+            problems.append(missing_grader_message(missing))
     return problems, train_rows
 
 
@@ -201,7 +203,8 @@ def output_problems(config: Config) -> list[str]:
             elif not parent.is_dir() and parent != out:
                 problems.append(f"trainer.default_local_dir={str(out)!r}: {str(parent)!r} is a file, not a folder")
             break
-    return problems
+    mixing = mixing_problem(config)
+    return problems + ([mixing] if mixing else [])
 
 
 def preflight(config: Config, planning: bool = False) -> Layout:
@@ -213,7 +216,7 @@ def preflight(config: Config, planning: bool = False) -> Layout:
     problems = model_problems(config, world_size)
     problems += layout_problems(config, world_size, world_source, planning)
     found, train_rows = data_problems(config) if planning or os.environ.get("RANK", "0") == "0" else ([], None)
-    problems += found + output_problems(config)
+    problems += found + output_problems(config) + sink_package_problems(config.trainer.logger)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

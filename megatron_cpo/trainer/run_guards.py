@@ -33,6 +33,17 @@ def holds_earlier_run(out_dir: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
+def mixing_problem(config: Config) -> str | None:
+    """Why this run would mix into an earlier one in `trainer.default_local_dir` (None when it would not)."""
+    trainer = config.trainer
+    out_dir = Path(trainer.default_local_dir)
+    if trainer.resume != "disable" or trainer.overwrite or not holds_earlier_run(out_dir):
+        return None
+    return (f"trainer.default_local_dir={out_dir} holds an earlier run and trainer.resume=disable would mix this run "
+            "into it; choose a new trainer.default_local_dir, continue it with trainer.resume=auto, or set "
+            "trainer.overwrite=true to archive it first")
+
+
 def prepare_run_directory(config: Config) -> Path | None:
     """Collective: refuse (ConfigError) or archive an earlier run in `trainer.default_local_dir` when this run starts
     fresh (`resume=disable`); returns the archive's path when one was made. Every rank decides the same."""
@@ -44,9 +55,7 @@ def prepare_run_directory(config: Config) -> Path | None:
     if not held:
         return None
     if not trainer.overwrite:
-        raise ConfigError(f"trainer.default_local_dir={out_dir} holds an earlier run and trainer.resume=disable would "
-                          "mix this run into it; choose a new trainer.default_local_dir, continue it with "
-                          "trainer.resume=auto, or set trainer.overwrite=true to archive it first")
+        raise ConfigError(mixing_problem(config))
     archive = out_dir.with_name(f"{out_dir.name}.archived-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     if dist.get_rank() == 0:
         out_dir.rename(archive)
