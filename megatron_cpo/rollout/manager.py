@@ -195,8 +195,6 @@ class RolloutManager:
 
     def begin_weight_sync(self) -> None:
         """Open an in-place reload on every live engine; engines must be idle."""
-        import ray
-
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")

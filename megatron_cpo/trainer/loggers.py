@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 from megatron_cpo.progress import bar, eta_seconds, format_duration
 from megatron_cpo.trainer.verl_metrics import with_verl_names
+
+logger = logging.getLogger(__name__)
 
 CONSOLE_KEYS = ("val/acc", "reward/mean", "reward/acc", "filter/kept_prompts", "filter/num_gen_batches",
                 "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/step_s")
