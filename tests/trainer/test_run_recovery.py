@@ -228,7 +228,7 @@ def test_damaged_checkpoints_fall_back_or_stop_naming_the_file_and_runs_never_mi
     with caplog.at_level(logging.WARNING):
         run_training(resume, rollout_manager)  # falls back to step 1 and trains step 2 again
     assert f"{rank_file} has" in caplog.text and "truncated" in caplog.text
-    assert f"instead: " in caplog.text and "step_000001" in caplog.text
+    assert "instead: " in caplog.text and "step_000001" in caplog.text
     assert logged_steps(run_dir) == [1, 2] and latest(run_dir) == "step_000002"
 
     for marker, problem in ((b"\x00garbage\xff", "not a step directory name"),
