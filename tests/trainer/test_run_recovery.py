@@ -276,3 +276,33 @@ def test_sigterm_during_engine_start_exits_cleanly(small_run_overrides, tmp_path
     assert "SIGTERM during start-up" in error
     assert stray == [], stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resumed_sinks_forget_what_an_earlier_attempt_logged_after_the_checkpoint(tmp_path):
+    """An attempt logs steps 1-3 (and a completions row per step), dies; the next resumes from step 1's checkpoint
+    and logs 2-3 again: each sink holds every step once, with the new values (JSONL cut back, TensorBoard purged)."""
+    pytest.importorskip("tensorboard", reason="the tools extra installs tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_cpo.trainer.loggers import MetricLogger
+
+    first = MetricLogger(["jsonl", "tensorboard"], tmp_path, 3, "project", "run", {})
+    for step in (1, 2, 3):
+        first.log({"reward/mean": float(step)}, step)
+        first.log_table("completions", [{"completion": f"first {step}"}], step)
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"reward/mean": 4.0, "st')  # the row a kill cut short
+    second = MetricLogger(["jsonl", "tensorboard"], tmp_path, 3, "project", "run", {}, resume_step=1)
+    for step in (2, 3):
+        second.log({"reward/mean": 10.0 * step}, step)
+        second.log_table("completions", [{"completion": f"second {step}"}], step)
+    second.close()
+
+    assert [(row["step"], row["reward/mean"]) for row in map(json.loads, (tmp_path / "metrics.jsonl").open())] == [
+        (1, 1.0), (2, 20.0), (3, 30.0)]
+    assert [row["completion"] for row in map(json.loads, (tmp_path / "completions.jsonl").open())] == [
+        "first 1", "second 2", "second 3"]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
