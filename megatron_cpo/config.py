@@ -18,6 +18,7 @@ from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.kl import known_kl_kinds
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
+from megatron_cpo.rewards.remote import RemoteRewardConfig
 from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 
@@ -41,6 +42,7 @@ class DataConfig:
     (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
     `gen_batch_size` (verl's DAPO): prompts per generation batch, the unit `algorithm.filter_groups.max_num_gen_batches`
     counts in (0: `train_batch_size`).
+    `val_max_samples` (verl): validate on the first this many rows of `val_files` (-1: all of them).
     """
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
@@ -63,6 +65,8 @@ class DataConfig:
                f"data.gen_batch_size={self.gen_batch_size} is below data.train_batch_size={self.train_batch_size}; "
                "raise it (verl's DAPO uses 3 x train_batch_size) or set 0")
         _check(self.train_batch_size >= 1, f"data.train_batch_size={self.train_batch_size} must be >= 1")
+        _check(self.val_max_samples == -1 or self.val_max_samples >= 1, f"data.val_max_samples="
+               f"{self.val_max_samples} must be >= 1, or -1 to validate on every row of data.val_files")
         try:
             check_hint_keys(self.hint_key)
         except ValueError as error:
@@ -73,8 +77,14 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The HF model directory the actor, the reference and the rollout engines start from."""
+    """The HF model directory the actor, the reference and the rollout engines start from.
+
+    `use_fused_kernels` (verl's name) computes the actor's and the reference's log-probs and entropy from the final
+    hidden states and the vocab-parallel lm-head weight in one kernel, so the `[tokens, vocab]` logits are never
+    materialised (the memory that dominates at long responses and a 152k vocabulary); the results are the same.
+    """
     path: str = ""
+    use_fused_kernels: bool = False
 
 
 @dataclass
@@ -151,6 +161,11 @@ class ActorConfig:
     `top_entropy_quantile` < 1 (ms-swift's entropy mask) trains the policy gradient only on the tokens whose entropy is
     in that top fraction of the micro-batch; `filter_loss_scaling` (RAGEN: `none`, `linear`, `sqrt`) multiplies the
     advantages by the group filters' kept ratio (see docs/filters.md).
+    `use_dynamic_bsz` (verl's dynamic batch size) replaces the fixed micro-batch row count by token budgets: rows are
+    split over the data-parallel ranks balanced by tokens, then cut into micro-batches of at most
+    `ppo_max_token_len_per_gpu` padded tokens (rows x their own longest prompt + response) for the update, and
+    `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
+    `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -172,6 +187,9 @@ class ActorConfig:
     neg_alpha: float = 0.1
     filter_loss_scaling: str = "none"
     tis_imp_ratio_cap: float = -1.0
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int = 16384
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.actor."
@@ -190,6 +208,9 @@ class ActorConfig:
         _check(0 < self.top_entropy_quantile <= 1,
                f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of "
                "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
+        for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+            _check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "
+                                               "micro-batch; at least the longest prompt + response)")
 
 
 RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
@@ -449,6 +470,7 @@ class RewardConfig:
     `custom_reward_function.name` at the top level, is accepted too (one or the other).
     `custom_graders` (`{data_source: "pkg.module:fn"}`) adds or replaces the grader of single sources, in the
     trainer (data check) and in every grading worker.
+    `remote` (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
     """
     num_workers: int = 2
     timeout_s: float = 10.0
@@ -457,6 +479,7 @@ class RewardConfig:
     custom_graders: dict[str, str] = field(default_factory=dict)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers} must be >= 1")

@@ -13,6 +13,9 @@ from typing import Any
 # verl spellings that mean one of our settings: accepted, rewritten to the canonical name.
 VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
+    # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
 }
@@ -28,7 +31,6 @@ class NoOpKey:
 
 
 _COLOCATED = "offloading applies to verl's colocated actor/rollout; our engines are separate processes"
-_DYNAMIC_BSZ = "micro-batches are fixed-size here (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu)"
 
 VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("actor_rollout_ref.*.fsdp_config.*", "FSDP settings; the trainer is Megatron-Core"),
@@ -38,12 +40,9 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("actor_rollout_ref.actor.megatron.grad_offload", _COLOCATED),
     NoOpKey("actor_rollout_ref.actor.megatron.optimizer_offload", _COLOCATED),
     NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _COLOCATED),
-    NoOpKey("actor_rollout_ref.actor.use_dynamic_bsz", _DYNAMIC_BSZ),
-    NoOpKey("actor_rollout_ref.*.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
-    NoOpKey("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
-    NoOpKey("actor_rollout_ref.*.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
-    NoOpKey("actor_rollout_ref.model.use_remove_padding", "sequences are always packed without padding waste"),
-    NoOpKey("actor_rollout_ref.model.use_fused_kernels", "log-probs and entropy always come from the fused kernel"),
+    NoOpKey("actor_rollout_ref.model.use_remove_padding", "padding-free packing is not implemented yet; "
+            "actor_rollout_ref.actor.use_dynamic_bsz pads each micro-batch only to its own longest row (speed and "
+            "memory only, the update is the same)"),
     NoOpKey("actor_rollout_ref.model.enable_gradient_checkpointing", "activation recomputation is not wired "
             "(memory only, the update is the same)"),
     NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
@@ -60,6 +59,11 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
 
 # verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).
 VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
+    **{f"actor_rollout_ref.{part}.log_prob_use_dynamic_bsz": (
+        "actor_rollout_ref.actor.use_dynamic_bsz", "one switch sets token-budget micro-batches for every pass")
+       for part in ("rollout", "ref")},
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (
+        "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu", "the reference is scored with the actor's budget"),
     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": (
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "the reference runs in the actor's layout"),
     "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": (

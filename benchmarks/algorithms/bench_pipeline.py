@@ -14,8 +14,9 @@ import time
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.cpo import difficulty_mask, hint_signals, shape_advantages
+from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
+from megatron_cpo.kernels import hint_mi_signals
 
 POS_ALPHA, NEG_ALPHA, CLIP_LOW, CLIP_HIGH, CLIP_C = 0.1, 0.1, 0.2, 0.28, 3.0
 
@@ -39,7 +40,7 @@ def make_batch(n: int, t: int, group_size: int = 8, seed: int = 0) -> dict:
 def vectorised(b: dict) -> tuple[torch.Tensor, torch.Tensor]:
     correct = b["scores"] > 0.5
     adv = grpo_advantages(b["scores"], b["group"], b["mask"])
-    signals = hint_signals(b["old_log_probs"], b["hint_log_probs"], b["entropy"], b["mask"])
+    signals = hint_mi_signals(b["old_log_probs"], b["hint_log_probs"], b["entropy"], b["mask"])
     adv, _ = shape_advantages("negonly_mi3", adv, signals, b["entropy"], b["mask"], correct,
                               difficulty_mask(correct, b["group"]), b["old_log_probs"], b["hint_log_probs"],
                               POS_ALPHA, NEG_ALPHA, 5.0)

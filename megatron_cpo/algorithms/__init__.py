@@ -10,5 +10,5 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
   mismatch metrics and TIS, re-exported by losses.py).
 - cpo.py: hint signals, difficulty mask, the shaping-rule table.
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling, early-stop monitor.
-- overlong.py: DAPO overlong reward shaping, ms-swift overlong filter.
+- overlong.py: DAPO overlong reward shaping.
 """

@@ -12,66 +12,26 @@ the terms select disjoint tokens or only add, so this equals applying them one a
 Differences from the reference code, all deliberate (docs/cpo.md, "Where we follow the specification"): the
 difficulty mask has its intended meaning (the reference's was always 0); `wrong` is `not correct` (the reference
 compared the score with 1 or -1 depending on the rule); the entropy max of the naive rules is taken over the
-response's unmasked tokens (the reference also counted padding); signals are 0 on padding. With `hint_correct` (the
+response's unmasked tokens (the reference also counted padding); every term selects through the mask, so whatever
+the signals hold on padding is never read. With `hint_correct` (the
 spec's `yw`), every term that selects wrong responses also requires it (the reference gated only some rules); terms
 that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
 correctness.
 """
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
 
-U_EPS = 1e-8
-MEAN_EPS = 1e-10
+if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
+    from megatron_cpo.kernels.hint_signals import HintSignals
+
 MI_CLAMP = 10.0
 KL_CLAMP = 10.0
 CONFIDENT_PROB = 0.1
 LEGACY_SUFFIX = "_qwen3"
-
-
-@dataclass
-class HintSignals:
-    """Per-token and per-response signals of how the hint changes the policy (0 on padding).
-
-    mi: `exp(lp_h) * (lp_h - lp)`, Tensor[N, T].  kl: `lp_h - lp`, Tensor[N, T].
-    u: entropy min-max normalised within each response over its unmasked tokens, Tensor[N, T].
-    ubar: masked mean entropy per response, Tensor[N].  s: masked mean of `kl` per response, Tensor[N].
-    """
-
-    mi: torch.Tensor
-    kl: torch.Tensor
-    u: torch.Tensor
-    ubar: torch.Tensor
-    s: torch.Tensor
-
-
-def hint_signals(
-    log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor
-) -> HintSignals:
-    """Compute `mi, kl, u, ubar, s` from the no-hint and hint log-probs of the sampled tokens and the entropy.
-
-    All inputs are Tensor[N, T]; values on padding (mask 0) are ignored, whatever they hold.
-    """
-    if not (log_probs.shape == hint_log_probs.shape == entropy.shape == mask.shape) or log_probs.dim() != 2:
-        raise ValueError(
-            f"log_probs {tuple(log_probs.shape)}, hint_log_probs {tuple(hint_log_probs.shape)}, entropy "
-            f"{tuple(entropy.shape)} and mask {tuple(mask.shape)} must all have the same shape (N, T)"
-        )
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    kl = torch.where(valid, hint_log_probs - log_probs, zero)
-    mi = torch.where(valid, torch.exp(hint_log_probs) * (hint_log_probs - log_probs), zero)
-    h = torch.where(valid, entropy, zero)
-    h_max = entropy.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)
-    h_min = entropy.masked_fill(~valid, float("inf")).amin(-1, keepdim=True)
-    nonempty = valid.any(-1, keepdim=True)
-    h_max, h_min = torch.where(nonempty, h_max, zero), torch.where(nonempty, h_min, zero)
-    u = torch.where(valid, (h - h_min) / (h_max - h_min + U_EPS), zero)
-    count = valid.to(log_probs.dtype).sum(-1)
-    return HintSignals(mi=mi, kl=kl, u=u, ubar=h.sum(-1) / (count + MEAN_EPS), s=kl.sum(-1) / (count + MEAN_EPS))
 
 
 def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3) -> torch.Tensor:
@@ -263,23 +223,6 @@ def resolve_rule(name: str) -> ShapingRule:
     return rule
 
 
-@dataclass
-class CPOShapingConfig:
-    """CPO shaping options. rule: a name of `known_rules()` (negonly_mi3 is the seed's recommended default);
-    pos_alpha / neg_alpha: weights of the terms on the positive / negative side (0 or None switches a side off);
-    cpo_lambda: bound of the hint ratio in the naive rules (>= 1)."""
-
-    rule: str = "negonly_mi3"
-    pos_alpha: Optional[float] = None
-    neg_alpha: Optional[float] = None
-    cpo_lambda: float = 5.0
-
-    def __post_init__(self) -> None:
-        resolve_rule(self.rule)
-        if self.cpo_lambda < 1.0:
-            raise ValueError(f"cpo_lambda={self.cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
-
-
 def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
                           hint_correct) -> None:
     shape = tuple(advantages.shape)
@@ -302,7 +245,7 @@ def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficult
 def shape_advantages(
     rule_name: str,
     advantages: torch.Tensor,
-    signals: HintSignals,
+    signals: "HintSignals",
     entropy: torch.Tensor,
     mask: torch.Tensor,
     correct: torch.Tensor,
@@ -316,7 +259,7 @@ def shape_advantages(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
 
-    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from `hint_signals`;
+    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from `megatron_cpo.kernels.hint_mi_signals`;
     correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`, LongTensor[N]; hint_correct: optional
     BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms on wrong responses then also
     require it). Values on padding are returned unchanged. Nothing here needs gradients.

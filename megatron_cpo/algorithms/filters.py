@@ -12,7 +12,7 @@ Every filter keeps or drops whole groups and returns a `GroupFilterResult`. Grou
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,19 +51,6 @@ def _result(
             "mean_std": float(std[present].mean()) if total else 0.0,
         },
     )
-
-
-def select_filter_metric(fields: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The per-response values of the field `name` (`acc`, `score`, `seq_reward`, `seq_final_reward` or any other
-    per-sample field). A token-level field [N, T] is summed over tokens, as DAPO's `seq_reward` is."""
-    if name not in fields:
-        raise ValueError(f"filter_groups.metric={name!r} is not a field of the batch; available: {sorted(fields)}")
-    values = fields[name]
-    if values.dim() == 2:
-        values = values.sum(-1)
-    if values.dim() != 1:
-        raise ValueError(f"field {name!r} has shape {tuple(values.shape)}; expected (N,) or (N, T)")
-    return values.float()
 
 
 def filter_groups(metric: torch.Tensor, group: torch.Tensor) -> GroupFilterResult:

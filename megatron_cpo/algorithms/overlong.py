@@ -1,9 +1,7 @@
-"""Overlong responses: DAPO's soft overlong punishment and ms-swift's overlong filter.
+"""Overlong responses: DAPO's soft overlong punishment.
 
-- DAPO (Yu et al., 2025) penalises a response linearly once it enters the last `buffer_len` tokens of the length
-  budget: `min(0, -(length - (max_len - buffer_len)) / buffer_len * penalty_factor)`, added to its reward.
-- ms-swift's `overlong_filter` drops truncated responses (cut by the length limit, no end-of-sequence) from the loss:
-  their outcome reward judges an answer that was never finished.
+DAPO (Yu et al., 2025) penalises a response linearly once it enters the last `buffer_len` tokens of the length
+budget: `min(0, -(length - (max_len - buffer_len)) / buffer_len * penalty_factor)`, added to its reward.
 """
 import torch
 
@@ -22,11 +20,3 @@ def overlong_reward_penalty(
     exceed = response_lengths.float() - expected
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
 
-
-def overlong_filter_mask(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """The response mask with every truncated response (BoolTensor[N]) masked out of the loss."""
-    if truncated.shape != response_mask.shape[:1]:
-        raise ValueError(
-            f"truncated has shape {tuple(truncated.shape)}; expected ({response_mask.shape[0]},), one per response"
-        )
-    return response_mask * (~truncated.bool())[:, None].to(response_mask.dtype)

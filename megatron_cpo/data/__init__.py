@@ -1,12 +1,10 @@
 """Data: verl-schema parquet prompt datasets, CPO hint contexts and the synthetic arithmetic task."""
-from megatron_cpo.data.dataset import (DatasetConfig, DataValidationError, PromptDataset, PromptRecord, PromptSampler,
+from megatron_cpo.data.dataset import (DatasetConfig, DataValidationError, PromptDataset, PromptRecord,
                                        validate_rows)
-from megatron_cpo.data.hints import HintConfig, HintContexts, HintReader, build_hint_contexts, find_hint, gold_hint, \
-    hint_batch, pad_prompt_response
+from megatron_cpo.data.hints import HintConfig, HintContexts, HintReader, build_hint_contexts, find_hint
 from megatron_cpo.data.synthetic import ArithConfig, generate_arith, write_arith_parquet
 
 __all__ = [
     "ArithConfig", "DataValidationError", "DatasetConfig", "HintConfig", "HintContexts", "HintReader", "PromptDataset",
-    "PromptRecord", "PromptSampler", "build_hint_contexts", "find_hint", "generate_arith", "gold_hint", "hint_batch",
-    "pad_prompt_response", "validate_rows", "write_arith_parquet",
+    "PromptRecord", "build_hint_contexts", "find_hint", "generate_arith", "validate_rows", "write_arith_parquet",
 ]

@@ -1,21 +1,17 @@
-"""Prompt datasets in verl's parquet schema, and a resumable, deterministically shuffled sampler over them.
+"""Prompt datasets in verl's parquet schema (the trainer walks them with `trainer.prompt_stream.PromptStream`).
 
 A row holds `prompt` (chat messages), `data_source`, `reward_model.ground_truth` and optional `extra_info`, as in
 verl's RLHFDataset. Rows are validated once when the files are read (every bad row is named with what is wrong, so a
 user fixes the file in one pass) and tokenized once with the tokenizer's chat template and the assistant generation
 prompt. Prompts longer than `max_prompt_length` follow verl's policy: drop them (`filter_overlong_prompts`), or
 `truncation="error" | "left" | "right"`.
-
-The sampler's order is a permutation seeded by (seed, epoch), so a run that resumes from `state_dict()` sees exactly
-the prompts the uninterrupted run would have seen.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 
 TRUNCATION_MODES = ("error", "left", "right")
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
@@ -230,56 +226,3 @@ class PromptDataset:
     def __getitem__(self, index: int) -> PromptRecord:
         return self.records[index]
 
-
-class PromptSampler:
-    """Hands out prompt records in a seeded per-epoch order and remembers where it stopped.
-
-    Each record handed out is a copy whose `uid` ("<epoch>-<index>") is unique within an epoch, so GRPO groups by uid
-    never merge two draws of the same prompt in different epochs. `total_epochs=None` cycles forever.
-    """
-
-    def __init__(self, dataset: PromptDataset, total_epochs: int | None = 1):
-        self.dataset = dataset
-        self.total_epochs = total_epochs
-        self.epoch = 0
-        self.position = 0
-        self._order = self.epoch_order(0)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The permutation of record indices for `epoch` (identity when shuffling is off)."""
-        size = len(self.dataset)
-        if not self.dataset.config.shuffle:
-            return np.arange(size)
-        return np.random.default_rng([self.dataset.config.seed, epoch]).permutation(size)
-
-    @property
-    def exhausted(self) -> bool:
-        """True once every epoch of `total_epochs` has been handed out."""
-        return self.total_epochs is not None and self.epoch >= self.total_epochs
-
-    def take(self, count: int) -> list[PromptRecord]:
-        """Up to `count` records, crossing into the next epoch as needed; fewer only when the data is exhausted."""
-        taken: list[PromptRecord] = []
-        while len(taken) < count and not self.exhausted:
-            record = self.dataset[int(self._order[self.position])]
-            taken.append(replace(record, uid=f"{self.epoch}-{record.index}"))
-            self.position += 1
-            if self.position == len(self.dataset):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self.epoch_order(self.epoch)
-        return taken
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the sampler stands; with the same dataset and seed, `load_state_dict` continues from here."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.dataset.config.seed,
-                "num_records": len(self.dataset)}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a `state_dict()`; a different dataset size or seed is an error (the order would differ)."""
-        expected = {"seed": self.dataset.config.seed, "num_records": len(self.dataset)}
-        mismatched = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if mismatched:
-            raise ValueError(f"cannot resume the data sampler: saved vs current {mismatched}; resume with the same "
-                             f"data files and data.seed as the checkpointed run")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self.epoch_order(self.epoch)

@@ -83,12 +83,6 @@ def find_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | 
     return None, None
 
 
-def gold_hint(extra_info: dict[str, Any] | None, reward_model: dict[str, Any] | None,
-              keys: tuple[str, ...] | list[str] = DEFAULT_HINT_KEYS) -> str | None:
-    """The gold text used as hint (see ``find_hint``); None when no key holds a non-empty value."""
-    return find_hint(extra_info, reward_model, keys)[0]
-
-
 class HintReader:
     """Reads the hints of a batch from ``keys`` (``data.hint_key``), counts their sources and warns once per run
     when some hints are bare answers (the hint equals ``reward_model.ground_truth``)."""
@@ -169,52 +163,3 @@ def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hi
     has_hint[hinted] = True
     return HintContexts(prompt_ids=prompt_ids, has_hint=has_hint, truncated_tokens=truncated)
 
-
-def pad_prompt_response(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int,
-                        prompt_width: int | None = None, response_width: int | None = None) -> dict[str, torch.Tensor]:
-    """verl's layout: prompts left-padded to `prompt_width`, responses right-padded to `response_width`.
-
-    Returns `input_ids` [B, P+R], `attention_mask`, `position_ids` (counting real tokens only) and `response_mask`
-    [B, R]; the response of every row starts at column P, so log-probs of the same response under the plain and the
-    hinted prompt line up column for column.
-    """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
-    response_lengths = torch.tensor([len(r) for r in response_ids])
-    width_p = int(prompt_lengths.max()) if prompt_width is None else prompt_width
-    width_r = int(response_lengths.max()) if response_width is None else response_width
-    if int(prompt_lengths.max()) > width_p or int(response_lengths.max()) > width_r:
-        raise ValueError(f"sequences longer than the requested widths (prompt {int(prompt_lengths.max())} > "
-                         f"{width_p} or response {int(response_lengths.max())} > {width_r})")
-    flat_prompts = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
-    flat_responses = torch.tensor([t for r in response_ids for t in r], dtype=torch.long)
-    columns_p = torch.arange(width_p)
-    columns_r = torch.arange(width_r)
-    prompt_mask = columns_p >= (width_p - prompt_lengths)[:, None]
-    response_mask = columns_r < response_lengths[:, None]
-    prompts = torch.full((len(prompt_ids), width_p), pad_token_id, dtype=torch.long)
-    responses = torch.full((len(response_ids), width_r), pad_token_id, dtype=torch.long)
-    prompts[prompt_mask] = flat_prompts
-    responses[response_mask] = flat_responses
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": response_mask.long(),
-    }
-
-
-def hint_batch(tokenizer, conversations: list[list[dict[str, str]]], extra_infos: list[dict[str, Any] | None],
-               reward_models: list[dict[str, Any] | None], plain_prompt_ids: list[list[int]],
-               response_ids: list[list[int]], config: HintConfig,
-               response_width: int | None = None) -> tuple[dict[str, torch.Tensor], HintContexts]:
-    """The padded hinted batch the trainer scores `hint_log_probs` on, with `has_hint` [B] in the returned dict."""
-    hints = [gold_hint(e, r) for e, r in zip(extra_infos, reward_models)]
-    contexts = build_hint_contexts(tokenizer, conversations, hints, plain_prompt_ids, config)
-    batch = pad_prompt_response(contexts.prompt_ids, response_ids, tokenizer.pad_token_id,
-                                response_width=response_width)
-    batch["has_hint"] = contexts.has_hint
-    return batch, contexts

@@ -15,7 +15,7 @@ MASKED_MEAN_EPS = 1e-10
 
 
 class HintSignals(NamedTuple):
-    """``mi``, ``kl``, ``u``: [N, T] float32; ``ubar``, ``s``: [N] float32."""
+    """``mi``, ``kl``, ``u``: [N, T]; ``ubar``, ``s``: [N]; float32 (float64 for float64 inputs)."""
 
     mi: torch.Tensor
     kl: torch.Tensor
@@ -43,9 +43,10 @@ def hint_mi_signals(log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entro
     if len(shapes) != 1 or log_probs.dim() != 2:
         raise ValueError(f"log_probs, hint_log_probs, entropy and mask must share one [N, T] shape; got "
                          f"{[tuple(t.shape) for t in (log_probs, hint_log_probs, entropy, mask)]}")
-    lp, lp_h, ent = log_probs.float(), hint_log_probs.float(), entropy.float()
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)  # bf16 -> float32, float64 stays (exact tests)
+    lp, lp_h, ent = log_probs.to(dtype), hint_log_probs.to(dtype), entropy.to(dtype)
     on = mask.bool()
-    m = on.float()
+    m = on.to(dtype)
     kl = lp_h - lp
     mi = lp_h.exp() * kl
     ent_min = torch.where(on, ent, float("inf")).amin(dim=-1, keepdim=True)

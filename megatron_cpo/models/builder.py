@@ -220,3 +220,33 @@ def unwrap_model(model: Any) -> Any:
     if not hasattr(model, "hf_config"):
         raise TypeError(f"{type(model).__name__} was not built by build_gpt_model (it has no hf_config)")
     return model
+
+
+def lm_head_weight(model: Any) -> torch.Tensor:
+    """The last stage's vocab-parallel output weight `[V_local, H]`, the one `GPTModel.forward` multiplies: the output
+    layer's, or with tied embeddings the shared weight (the embedding's when this stage also embeds)."""
+    gpt = unwrap_model(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def decoder_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """`GPTModel.forward` without the output layer: `[s, b, h]` hidden states.
+
+    On the last pipeline stage these are the final-norm states the lm-head would multiply (so a fused log-prob
+    kernel can take them with `lm_head_weight` and never build the logits); on other stages they are exactly what
+    `forward` returns and the pipeline sends on. Causal attention over right-padded rows, as `forward(...,
+    attention_mask=None)`.
+    """
+    gpt = unwrap_model(model)
+    if gpt.mtp_process or gpt.config.fine_grained_activation_offloading:
+        raise ValueError("the fused lm-head path supports neither multi-token prediction nor fine-grained activation "
+                         "offloading; set actor_rollout_ref.model.use_fused_kernels=false")
+    preprocessed = gpt._preprocess(input_ids=input_ids, position_ids=position_ids)
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = preprocessed[:6]
+    return gpt.decoder(
+        hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
+        rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+        rotary_pos_cos_sin=preprocessed[6] if len(preprocessed) == 7 else None,
+        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask)

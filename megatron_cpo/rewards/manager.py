@@ -2,7 +2,9 @@
 
 A sample whose grader raises, hangs past ``reward_fn_timeout_s`` or kills its worker gets that grader's wrong-answer
 score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
-stops for it. Following the seed (section 2.2), the whole sequence reward sits on the last valid response token.
+stops for it. With a remote reward model (``reward.remote``, see ``remote.py``) its score replaces or is added to the
+rule score of every sample; ``acc`` stays the rule graders'. Following the seed (section 2.2), the whole sequence
+reward sits on the last valid response token.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
 from megatron_cpo.rewards.registry import get_grader, load_callable
 from megatron_cpo.rewards.sandbox import SandboxSettings, configure_sandbox, sandbox_metrics
+from megatron_cpo.rewards.remote import RemoteRewardConfig, RemoteRewardModel
 
 
 @dataclass
@@ -31,6 +34,7 @@ class RewardConfig:
         MemoryError instead of exhausting the host); None for no limit.
     sandbox: which backend runs model-written code (``reward.sandbox.mode`` and ``reward.sandbox_fusion``; see
         ``sandbox.py``); batches with code samples log ``reward/sandbox_weak``.
+    remote: a reward model behind a URL (``RemoteRewardConfig``); None or ``enable=False`` for rule graders only.
     """
 
     num_workers: int = 2
@@ -41,6 +45,7 @@ class RewardConfig:
     grader_kwargs: dict[str, dict] = field(default_factory=dict)
     worker_memory_limit_mb: int | None = 4096
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)
+    remote: RemoteRewardConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -65,10 +70,6 @@ class RewardResult:
     acc: torch.Tensor
     details: list[dict]
     metrics: dict[str, float]
-
-    def token_level_rewards(self, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Sparse [N, max_len] rewards, each score at its last valid response token."""
-        return token_level_rewards(self.scores, response_lengths, max_len)
 
 
 def token_level_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -119,6 +120,7 @@ class RewardManager:
         self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function,
                                 dict(config.grader_kwargs), config.worker_memory_limit_mb, config.sandbox)
         configure_sandbox(config.sandbox, resolve=False)  # this process resolves it too, for the log and metric
+        self.remote = RemoteRewardModel(config.remote) if config.remote is not None and config.remote.enable else None
 
     def _grader_for(self, data_source: str) -> tuple[str, float]:
         """(grader name, failure score); unknown sources fail here, before any work is done."""
@@ -130,13 +132,16 @@ class RewardManager:
         return grader.name, grader.failure_score
 
     def score(self, data_sources: list[str], solution_strs: list[str], ground_truths: list,
-              extra_infos: list | None = None) -> RewardResult:
-        """Grade N responses; returns scores, acc, per-sample details and metrics (see ``RewardResult``)."""
+              extra_infos: list | None = None, prompts: list[str] | None = None) -> RewardResult:
+        """Grade N responses; returns scores, acc, per-sample details and metrics (see ``RewardResult``).
+        ``prompts`` (the prompt text of each response) is what a remote reward model reads; "" when not given."""
         count = len(solution_strs)
         extra_infos = extra_infos if extra_infos is not None else [None] * count
-        if not (len(data_sources) == len(ground_truths) == len(extra_infos) == count):
+        prompts = prompts if prompts is not None else [""] * count
+        if not (len(data_sources) == len(ground_truths) == len(extra_infos) == len(prompts) == count):
             raise ValueError(f"batch fields differ in length: data_sources={len(data_sources)}, solution_strs="
-                             f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}")
+                             f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}, "
+                             f"prompts={len(prompts)}")
         if count == 0:
             empty = torch.zeros(0)
             return RewardResult(scores=empty, acc=empty.bool(), details=[], metrics={})
@@ -154,13 +159,36 @@ class RewardManager:
             details.append(detail)
         scores = torch.tensor([detail["score"] for detail in details], dtype=torch.float32)
         acc = torch.tensor([bool(detail["acc"]) for detail in details], dtype=torch.bool)
+        remote_metrics = {}
+        if self.remote is not None:
+            scores, remote_metrics = self._remote_scores(scores, details, prompts, solution_strs, data_sources,
+                                                         ground_truths, extra_infos)
         metrics = reward_metrics(scores, acc, [d["status"] for d in details], list(data_sources),
                                  [name for name, _ in graders])
+        metrics.update(remote_metrics)
         metrics["reward/grading_seconds"] = time.monotonic() - started
         metrics["reward/worker_restarts"] = float(self._pool.restarts)
         if any(name == "compute_code_score" for name, _ in graders):
             metrics.update(sandbox_metrics())
         return RewardResult(scores=scores, acc=acc, details=details, metrics=metrics)
+
+    def _remote_scores(self, rule_scores: torch.Tensor, details: list[dict], prompts: list[str],
+                       solution_strs: list[str], data_sources: list[str], ground_truths: list, extra_infos: list
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The remote model's scores combined with the rule scores (``remote.combine``), and ``reward/remote/*``."""
+        started = time.monotonic()
+        extra = [{"data_source": source, "ground_truth": truth, "extra_info": info}
+                 for source, truth, info in zip(data_sources, ground_truths, extra_infos)]
+        remote = self.remote.score_batch(prompts, solution_strs, extra)
+        for detail, rule_score, model_score, failed in zip(details, rule_scores.tolist(), remote.scores.tolist(),
+                                                           remote.failed.tolist()):
+            detail.update(rule_score=rule_score, remote_score=model_score, remote_failed=failed)
+            if failed:
+                detail["remote_error"] = remote.error
+        combined = remote.scores if self.remote.config.combine == "replace" else rule_scores + remote.scores
+        return combined, {"reward/remote/score_mean": remote.scores.mean().item(),
+                          "reward/remote/failed": remote.failed.sum().item(),
+                          "reward/remote/seconds": time.monotonic() - started}
 
     def close(self) -> None:
         """Stop the grading processes."""

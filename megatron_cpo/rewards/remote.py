@@ -1,9 +1,11 @@
-"""HTTP client for a remote reward model (the protocol of ``reward_server.py``).
+"""HTTP client for a remote reward model (the protocol of ``reward_server.py``), configured as ``reward.remote.*``.
 
-Requests are batched (``batch_size`` items each, up to ``max_concurrent_requests`` in flight), each with a timeout.
+Requests are batched (``batch_size`` items each, up to ``max_concurrent`` in flight), each with a timeout.
 Timeouts, connection errors, HTTP 429/5xx and malformed answers (bad JSON, wrong number of scores, non-numbers) are
-retried with exponential backoff; after the last attempt a ``RemoteRewardError`` says what failed and where. Other
-HTTP 4xx answers mean the request itself is wrong and fail at once.
+retried with exponential backoff; after the last attempt a ``RemoteRewardError`` names the URL and what failed, or,
+with ``on_error: failure_score``, the batch's samples get ``failure_score`` and are counted as failed. Other HTTP 4xx
+answers mean the request itself is wrong and are not retried. A scoring call therefore ends within about
+``(max_retries + 1) * timeout_s`` plus the backoff sleeps, whatever the server does.
 """
 from __future__ import annotations
 
@@ -14,8 +16,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from megatron_cpo.config_loader import ConfigError
+
+COMBINE_MODES = ("replace", "add")
+ON_ERROR_MODES = ("raise", "failure_score")
 
 
 class RemoteRewardError(RuntimeError):
@@ -28,37 +36,75 @@ class _Retryable(Exception):
 
 @dataclass
 class RemoteRewardConfig:
-    """Where the reward model is and how hard to try. ``url`` is the server's base URL (``/score`` is appended)."""
+    """A reward model served over HTTP (`reward.remote`), scoring every graded response.
 
-    url: str
+    enable: call the server (verl's `reward_model.enable`, for a model behind a URL instead of in-process).
+    url: the server's base URL; `/score` is appended (`python -m megatron_cpo.rewards.reward_server` serves one).
+    combine: `replace` (the model's score is the reward, as in verl when `rm_scores` are present) or `add` (rule
+        score + model score). The rule graders still run either way: `acc` (accuracy metrics,
+        `filter_groups.metric=acc`, validation) comes from them.
+    batch_size / max_concurrent: items per request and requests in flight (verl's `sandbox_fusion.max_concurrent`).
+    timeout_s / max_retries / backoff_s / backoff_multiplier: per-request timeout and the retry schedule.
+    on_error: `raise` stops training with an error naming the URL; `failure_score` gives the samples of a batch
+        that failed every attempt `failure_score` as their model score, counts them in `reward/remote/failed` and
+        trains on.
+    """
+
+    enable: bool = False
+    url: str = ""
+    combine: str = "replace"
     batch_size: int = 64
     timeout_s: float = 30.0
     max_retries: int = 3
     backoff_s: float = 0.5
     backoff_multiplier: float = 2.0
-    max_concurrent_requests: int = 4
+    max_concurrent: int = 4
+    on_error: str = "raise"
+    failure_score: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"reward_model.url={self.url!r} must start with http:// or https://")
-        if self.batch_size < 1 or self.max_concurrent_requests < 1:
-            raise ValueError(f"reward_model.batch_size={self.batch_size} and max_concurrent_requests="
-                             f"{self.max_concurrent_requests} must be >= 1")
-        if self.timeout_s <= 0 or self.max_retries < 0 or self.backoff_s < 0:
-            raise ValueError(f"reward_model.timeout_s={self.timeout_s} must be > 0, max_retries={self.max_retries} "
-                             f"and backoff_s={self.backoff_s} >= 0")
+        if self.enable and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.remote.url={self.url!r} must start with http:// or https://, e.g. "
+                              "http://127.0.0.1:8000 (or set reward.remote.enable=false)")
+        for name, value, choices in (("combine", self.combine, COMBINE_MODES),
+                                     ("on_error", self.on_error, ON_ERROR_MODES)):
+            if value not in choices:
+                raise ConfigError(f"reward.remote.{name}={value!r} is not supported; choose one of {choices}")
+        if self.batch_size < 1 or self.max_concurrent < 1:
+            raise ConfigError(f"reward.remote.batch_size={self.batch_size} and reward.remote.max_concurrent="
+                              f"{self.max_concurrent} must be >= 1")
+        if self.timeout_s <= 0 or self.max_retries < 0 or self.backoff_s < 0 or self.backoff_multiplier < 1:
+            raise ConfigError(f"reward.remote.timeout_s={self.timeout_s} must be > 0, max_retries="
+                              f"{self.max_retries} and backoff_s={self.backoff_s} >= 0, backoff_multiplier="
+                              f"{self.backoff_multiplier} >= 1")
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy arrays and scalars (parquet ground truths) as plain lists and numbers; anything else as its text."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+@dataclass
+class RemoteScores:
+    """Model scores [N] (``failure_score`` where ``failed``), which samples failed, and the last error or None."""
+
+    scores: torch.Tensor
+    failed: torch.Tensor
+    error: str | None
 
 
 class RemoteRewardModel:
     """Scores (prompt, response) pairs with a reward model served over HTTP."""
 
     def __init__(self, config: RemoteRewardConfig) -> None:
+        if not config.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.remote.url={config.url!r} must start with http:// or https://")
         self.config = config
-        self._endpoint = config.url.rstrip("/") + "/score"
+        self.endpoint = config.url.rstrip("/") + "/score"
 
     def _post_once(self, items: list[dict]) -> list[float]:
-        body = json.dumps({"items": items}).encode()
-        request = urllib.request.Request(self._endpoint, data=body, headers={"Content-Type": "application/json"})
+        body = json.dumps({"items": items}, default=_jsonable).encode()
+        request = urllib.request.Request(self.endpoint, data=body, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
                 raw = response.read()
@@ -66,7 +112,7 @@ class RemoteRewardModel:
             detail = error.read()[:300].decode("utf-8", "replace")
             if error.code == 429 or error.code >= 500:
                 raise _Retryable(f"HTTP {error.code}: {detail}") from error
-            raise RemoteRewardError(f"reward model at {self._endpoint} rejected the request with HTTP {error.code}: "
+            raise RemoteRewardError(f"reward model at {self.endpoint} rejected the request with HTTP {error.code}: "
                                     f"{detail}") from error
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
             raise _Retryable(f"{type(error).__name__}: {error}") from error
@@ -90,11 +136,22 @@ class RemoteRewardModel:
                 if attempt < self.config.max_retries:
                     time.sleep(delay)
                     delay *= self.config.backoff_multiplier
-        raise RemoteRewardError(f"reward model at {self._endpoint} failed {len(failures)} attempts for a batch of "
-                                f"{len(items)}; last error: {failures[-1]}")
+        raise RemoteRewardError(f"reward model at {self.endpoint} failed {len(failures)} attempts for a batch of "
+                                f"{len(items)}; last error: {failures[-1]} (check that the server is up and "
+                                "answers within reward.remote.timeout_s, or set reward.remote.on_error=failure_score)")
 
-    def score(self, prompts: list[str], responses: list[str], extra_fields: list[dict] | None = None) -> torch.Tensor:
-        """Scores [N] for N (prompt, response) pairs; ``extra_fields`` (e.g. ground_truth) are merged into items."""
+    def _post_or_fail(self, items: list[dict]) -> tuple[list[float], str | None]:
+        try:
+            return self._post(items), None
+        except RemoteRewardError as error:
+            if self.config.on_error == "raise":
+                raise
+            return [self.config.failure_score] * len(items), str(error)
+
+    def score_batch(self, prompts: list[str], responses: list[str],
+                    extra_fields: list[dict] | None = None) -> RemoteScores:
+        """Score N (prompt, response) pairs; ``extra_fields`` (data_source, ground_truth, ...) are merged into the
+        items. Raises ``RemoteRewardError`` on failure unless ``on_error`` is ``failure_score``."""
         if len(prompts) != len(responses) or (extra_fields is not None and len(extra_fields) != len(prompts)):
             raise ValueError(f"prompts ({len(prompts)}), responses ({len(responses)}) and extra_fields "
                              f"({None if extra_fields is None else len(extra_fields)}) must have the same length")
@@ -102,6 +159,13 @@ class RemoteRewardModel:
                  for index, (prompt, response) in enumerate(zip(prompts, responses))]
         batches = [items[start:start + self.config.batch_size]
                    for start in range(0, len(items), self.config.batch_size)]
-        with ThreadPoolExecutor(max_workers=min(self.config.max_concurrent_requests, max(1, len(batches)))) as pool:
-            results = list(pool.map(self._post, batches))
-        return torch.tensor([score for batch in results for score in batch], dtype=torch.float32)
+        with ThreadPoolExecutor(max_workers=min(self.config.max_concurrent, max(1, len(batches)))) as pool:
+            results = list(pool.map(self._post_or_fail, batches))
+        scores = torch.tensor([score for batch, _ in results for score in batch], dtype=torch.float32)
+        failed = torch.tensor([error is not None for (batch, error) in results for _ in batch], dtype=torch.bool)
+        errors = [error for _, error in results if error is not None]
+        return RemoteScores(scores, failed, errors[-1] if errors else None)
+
+    def score(self, prompts: list[str], responses: list[str], extra_fields: list[dict] | None = None) -> torch.Tensor:
+        """Scores [N] for N (prompt, response) pairs (see ``score_batch``)."""
+        return self.score_batch(prompts, responses, extra_fields).scores

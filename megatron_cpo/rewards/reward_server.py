@@ -6,7 +6,8 @@ a ``ValueError`` from the scorer) is 400 with ``{"error": ...}``, any other scor
 grades verifiable items with ``megatron_cpo.rewards.compute_score`` (on handler threads, so math-verify runs without
 its alarm there); a real reward model plugs in as ``score_fn(items) -> list[float]``.
 
-Run one with ``python -m megatron_cpo.rewards.reward_server --port 8000 [--scorer pkg.module:fn]``.
+Run one with ``python -m megatron_cpo.rewards.reward_server --port 8000 [--scorer pkg.module:fn]`` (``--port 0``
+picks a free port; the first line printed names the URL) and point ``reward.remote.url`` at it.
 """
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ class RewardServer:
         self._thread.start()
         return self
 
+    def wait(self) -> None:
+        """Block while serving (the command-line entry's foreground)."""
+        self._thread.join()
+
     def stop(self) -> None:
         """Stop serving and close the socket."""
         self._httpd.shutdown()
@@ -130,12 +135,12 @@ def main() -> None:
     parser.add_argument("--scorer", default=None, help="pkg.module:fn taking a list of items, returning scores")
     arguments = parser.parse_args()
     score_fn = load_callable(arguments.scorer) if arguments.scorer else verifiable_scores
-    server = _RewardHTTPServer((arguments.host, arguments.port), score_fn)
-    print(f"reward server on http://{arguments.host}:{server.server_address[1]}", flush=True)
+    server = RewardServer(score_fn, arguments.host, arguments.port).start()
+    print(f"reward server on {server.url}", flush=True)
     try:
-        server.serve_forever()
+        server.wait()
     except KeyboardInterrupt:
-        server.server_close()
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 Both are `GPTModel`s built from the HF config (TP x PP from `parallel_state`). The actor trains under Megatron DDP and
 the (distributed) optimizer; the reference only scores. Every forward goes through Megatron's
 `get_forward_backward_func`, so pipeline parallelism works unchanged, and every log-prob / entropy comes from the
-fused kernel on the vocab-parallel logits, with the padded vocabulary columns left out of the softmax.
+fused kernel, with the padded vocabulary columns left out of the softmax: either on the vocab-parallel logits, or
+(`use_fused_kernels`) on the final hidden states and the vocab-parallel lm-head weight, so the logits are never
+materialised (`linear_logprobs_and_entropy`; tied embeddings use the shared weight).
 
-Rows are split over the data-parallel ranks; each rank computes its share and the per-token results are gathered, so
-every rank ends with the whole batch's tensors (the advantage math then runs identically everywhere).
+Rows are split over the data-parallel ranks and cut into micro-batches (a fixed row count, or a token budget: see
+`micro_batches`); each rank computes its share and the per-token results are gathered, so every rank ends with the
+whole batch's tensors (the advantage math then runs identically everywhere).
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
-from megatron_cpo.kernels import logprobs_and_entropy
+from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from megatron_cpo.models.builder import decoder_hidden_states, lm_head_weight
+from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 
@@ -31,84 +36,99 @@ class UpdateInputs:
     rollout_log_probs: torch.Tensor | None
 
 
-def _pad_rows(seqs: PackedSequences, multiple: int, pad_token_id: int) -> PackedSequences:
+def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
     """Append empty rows (no response tokens) so the row count is a multiple of `multiple`."""
     extra = (-seqs.rows) % multiple
-    if not extra:
-        return seqs
-    return PackedSequences(
-        torch.cat([seqs.tokens, torch.full((extra, seqs.length), pad_token_id, dtype=torch.long)]),
-        torch.cat([seqs.targets, torch.full((extra, seqs.length), IGNORE_INDEX, dtype=torch.long)]),
-        torch.cat([seqs.prompt_lengths, torch.ones(extra, dtype=torch.long)]),
-        torch.cat([seqs.response_lengths, torch.zeros(extra, dtype=torch.long)]),
-        seqs.response_width)
+    return seqs.with_empty_rows(extra) if extra else seqs
 
 
 class MegatronPolicy:
     """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates."""
 
-    def __init__(self, model: Any, pad_token_id: int, micro_batch_size: int, ddp_model: Any = None,
-                 optimizer: Any = None, scheduler: Any = None, log_prob_micro_batch_size: int = 0) -> None:
+    def __init__(self, model: Any, pad_token_id: int, batching: MicroBatching | int, ddp_model: Any = None,
+                 optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False) -> None:
+        from megatron.core import parallel_state
+
         self.model = model
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.pad_token_id = pad_token_id
-        self.micro_batch_size = micro_batch_size
-        self.log_prob_micro_batch_size = log_prob_micro_batch_size or micro_batch_size  # forward-only scoring
+        self.batching = batching if isinstance(batching, MicroBatching) else MicroBatching(batching)
+        self.use_fused_kernels = use_fused_kernels
+        if self.batching.dynamic and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
     @property
     def _module(self) -> Any:
         return self.ddp_model if self.ddp_model is not None else self.model
 
-    def _run(self, micro_batches: list[dict], length: int, step_fn: Callable, forward_only: bool,
-             micro_size: int) -> list:
+    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool) -> list:
+        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        positions = torch.arange(length, device=platform.device()).unsqueeze(0)
 
         def forward_step(data_iterator, stage_model):
             batch = next(data_iterator)
             tokens = batch["seqs"].tokens.to(platform.device())
-            output = stage_model(tokens, positions.expand_as(tokens), attention_mask=None)
-            return output, lambda logits: step_fn(logits, batch)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            if self.use_fused_kernels:
+                output = decoder_hidden_states(stage_model, tokens, positions)
+            else:
+                output = stage_model(tokens, positions, attention_mask=None)
+            return output, lambda out: step_fn(*self._log_probs_entropy(out, batch["seqs"], temperature), batch)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self._module],
-            num_microbatches=len(micro_batches), seq_length=length, micro_batch_size=micro_size,
-            forward_only=forward_only)
+            num_microbatches=len(micro_batches), seq_length=max(b["seqs"].length for b in micro_batches),
+            micro_batch_size=max(b["seqs"].rows for b in micro_batches), forward_only=forward_only)
 
-    def _log_probs_entropy(self, logits: torch.Tensor, seqs: PackedSequences, temperature: float
+    def _log_probs_entropy(self, output: torch.Tensor, seqs: PackedSequences, temperature: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-aligned log-probs and entropy from the last stage's output: logits `[b, s, V_local]`, or with
+        fused kernels the final hidden states `[s, b, h]` times the lm-head weight."""
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        log_probs, entropy = logprobs_and_entropy(
-            logits, seqs.targets.to(logits.device), temperature=temperature,
-            tp_group=tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None,
-            ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
+        tp_group = tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+        targets = seqs.targets.to(output.device)
+        if self.use_fused_kernels:
+            log_probs, entropy = linear_logprobs_and_entropy(
+                output.transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
+                tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
+        else:
+            log_probs, entropy = logprobs_and_entropy(
+                output, targets, temperature=temperature, tp_group=tp_group, ignore_index=IGNORE_INDEX,
+                vocab_size=self.model.hf_vocab_size)
         return seqs.to_response(log_probs), seqs.to_response(entropy)
 
-    def _split(self, seqs: PackedSequences, micro_size: int, extra: dict[str, torch.Tensor] | None = None
-               ) -> tuple[list[dict], int]:
-        """This DP rank's rows of `seqs`, padded and cut into micro-batches; returns them and the padded row count."""
+    def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
+              ) -> tuple[PackedSequences, Plan]:
+        """`seqs` padded with empty rows as the mode needs, and every DP rank's micro-batches (row indices) of it:
+        `micro_rows` rows each, or cut by `token_budget` when dynamic."""
         from megatron.core import parallel_state
 
         dp_size = parallel_state.get_data_parallel_world_size()
-        dp_rank = parallel_state.get_data_parallel_rank()
-        padded = _pad_rows(seqs, dp_size * micro_size, self.pad_token_id)
-        per_rank = padded.rows // dp_size
-        rows = torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        if not self.batching.dynamic:
+            padded = _pad_rows(seqs, dp_size * micro_rows)
+            return padded, fixed_plan(padded.rows, dp_size, micro_rows)
+        padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages)
+
+    def _micro_batches(self, padded: PackedSequences, plan: Plan, extra: dict[str, torch.Tensor] | None = None
+                       ) -> list[dict]:
+        """This DP rank's micro-batches: sequences (cut to their own longest row when dynamic) and extra rows."""
+        from megatron.core import parallel_state
+
+        full = {name: torch.cat([tensor, tensor.new_zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]))])
+                for name, tensor in (extra or {}).items()}  # zero rows for the empty padding rows, made once
         micro = []
-        for start in range(0, per_rank, micro_size):
-            index = rows[start: start + micro_size]
-            batch = {"seqs": padded.select(index)}
-            for name, tensor in (extra or {}).items():
-                full = torch.cat([tensor, torch.zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]),
-                                                      dtype=tensor.dtype)])
-                batch[name] = full[index]
+        for index in plan[parallel_state.get_data_parallel_rank()]:
+            seqs = padded.select(index)
+            batch = {"seqs": seqs.trimmed() if self.batching.dynamic else seqs}
+            batch.update({name: tensor[index] for name, tensor in full.items()})
             micro.append(batch)
-        return micro, padded.rows
+        return micro
 
     @torch.no_grad()
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,31 +136,34 @@ class MegatronPolicy:
         from megatron.core import parallel_state
 
         self._module.eval()
-        micro, padded_rows = self._split(seqs, self.log_prob_micro_batch_size)
-        outputs = self._run(micro, seqs.length,
-                            lambda logits, batch: (torch.zeros((), device=logits.device),
-                                                   self._log_probs_entropy(logits, batch["seqs"], temperature)),
-                            forward_only=True, micro_size=self.log_prob_micro_batch_size)
-        width = seqs.response_width
-        local_rows = padded_rows // parallel_state.get_data_parallel_world_size()
-        local = torch.zeros(2, local_rows, width, device=platform.device())
+        padded, plan = self._plan(seqs, self.batching.log_prob_token_budget,
+                                  "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu", self.batching.log_prob_rows)
+        outputs = self._run(self._micro_batches(padded, plan), temperature,
+                            lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
+                                                               (log_probs, entropy)),
+                            forward_only=True)
+        rank_rows = [torch.cat(micro) for micro in plan]
+        local = torch.zeros(2, max(len(rows) for rows in rank_rows), seqs.response_width, device=platform.device())
         if parallel_state.is_pipeline_last_stage():
-            local[0] = torch.cat([lp for lp, _ in outputs]).to(local.device)
-            local[1] = torch.cat([ent for _, ent in outputs]).to(local.device)
+            mine = len(rank_rows[parallel_state.get_data_parallel_rank()])
+            local[0, :mine] = torch.cat([lp for lp, _ in outputs]).to(local.device)
+            local[1, :mine] = torch.cat([ent for _, ent in outputs]).to(local.device)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(local, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
-        pieces = [torch.empty_like(local) for _ in range(parallel_state.get_data_parallel_world_size())]
+        pieces = [torch.empty_like(local) for _ in rank_rows]
         dist.all_gather(pieces, local, group=parallel_state.get_data_parallel_group())
-        full = torch.cat(pieces, dim=1)[:, : seqs.rows].cpu()
-        return full[0], full[1]
+        full = torch.zeros(2, padded.rows, seqs.response_width)
+        for rows, piece in zip(rank_rows, pieces):
+            full[:, rows] = piece[:, : len(rows)].cpu()
+        return full[0, : seqs.rows], full[1, : seqs.rows]
 
     def update(self, seqs: PackedSequences, inputs: UpdateInputs, loss_config: PolicyLossConfig, temperature: float
                ) -> dict[str, float]:
         """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule.
 
         The loss is aggregated over the whole mini-batch (all micro-batches and DP ranks), so the update does not
-        depend on how the mini-batch is split.
+        depend on how the mini-batch is split (fixed or token-budget micro-batches alike).
         """
         from megatron.core import parallel_state
 
@@ -152,11 +175,13 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
-        micro, _ = self._split(seqs, self.micro_batch_size, extra)
+        padded, plan = self._plan(seqs, self.batching.update_token_budget,
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", self.batching.micro_batch_size)
+        micro = self._micro_batches(padded, plan, extra)
+        # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
 
-        def loss_step(logits, batch):
-            log_probs, entropy = self._log_probs_entropy(logits, batch["seqs"], temperature)
+        def loss_step(log_probs, entropy, batch):
             device = log_probs.device
             loss, metrics = policy_loss(
                 log_probs, batch["old_log_probs"].to(device), batch["advantages"].to(device),
@@ -169,7 +194,7 @@ class MegatronPolicy:
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, seqs.length, loss_step, forward_only=False, micro_size=self.micro_batch_size)
+        outputs = self._run(micro, temperature, loss_step, forward_only=False)
         self.scheduler.step(increment=1)
         updated, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(outputs)

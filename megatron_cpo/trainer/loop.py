@@ -209,6 +209,7 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
             if is_rank0:
                 metrics.update(collected.metrics)
                 metrics.update(_batch_reward_metrics(collected.groups))
+                metrics.update(side.remote_reward_metrics())
                 metrics["rollout/engines_alive"] = float(side.manager.num_engines_alive())
                 seconds = time.perf_counter() - step_start
                 metrics.update({"timing/step_s": seconds,

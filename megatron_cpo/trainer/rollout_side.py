@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -40,6 +41,16 @@ def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool
                                        check_graders=not config.reward_function_spec), tokenizer)
 
 
+def build_reward_manager(config: Config) -> RewardManager:
+    """The grading pool of `reward.*` (and the remote reward model of `reward.remote.*` when enabled)."""
+    return RewardManager(RewardConfig(
+        num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
+        custom_graders=dict(config.reward.custom_graders), custom_reward_function=config.reward_function_spec or None,
+        sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
+                                config.reward.sandbox_fusion.max_concurrent, config.reward.sandbox_fusion.memory_limit_mb),
+        remote=config.reward.remote))
+
+
 class RolloutSide:
     """Rank 0's engines, reward pool, data and controller for one run. A `manager` passed in (already running
     engines, e.g. shared by tests or a notebook) is used and left running; otherwise engines are started here."""
@@ -63,13 +74,7 @@ class RolloutSide:
             weight_sync_timeout_s=rollout.weight_sync_timeout_s, gpu_memory_utilization=rollout.gpu_memory_utilization,
             enable_chunked_prefill=rollout.enable_chunked_prefill,
             max_num_batched_tokens=rollout.max_num_batched_tokens))
-        self.rewards = RewardManager(RewardConfig(
-            num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-            custom_graders=dict(config.reward.custom_graders),
-            custom_reward_function=config.reward_function_spec or None,
-            sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
-                                    config.reward.sandbox_fusion.max_concurrent,
-                                    config.reward.sandbox_fusion.memory_limit_mb)))
+        self.rewards = build_reward_manager(config)
         self.hint_reader = HintReader(data.hint_key)
         groups = config.algorithm.filter_groups
         self.controller = RolloutController(
@@ -80,7 +85,7 @@ class RolloutSide:
                                on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
                                filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
             selection_from_config(config), self.sampling_params)
-        self.last_reward_metrics: dict[str, float] = {}
+        self.remote_counts: Counter = Counter()  # the remote reward model's numbers since they were last logged
 
     def sampling_params(self, seed: int | None, n: int | None = None, greedy: bool = False) -> SamplingParams:
         rollout = self.config.actor_rollout_ref.rollout
@@ -89,19 +94,40 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
 
-    def score_groups(self, items: list[tuple[Any, list[list[int]]]]
+    def score_groups(self, items: list[tuple[Any, list[list[int]]]], remote_counts: Counter | None = None
                      ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        """Decode and grade every response of the given groups in one call to the grading pool."""
+        """Decode and grade every response of the given groups in one call to the grading pool; the remote reward
+        model's numbers are added to `remote_counts` (default: the training step's, see `remote_reward_metrics`)."""
         texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
         flat_records = [record for (record, responses) in items for _ in responses]
+        prompts = None
+        if self.rewards.remote is not None:  # the reward model reads the prompt as the policy saw it (chat template)
+            prompts = [self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False)
+                       for record, responses in items for _ in responses]
         result = self.rewards.score([r.data_source for r in flat_records], [t for ts in texts for t in ts],
-                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records])
+                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records],
+                                    prompts)
+        if "reward/remote/failed" in result.metrics:
+            counts = self.remote_counts if remote_counts is None else remote_counts
+            counts.update({"samples": len(flat_records), "failed": result.metrics["reward/remote/failed"],
+                           "seconds": result.metrics["reward/remote/seconds"],
+                           "score_sum": result.metrics["reward/remote/score_mean"] * len(flat_records)})
         out, start = [], 0
         for group_texts in texts:
             stop = start + len(group_texts)
             out.append((result.scores[start:stop], result.acc[start:stop].float(), group_texts))
             start = stop
         return out
+
+    def remote_reward_metrics(self, counts: Counter | None = None, prefix: str = "reward/remote") -> dict[str, float]:
+        """`reward/remote/{score_mean,failed,seconds}` since the last call (empty without `reward.remote`)."""
+        counts = self.remote_counts if counts is None else counts
+        if not counts["samples"]:
+            return {}
+        metrics = {f"{prefix}/score_mean": counts["score_sum"] / counts["samples"],
+                   f"{prefix}/failed": float(counts["failed"]), f"{prefix}/seconds": float(counts["seconds"])}
+        counts.clear()
+        return metrics
 
     def hint_contexts(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
@@ -124,6 +150,11 @@ class RolloutSide:
                               max_tokens=self.config.data.max_response_length,
                               stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.config.trainer.seed + index)
 
+    def validation_size(self) -> int:
+        """How many rows of the validation set `validate` uses: all, or the first `data.val_max_samples`."""
+        cap = self.config.data.val_max_samples
+        return len(self.val_data) if cap == -1 else min(cap, len(self.val_data))
+
     def validate(self) -> dict[str, float]:
         """Accuracy on the held-out set, sampled as `rollout.val_kwargs` says (greedy by default): `val/acc` and
         `val/score` (means over every sample, i.e. mean@n), and the same per data source (`val/<source>/acc`)."""
@@ -131,14 +162,15 @@ class RolloutSide:
             return {}
         start = time.perf_counter()
         records = {}
-        for index in range(len(self.val_data)):
+        for index in range(self.validation_size()):
             record = self.val_data[index]
             records[f"val-{index}"] = record
             self.manager.submit(f"val-{index}", record.prompt_ids, self.validation_params(index))
         finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
         items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
-        scored = self.score_groups(items)
-        metrics = {"val/count": float(len(records))}
+        val_counts: Counter = Counter()
+        scored = self.score_groups(items, val_counts)
+        metrics = {"val/count": float(len(records)), **self.remote_reward_metrics(val_counts, "val/remote")}
         sources = [record.data_source for record, _ in items]
         for source in [None, *sorted(set(sources))]:
             chosen = [i for i, s in enumerate(sources) if source is None or s == source]

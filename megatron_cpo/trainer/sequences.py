@@ -1,10 +1,13 @@
-"""Prompt + response token sequences packed for Megatron, and the map from positions to response tokens.
+"""Prompt + response token sequences for Megatron, and the map from positions to response tokens.
 
-Each row is `prompt tokens + response tokens`, right-padded to a common length. The causal mask makes right padding
-harmless. Response token j of row b sits at position `prompt_len[b] + j` and is predicted by the logits at
+Each row is `prompt tokens + response tokens`, right-padded to the sequences' `length`. The causal mask makes right
+padding harmless. Response token j of row b sits at position `prompt_len[b] + j` and is predicted by the logits at
 `prompt_len[b] + j - 1`; `targets` holds that token at that position and `IGNORE_INDEX` everywhere else, so the
 log-prob kernel skips prompt and padding positions. `to_response` gathers per-position values into the
 response-aligned `[rows, max_response_length]` layout the algorithms use.
+
+The rows are kept ragged (flat tensors + offsets) and the padded `tokens` / `targets` are built on demand, so only a
+micro-batch is ever padded, never the whole step batch.
 """
 from __future__ import annotations
 
@@ -12,24 +15,47 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_cpo.trainer.ragged import RaggedRows
+
 IGNORE_INDEX = -100
 
 
 @dataclass
 class PackedSequences:
-    tokens: torch.Tensor          # [rows, L] long
-    targets: torch.Tensor         # [rows, L] long, IGNORE_INDEX off the response
-    prompt_lengths: torch.Tensor  # [rows] long
-    response_lengths: torch.Tensor  # [rows] long
-    response_width: int           # R, the response-aligned width
+    prompts: RaggedRows    # prompt token ids per row
+    responses: RaggedRows  # response token ids per row
+    length: int            # L, the padded length of `tokens` / `targets`
+    response_width: int    # R, the response-aligned width
+    pad_token_id: int = 0
 
     @property
     def rows(self) -> int:
-        return self.tokens.shape[0]
+        return self.prompts.rows
 
     @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
+    def prompt_lengths(self) -> torch.Tensor:
+        """[rows] long."""
+        return self.prompts.lengths()
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[rows] long."""
+        return self.responses.lengths()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[rows, L] long: prompt, response, then padding."""
+        tokens = torch.full((self.rows, self.length), self.pad_token_id, dtype=torch.long)
+        tokens.masked_scatter_(self.prompts.within(self.length), self.prompts.values)
+        return tokens.masked_scatter_(self.responses.within(self.length, self.prompt_lengths), self.responses.values)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """[rows, L] long: response token j at position prompt_len + j - 1 (the one that predicts it), IGNORE_INDEX
+        elsewhere."""
+        targets = torch.full((self.rows, self.length), IGNORE_INDEX, dtype=torch.long)
+        return targets.masked_scatter_(self.responses.within(self.length, self.prompt_lengths - 1),
+                                       self.responses.values)
 
     def response_mask(self) -> torch.Tensor:
         """[rows, R] float, 1 on real response tokens."""
@@ -44,30 +70,44 @@ class PackedSequences:
         gathered = per_position.gather(1, index)
         return gathered * self.response_mask().to(gathered.device, gathered.dtype)
 
+    def lengths(self) -> torch.Tensor:
+        """[rows] long, prompt + response tokens of each row (its length before right padding)."""
+        return self.prompt_lengths + self.response_lengths
+
+    def trimmed(self) -> "PackedSequences":
+        """The same rows padded only to their own longest row (a micro-batch padded only as far as it needs)."""
+        return PackedSequences(self.prompts, self.responses, int(self.lengths().max()), self.response_width,
+                               self.pad_token_id)
+
     def select(self, rows: torch.Tensor | slice) -> "PackedSequences":
-        return PackedSequences(self.tokens[rows], self.targets[rows], self.prompt_lengths[rows],
-                               self.response_lengths[rows], self.response_width)
+        """The given rows (index tensor or slice), at the same padded length."""
+        index = torch.arange(self.rows)[rows] if isinstance(rows, slice) else rows
+        return PackedSequences(self.prompts.select(index), self.responses.select(index), self.length,
+                               self.response_width, self.pad_token_id)
+
+    def with_empty_rows(self, extra: int) -> "PackedSequences":
+        """`extra` rows appended with a one-token (padding) prompt and no response: they add nothing to any loss."""
+        prompts = RaggedRows(torch.cat([self.prompts.values, torch.full((extra,), self.pad_token_id)]),
+                             torch.cat([self.prompts.offsets, self.prompts.offsets[-1] + torch.arange(1, extra + 1)]))
+        responses = RaggedRows(self.responses.values,
+                               torch.cat([self.responses.offsets, self.responses.offsets[-1].repeat(extra)]))
+        return PackedSequences(prompts, responses, self.length, self.response_width, self.pad_token_id)
 
 
-def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+def pack_sequences(prompts: RaggedRows | list[list[int]], responses: RaggedRows | list[list[int]], pad_token_id: int,
                    response_width: int) -> PackedSequences:
-    """Pack prompt/response token lists (same count) into right-padded tensors with response targets."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; pass one prompt per response")
-    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    response_lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)
+    """Prompt/response token rows (same count; ragged tensors or lists) as sequences padded to the longest row.
+
+    Only the lengths are checked here; the padded tensors are built per micro-batch (`tokens`, `targets`).
+    """
+    prompts, responses = RaggedRows.of(prompts), RaggedRows.of(responses)
+    if prompts.rows != responses.rows:
+        raise ValueError(f"{prompts.rows} prompts but {responses.rows} responses; pass one prompt per response")
+    prompt_lengths, response_lengths = prompts.lengths(), responses.lengths()
     if int(prompt_lengths.min()) < 1:
         raise ValueError("an empty prompt cannot predict its first response token; every prompt needs >= 1 token")
     if int(response_lengths.max()) > response_width:
         raise ValueError(f"a response has {int(response_lengths.max())} tokens, more than the response width "
                          f"{response_width} (data.max_response_length); the rollout must cap max_tokens at it")
-    length = int((prompt_lengths + response_lengths).max())
-    tokens = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        tokens[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
-    positions = torch.arange(length)[None, :]
-    start = prompt_lengths[:, None] - 1
-    on_response = (positions >= start) & (positions < start + response_lengths[:, None])
-    shifted = torch.cat([tokens[:, 1:], torch.full((len(prompts), 1), pad_token_id, dtype=torch.long)], dim=1)
-    targets = torch.where(on_response, shifted, torch.full_like(shifted, IGNORE_INDEX))
-    return PackedSequences(tokens, targets, prompt_lengths, response_lengths, response_width)
+    return PackedSequences(prompts, responses, int((prompt_lengths + response_lengths).max()), response_width,
+                           pad_token_id)

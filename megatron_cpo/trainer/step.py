@@ -1,18 +1,20 @@
 """One training update on a collected batch, as every rank runs it (steps 4-6 of ARCHITECTURE.md).
 
-Rank 0 turns the kept groups into a `StepBatch` (plain lists and tensors, hint contexts included) and broadcasts it;
-then every rank computes, in lockstep: old log-probs and entropy, reference log-probs, hint log-probs (CPO), GRPO
-advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over mini-batches. With verl's
-`algorithm.use_kl_in_reward` the scores the advantages see carry the KL penalty against the reference.
+Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included)
+and broadcasts it tensor by tensor; then every rank computes, in lockstep: old log-probs and entropy, reference
+log-probs, hint log-probs (CPO), GRPO advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over
+mini-batches. With verl's `algorithm.use_kl_in_reward` the scores the advantages see carry the KL penalty against the
+reference.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_cpo import platform
 from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
@@ -25,57 +27,102 @@ from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
-from megatron_cpo.trainer.sequences import pack_sequences
+from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
 
 
 @dataclass
 class StepBatch:
-    """Everything the ranks need for one update; one entry per response, responses of a prompt contiguous."""
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_log_probs: list[list[float]]
+    """Everything the ranks need for one update; one row per response, responses of a prompt contiguous.
+
+    Token and log-prob rows are `RaggedRows` (one flat tensor + offsets each; Python lists are converted when the batch
+    is built), so the broadcast sends a few buffers instead of pickling every token.
+    """
+    prompt_ids: RaggedRows
+    response_ids: RaggedRows
+    rollout_log_probs: RaggedRows
     scores: torch.Tensor
     acc: torch.Tensor
     group: torch.Tensor
     truncated: torch.Tensor
     kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
-    hint_prompt_ids: list[list[int]] | None = None
+    hint_prompt_ids: RaggedRows | None = None
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
     hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = RaggedRows.of(self.prompt_ids)
+        self.response_ids = RaggedRows.of(self.response_ids)
+        self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
+        if self.hint_prompt_ids is not None:
+            self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
     """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
     prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
     responses = [r for g in groups for r in g.response_token_ids]
-    batch = StepBatch(
-        prompt_ids=prompts, response_ids=responses,
-        rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
-        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups])),
-        truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio)
+    hints = {}
     if hint_builder is not None:
         contexts = hint_builder(groups, prompts, responses)
-        batch.hint_prompt_ids, batch.has_hint = contexts.prompt_ids, contexts.has_hint
-        batch.hints_truncated = contexts.num_truncated
-        batch.hint_metrics = contexts.source_metrics
-    return batch
+        hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
+                 "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
+    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
+    return StepBatch(
+        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).select(group),  # each prompt once
+        response_ids=responses, rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
+        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
+        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+
+
+def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The batch as named tensors (ragged rows as `<field>.values` / `<field>.offsets`) and its other fields."""
+    tensors, other = {}, {}
+    for item in fields(batch):
+        value = getattr(batch, item.name)
+        if isinstance(value, RaggedRows):
+            tensors[f"{item.name}.values"], tensors[f"{item.name}.offsets"] = value.values, value.offsets
+        elif isinstance(value, torch.Tensor):
+            tensors[item.name] = value
+        else:
+            other[item.name] = value
+    return tensors, other
 
 
 def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
-    """Rank 0's batch (or None: stop) on every rank."""
-    payload = [batch]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+    """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
+    tensor, on the device the backend needs."""
+    if dist.get_world_size() == 1:
+        return batch
+    header: list[Any] = [None]
+    tensors: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0 and batch is not None:
+        tensors, other = _batch_tensors(batch)
+        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
+    dist.broadcast_object_list(header, src=0)
+    if header[0] is None:
+        return None
+    specs, other = header[0]
+    received = {}
+    for name, (shape, dtype) in specs.items():
+        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
+        wire = wire.contiguous().to(platform.device())
+        dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
+        received[name] = wire.cpu()
+    kwargs = dict(other)
+    for item in fields(StepBatch):
+        if f"{item.name}.values" in received:
+            kwargs[item.name] = RaggedRows(received[f"{item.name}.values"], received[f"{item.name}.offsets"])
+        elif item.name in received:
+            kwargs[item.name] = received[item.name]
+    return StepBatch(**kwargs)
 
 
-def _right_pad(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
-    return out
+def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
+    """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
+    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
+    return seqs, batch.rollout_log_probs.padded(width, 0.0)
 
 
 def loss_config_of(config: Config) -> PolicyLossConfig:
@@ -110,7 +157,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     rollout_cfg, actor_cfg, algo = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor, config.algorithm
     temperature = rollout_cfg.temperature or 1.0
     width = config.data.max_response_length
-    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
+    seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     mask = seqs.response_mask()
     metrics: dict[str, float] = {}
 
@@ -146,7 +193,6 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
 
-    rollout_log_probs = _right_pad(batch.rollout_log_probs, width)
     loss_config = loss_config_of(config)
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []

@@ -1,11 +1,14 @@
 """Build the trainable actor and the frozen reference from the HF model directory (every rank, after init)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_cpo.config import Config
 from megatron_cpo.models import build_gpt_model, load_hf_config, load_hf_weights
 from megatron_cpo.trainer.actor import MegatronPolicy
+from megatron_cpo.trainer.micro_batches import MicroBatching
 from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
 
 
@@ -20,20 +23,25 @@ def build_policies(config: Config, pad_token_id: int, total_updates: int
     model_dir = config.actor_rollout_ref.model.path
     hf_config = load_hf_config(model_dir)
     dtype = getattr(torch, actor_cfg.megatron.params_dtype)
-    micro = actor_cfg.ppo_micro_batch_size_per_gpu
+    dynamic = actor_cfg.use_dynamic_bsz
+    batching = MicroBatching(actor_cfg.ppo_micro_batch_size_per_gpu,
+                             actor_cfg.ppo_max_token_len_per_gpu if dynamic else 0,
+                             actor_cfg.log_prob_max_token_len_per_gpu if dynamic else 0,
+                             config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+    fused = config.actor_rollout_ref.model.use_fused_kernels
 
     model = build_gpt_model(hf_config, params_dtype=dtype)
     load_hf_weights(model, model_dir)
     ddp_model = wrap_ddp(model, actor_cfg.megatron.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(ddp_model, actor_cfg, total_updates)
-    actor = MegatronPolicy(model, pad_token_id, micro, ddp_model, optimizer, scheduler,
-                           config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+    actor = MegatronPolicy(model, pad_token_id, batching, ddp_model, optimizer, scheduler, use_fused_kernels=fused)
 
     reference = None
     if actor_cfg.use_kl_loss or ref_cfg.sync_ref_model or config.algorithm.use_kl_in_reward:
         ref_model = build_gpt_model(hf_config, params_dtype=dtype)
         load_hf_weights(ref_model, model_dir)
         ref_model.requires_grad_(False)
-        reference = MegatronPolicy(ref_model, pad_token_id, micro,
-                                   log_prob_micro_batch_size=ref_cfg.log_prob_micro_batch_size_per_gpu)
+        reference = MegatronPolicy(ref_model, pad_token_id,
+                                   replace(batching, log_prob_micro_batch_size=ref_cfg.log_prob_micro_batch_size_per_gpu),
+                                   use_fused_kernels=fused)
     return actor, reference

@@ -6,14 +6,12 @@ import torch
 
 from megatron_cpo.algorithms.cpo import (
     SHAPING_RULES,
-    CPOShapingConfig,
-    HintSignals,
     difficulty_mask,
-    hint_signals,
     known_rules,
     resolve_rule,
     shape_advantages,
 )
+from megatron_cpo.kernels import HintSignals, hint_mi_signals
 
 LN2 = math.log(2.0)
 
@@ -28,10 +26,10 @@ def test_hint_signals_hand_computed():
                                    [math.log(0.25), pad, pad, pad]])
     entropy = torch.tensor([[1.0, 3.0, 2.0, 100.0], [7.0, 7.0, 7.0, 7.0], [5.0, 100.0, 100.0, 100.0]])
     mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
-    sig = hint_signals(log_probs, hint_log_probs, entropy, mask)
-    torch.testing.assert_close(sig.kl, torch.tensor([[0.0, LN2, LN2, 0.0], [0.0] * 4, [-LN2, 0.0, 0.0, 0.0]]))
-    torch.testing.assert_close(sig.mi, torch.tensor([[0.0, 0.5 * LN2, 0.5 * LN2, 0.0], [0.0] * 4,
-                                                     [-0.25 * LN2, 0.0, 0.0, 0.0]]))
+    sig = hint_mi_signals(log_probs, hint_log_probs, entropy, mask)
+    on = mask.bool()  # mi and kl are defined at every position; shaping reads them through the mask only
+    torch.testing.assert_close(sig.kl[on], torch.tensor([0.0, LN2, LN2, -LN2]))
+    torch.testing.assert_close(sig.mi[on], torch.tensor([0.0, 0.5 * LN2, 0.5 * LN2, -0.25 * LN2]))
     torch.testing.assert_close(sig.u, torch.tensor([[0.0, 1.0, 0.5, 0.0], [0.0] * 4, [0.0] * 4]))
     torch.testing.assert_close(sig.ubar, torch.tensor([2.0, 0.0, 5.0]))
     torch.testing.assert_close(sig.s, torch.tensor([2 * LN2 / 3, 0.0, -LN2]))
@@ -132,7 +130,7 @@ def test_names_with_and_without_suffix():
     with pytest.raises(ValueError, match="known rules: .*negonly_mi3"):
         shape_advantages("mi4", **_batch())
     with pytest.raises(ValueError, match="known rules"):
-        CPOShapingConfig(rule="bogus")
+        resolve_rule("bogus")
 
 
 def test_mi_and_kl_are_clamped_at_ten():
@@ -187,7 +185,7 @@ def test_mi_accmask_gates_by_correctness_issue_repro():
     hint_log_probs = torch.full((2, 1), math.log(0.8))
     entropy, mask = torch.ones(2, 1), torch.ones(2, 1)
     correct = torch.tensor([True, False])
-    signals = hint_signals(log_probs, hint_log_probs, entropy, mask)
+    signals = hint_mi_signals(log_probs, hint_log_probs, entropy, mask)
     shaped, _ = shape_advantages("mi_accmask", torch.tensor([[0.7071], [-0.7071]]), signals, entropy, mask, correct,
                                  torch.tensor([0, 0]), log_probs, hint_log_probs, pos_alpha=1.0, neg_alpha=0.0,
                                  cpo_lambda=5.0)

@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, hint_signals, shape_advantages
+from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, shape_advantages
+from megatron_cpo.kernels import hint_mi_signals
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -146,7 +147,7 @@ def reference_batch(draw):
 
 
 def _ours(rule, b, a_pos, a_neg, lam, hint_correct=None):
-    signals = hint_signals(b["lp"], b["lp_h"], b["entropy"], b["mask"])
+    signals = hint_mi_signals(b["lp"], b["lp_h"], b["entropy"], b["mask"])
     correct = b["score"] == 1
     shaped, _ = shape_advantages(rule, b["adv"], signals, b["entropy"], b["mask"], correct,
                                  difficulty_mask(correct, b["group"]), b["lp"], b["lp_h"], a_pos, a_neg, lam,
@@ -198,7 +199,7 @@ def test_naive_entropy_max_ignores_padding():
     lp = torch.log(torch.tensor([[0.8, 0.5]]))
     lp_h = torch.log(torch.tensor([[0.2, 0.5]]))
     entropy, mask = torch.tensor([[1.0, 9.0]]), torch.tensor([[1, 0]])
-    signals = hint_signals(lp, lp_h, entropy, mask)
+    signals = hint_mi_signals(lp, lp_h, entropy, mask)
     shaped, _ = shape_advantages("naive", torch.tensor([[-1.0, 0.0]]), signals, entropy, mask, torch.tensor([False]),
                                  torch.tensor([-1]), lp, lp_h, pos_alpha=0.0, neg_alpha=0.5, cpo_lambda=2.0)
     torch.testing.assert_close(shaped, torch.tensor([[-1.0, 0.0]]))
@@ -210,7 +211,7 @@ def test_wrong_means_not_correct_for_partial_scores():
     # A = -0.5 + 0.1 * 0.8 ln 4, then the sign clamp keeps it <= 0.
     lp, lp_h = torch.full((1, 1), math.log(0.2)), torch.full((1, 1), math.log(0.8))
     entropy, mask = torch.ones(1, 1), torch.ones(1, 1)
-    signals = hint_signals(lp, lp_h, entropy, mask)
+    signals = hint_mi_signals(lp, lp_h, entropy, mask)
     shaped, _ = shape_advantages("mi_unify", torch.tensor([[-0.5]]), signals, entropy, mask, torch.tensor([False]),
                                  torch.tensor([0]), lp, lp_h, pos_alpha=0.0, neg_alpha=0.1, cpo_lambda=5.0)
     torch.testing.assert_close(shaped, torch.tensor([[-0.5 + 0.1 * 0.8 * math.log(4.0)]]))

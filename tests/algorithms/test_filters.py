@@ -13,9 +13,8 @@ from megatron_cpo.algorithms.filters import (
     in_group_reward_std,
     ragen_filter,
     scale_advantages,
-    select_filter_metric,
 )
-from megatron_cpo.algorithms.overlong import overlong_filter_mask, overlong_reward_penalty
+from megatron_cpo.algorithms.overlong import overlong_reward_penalty
 
 
 def test_filter_groups_hand_computed():
@@ -32,14 +31,6 @@ def test_filter_groups_is_exact_on_constant_groups():
     # 0.1 three times has a float mean that differs from 0.1; the group is still constant
     result = filter_groups(torch.tensor([0.1, 0.1, 0.1, 0.3, 0.7]), torch.tensor([0, 0, 0, 1, 1]))
     assert result.keep.tolist() == [False, False, False, True, True]
-
-
-def test_select_filter_metric():
-    fields = {"acc": torch.tensor([1, 0]), "token_level_scores": torch.tensor([[0.0, 1.0], [0.0, -1.0]])}
-    torch.testing.assert_close(select_filter_metric(fields, "token_level_scores"), torch.tensor([1.0, -1.0]))
-    torch.testing.assert_close(select_filter_metric(fields, "acc"), torch.tensor([1.0, 0.0]))
-    with pytest.raises(ValueError, match=r"metric='seq_reward'.*\['acc', 'token_level_scores'\]"):
-        select_filter_metric(fields, "seq_reward")
 
 
 # group stds (unbiased): g0 [1,0,1,0] -> sqrt(1/3) = 0.577; g1 constant -> 0; g2 [1,0,0,0] -> 0.5; g3 [2,0,0,0] -> 1
@@ -189,34 +180,3 @@ def test_overlong_reward_penalty():
     torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.2, -1.0]))
     with pytest.raises(ValueError, match="overlong_buffer.len=0"):
         overlong_reward_penalty(torch.tensor([1]), 20, 0, 1.0)
-
-
-def test_overlong_filter_mask():
-    mask = torch.tensor([[1, 1], [1, 0]])
-    assert overlong_filter_mask(mask, torch.tensor([False, True])).tolist() == [[1, 1], [0, 0]]
-    with pytest.raises(ValueError, match="truncated has shape"):
-        overlong_filter_mask(mask, torch.tensor([True]))
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (["actor_rollout_ref.rollout.rollout_filter_top_p_prob_mode=nucleus"],
-     "rollout_filter_top_p_prob_mode='nucleus' is not supported; choose one of 'linear', 'softmax'"),
-    (["actor_rollout_ref.rollout.rollout_filter_selection_eps=-0.1"], "rollout_filter_selection_eps=-0.1 must be >= 0"),
-    (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=2.5"],
-     "or a fraction in \\(0, 1\\)"),
-])
-def test_rollout_filter_config_keys_are_validated(overrides, message):
-    from megatron_cpo.config import ConfigError, build_config
-
-    with pytest.raises(ConfigError, match=message):
-        build_config({}, overrides)
-
-
-def test_rollout_filter_metric_names_map_to_ragen_scores():
-    from megatron_cpo.config import build_config
-
-    rollout = build_config({}, ["actor_rollout_ref.rollout.rollout_filter_metric=reward_variance",
-                                "actor_rollout_ref.rollout.rollout_filter_strategy=top_k",
-                                "actor_rollout_ref.rollout.rollout_filter_value=0.25"]).actor_rollout_ref.rollout
-    assert (rollout.rollout_filter_metric, rollout.rollout_filter_value) == ("reward_variance", 0.25)
-    assert rollout.rollout_filter_top_p_prob_mode == "linear" and rollout.rollout_filter_selection_eps == 0.01

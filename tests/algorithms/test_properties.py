@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cpo.algorithms.advantages import grpo_scalar_advantages
-from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, hint_signals, shape_advantages
+from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, shape_advantages
+from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
 
@@ -94,13 +95,13 @@ def shaping_batch(draw):
 @given(shaping_batch(), st.sampled_from(sorted(SHAPING_RULES)), st.floats(-3, 3), st.floats(-3, 3))
 def test_shaping_sign_clamp_and_order_independence(batch, rule, pos_alpha, neg_alpha):
     inputs, perm = batch
-    signals = hint_signals(inputs["log_probs"], inputs["hint_log_probs"], inputs["entropy"], inputs["mask"])
+    signals = hint_mi_signals(inputs["log_probs"], inputs["hint_log_probs"], inputs["entropy"], inputs["mask"])
     params = dict(pos_alpha=pos_alpha, neg_alpha=neg_alpha, cpo_lambda=2.0)
     shaped, _ = shape_advantages(rule, signals=signals, **inputs, **params)
     if SHAPING_RULES[rule].sign_clamp:
         assert torch.all(shaped * inputs["advantages"] >= 0)  # never the opposite sign of GRPO's
     permuted = {k: v[perm] for k, v in inputs.items()}
-    permuted_signals = hint_signals(permuted["log_probs"], permuted["hint_log_probs"], permuted["entropy"],
+    permuted_signals = hint_mi_signals(permuted["log_probs"], permuted["hint_log_probs"], permuted["entropy"],
                                     permuted["mask"])
     shaped_permuted, _ = shape_advantages(rule, signals=permuted_signals, **permuted, **params)
     torch.testing.assert_close(shaped_permuted, shaped[perm])

@@ -1,11 +1,10 @@
 """Prompt datasets from real parquet files and the real tiny tokenizer: tokenization, validation, truncation,
-shuffling and resumable sampling."""
+and the data-source check."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_cpo.data.dataset import (DataValidationError, DatasetConfig, PromptDataset, PromptSampler,
-                                       row_problems)
+from megatron_cpo.data.dataset import (DataValidationError, DatasetConfig, PromptDataset, row_problems)
 
 
 def _write(tmp_path, rows, name="rows.parquet"):
@@ -94,44 +93,6 @@ def test_overlong_prompt_policies(tmp_path, tokenizer):
     assert len(filtered) == 1 and filtered.num_filtered == 1
     with pytest.raises(ValueError, match="truncation='middle' is not supported"):
         DatasetConfig(files=[path], truncation="middle")
-
-
-def test_shuffle_is_deterministic_per_seed_and_epoch(arith_files, tokenizer):
-    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["train"])], seed=11), tokenizer)
-    sampler = PromptSampler(dataset, total_epochs=2)
-    again = PromptSampler(PromptDataset(DatasetConfig(files=[str(arith_files["train"])], seed=11), tokenizer))
-    assert list(sampler.epoch_order(0)) == list(again.epoch_order(0))
-    assert list(sampler.epoch_order(0)) != list(sampler.epoch_order(1))
-    assert sorted(sampler.epoch_order(1)) == list(range(100))
-    unshuffled = PromptDataset(DatasetConfig(files=[str(arith_files["train"])], shuffle=False), tokenizer)
-    assert [r.index for r in PromptSampler(unshuffled).take(5)] == [0, 1, 2, 3, 4]
-
-
-def test_sampler_crosses_epochs_and_stops_when_exhausted(arith_files, tokenizer):
-    sampler = PromptSampler(PromptDataset(DatasetConfig(files=[str(arith_files["test"])]), tokenizer), total_epochs=2)
-    first = sampler.take(15)
-    second = sampler.take(15)
-    assert [r.uid.split("-")[0] for r in second] == ["0"] * 5 + ["1"] * 10
-    rest = sampler.take(100)
-    assert len(first) + len(second) + len(rest) == 40 and sampler.exhausted
-    assert sampler.take(3) == []
-    uids = [r.uid for r in first + second + rest]
-    assert len(set(uids)) == 40
-
-
-def test_sampler_resumes_exactly(arith_files, tokenizer):
-    config = DatasetConfig(files=[str(arith_files["train"])], seed=4)
-    straight = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
-    expected = [r.uid for r in straight.take(70)] + [r.uid for r in straight.take(70)]
-    interrupted = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
-    head = [r.uid for r in interrupted.take(70)]
-    state = interrupted.state_dict()
-    resumed = PromptSampler(PromptDataset(config, tokenizer), total_epochs=None)
-    resumed.load_state_dict(state)
-    assert head + [r.uid for r in resumed.take(70)] == expected
-    other_seed = PromptSampler(PromptDataset(DatasetConfig(files=config.files, seed=5), tokenizer))
-    with pytest.raises(ValueError, match="cannot resume the data sampler"):
-        other_seed.load_state_dict(state)
 
 
 def test_unknown_data_source_stops_the_load_with_the_fix(tmp_path, tokenizer):

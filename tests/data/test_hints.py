@@ -1,22 +1,15 @@
 """CPO hint contexts through the real tiny tokenizer's chat template: contents, truncation, unchanged responses,
-the gold-hint fallback chain (data.hint_key) on verl-built GSM8K and MATH rows, and the padded batch layout."""
+the gold-hint fallback chain (data.hint_key) on verl-built GSM8K and MATH rows."""
 import pytest
-import torch
 
-from megatron_cpo.data.dataset import DatasetConfig, PromptDataset, PromptSampler
-from megatron_cpo.data.hints import (DEFAULT_INSTRUCTION, HintConfig, HintReader, build_hint_contexts, find_hint,
-                                     gold_hint, hint_batch, pad_prompt_response)
+from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+from megatron_cpo.data.hints import DEFAULT_INSTRUCTION, HintConfig, HintReader, build_hint_contexts, find_hint
 
 
 @pytest.fixture(scope="module")
 def records(arith_files, tokenizer):
     dataset = PromptDataset(DatasetConfig(files=[str(arith_files["test"])], shuffle=False), tokenizer)
-    return PromptSampler(dataset).take(6)
-
-
-def _responses(tokenizer, records):
-    return [tokenizer.encode(f"guess {i}\n\\boxed{{{i}}}", add_special_tokens=False) + [tokenizer.eos_token_id]
-            for i, _ in enumerate(records)]
+    return dataset.records[:6]
 
 
 def _build(tokenizer, records, config, hints=None):
@@ -70,11 +63,11 @@ def test_long_hints_are_cut_from_the_left_to_fit(tokenizer, records):
 
 
 def test_gold_hint_fallback_chain():
-    assert gold_hint({"solution": "s", "gold_solution": "g"}, {"ground_truth": "7"}) == "s"
-    assert gold_hint({"solution": "", "gold_solution": "g"}, {"ground_truth": "7"}) == "g"
-    assert gold_hint({"level": 1}, {"ground_truth": 7}) == "7"
-    assert gold_hint(None, {"style": "rule"}) is None
-    assert gold_hint({}, None) is None
+    assert find_hint({"solution": "s", "gold_solution": "g"}, {"ground_truth": "7"})[0] == "s"
+    assert find_hint({"solution": "", "gold_solution": "g"}, {"ground_truth": "7"})[0] == "g"
+    assert find_hint({"level": 1}, {"ground_truth": 7})[0] == "7"
+    assert find_hint(None, {"style": "rule"})[0] is None
+    assert find_hint({}, None)[0] is None
 
 
 def test_rows_without_hint_keep_their_prompt_and_are_flagged(tokenizer, records):
@@ -83,35 +76,6 @@ def test_rows_without_hint_keep_their_prompt_and_are_flagged(tokenizer, records)
     assert contexts.has_hint.tolist() == [False, True, False, True, False, False]
     assert contexts.prompt_ids[0] == records[0].prompt_ids
     assert "<|im_start|>assistant\n42<|im_end|>" in tokenizer.decode(contexts.prompt_ids[3])
-
-
-def test_padded_hint_batch_keeps_response_tokens_identical(tokenizer, records):
-    responses = _responses(tokenizer, records)
-    extra_infos = [r.extra_info for r in records]
-    extra_infos[2] = {}
-    reward_models = [r.reward_model for r in records]
-    reward_models[2] = {}
-    plain = pad_prompt_response([r.prompt_ids for r in records], responses, tokenizer.pad_token_id)
-    hinted, contexts = hint_batch(tokenizer, [r.messages for r in records], extra_infos, reward_models,
-                                  [r.prompt_ids for r in records], responses, HintConfig())
-    width = plain["response_mask"].shape[1]
-    assert torch.equal(hinted["input_ids"][:, -width:], plain["input_ids"][:, -width:])
-    assert torch.equal(hinted["response_mask"], plain["response_mask"])
-    assert hinted["has_hint"].tolist() == [True, True, False, True, True, True]
-    for row, response in enumerate(responses):
-        assert hinted["input_ids"][row, -width:][: len(response)].tolist() == response
-        assert tokenizer.decode(hinted["input_ids"][row][hinted["attention_mask"][row].bool()]) == \
-            tokenizer.decode(contexts.prompt_ids[row] + response)
-
-
-def test_pad_prompt_response_layout(tokenizer):
-    batch = pad_prompt_response([[5, 6, 7], [8]], [[9], [10, 11]], pad_token_id=0, response_width=3)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 0, 0], [0, 0, 8, 10, 11, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 2]]
-    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 0]]
-    with pytest.raises(ValueError, match="longer than the requested widths"):
-        pad_prompt_response([[1, 2]], [[3]], pad_token_id=0, prompt_width=1)
 
 
 # Rows built the way verl's examples/data_preprocess scripts build them (gsm8k.py, math_dataset.py), and ours.

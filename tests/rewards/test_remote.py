@@ -22,7 +22,7 @@ def test_batched_scores_come_back_in_order():
         return length_scores(items)
 
     with RewardServer(recording) as server:
-        client = RemoteRewardModel(RemoteRewardConfig(url=server.url, batch_size=3, max_concurrent_requests=2))
+        client = RemoteRewardModel(RemoteRewardConfig(url=server.url, batch_size=3, max_concurrent=2))
         responses = ["a" * n for n in range(8)]
         scores = client.score(["p"] * 8, responses)
     assert torch.allclose(scores, torch.arange(8, dtype=torch.float32) / 10)
@@ -112,8 +112,10 @@ def test_wrong_number_of_scores_and_client_errors():
 
 
 def test_unreachable_server_and_config_validation():
-    with pytest.raises(ValueError, match="http"):
-        RemoteRewardConfig(url="localhost:8000")
+    with pytest.raises(ValueError, match="reward.remote.url='localhost:8000' must start with http"):
+        RemoteRewardConfig(enable=True, url="localhost:8000")
+    with pytest.raises(ValueError, match="reward.remote.combine='mul'"):
+        RemoteRewardConfig(combine="mul")
     with RewardServer(length_scores) as server:
         url = server.url
     client = RemoteRewardModel(RemoteRewardConfig(url=url, max_retries=1, backoff_s=0.01, timeout_s=1))

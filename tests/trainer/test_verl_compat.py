@@ -14,7 +14,7 @@ RECIPES = ROOT / "examples" / "qwen2.5-math-7b"
 OFFLOAD = {f"actor_rollout_ref.actor.megatron.{k}_offload" for k in ("param", "grad", "optimizer")}
 EXPECTED_IGNORED = {
     "grpo_qwen2_7b_math_megatron.txt": {
-        "data.return_raw_chat", "actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.rollout.name",
+        "data.return_raw_chat", "actor_rollout_ref.rollout.name",
         "actor_rollout_ref.rollout.mode", "trainer.critic_warmup",
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
@@ -24,10 +24,9 @@ EXPECTED_IGNORED = {
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "reward_model.reward_manager",
         "reward_model.reward_kwargs.max_resp_len", "trainer.log_val_generations"},
     "dapo_qwen2.5_32b.txt": {
-        "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.actor.fsdp_config.fsdp_size",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.rollout.name",

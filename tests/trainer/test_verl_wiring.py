@@ -112,3 +112,15 @@ def test_metric_logger_writes_verl_names_to_files_not_the_console(tmp_path, caps
     plain.log({"reward/mean": 0.5}, 1)
     plain.close()
     assert "critic/score/mean" not in (tmp_path / "plain" / "metrics.jsonl").read_text()
+
+
+def test_val_max_samples_caps_the_validation_set():
+    from megatron_cpo.trainer.rollout_side import RolloutSide
+
+    def size(*overrides):
+        side = SimpleNamespace(config=build_config({}, list(overrides)), val_data=list(range(10)))
+        return RolloutSide.validation_size(side)
+
+    assert (size(), size("data.val_max_samples=3"), size("data.val_max_samples=50")) == (10, 3, 10)
+    with pytest.raises(ValueError, match="data.val_max_samples=0 must be >= 1, or -1"):
+        build_config({}, ["data.val_max_samples=0"])

@@ -1,0 +1,103 @@
+"""How a batch's rows are cut into data-parallel shares and micro-batches.
+
+Two modes:
+- fixed (`use_dynamic_bsz=false`): rows are padded with empty rows to a multiple of DP x micro-batch size, each DP
+  rank takes a contiguous block, and every micro-batch has `ppo_micro_batch_size_per_gpu` rows at the batch's full
+  length;
+- token budget (`use_dynamic_bsz=true`, verl's dynamic batch size): rows are split over the DP ranks balanced by
+  tokens, then each rank's rows, longest first, are cut into micro-batches whose padded size (rows x their own
+  longest row) stays within the budget, so rows of similar length share a micro-batch and little padding remains.
+
+A plan is, per DP rank, the list of its micro-batches as row-index tensors into the (padded) batch; every rank computes
+the same plan from the same lengths, so no communication is needed to agree on it.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+Plan = list[list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """A policy's micro-batching: a fixed row count, or (token budgets > 0) dynamic micro-batches per pass."""
+    micro_batch_size: int
+    update_token_budget: int = 0     # ppo_max_token_len_per_gpu when use_dynamic_bsz, else 0
+    log_prob_token_budget: int = 0   # log_prob_max_token_len_per_gpu when use_dynamic_bsz, else 0
+    log_prob_micro_batch_size: int = 0  # fixed rows of a forward-only scoring pass (0: micro_batch_size)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.update_token_budget > 0
+
+    @property
+    def log_prob_rows(self) -> int:
+        return self.log_prob_micro_batch_size or self.micro_batch_size
+
+
+def fixed_plan(rows: int, dp_size: int, micro_batch_size: int) -> Plan:
+    """Contiguous equal blocks per rank cut into `micro_batch_size` rows; `rows` must divide by DP x micro size."""
+    if rows % (dp_size * micro_batch_size):
+        raise ValueError(f"{rows} rows do not fill {dp_size} ranks x {micro_batch_size} rows; pad them first")
+    per_rank = rows // dp_size
+    return [list(torch.arange(rank * per_rank, (rank + 1) * per_rank).split(micro_batch_size))
+            for rank in range(dp_size)]
+
+
+def balance_rows(lengths: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Row indices split into `parts` groups with near-equal token totals (longest row first to the lightest group).
+
+    Every group gets at least one row when there are at least `parts` rows; each group's indices are ascending.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    values = lengths.tolist()
+    heap = [(0, 0, part) for part in range(parts)]  # (tokens, rows, part): ties go to the group with fewer rows
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for row in order:
+        tokens, count, part = heapq.heappop(heap)
+        groups[part].append(row)
+        heapq.heappush(heap, (tokens + values[row], count + 1, part))
+    return [torch.tensor(sorted(group), dtype=torch.long) for group in groups]
+
+
+def token_budget_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int, budget_name: str,
+                               min_count: int = 1) -> list[torch.Tensor]:
+    """Cut `rows` into micro-batches with `len(micro) * longest row in it <= budget`, longest rows first.
+
+    `min_count` (the pipeline depth) splits the largest micro-batches further until there are that many, when the rows
+    allow, so every pipeline stage has work. A row longer than the budget is an error naming both numbers.
+    """
+    row_lengths = lengths[rows]
+    longest = int(row_lengths.max())
+    if longest > budget:
+        raise ValueError(f"a sequence of {longest} tokens (prompt + response) does not fit the token budget "
+                         f"{budget_name}={budget}; raise {budget_name} to at least {longest} (e.g. "
+                         f"data.max_prompt_length + data.max_response_length)")
+    order = rows[torch.argsort(row_lengths, descending=True, stable=True)].tolist()
+    values = lengths.tolist()
+    batches: list[list[int]] = []
+    for row in order:  # sorted longest first, so a micro-batch's first row is its longest
+        if batches and (len(batches[-1]) + 1) * values[batches[-1][0]] <= budget:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    while len(batches) < min_count and max(len(b) for b in batches) > 1:
+        largest = max(range(len(batches)), key=lambda i: len(batches[i]) * values[batches[i][0]])
+        if len(batches[largest]) == 1:
+            largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        batch = batches.pop(largest)
+        half = len(batch) // 2
+        batches[largest:largest] = [batch[:half], batch[half:]]
+    return [torch.tensor(batch, dtype=torch.long) for batch in batches]
+
+
+def token_budget_plan(lengths: torch.Tensor, dp_size: int, budget: int, budget_name: str,
+                      pipeline_stages: int = 1) -> Plan:
+    """Rows balanced by tokens over the DP ranks, each rank's share cut by the token budget (needs rows >= DP)."""
+    if lengths.numel() < dp_size:
+        raise ValueError(f"{lengths.numel()} rows cannot be shared by {dp_size} data-parallel ranks; pad them first")
+    return [token_budget_micro_batches(lengths, share, budget, budget_name, pipeline_stages)
+            for share in balance_rows(lengths, dp_size)]

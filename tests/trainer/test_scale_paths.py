@@ -1,0 +1,101 @@
+"""The fused lm-head path and token-budget micro-batches give the present padded path's numbers (real Megatron, gloo).
+
+For each layout (DP=2, TP=2, PP=2 on two processes) and a model with tied embeddings and a vocabulary that TP=2 must
+pad (101 tokens), the actor's and the reference's log-probs and entropy, the update's loss terms, the gradient buffers
+and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic
+paths must equal those of the padded logits path within 1e-5 (fp32). The rows are length-skewed and the token
+budget small, so the dynamic path cuts uneven micro-batches of different lengths (and, at DP=2, uneven row shares).
+The learning rate is 1e-12, so the (Adam) updates leave the fp32 weights as they are and every path sees the same
+model. Plain DDP all-reduces the whole gradient buffer (the distributed optimizer would leave the other ranks' shards
+unreduced), so the buffers can be compared on every rank. An untied model (Qwen2, real vocabulary 128) checks the
+output-layer weight at TP=2. One spawned pair of processes runs every case to pay the start-up once.
+"""
+import torch
+
+from megatron_cpo.models.tiny import write_tiny_model
+from tests.multiprocess import run_processes
+
+MODES = {"fused": (True, False), "dynamic": (False, True), "fused_dynamic": (True, True)}
+LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+
+
+def _batch():
+    from megatron_cpo.trainer.sequences import pack_sequences
+
+    generator = torch.Generator().manual_seed(0)
+    prompt_lengths = [3, 6, 4, 5, 3, 4, 6, 5]
+    response_lengths = [20, 2, 9, 1, 14, 4, 0, 7]
+    prompts = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in prompt_lengths]
+    responses = [torch.randint(3, 100, (n,), generator=generator).tolist() for n in response_lengths]
+    seqs = pack_sequences(prompts, responses, pad_token_id=0, response_width=24)
+    mask = seqs.response_mask()
+    advantages = torch.randn(8, 1, generator=generator).expand(8, 24) * mask
+    return seqs, advantages, mask
+
+
+def _results(actor, reference, config):
+    from megatron_cpo.trainer.actor import UpdateInputs
+    from megatron_cpo.trainer.step import loss_config_of
+
+    seqs, advantages, mask = _batch()
+    log_probs, entropy = actor.log_probs(seqs, temperature=0.7)
+    ref_log_probs, ref_entropy = reference.log_probs(seqs, temperature=0.7)
+    old = (log_probs - 0.05 * mask).detach()
+    metrics = actor.update(seqs, UpdateInputs(advantages, old, ref_log_probs, None), loss_config_of(config), 0.7)
+    grads = torch.cat([p.main_grad.detach().reshape(-1).clone() for p in actor.model.parameters()])
+    return {"log_probs": log_probs, "entropy": entropy, "ref_log_probs": ref_log_probs, "ref_entropy": ref_entropy,
+            "grads": grads, **{key: torch.tensor(metrics[key]) for key in LOSS_KEYS}}
+
+
+def _compare_modes(model_dir, tp, pp):
+    from megatron.core import parallel_state
+
+    from megatron_cpo import platform
+    from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.micro_batches import MicroBatching
+    from megatron_cpo.trainer.workers import build_policies
+
+    config = build_config({}, [
+        f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-12", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"])
+    platform.init_distributed(tp, pp, seed=1)
+    actor, reference = build_policies(config, pad_token_id=0, total_updates=10)
+    padded = _results(actor, reference, config)
+    differences = {}
+    for mode, (fused, dynamic) in MODES.items():
+        for policy in (actor, reference):
+            policy.use_fused_kernels = fused
+            policy.batching = MicroBatching(2, 30, 40) if dynamic else MicroBatching(2)
+            if dynamic and pp > 1:
+                policy.model.config.variable_seq_lengths = True
+        got = _results(actor, reference, config)
+        differences[mode] = {key: float((got[key] - padded[key]).abs().max()) for key in padded}
+    parallel_state.destroy_model_parallel()
+    summary = {key: float(value.abs().sum()) for key, value in padded.items()}  # plain floats cross the queue
+    return summary, differences
+
+
+def _all_cases(rank, world_size, tied_dir, untied_dir):
+    from megatron_cpo import platform
+
+    results = {(tp, pp): _compare_modes(tied_dir, tp, pp) for tp, pp in ((1, 1), (2, 1), (1, 2))}
+    results["untied"] = _compare_modes(untied_dir, 2, 1)
+    platform.destroy_distributed()
+    return results
+
+
+def test_fused_and_dynamic_paths_equal_the_padded_path(tmp_path):
+    tied = str(write_tiny_model(tmp_path / "tied", family="llama", vocab_size=101))
+    untied = str(write_tiny_model(tmp_path / "untied", family="qwen2"))
+    for rank_results in run_processes(_all_cases, 2, tied, untied):
+        for case, (padded, differences) in rank_results.items():
+            assert padded["actor/grad_norm"] > 0 and padded["actor/kl_loss"] >= 0, case
+            assert padded["log_probs"] > 0 and padded["ref_entropy"] > 0 and padded["grads"] > 0, case
+            for mode, diff in differences.items():
+                for key, value in diff.items():
+                    assert value <= 1e-5, (case, mode, key, value)
