@@ -293,8 +293,6 @@ def _collect_or_abort(side: Any, step: int, checkpoints: CheckpointManager) -> A
 def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | None]:
     """Collective: push the actor's weights to the live engines; (metrics, None), or ({}, why) when none is left.
     Rank 0 health-checks the engines first, so an engine that died since the last request is noticed here."""
-    import ray
-
     from megatron_cpo.rollout import RolloutEnginesLostError
     from megatron_cpo.trainer.rollout_side import push_weights
 
@@ -306,10 +304,13 @@ def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | 
     alive = side.manager.num_engines_alive() if side is not None else 0
     try:
         return push_weights(actor_model, side), None
-    except (RolloutEnginesLostError, ray.exceptions.RayError):
+    except Exception as err:
+        import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
+
         # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
         # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
-        if dist.get_world_size() > 1 or side.manager.check_engines() == alive:
+        if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
+                or side.manager.check_engines() == alive):
             raise  # not an engine death
         return {}, side.manager.last_engine_failure
 
