@@ -519,6 +519,9 @@ class TrainerConfig:
     `early_stop` ends the run when the reward variance collapses. `nnodes` x `n_gpus_per_node` (verl), when set,
     must equal the trainer's world size (torchrun's); 0 leaves it unchecked. `log_verl_metric_names` also logs each
     metric under verl's name (`critic/score/mean`, `response_length/mean`, ...) so verl dashboards keep working.
+    `resume="disable"` refuses a `default_local_dir` that holds an earlier run unless `overwrite=true`, which first
+    moves that run aside to `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always
+    checkpointed.
     """
     total_epochs: int = 1
     total_training_steps: int = 0
@@ -536,6 +539,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 0
     nnodes: int = 0
     log_verl_metric_names: bool = True
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         _check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 from megatron_cpo.rollout.buckets import BucketSpec
 from megatron_cpo.rollout.types import RolloutConfig, RolloutGroup, RolloutSample, SamplingParams
 
 WORKER_EXTENSION = "megatron_cpo.rollout.worker_extension.WeightReloadExtension"
+PROCESS_CHECK_S = 1.0  # how often a pending weight RPC checks that the engine's processes are alive
 
 
 class VLLMEngine:
     """Wrapped by `ray.remote` in the manager; constructing it starts the vLLM engine (tens of seconds)."""
 
-    def __init__(self, config: RolloutConfig, engine_index: int) -> None:
+    def __init__(self, config: RolloutConfig, engine_index: int, pid_file: str | None = None) -> None:
+        if pid_file is not None and os.path.isdir(os.path.dirname(pid_file)):  # the manager's host only
+            # first, so the manager can end what this actor starts even if the actor never finishes starting
+            with open(pid_file, "w") as file:
+                file.write(f"{socket.gethostname()} {os.getpid()}")
         if not config.uses_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -45,6 +51,7 @@ class VLLMEngine:
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)
+        self._processes = _child_processes()
         self._active: dict[str, list[str]] = {}  # group request id -> its per-sample vLLM request ids
         self._weight_lock = asyncio.Lock()
 
@@ -98,18 +105,42 @@ class VLLMEngine:
         return len(groups)
 
     async def is_healthy(self) -> bool:
+        """vLLM's own check, and that every process the engine started (engine core, workers) still runs: an idle
+        engine whose core was killed passes vLLM's check, and would never answer a weight reload."""
         await self.engine.check_health()
+        self._raise_if_processes_gone()
         return True
+
+    def _raise_if_processes_gone(self) -> None:
+        gone = [process for process in self._processes if not _is_running(process)]
+        if gone:
+            raise RuntimeError(f"engine {self.engine_index}'s process {gone[0].pid} ({gone[0].name}) is gone; "
+                               "see its log for why (often out of memory)")
+
+    async def _unless_dead(self, call):
+        """Await an RPC to the engine's workers, failing as soon as one of its processes is gone (a dead engine
+        core never answers, so the weight sync would wait forever)."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=PROCESS_CHECK_S)
+            if done:
+                return task.result()
+            try:
+                self._raise_if_processes_gone()
+            except RuntimeError:
+                task.cancel()
+                raise
 
     async def begin_weight_reload(self) -> None:
         if self._active:
             raise RuntimeError(f"engine {self.engine_index} has {len(self._active)} groups in flight; weights can "
                                "only change when it is idle (cancel_all() or drain completed() first)")
-        await self.engine.collective_rpc("rollout_begin_weight_reload")
+        await self._unless_dead(self.engine.collective_rpc("rollout_begin_weight_reload"))
 
     async def load_weight_bucket(self, spec: BucketSpec) -> int:
         async with self._weight_lock:
-            counts = await self.engine.collective_rpc("rollout_load_weight_bucket", args=(spec.to_wire(),))
+            counts = await self._unless_dead(
+                self.engine.collective_rpc("rollout_load_weight_bucket", args=(spec.to_wire(),)))
         return counts[0]
 
     async def join_weight_group(self, name: str, host: str, port: int, first_rank: int, world_size: int,
@@ -121,8 +152,8 @@ class VLLMEngine:
     async def receive_weight_bucket(self, name: str, wire_entries: list, nbytes: int) -> int:
         """Receive one bucket broadcast over group `name` into every worker and load it."""
         async with self._weight_lock:
-            counts = await self.engine.collective_rpc("rollout_receive_weight_bucket",
-                                                      args=(name, wire_entries, nbytes))
+            counts = await self._unless_dead(self.engine.collective_rpc("rollout_receive_weight_bucket",
+                                                                        args=(name, wire_entries, nbytes)))
         return counts[0]
 
     async def leave_weight_group(self, name: str | None = None) -> None:
@@ -130,7 +161,7 @@ class VLLMEngine:
         await self.engine.collective_rpc("rollout_leave_weight_group", args=(name,))
 
     async def finish_weight_reload(self) -> None:
-        await self.engine.collective_rpc("rollout_finish_weight_reload")
+        await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
         await self.engine.reset_prefix_cache()
 
     async def shutdown(self) -> None:
@@ -139,3 +170,32 @@ class VLLMEngine:
             await self.leave_weight_group()
         finally:
             self.engine.shutdown()
+
+
+class _ChildProcess:
+    """A process of this actor's engine, remembered by pid, name and start time (so a reused pid is not it)."""
+
+    def __init__(self, process) -> None:
+        self.pid, self.name, self.create_time = process.pid, process.name(), process.create_time()
+
+
+def _child_processes() -> list[_ChildProcess]:
+    import psutil
+
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            found.append(_ChildProcess(process))
+        except psutil.Error:
+            continue
+    return found
+
+
+def _is_running(child: _ChildProcess) -> bool:
+    import psutil
+
+    try:
+        process = psutil.Process(child.pid)
+        return process.create_time() == child.create_time and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

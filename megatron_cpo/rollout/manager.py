@@ -4,23 +4,36 @@ Lives on trainer rank 0. It joins or starts a Ray cluster (`ray_cluster.connect_
 engine actors, sends each prompt to the least-loaded live engine and yields groups in the order they finish. When an
 engine dies, the prompts it held are sent again to the others, so every submitted prompt comes back exactly once;
 when no engine is left, `RolloutEnginesLostError` names the prompts that could not be served.
+A death is logged once (a warning naming the engine) and `num_engines_alive()` counts the survivors; weight syncs
+skip dead engines. Each engine actor records its host and pid when it starts, so `shutdown()` can end the processes
+it started (vLLM's engine core, its workers) even when the actor is killed before it finished starting (SIGTERM
+during start-up).
 """
 from __future__ import annotations
 
 import atexit
+import logging
+import shutil
+import signal
+import tempfile
+import threading
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
 from megatron_cpo.rollout.engine import VLLMEngine
+from megatron_cpo.rollout.processes import end_processes, engine_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
 from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
                                               resolve_weight_transport)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +44,19 @@ class _Request:
     engine_index: int
 
 
+def _connect_ray(config: RolloutConfig) -> bool:
+    """`connect_ray`, keeping the caller's SIGTERM handler (the trainer's stop logic): `ray.init` installs one that
+    calls sys.exit."""
+    if threading.current_thread() is not threading.main_thread():
+        return connect_ray(config.ray_address, config.ray_namespace)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        return connect_ray(config.ray_address, config.ray_namespace)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 class RolloutManager:
     """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
 
@@ -38,11 +64,13 @@ class RolloutManager:
         import ray
 
         self.config = config
-        self._owns_ray = connect_ray(config.ray_address, config.ray_namespace)
+        self._owns_ray = _connect_ray(config)
         self._name_prefix = f"rollout-engine-{uuid.uuid4().hex[:8]}"
         self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.num_engines))
         self.engines: list = []
         self._alive: list[bool] = []
+        self._ready: list[bool] = []
+        self._pid_dir = Path(tempfile.mkdtemp(prefix="rollout-engine-pids-"))
         self._pending: dict = {}  # Ray ObjectRef -> _Request
         self._closed = False
         self.last_engine_failure: str | None = None
@@ -62,12 +90,15 @@ class RolloutManager:
         for index, name in enumerate(self.engine_names):
             self.engines.append(actor_cls.options(name=name, namespace=self.config.ray_namespace,
                                                   max_concurrency=10_000, runtime_env={"env_vars": env},
-                                                  **resources).remote(self.config, index))
+                                                  **resources).remote(self.config, index,
+                                                                      str(self._pid_dir / f"{index}.pid")))
         self._alive = [True] * len(self.engines)
+        self._ready = [False] * len(self.engines)
         readiness = [engine.ready.remote() for engine in self.engines]
         for index, ref in enumerate(readiness):
             try:
                 ray.get(ref, timeout=self.config.engine_start_timeout_s)
+                self._ready[index] = True
             except ray.exceptions.GetTimeoutError:
                 raise RolloutEngineStartError(
                     f"rollout engine {index} ({self.config.model_path}) did not start within "
@@ -136,6 +167,18 @@ class RolloutManager:
         """Whether each engine answers a health check within `health_timeout_s` (dead engines stay False)."""
         return [self._alive[i] and self._engine_is_healthy(i) for i in range(len(self.engines))]
 
+    def num_engines_alive(self) -> int:
+        """Engines not known to be dead (a death is noticed by a failed request, weight sync or `check_engines`)."""
+        return sum(self._alive)
+
+    def check_engines(self) -> int:
+        """Health-check every live engine, mark the ones that fail as dead (logged once); returns how many live."""
+        for index in self._live_indices():
+            problem = self._health_problem(index)
+            if problem is not None:
+                self._mark_dead(index, RuntimeError(f"failed its health check: {problem}"))
+        return self.num_engines_alive()
+
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec:
         """What other trainer ranks need to push their own layers (see `weight_sync`). `transport` ("shm" or
@@ -152,18 +195,33 @@ class RolloutManager:
 
     def begin_weight_sync(self) -> None:
         """Open an in-place reload on every live engine; engines must be idle."""
-        import ray
-
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        ray.get([self.engines[i].begin_weight_reload.remote() for i in self._live_indices()])
+        self._call_live_engines("begin_weight_reload")
 
     def finish_weight_sync(self) -> None:
         """Close the reload (layers that received no tensors keep their weights) and clear the prefix cache."""
+        self._call_live_engines("finish_weight_reload")
+
+    def _call_live_engines(self, method: str) -> None:
+        """Call `method` on every live engine; an engine that fails and is unhealthy is marked dead (an error of a
+        healthy engine is raised); `RolloutEnginesLostError` when none is left."""
         import ray
 
-        ray.get([self.engines[i].finish_weight_reload.remote() for i in self._live_indices()])
+        live = self._live_indices()
+        refs = [getattr(self.engines[i], method).remote() for i in live]
+        for index, ref in zip(live, refs):
+            try:
+                ray.get(ref, timeout=self.config.weight_sync_timeout_s)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                if self._engine_is_healthy(index):
+                    raise
+                self._mark_dead(index, err)
+        if not self._live_indices():
+            raise RolloutEnginesLostError(
+                f"all {len(self.engines)} rollout engines are dead (last failure: {self.last_engine_failure}); "
+                "weights cannot be synced. Create a new RolloutManager")
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
                      ) -> dict[str, float]:
@@ -188,15 +246,19 @@ class RolloutManager:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        children = engine_processes(self._pid_dir)
         if ray.is_initialized():
             close_weight_groups(self.engine_names)
-            stops = [engine.shutdown.remote() for engine, alive in zip(self.engines, self._alive) if alive]
+            stops = [engine.shutdown.remote() for engine, alive, ready in zip(self.engines, self._alive, self._ready)
+                     if alive and ready]
             ray.wait(stops, num_returns=len(stops), timeout=self.config.health_timeout_s)
             for engine in self.engines:
                 ray.kill(engine)
             if self._owns_ray:
                 ray.shutdown()
         self._pending.clear()
+        end_processes(children, self.config.health_timeout_s)
+        shutil.rmtree(self._pid_dir, ignore_errors=True)
 
     def __enter__(self) -> "RolloutManager":
         return self
@@ -250,17 +312,27 @@ class RolloutManager:
             return None
 
     def _engine_is_healthy(self, index: int) -> bool:
+        return self._health_problem(index) is None
+
+    def _health_problem(self, index: int) -> str | None:
+        """None when engine `index` answers its health check in time, else why not (one line)."""
         import ray
 
         try:
-            return bool(ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s))
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
+            ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s)
+            return None
+        except ray.exceptions.GetTimeoutError:
+            return f"no answer within rollout health_timeout_s={self.config.health_timeout_s}s"
+        except ray.exceptions.RayError as err:
+            return _root_cause(err)
 
     def _mark_dead(self, index: int, err: BaseException) -> None:
         if self._alive[index]:
             self._alive[index] = False
-            self.last_engine_failure = f"engine {index}: {_root_cause(err)}"
+            cause = _root_cause(err)
+            self.last_engine_failure = f"engine {index} ({self.engine_names[index]}): {cause}"
+            logger.warning("rollout engine %d (%s) died; %d of %d engines left (rollout/engines_alive): %s", index,
+                           self.engine_names[index], self.num_engines_alive(), len(self.engines), cause)
 
 
 def _root_cause(err: BaseException) -> str:

@@ -2,11 +2,13 @@
 
 `<root>/step_<k>/rank_<r>.pt` holds each rank's model shard, the optimizer's local state (Adam moments, step, and
 the fp32 main parameters of a reduced-precision model), the schedule and the RNG states; rank 0's file also holds the
-data position and the state of rank 0's run controls (the early-stop monitor), each under its name. `<root>/latest`
-names the newest complete checkpoint and is written after a barrier, so a run killed mid-save resumes from the
-previous one. With `hf_model` in `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is then
-also written as a Hugging Face model directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or
-convertible to a Megatron checkpoint at any TP/PP). Resuming needs the same world size and TP/PP layout; to change the
+data position and the state of rank 0's run controls (the early-stop monitor), each under its name. A checkpoint is
+written into `step_<k>.tmp`, gets a manifest (sizes and SHA-256 of the rank files), is renamed into place, and only
+then does `<root>/latest` name it, so a run killed mid-save resumes from the previous one (checkpoint_files.py). On
+resume a damaged checkpoint (or `latest`) is reported and the newest intact one is used. With `hf_model` in
+`actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is also written as a Hugging Face model
+directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or convertible to a Megatron checkpoint at
+any TP/PP). Resuming needs the same world size and TP/PP layout; to change the
 layout, start a new run from that Hugging Face directory.
 
 Per-rank files are used instead of Megatron's distributed-checkpoint format because on CPU builds of Megatron-Core
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
+from megatron_cpo.trainer.checkpoint_files import (HF_DIR, LATEST, TMP_SUFFIX, CheckpointError, file_digest,
+                                                   read_latest, step_dir_name, step_dirs, verify_checkpoint,
+                                                   write_latest, write_manifest)
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
-HF_DIR = "huggingface"
+__all__ = ["CheckpointError", "CheckpointManager", "HF_DIR", "LATEST"]
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -91,53 +96,113 @@ class CheckpointManager:
         self.stream = stream
         self.controls = controls or {}
         self.export_hf = export_hf
+        self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded by this run
 
-    def _rank_file(self, step: int) -> Path:
-        return self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.pt"
+    def _rank_name(self) -> str:
+        return f"rank_{dist.get_rank():05d}.pt"
 
     def save(self, step: int) -> Path:
-        """Collective: write step `step`'s checkpoint on every rank, then point `latest` at it."""
-        path = self._rank_file(step)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Collective: write step `step`'s checkpoint on every rank into a temporary directory, add the manifest,
+        rename it into place, then point `latest` at it (so a kill at any moment leaves the previous one intact)."""
+        final = self.root / step_dir_name(step)
+        staging = self.root / (step_dir_name(step) + TMP_SUFFIX)
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving this step
+            staging.mkdir(parents=True)
+        dist.barrier()
+        path = staging / self._rank_name()
         state = {"step": step, "world_size": dist.get_world_size(), "model": self.actor.model.state_dict(),
                  "optimizer": optimizer_state(self.actor.optimizer),
                  "scheduler": self.actor.scheduler.state_dict(), "rng": rng_state(),
                  "stream": self.stream.state_dict() if self.stream is not None else None,
                  "controls": {name: control.state_dict() for name, control in self.controls.items()}}
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        torch.save(state, path)
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, (path.name, file_digest(path)))
+        if self.export_hf is not None:
+            self.export_hf(staging / HF_DIR)
         dist.barrier()
         if dist.get_rank() == 0:
-            (self.root / (LATEST + ".tmp")).write_text(path.parent.name + "\n")
-            os.replace(self.root / (LATEST + ".tmp"), self.root / LATEST)
-            logger.info("saved checkpoint %s", path.parent)
+            write_manifest(staging, step, dist.get_world_size(), dict(entries))
+            if final.exists():  # written by an earlier attempt at this step that `latest` never named
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            write_latest(self.root, step)
+            logger.info("saved checkpoint %s%s", final,
+                        f" (with a Hugging Face model in {final / HF_DIR})" if self.export_hf is not None else "")
         dist.barrier()
-        if self.export_hf is not None:
-            self.export_hf(path.parent / HF_DIR)
-            if dist.get_rank() == 0:
-                logger.info("saved the actor as a Hugging Face model in %s", path.parent / HF_DIR)
-        return path.parent
+        self.saved_step = step
+        return final
 
     def latest_step(self) -> int | None:
-        marker = self.root / LATEST
-        if not marker.is_file():
-            return None
-        return int(marker.read_text().strip().removeprefix("step_"))
+        """The step `latest` names, None without a checkpoint; a damaged marker raises `CheckpointError`."""
+        return read_latest(self.root)
 
     def maybe_resume(self, mode: str) -> int:
-        """With `mode="auto"` and a checkpoint present, restore it and return its step; otherwise return 0."""
-        step = self.latest_step() if mode == "auto" else None
-        if step is None:
+        """With `mode="auto"` and a checkpoint present, restore it and return its step; otherwise return 0.
+
+        The checkpoint `latest` names is verified against its manifest first; when it (or `latest` itself) is
+        damaged, the newest intact one is used instead, with a warning that names what was wrong. With none intact
+        the run stops with a `CheckpointError` naming the damaged file."""
+        if mode != "auto" or not self.root.is_dir():
             return 0
-        path = self._rank_file(step)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint in {self.root} was written by a run with a "
-                                    f"different world size; resume with that layout or set trainer.resume=disable")
-        state = torch.load(path, weights_only=False)
-        if state["world_size"] != dist.get_world_size():
-            raise ValueError(f"checkpoint {path.parent} was written by {state['world_size']} ranks, this run has "
-                             f"{dist.get_world_size()}; resume with the same layout or set trainer.resume=disable")
+        problems: list[str] = []
+        for step in self._candidates(problems):
+            state = self._load_verified(step, problems)
+            if state is None:
+                continue
+            if problems:
+                logger.warning("resuming from the intact checkpoint %s instead: %s", self.root / step_dir_name(step),
+                               "; ".join(problems))
+            self._restore(state, step)
+            self.saved_step = step
+            return step
+        if problems:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: {'; '.join(problems)}. Delete the damaged "
+                                  "files or set trainer.resume=disable with a new trainer.default_local_dir")
+        return 0
+
+    def _candidates(self, problems: list[str]) -> list[int]:
+        """Steps to try, newest first: the one `latest` names, then every other complete step directory."""
+        steps = sorted(step_dirs(self.root), reverse=True)
+        try:
+            named = read_latest(self.root)
+        except CheckpointError as err:
+            problems.append(str(err))
+            return steps
+        if named is None:
+            if steps:
+                problems.append(f"{self.root / LATEST} is missing")
+            return steps
+        if named not in steps:
+            problems.append(f"{self.root / LATEST} names {step_dir_name(named)}, which does not exist")
+            return steps
+        return [named] + [s for s in steps if s < named]
+
+    def _load_verified(self, step: int, problems: list[str]) -> dict | None:
+        """Collective: this rank's state of checkpoint `step` when every rank's file is intact, else None (and
+        the reason appended to `problems`)."""
+        directory = self.root / step_dir_name(step)
+        state, problem = None, verify_checkpoint(directory, dist.get_world_size(), self._rank_name())
+        if problem is None:
+            try:
+                state = torch.load(directory / self._rank_name(), weights_only=False)
+            except Exception as err:  # a file that matches its manifest but does not load is damaged all the same
+                problem = f"{directory / self._rank_name()} does not load ({type(err).__name__}: {err})"
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, problem)
+        found = [report for report in reports if report is not None]
+        if found:
+            problems.extend(dict.fromkeys(found))
+            return None
+        return state
+
+    def _restore(self, state: dict, step: int) -> None:
+        directory = self.root / step_dir_name(step)
+        if state["world_size"] != dist.get_world_size():  # a checkpoint written before manifests existed
+            raise CheckpointError(f"checkpoint {directory} was written by {state['world_size']} ranks, this run has "
+                                  f"{dist.get_world_size()}; resume with the same layout or set "
+                                  "trainer.resume=disable with a new trainer.default_local_dir")
         self.actor.model.load_state_dict(state["model"])
         load_optimizer_state(self.actor.optimizer, state["optimizer"])
         self.actor.scheduler.load_state_dict(state["scheduler"])
@@ -150,6 +215,5 @@ class CheckpointManager:
                 control.load_state_dict(saved_controls[name])
             else:
                 logger.warning("checkpoint %s has no %s state (it was off when it was written); starting it fresh",
-                               path.parent, name)
-        logger.info("resumed from %s (step %d)", path.parent, step)
-        return step
+                               directory, name)
+        logger.info("resumed from %s (step %d)", directory, step)

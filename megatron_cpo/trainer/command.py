@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 import yaml
 
@@ -41,7 +42,9 @@ def dry_run_report(config_path: str, overrides: list[str]) -> str:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    """Load and validate the config (a bad value raises `ConfigError`), train, print the final val metrics."""
+    """Load and validate the config (a bad value raises `ConfigError`), train, print the final val metrics. A run
+    that stops early (`RunAbortedError`: engines lost, SIGTERM during start-up, no intact checkpoint) prints one
+    `error:` line and exits with its status."""
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
@@ -51,7 +54,12 @@ def run_train(args: argparse.Namespace) -> None:
     preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
+    from megatron_cpo.trainer.errors import RunAbortedError
     from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
-    final = run_training(config, checked=True)
+    try:
+        final = run_training(config, checked=True)
+    except RunAbortedError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     if final:
         print(json.dumps({k: v for k, v in final.items() if k.startswith("val/")}, sort_keys=True), flush=True)

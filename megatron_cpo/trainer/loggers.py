@@ -3,11 +3,17 @@
 Every sink takes `log(metrics, step)`; `MetricLogger` fans out to the ones named in `trainer.logger`. A sink whose
 package is missing is an error at start naming the `pip install` line (`sink_package_problems`, which preflight runs):
 a run that was asked to report to W&B and silently does not is worse than one that does not start.
+
+A run resumed from step k's checkpoint redoes steps k+1.., so every sink first forgets what an earlier attempt logged
+after step k (`resume_step=k`; 0 for a fresh start, which forgets everything): the JSONL files are cut back to the
+rows of steps <= k, TensorBoard purges events from step k+1 on (`purge_step`), and W&B continues the same run id
+(stored in `wandb_run_id`), whose history keeps one value per step (W&B ignores steps at or below its last one).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
@@ -17,8 +23,13 @@ from typing import Any, Protocol
 from megatron_cpo.progress import bar, eta_seconds, format_duration
 from megatron_cpo.trainer.verl_metrics import with_verl_names
 
+logger = logging.getLogger(__name__)
+
 CONSOLE_KEYS = ("val/acc", "reward/mean", "reward/acc", "filter/kept_prompts", "filter/num_gen_batches",
                 "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/lr", "timing/step_s")
+
+
+TABLES = ("completions",)  # the tables `log_table` writes
 
 
 class Sink(Protocol):
@@ -55,12 +66,39 @@ class ConsoleSink:
         pass
 
 
-class JsonlSink:
-    """Appends `{"step": s, **metrics}` per call to `metrics.jsonl` (append mode, so resumed runs continue it)."""
+def truncate_jsonl(path: Path, resume_step: int) -> int:
+    """Keep the rows of `path` logged for steps <= `resume_step` (none when it is 0: a fresh start); returns how
+    many rows were dropped. A last line cut short by a kill is dropped too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = None
+        if resume_step > 0 and isinstance(step, int) and step <= resume_step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
+    return dropped
 
-    def __init__(self, path: Path) -> None:
+
+class JsonlSink:
+    """Appends `{"step": s, **metrics}` per call to `metrics.jsonl`, after dropping the rows an earlier attempt
+    logged after `resume_step` (see the module docstring)."""
+
+    def __init__(self, path: Path, resume_step: int = 0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        dropped = truncate_jsonl(path, resume_step)
+        if dropped:
+            logger.warning("%s: dropped %d rows an earlier attempt logged after step %d (the step this run starts "
+                           "from)", path, dropped, resume_step)
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -75,10 +113,11 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars under `<default_local_dir>/tensorboard` (`tensorboard --logdir <default_local_dir>/tensorboard`)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resume_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # events at steps >= purge_step that earlier attempts wrote are hidden from TensorBoard's views
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step > 0 else 0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -90,10 +129,16 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, name: str, config: dict[str, Any], log_dir: Path) -> None:
+    """One W&B run per output directory: a resumed run continues the same run id (kept in `wandb_run_id`)."""
+
+    def __init__(self, project: str, name: str, config: dict[str, Any], log_dir: Path, resume_step: int = 0) -> None:
         import wandb
 
-        self.run = wandb.init(project=project, name=name, config=config, dir=str(log_dir), resume="allow")
+        id_file = log_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if resume_step > 0 and id_file.is_file() else wandb.util.generate_id()
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=project, name=name, config=config, dir=str(log_dir), id=run_id,
+                              resume="allow")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -134,21 +179,25 @@ class MetricLogger:
     the file and dashboard sinks also get verl's names for the same metrics (verl_metrics.py; not the console)."""
 
     def __init__(self, sinks: list[str], out_dir: Path, total_steps: int, project: str, name: str,
-                 config: dict[str, Any], verl_names: bool = False, val_samples: int = 1) -> None:
+                 config: dict[str, Any], verl_names: bool = False, val_samples: int = 1,
+                 resume_step: int = 0) -> None:
         require_sink_packages(sinks)
         self.out_dir = out_dir
         self.verl_names = verl_names
         self.val_samples = val_samples
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for table in TABLES:  # forget the rows an earlier attempt logged after resume_step
+            truncate_jsonl(out_dir / f"{table}.jsonl", resume_step)
         self.sinks: list[Sink] = []
         for sink in sinks:
             if sink == "console":
                 self.sinks.append(ConsoleSink(total_steps))
             elif sink == "jsonl":
-                self.sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
+                self.sinks.append(JsonlSink(out_dir / "metrics.jsonl", resume_step))
             elif sink == "tensorboard":
-                self.sinks.append(TensorBoardSink(out_dir / "tensorboard"))
+                self.sinks.append(TensorBoardSink(out_dir / "tensorboard", resume_step))
             elif sink == "wandb":
-                self.sinks.append(WandbSink(project, name, config, out_dir))
+                self.sinks.append(WandbSink(project, name, config, out_dir, resume_step))
             else:
                 raise ValueError(f"trainer.logger entry {sink!r} is not a sink; use console, jsonl, tensorboard or "
                                  "wandb")
@@ -159,7 +208,8 @@ class MetricLogger:
             sink.log(metrics if isinstance(sink, ConsoleSink) else extended, step)
 
     def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
-        """Append rows (e.g. prompt / completion / reward) tagged with the step to `<name>.jsonl`."""
+        """Append rows (e.g. prompt / completion / reward) tagged with the step to `<name>.jsonl` (`name` in
+        TABLES, so a resumed run cuts it back too)."""
         path = self.out_dir / f"{name}.jsonl"
         with path.open("a", encoding="utf-8") as file:
             for row in rows:

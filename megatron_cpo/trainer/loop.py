@@ -3,8 +3,9 @@
 One step (ARCHITECTURE.md, "One training step"):
 1-3. rank 0's controller streams groups from the engines, scores and filters them until the batch is full;
 4-6. the batch is broadcast and every rank scores it (actor, hint, reference), shapes advantages and updates;
-7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM).
-`val/acc` (greedy accuracy on the held-out set) is logged before the first step and after the last. With
+7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM), and
+     always after the last step.
+`val/acc` (greedy accuracy on the held-out set) is logged before the first step and with the last. With
 `trainer.early_stop.enable` the run also ends (checkpointed, reason logged) once the reward variance has collapsed.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
 from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
+from megatron_cpo.trainer.errors import RunAbortedError
 from megatron_cpo.trainer.loggers import MetricLogger
+from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
 from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
 from megatron_cpo.trainer.workers import build_policies
 
@@ -107,6 +110,8 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
 
     `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    The last step is always checkpointed; a run that loses every rollout engine checkpoints what it trained and
+    raises `RunAbortedError` (one line naming the engine and the fix), as does SIGTERM during start-up.
     `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
     """
     from megatron_cpo.trainer.preflight import preflight
@@ -115,54 +120,65 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
         preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.rollout_side import RolloutSide, push_weights
+    from megatron_cpo.trainer.rollout_side import RolloutSide
 
+    startup = StartupSignal()
+    side = metric_logger = stop = None
     megatron = config.actor_rollout_ref.actor.megatron
-    platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                              seed=config.trainer.seed)
-    is_rank0 = dist.get_rank() == 0
-    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    started = time.perf_counter()
-    if is_rank0:
-        _announce_engines(config, manager is not None)
-    side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
-    if is_rank0:
-        logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
-    total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
-    actor_cfg = config.actor_rollout_ref.actor
-    updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
-    if is_rank0:
-        logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
-                    megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
-    actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
-    out_dir = Path(config.trainer.default_local_dir)
-    monitor = _early_stop_monitor(config, is_rank0)
-    checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None,
-                                    {"early_stop": monitor} if monitor is not None else None,
-                                    _hf_exporter(config, actor) if actor_cfg.checkpoint.hf_model else None)
-    start_step = checkpoints.maybe_resume(config.trainer.resume)
-    early_stopped = _broadcast(monitor is not None and monitor.stopped)
-    metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
-                                  config.trainer.experiment_name, config_to_dict(config),
-                                  config.trainer.log_verl_metric_names,
-                                  config.actor_rollout_ref.rollout.val_kwargs.n) if is_rank0 else None)
-    stop = StopSignal()
-    last: dict[str, float] = {}
     try:
+        platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                                  seed=config.trainer.seed)
+        prepare_run_directory(config)
+        is_rank0 = dist.get_rank() == 0
+        tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        started = time.perf_counter()
+        if is_rank0:
+            _announce_engines(config, manager is not None)
+        side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
+        if is_rank0:
+            logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
+        total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
+        actor_cfg = config.actor_rollout_ref.actor
+        updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
+        if is_rank0:
+            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
+                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
+        actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
+        out_dir = Path(config.trainer.default_local_dir)
+        monitor = _early_stop_monitor(config, is_rank0)
+        checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None,
+                                        {"early_stop": monitor} if monitor is not None else None,
+                                        _hf_exporter(config, actor) if actor_cfg.checkpoint.hf_model else None)
+        start_step = checkpoints.maybe_resume(config.trainer.resume)
+        early_stopped = _broadcast(monitor is not None and monitor.stopped)
+        metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
+                                      config.trainer.experiment_name, config_to_dict(config),
+                                      config.trainer.log_verl_metric_names,
+                                      config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=start_step)
+                         if is_rank0 else None)
+        startup.check()
+        startup.restore()
+        stop = StopSignal()
+        last: dict[str, float] = {}
         if early_stopped:
             if is_rank0:
                 logger.warning("not training: %s", _early_stop_reason(monitor, start_step))
             return last
-        push_weights(actor.model, side)
+        if start_step >= total_steps:
+            if is_rank0:
+                logger.warning("not training: the checkpoint of step %d already ends this %d-step run (raise "
+                               "trainer.total_training_steps to train on)", start_step, total_steps)
+            return last
+        _push_weights_or_abort(actor.model, side, checkpoints, start_step)
         if is_rank0 and config.trainer.val_before_train and start_step == 0:
             logger.info("validating before training (greedy, held-out prompts); then %d steps", total_steps)
-            last = side.validate()
+            last = _validate(side)
             metric_logger.log(last, 0)
-        step = start_step
+        step, exhausted = start_step, False
         while step < total_steps:
             step += 1
             step_start = time.perf_counter()
-            collected = side.controller.collect(step) if is_rank0 else None
+            collected = _collect_or_abort(side, step, checkpoints)
             batch = None
             if collected is not None and collected.groups and (
                     collected.full or config.algorithm.filter_groups.on_limit == "use_partial"):
@@ -175,9 +191,11 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
                     raise ValueError(nothing_to_train_message(config))
                 logger.info("no batch at step %d (data exhausted); ending the run", step)
                 step -= 1
+                exhausted = True
                 break
             metrics = train_on_batch(batch, actor, reference, config, tokenizer.pad_token_id)
-            metrics.update(push_weights(actor.model, side))
+            pushed, lost = _push_weights(actor.model, side)
+            metrics.update(pushed)
             ref_cfg = config.actor_rollout_ref.ref
             if reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
                 actor.mix_into(reference, ref_cfg.ref_model_mixup_alpha)
@@ -188,21 +206,29 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
             if config.trainer.early_stop.enable:
                 early_stopped = _broadcast(early_stopped)
             stopping = stop.agreed()
-            if (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0) or stopping or early_stopped:
-                checkpoints.save(step)
             if is_rank0:
                 metrics.update(collected.metrics)
                 metrics.update(_batch_reward_metrics(collected.groups))
                 metrics.update(side.remote_reward_metrics())
+                metrics["rollout/engines_alive"] = float(side.manager.num_engines_alive())
                 seconds = time.perf_counter() - step_start
                 metrics.update({"timing/step_s": seconds,
                                 "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                                 "train/epoch": float(side.stream.epoch)})
-                if config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0 and step < total_steps:
-                    metrics.update(side.validate())
+                # the last step's row carries the final validation, so every step is one row of metrics.jsonl
+                if not lost and (step == total_steps or early_stopped or (
+                        config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
+                    metrics.update(_validate(side))
                 metric_logger.log(metrics, step)
                 _log_completions(metric_logger, collected.groups, config.trainer.log_completions, step)
                 last = metrics
+            if lost is not None:
+                _abort_engines_lost(side, checkpoints, step)
+            # metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on
+            # resume), while the other order would lose its metrics; the last step is saved after the loop
+            if stopping or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0
+                            and step < total_steps):
+                checkpoints.save(step)
             if stopping:
                 logger.warning("stopped by SIGTERM after step %d; resume with trainer.resume=auto", step)
                 return last
@@ -211,19 +237,99 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
                     logger.warning("%s", _early_stop_reason(monitor, step))
                 break
         step_done = _broadcast(step)
-        if is_rank0:
-            final = side.validate()
+        if is_rank0 and exhausted and step_done > start_step:  # otherwise the last step's row has it
+            final = _validate(side)
             if final:
                 metric_logger.log(final, step_done)
                 last = {**last, **final}
+        if step_done > 0 and checkpoints.saved_step != step_done:
+            checkpoints.save(step_done)  # the last (or early-stopped) step, whatever save_freq is
         return last
+    except BaseException as err:
+        if startup.received and not isinstance(err, RunAbortedError):
+            raise startup.error() from err  # the signal's exception, as it surfaced (see StartupSignal)
+        raise
     finally:
-        stop.restore()
+        startup.restore()
+        if stop is not None:
+            stop.restore()
         if metric_logger is not None:
             metric_logger.close()
         if side is not None:
             side.close()
         platform.destroy_distributed()
+
+
+def _validate(side: Any) -> dict[str, float]:
+    """Rank 0's validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's
+    checkpoint is still written and the next rollout ends the run with the full message."""
+    from megatron_cpo.rollout import RolloutEnginesLostError
+
+    try:
+        return side.validate()
+    except RolloutEnginesLostError as err:
+        logger.warning("validation skipped: %s", err)
+        return {}
+
+
+def _collect_or_abort(side: Any, step: int, checkpoints: CheckpointManager) -> Any:
+    """Collective: rank 0 collects step `step`'s groups (None elsewhere). When no engine is left, the data position
+    goes back to the start of the step, the steps trained so far are checkpointed and the run is aborted."""
+    from megatron_cpo.rollout import RolloutEnginesLostError
+
+    collected, lost = None, None
+    if side is not None:
+        position = side.stream.state_dict()
+        try:
+            collected = side.controller.collect(step)
+        except RolloutEnginesLostError as err:
+            side.stream.load_state_dict(position)
+            lost = str(err)
+    if _broadcast(lost is not None):
+        _abort_engines_lost(side, checkpoints, step - 1)
+    return collected
+
+
+def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | None]:
+    """Collective: push the actor's weights to the live engines; (metrics, None), or ({}, why) when none is left.
+    Rank 0 health-checks the engines first, so an engine that died since the last request is noticed here."""
+    from megatron_cpo.rollout import RolloutEnginesLostError
+    from megatron_cpo.trainer.rollout_side import push_weights
+
+    lost = None
+    if side is not None and side.manager.check_engines() == 0:
+        lost = side.manager.last_engine_failure or "no engine answers"
+    if _broadcast(lost) is not None:
+        return {}, lost
+    alive = side.manager.num_engines_alive() if side is not None else 0
+    try:
+        return push_weights(actor_model, side), None
+    except Exception as err:
+        import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
+
+        # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
+        # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
+        if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
+                or side.manager.check_engines() == alive):
+            raise  # not an engine death
+        return {}, side.manager.last_engine_failure
+
+
+def _push_weights_or_abort(actor_model: Any, side: Any, checkpoints: CheckpointManager, step: int) -> None:
+    if _push_weights(actor_model, side)[1] is not None:
+        _abort_engines_lost(side, checkpoints, step)
+
+
+def _abort_engines_lost(side: Any, checkpoints: CheckpointManager, step: int) -> None:
+    """Collective: checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError`."""
+    saved = None
+    if step > 0:
+        saved = checkpoints.root / f"step_{step:06d}"
+        if checkpoints.saved_step != step:
+            saved = checkpoints.save(step)
+    failure = side.manager.last_engine_failure if side is not None else None
+    engines = (side.manager.num_engines_alive(), len(side.manager.engines)) if side is not None else (0, 0)
+    raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
 
 
 def nothing_to_train_message(config: Config) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
 from megatron_cpo.trainer.loggers import sink_package_problems
+from megatron_cpo.trainer.run_guards import mixing_problem
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -202,7 +203,8 @@ def output_problems(config: Config) -> list[str]:
             elif not parent.is_dir() and parent != out:
                 problems.append(f"trainer.default_local_dir={str(out)!r}: {str(parent)!r} is a file, not a folder")
             break
-    return problems
+    mixing = mixing_problem(config)
+    return problems + ([mixing] if mixing else [])
 
 
 def preflight(config: Config, planning: bool = False) -> Layout:

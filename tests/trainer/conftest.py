@@ -33,15 +33,20 @@ def rollout_manager(tiny_model):
 
 
 @pytest.fixture
-def make_config(tiny_model, arith_data, tmp_path):
-    """A small run config on the session's model and data; keyword overrides use dotted names."""
-    def make(*overrides: str):
-        return build_config({}, [
-            f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={arith_data['train']}",
+def small_run_overrides(tiny_model, arith_data, tmp_path):
+    """Dotted overrides of a small run on the session's model and data (also passed to `megatron-cpo train`)."""
+    return [f"actor_rollout_ref.model.path={tiny_model}", f"data.train_files={arith_data['train']}",
             f"data.val_files={arith_data['test']}", "data.train_batch_size=4", "data.max_prompt_length=384",
             "data.max_response_length=12", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
             "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
-            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", *overrides])
+            f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]"]
+
+
+@pytest.fixture
+def make_config(small_run_overrides):
+    """A small run config on the session's model and data; keyword overrides use dotted names."""
+    def make(*overrides: str):
+        return build_config({}, [*small_run_overrides, *overrides])
     return make

@@ -14,3 +14,30 @@ def even_first_character(data_source, solution_str, ground_truth, extra_info=Non
 def never_correct(data_source, solution_str, ground_truth, extra_info=None):
     """Every response is wrong: filter-groups drops every group."""
     return {"score": 0.0, "acc": False}
+
+
+def even_first_character_pausing(data_source, solution_str, ground_truth, extra_info=None):
+    """`even_first_character`, but a cue point for tests that must act while a run is generating: once the run's
+    metrics.jsonl ($PAUSE_RUN_DIR) holds step $PAUSE_AFTER_STEP, the first grading call writes $PAUSE_DIR/paused
+    and waits (at most 120 s) for $PAUSE_DIR/go; later calls grade at once. So the test acts during the rollout of
+    step $PAUSE_AFTER_STEP + 1, with requests possibly still in flight."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    pause_dir = Path(os.environ["PAUSE_DIR"])
+    metrics = Path(os.environ["PAUSE_RUN_DIR"]) / "metrics.jsonl"
+    if not (pause_dir / "paused").exists() and metrics.is_file():
+        steps = set()
+        for line in metrics.read_text().splitlines():
+            try:
+                steps.add(json.loads(line)["step"])
+            except ValueError:
+                pass
+        if int(os.environ["PAUSE_AFTER_STEP"]) in steps:
+            (pause_dir / "paused").touch()
+            deadline = time.monotonic() + 120
+            while not (pause_dir / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return even_first_character(data_source, solution_str, ground_truth, extra_info)

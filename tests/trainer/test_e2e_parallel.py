@@ -37,9 +37,12 @@ def test_two_rank_training_run(tiny_model, arith_data, tmp_path, pipeline_size):
     results = run_processes(train_two_ranks, 2, tiny_model, arith_data, str(tmp_path / "run"), pipeline_size)
     assert "val/acc" in results[0] and results[1] == {}
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 2]
+    assert steps == [0, 1, 2]  # the last step's row carries the final validation
     step_dir = tmp_path / "run" / "checkpoints" / "step_000002"
-    assert sorted(p.name for p in step_dir.iterdir()) == ["huggingface", "rank_00000.pt", "rank_00001.pt"]
+    assert sorted(p.name for p in step_dir.iterdir()) == ["huggingface", "manifest.json", "rank_00000.pt",
+                                                          "rank_00001.pt"]
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank_00000.pt", "rank_00001.pt"]
     assert_loads_as_the_tiny_model(step_dir / "huggingface", tiny_model)
 
 
