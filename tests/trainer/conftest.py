@@ -6,6 +6,16 @@ import pytest
 from megatron_cpo.config import build_config
 
 
+@pytest.fixture
+def restore_environment():
+    """init_distributed records its one-process rendezvous in os.environ; give the next run a fresh one (test files
+    that train in-process use it for every test: `pytestmark = pytest.mark.usefixtures("restore_environment")`)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir) -> str:
     """The suite's tiny model (tests/conftest.py), as the path string configs take."""

@@ -16,13 +16,7 @@ from megatron_cpo.trainer.loop import run_training
 VARYING = ("timing/", "timing_s/", "weight_sync/")  # timing_s/: verl's names for our timings
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """init_distributed records its one-process rendezvous in os.environ; give the next run a fresh one."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:

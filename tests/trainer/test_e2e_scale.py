@@ -6,7 +6,6 @@ row fails with the message that names both numbers.
 """
 import json
 import math
-import os
 
 import pytest
 
@@ -17,13 +16,7 @@ SCALE = ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.ac
          "trainer.total_training_steps=2", "trainer.val_before_train=false")
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """init_distributed records its one-process rendezvous in os.environ; give the next run a fresh one."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")
 
 
 def test_cpo_run_with_fused_kernels_and_token_budgets(make_config, rollout_manager, tmp_path):

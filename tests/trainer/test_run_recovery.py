@@ -26,13 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny" / "grpo_arith.yaml"
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """init_distributed records its one-process rendezvous in os.environ; give the next run a fresh one."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")
 
 
 def logged_steps(run_dir: Path) -> list[int]:
