@@ -178,7 +178,8 @@ def test_slurm_launch_trains_on_two_emulated_nodes_then_preemption_checkpoints(t
     assert "stopped by SIGTERM after step 1" in trainer_log, trainer_log[-4000:]
     assert re.search(r"joining the Ray cluster at \S+ \(RAY_ADDRESS is set", trainer_log), trainer_log[-4000:]
     checkpoint = run_dir / "checkpoints" / "step_000001"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["huggingface"] + [f"rank_{rank:05d}.pt" for rank in range(4)]
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["huggingface", "manifest.json"] + [
+        f"rank_{rank:05d}.pt" for rank in range(4)]  # manifest.json: sizes and SHA-256 of the rank files
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
     graders = (log_dir / "graded-train").read_text().split()
     assert len(graders) == 4 and len(set(graders)) == 1, f"grading workers {graders}: one was lost to the SIGTERM"
