@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 FAMILIES = ("qwen2", "llama")
 
 
-def _switch_layout(tp: int, pp: int) -> None:
+def switch_layout(tp: int, pp: int) -> None:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -22,7 +22,7 @@ def _switch_layout(tp: int, pp: int) -> None:
     platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def _max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float | None:
+def max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float | None:
     return None if logits is None else (logits - reference).abs().max().item()
 
 
@@ -54,7 +54,7 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
         checkpoint = convert_hf_to_mcore(hf_dirs[family], work / f"mcore_tp2_{family}", tp=2, log=lambda _: None)
         model = build_gpt_model(configs[family])
         load_hf_weights(model, hf_dirs[family])
-        results["tp2"][family] = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family]),
+        results["tp2"][family] = {"hf_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
                                   "export": _exported_matches(model, Path(hf_dirs[family])),
                                   "checkpoint": str(checkpoint)}
     try:
@@ -63,15 +63,15 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     except ValueError as error:
         results["tp2"]["one_kv_head_error"] = str(error)
 
-    _switch_layout(tp=1, pp=1)
+    switch_layout(tp=1, pp=1)
     for family in FAMILIES:
         model = build_gpt_model(configs[family])
         load_hf_weights(model, hf_dirs[family])
-        hf_diff = _max_diff(forward_logits(model, input_ids), hf_logits[family])
+        hf_diff = max_diff(forward_logits(model, input_ids), hf_logits[family])
         export = _exported_matches(model, Path(hf_dirs[family]))
         load_checkpoint(model, work / f"mcore_tp2_{family}")
         results["tp1"][family] = {"hf_diff": hf_diff, "export": export,
-                                  "checkpoint_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family])}
+                                  "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family])}
     other = build_gpt_model(configs["llama"])
     try:
         load_checkpoint(other, work / "mcore_tp2_qwen2")
@@ -79,16 +79,16 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     except ValueError as error:
         results["tp1"]["wrong_checkpoint_error"] = str(error)
 
-    _switch_layout(tp=1, pp=2)
+    switch_layout(tp=1, pp=2)
     for family in FAMILIES:
         model = build_gpt_model(configs[family])
         load_hf_weights(model, hf_dirs[family])
-        hf_diff = _max_diff(forward_logits(model, input_ids), hf_logits[family])
+        hf_diff = max_diff(forward_logits(model, input_ids), hf_logits[family])
         export = _exported_matches(model, Path(hf_dirs[family]))
         load_checkpoint(model, work / f"mcore_tp2_{family}")
         results["pp2"][family] = {
             "hf_diff": hf_diff, "export": export,
-            "checkpoint_diff": _max_diff(forward_logits(model, input_ids), hf_logits[family]),
+            "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
             "greedy": greedy_generate(model, prompt_ids, max_new_tokens, eos_token_id=None),
             "round_trip": str(convert_mcore_to_hf(work / f"mcore_tp2_{family}", work / f"hf_round_trip_{family}",
                                                   hf_dirs[family], pp=2, log=lambda _: None)),

@@ -12,24 +12,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.foundation.layout_worker import max_diff, switch_layout
+
 # Models whose logits must equal transformers': Llama with each bias flag alone, Llama with linear RoPE scaling, Qwen2
 # with a sliding window on its second layer, a Qwen2 whose vocabulary (101) does not divide by TP=2, and the same
 # saved in bfloat16 (its config says so).
 OPTION_MODELS = ("llama_attention_bias", "llama_mlp_bias", "llama_linear_rope", "qwen2_sliding_window")
 VOCAB_MODEL, BF16_MODEL = "qwen2_vocab101", "qwen2_bf16"
-
-
-def _switch_layout(tp: int, pp: int) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_cpo import platform
-
-    parallel_state.destroy_model_parallel()
-    platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
-def _max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float | None:
-    return None if logits is None else (logits - reference).abs().max().item()
 
 
 def _export_equal(model, hf_dir: str) -> dict:
@@ -113,13 +102,13 @@ def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, wor
     def load_and_compare(config_dir: str, checkpoint: str, logits_of: str, export: bool = False) -> dict:
         model = build_gpt_model(load_hf_config(config_dir))
         load_checkpoint(model, work / checkpoint)
-        result = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[logits_of])}
+        result = {"hf_diff": max_diff(forward_logits(model, input_ids), hf_logits[logits_of])}
         return {**result, "export": _export_equal(model, config_dir)} if export else result
 
     platform.init_distributed(tensor_model_parallel_size=2)
     for case in OPTION_MODELS:
         model = _loaded(hf_dirs[case])
-        results["tp2"][case] = {"hf_diff": _max_diff(forward_logits(model, input_ids), hf_logits[case]),
+        results["tp2"][case] = {"hf_diff": max_diff(forward_logits(model, input_ids), hf_logits[case]),
                                 "export": _export_equal(model, hf_dirs[case])}
     undeclared = build_gpt_model(load_hf_config(hf_dirs["llama_bias_not_in_config"]))
     results["tp2"]["left_over_error"] = _error(lambda: load_hf_weights(undeclared, hf_dirs["llama_bias_not_in_config"]))
@@ -128,7 +117,7 @@ def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, wor
     results["tp2"]["bf16_saved_dtypes"] = sorted({str(t.dtype) for t in dist_checkpointing.load_tensors_metadata(
         str(work / "mcore_bf16_tp2")).values()})
 
-    _switch_layout(tp=1, pp=1)
+    switch_layout(tp=1, pp=1)
     vocab_dir = hf_dirs[VOCAB_MODEL]
     results["tp1"]["vocab101_tp2_checkpoint"] = load_and_compare(vocab_dir, "mcore_vocab101_tp2", VOCAB_MODEL, True)
     _save_like_megatron_lm(_megatron_lm_model(vocab_dir), work / "megatron_lm_vocab101", iteration=7)  # 128 rows
@@ -138,14 +127,14 @@ def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, wor
     wrong = build_gpt_model(load_hf_config(hf_dirs["llama_attention_bias"]))
     results["tp1"]["wrong_architecture_error"] = _error(lambda: load_checkpoint(wrong, work / "megatron_lm_vocab101"))
 
-    _switch_layout(tp=1, pp=2)
+    switch_layout(tp=1, pp=2)
     results["pp2"]["vocab101_tp2_checkpoint"] = load_and_compare(vocab_dir, "mcore_vocab101_tp2", VOCAB_MODEL)
     for case, checkpoint, hf_dir in (("vocab101_round_trip", "mcore_vocab101_tp2", vocab_dir),
                                      ("megatron_lm_round_trip", "megatron_lm_vocab101", vocab_dir),
                                      ("bf16_round_trip", "mcore_bf16_tp2", hf_dirs[BF16_MODEL])):
         results["pp2"][case] = str(convert_mcore_to_hf(work / checkpoint, work / f"hf_{case}", hf_dir, pp=2, **quiet))
 
-    _switch_layout(tp=2, pp=1)
+    switch_layout(tp=2, pp=1)
     for case, checkpoint in (("vocab101_tp1_checkpoint", "mcore_vocab101_tp1"),
                              ("megatron_lm_checkpoint", "megatron_lm_vocab101")):
         results["tp2_again"][case] = load_and_compare(vocab_dir, checkpoint, VOCAB_MODEL)
