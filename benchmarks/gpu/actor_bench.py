@@ -216,7 +216,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.step import train_on_batch
-    from megatron_cpo.trainer.workers import build_policies
+    from megatron_cpo.trainer.policies import build_policies
 
     batch = length_skewed_batch(shape, model["vocab_size"])
     totals = (batch.prompt_ids.lengths() + batch.response_ids.lengths()).tolist()

@@ -46,7 +46,7 @@ def synthetic_groups(args: argparse.Namespace) -> list:
 
 
 def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from megatron_cpo.trainer import step
+    from megatron_cpo.trainer import collectives, step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -55,7 +55,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> No
     start = time.perf_counter()
     batch = step.make_step_batch(groups, 1.0) if rank == 0 else None
     built = time.perf_counter()
-    batch = step.broadcast_batch(batch)
+    batch = collectives.broadcast_batch(batch)
     sent = time.perf_counter()
     seqs, rollout_log_probs = step.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
     packed = time.perf_counter()

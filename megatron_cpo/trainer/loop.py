@@ -1,12 +1,12 @@
-"""The training run: SPMD under torchrun, rank 0 also drives the rollout engines.
+"""The training run: SPMD under torchrun; rank 0 also drives the rollout engines (`rank_zero.py`).
 
-One step (ARCHITECTURE.md, "One training step"):
-1-3. rank 0's controller streams groups from the engines, scores and filters them until the batch is full;
-4-6. the batch is broadcast and every rank scores it (actor, hint, reference), shapes advantages and updates;
-7.   the new weights go to the engines, metrics are logged, a checkpoint is written when due (or on SIGTERM), and
-     always after the last step.
-`val/acc` (greedy accuracy on the held-out set) is logged before the first step and with the last. With
-`trainer.early_stop.enable` the run also ends (checkpointed, reason logged) once the reward variance has collapsed.
+`Trainer.step()` is ARCHITECTURE.md's "One training step": collect (rank 0) -> broadcast -> log-probs -> advantages
+-> update -> push weights -> sync the reference -> log (rank 0) -> checkpoint when due. Every collective is in
+`collectives.py`; rank-0 work is in `RankZero`'s methods. `Trainer.fit()` resumes, validates before the first step
+and after the last, and always checkpoints the last step; with `trainer.early_stop.enable` the run also ends
+(checkpointed, reason logged) once the reward variance has collapsed. SIGTERM (SLURM preemption) finishes the
+current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and raises
+`RunAbortedError` (one line naming the engine and the fix).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,15 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
-from megatron_cpo.algorithms.filters import EarlyStopMonitor
-from megatron_cpo.config import Config, config_to_dict
+from megatron_cpo.config import Config
 from megatron_cpo.trainer.checkpointing import CheckpointManager
+from megatron_cpo.trainer.collectives import any_rank, broadcast_batch, broadcast_object, push_weights
 from megatron_cpo.trainer.errors import RunAbortedError
-from megatron_cpo.trainer.loggers import MetricLogger
+from megatron_cpo.trainer.policies import build_policies
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
-from megatron_cpo.trainer.step import broadcast_batch, make_step_batch, train_on_batch
-from megatron_cpo.trainer.workers import build_policies
+from megatron_cpo.trainer.step import compute_advantages, compute_log_probs, update_policy
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +44,245 @@ class StopSignal:
         logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
         self.received = True
 
-    def agreed(self) -> bool:
-        """Whether any rank was signalled (collective)."""
-        flag = torch.tensor([float(self.received)], device=platform.device())  # NCCL reduces device tensors only
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+@dataclass
+class StepOutcome:
+    """How a step ended: `stop` (SIGTERM on some rank: checkpointed, the run returns) or `early_stopped`."""
+    metrics: dict[str, float]
+    stop: bool = False
+    early_stopped: bool = False
+
+
+class Trainer:
+    """One run on every rank. Construction initialises the process groups, starts rank 0's side (data, engines)
+    and builds the actor and reference; `fit()` trains; `close()` releases everything (also after a failure)."""
+
+    def __init__(self, config: Config, manager: Any = None) -> None:
+        self.config = config
+        self.lead = None
+        try:
+            self._build(manager)
+        except BaseException:
+            self.close()  # what was started (rank 0's engines) is stopped
+            raise
+
+    def _build(self, manager: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from megatron_cpo.trainer.rank_zero import RankZero
+
+        config = self.config
+        megatron = config.actor_rollout_ref.actor.megatron
+        platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                                  seed=config.trainer.seed)
+        prepare_run_directory(config)
+        tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        self.pad_token_id = tokenizer.pad_token_id
+        if dist.get_rank() == 0:
+            started = time.perf_counter()
+            _announce_engines(config, manager is not None)
+            self.lead = RankZero(config, tokenizer, manager)
+            logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
+            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
+                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
+        self.total_steps = broadcast_object(_total_steps(config, len(self.lead.train_data)) if self.lead else None)
+        actor_cfg = config.actor_rollout_ref.actor
+        updates = (self.total_steps * actor_cfg.ppo_epochs
+                   * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
+        self.actor, self.reference = build_policies(config, self.pad_token_id, updates)
+        monitor = self.lead.monitor if self.lead else None
+        self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
+                                             self.lead.stream if self.lead else None,
+                                             {"early_stop": monitor} if monitor is not None else None,
+                                             _hf_exporter(config, self.actor) if actor_cfg.checkpoint.hf_model else None)
+
+    # --- the run ---------------------------------------------------------------------------------------------
+    def fit(self, stop: StopSignal) -> dict[str, float]:
+        """Resume, validate, train until the last step (or data, early stop, SIGTERM); rank 0's last metrics."""
+        lead, total = self.lead, self.total_steps
+        start_step = self.checkpoints.maybe_resume(self.config.trainer.resume)
+        if lead:
+            lead.open_log(total, start_step)
+        if broadcast_object(lead is not None and lead.monitor is not None and lead.monitor.stopped):
+            if lead:
+                logger.warning("not training: %s", lead.early_stop_reason(start_step))
+            return {}
+        if start_step >= total:
+            if lead:
+                logger.warning("not training: the checkpoint of step %d already ends this %d-step run (raise "
+                               "trainer.total_training_steps to train on)", start_step, total)
+            return {}
+        self.push_weights_or_abort(start_step)
+        last: dict[str, float] = {}
+        if lead and self.config.trainer.val_before_train and start_step == 0:
+            logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
+            last = lead.validate()
+            lead.metric_logger.log(last, 0)
+        step = start_step
+        while step < total:
+            outcome = self.step(step + 1, stop)
+            if outcome is None:
+                if step == start_step == 0:
+                    raise ValueError(nothing_to_train_message(self.config))
+                logger.info("no batch at step %d (data exhausted); ending the run", step + 1)
+                last.update(self._validate_after_exhaustion(step, start_step))
+                break
+            step += 1
+            last = outcome.metrics
+            if outcome.stop:
+                logger.warning("stopped by SIGTERM after step %d; resume with trainer.resume=auto", step)
+                return last
+            if outcome.early_stopped:
+                if lead:
+                    logger.warning("%s", lead.early_stop_reason(step))
+                break
+        if step > 0 and self.checkpoints.saved_step != step:
+            self.checkpoints.save(step)  # the last (or early-stopped) step, whatever save_freq is
+        return last
+
+    def step(self, step: int, stop: StopSignal) -> StepOutcome | None:
+        """One RL step (ARCHITECTURE.md, "One training step"); None when no batch could be formed (data ran out)."""
+        lead, started = self.lead, time.perf_counter()
+        collected = self.collect(step)                                                              # 1-3
+        batch = broadcast_batch(lead.make_batch(collected) if lead else None)
+        if batch is None:
+            return None
+        log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 4
+        advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 5
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config))        # 6
+        pushed, lost = self.push_weights()                                                          # 7
+        metrics.update(pushed)
+        self.sync_reference(step)
+        early_stopped = self.observe_early_stop(collected, metrics)
+        stopping = any_rank(stop.received)
+        if lead:
+            validate = not lost and lead.validation_due(step, step == self.total_steps or early_stopped)
+            metrics = lead.log_step(step, metrics, collected, time.perf_counter() - started, validate)
+        if lost is not None:
+            self.abort_engines_lost(step)
+        # metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
+        # while the other order would lose its metrics; the last step is saved by `fit`
+        if stopping or self._save_due(step):
+            self.checkpoints.save(step)
+        return StepOutcome(metrics if lead else {}, stopping, early_stopped)
+
+    # --- the step's parts ------------------------------------------------------------------------------------
+    def collect(self, step: int) -> Any:
+        """Rank 0's kept groups for this step (None elsewhere); when no engine is left, every rank checkpoints the
+        steps trained so far and the run is aborted."""
+        collected, lost = self.lead.collect(step) if self.lead else (None, None)
+        if broadcast_object(lost is not None):
+            self.abort_engines_lost(step - 1)
+        return collected
+
+    def push_weights(self) -> tuple[dict[str, float], str | None]:
+        """Push the actor's weights to the live engines: (metrics, None), or ({}, why) when none is left. Rank 0
+        health-checks the engines first, so an engine that died since the last request is noticed here."""
+        from megatron_cpo.rollout import RolloutEnginesLostError
+
+        manager = self.lead.manager if self.lead else None
+        lost = None
+        if manager is not None and manager.check_engines() == 0:
+            lost = manager.last_engine_failure or "no engine answers"
+        if broadcast_object(lost) is not None:
+            return {}, lost
+        alive = manager.num_engines_alive() if manager is not None else 0
+        try:
+            return push_weights(self.actor.model, manager), None
+        except Exception as err:
+            import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
+
+            # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
+            # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
+            if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
+                    or manager.check_engines() == alive):
+                raise  # not an engine death
+            return {}, manager.last_engine_failure
+
+    def push_weights_or_abort(self, step: int) -> None:
+        if self.push_weights()[1] is not None:
+            self.abort_engines_lost(step)
+
+    def sync_reference(self, step: int) -> None:
+        """verl's `ref.sync_ref_model`: mix the actor into the reference every `ref_model_sync_steps` steps."""
+        ref_cfg = self.config.actor_rollout_ref.ref
+        if self.reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
+            self.actor.mix_into(self.reference, ref_cfg.ref_model_mixup_alpha)
+
+    def observe_early_stop(self, collected: Any, metrics: dict[str, float]) -> bool:
+        """Rank 0's reward-variance monitor decides; every rank learns whether the run ends after this step."""
+        if not self.config.trainer.early_stop.enable:
+            return False
+        stopped = False
+        if self.lead:
+            stopped, monitor_metrics = self.lead.observe_early_stop(collected)
+            metrics.update(monitor_metrics)
+        return broadcast_object(stopped)
+
+    def abort_engines_lost(self, step: int) -> None:
+        """Checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError` on every rank."""
+        saved = None
+        if step > 0:
+            saved = self.checkpoints.root / f"step_{step:06d}"
+            if self.checkpoints.saved_step != step:
+                saved = self.checkpoints.save(step)
+        manager = self.lead.manager if self.lead else None
+        failure = manager.last_engine_failure if manager is not None else None
+        engines = self.lead.engines() if self.lead else (0, 0)
+        raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
+
+    def _save_due(self, step: int) -> bool:
+        freq = self.config.trainer.save_freq
+        return freq > 0 and step % freq == 0 and step < self.total_steps
+
+    def _validate_after_exhaustion(self, step: int, start_step: int) -> dict[str, float]:
+        """Rank 0's final validation when the data ran out (otherwise the last step's row has it)."""
+        if not self.lead or step <= start_step:
+            return {}
+        final = self.lead.validate()
+        if final:
+            self.lead.metric_logger.log(final, step)
+        return final
+
+    def close(self) -> None:
+        if self.lead is not None:
+            self.lead.close()
+
+
+def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
+    """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
+
+    `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
+    The engines always receive the actor's weights before the first rollout, so they may have served anything.
+    SIGTERM during start-up raises `RunAbortedError` after the engines are stopped.
+    `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
+    """
+    from megatron_cpo.trainer.preflight import preflight
+
+    if not checked:
+        preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
+    startup = StartupSignal()
+    trainer = stop = None
+    try:
+        trainer = Trainer(config, manager)
+        startup.check()
+        startup.restore()
+        stop = StopSignal()
+        return trainer.fit(stop)
+    except BaseException as err:
+        if startup.received and not isinstance(err, RunAbortedError):
+            raise startup.error() from err  # the signal's exception, as it surfaced (see StartupSignal)
+        raise
+    finally:
+        startup.restore()
+        if stop is not None:
+            stop.restore()
+        if trainer is not None:
+            trainer.close()
+        platform.destroy_distributed()
 
 
 def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
@@ -69,267 +298,6 @@ def _total_steps(config: Config, num_prompts: int) -> int:
     if config.trainer.total_training_steps:
         return config.trainer.total_training_steps
     return config.trainer.total_epochs * math.ceil(num_prompts / config.data.train_batch_size)
-
-
-def _broadcast(value: Any) -> Any:
-    payload = [value]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
-
-
-def _batch_reward_metrics(groups: list) -> dict[str, float]:
-    """ms-swift's reward, reward_std (mean in-group std), frac_reward_zero_std, and acc over the trained batch."""
-    scores = torch.stack([g.scores.float() for g in groups])
-    acc = torch.stack([g.acc.float() for g in groups])
-    group_std = scores.std(dim=1, unbiased=False)
-    return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
-            "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-            "reward_std": float(group_std.mean()), "frac_reward_zero_std": float((group_std == 0).float().mean()),
-            "reward/acc": float(acc.mean())}
-
-
-def _early_stop_monitor(config: Config, is_rank0: bool) -> EarlyStopMonitor | None:
-    """Rank 0's reward-variance monitor when `trainer.early_stop.enable` (None elsewhere or when off)."""
-    cfg = config.trainer.early_stop
-    if not (cfg.enable and is_rank0):
-        return None
-    return EarlyStopMonitor(MonitorConfig(baseline_steps=cfg.baseline_steps, window=cfg.window, ratio=cfg.ratio))
-
-
-def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
-    cfg = monitor.config
-    return (f"early stop after step {step}: the last {cfg.window} values of rollout/in_group_reward_std were all "
-            f"below {cfg.ratio} x the baseline {monitor.baseline:.4g} (mean of the first {cfg.baseline_steps} steps); "
-            "the rewards no longer separate the responses of a prompt. A checkpoint was written; to train on, resume "
-            "with trainer.early_stop.enable=false")
-
-
-def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
-    """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
-
-    `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
-    The engines always receive the actor's weights before the first rollout, so they may have served anything.
-    The last step is always checkpointed; a run that loses every rollout engine checkpoints what it trained and
-    raises `RunAbortedError` (one line naming the engine and the fix), as does SIGTERM during start-up.
-    `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
-    """
-    from megatron_cpo.trainer.preflight import preflight
-
-    if not checked:
-        preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads
-    from transformers import AutoTokenizer
-
-    from megatron_cpo.trainer.rollout_side import RolloutSide
-
-    startup = StartupSignal()
-    side = metric_logger = stop = None
-    megatron = config.actor_rollout_ref.actor.megatron
-    try:
-        platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                                  seed=config.trainer.seed)
-        prepare_run_directory(config)
-        is_rank0 = dist.get_rank() == 0
-        tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-        started = time.perf_counter()
-        if is_rank0:
-            _announce_engines(config, manager is not None)
-        side = RolloutSide(config, tokenizer, manager) if is_rank0 else None
-        if is_rank0:
-            logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
-        total_steps = _broadcast(_total_steps(config, len(side.train_data)) if is_rank0 else None)
-        actor_cfg = config.actor_rollout_ref.actor
-        updates = total_steps * actor_cfg.ppo_epochs * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
-        if is_rank0:
-            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
-                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
-        actor, reference = build_policies(config, tokenizer.pad_token_id, updates)
-        out_dir = Path(config.trainer.default_local_dir)
-        monitor = _early_stop_monitor(config, is_rank0)
-        checkpoints = CheckpointManager(out_dir / "checkpoints", actor, side.stream if side else None,
-                                        {"early_stop": monitor} if monitor is not None else None,
-                                        _hf_exporter(config, actor) if actor_cfg.checkpoint.hf_model else None)
-        start_step = checkpoints.maybe_resume(config.trainer.resume)
-        early_stopped = _broadcast(monitor is not None and monitor.stopped)
-        metric_logger = (MetricLogger(config.trainer.logger, out_dir, total_steps, config.trainer.project_name,
-                                      config.trainer.experiment_name, config_to_dict(config),
-                                      config.trainer.log_verl_metric_names,
-                                      config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=start_step)
-                         if is_rank0 else None)
-        startup.check()
-        startup.restore()
-        stop = StopSignal()
-        last: dict[str, float] = {}
-        if early_stopped:
-            if is_rank0:
-                logger.warning("not training: %s", _early_stop_reason(monitor, start_step))
-            return last
-        if start_step >= total_steps:
-            if is_rank0:
-                logger.warning("not training: the checkpoint of step %d already ends this %d-step run (raise "
-                               "trainer.total_training_steps to train on)", start_step, total_steps)
-            return last
-        _push_weights_or_abort(actor.model, side, checkpoints, start_step)
-        if is_rank0 and config.trainer.val_before_train and start_step == 0:
-            logger.info("validating before training (greedy, held-out prompts); then %d steps", total_steps)
-            last = _validate(side)
-            metric_logger.log(last, 0)
-        step, exhausted = start_step, False
-        while step < total_steps:
-            step += 1
-            step_start = time.perf_counter()
-            collected = _collect_or_abort(side, step, checkpoints)
-            batch = None
-            if collected is not None and collected.groups and (
-                    collected.full or config.algorithm.filter_groups.on_limit == "use_partial"):
-                kept_ratio = collected.metrics["filter/kept_ratio"]
-                hints = side.hint_contexts if config.algorithm.adv_estimator == "cpo" else None
-                batch = make_step_batch(collected.groups, kept_ratio, hints)
-            batch = broadcast_batch(batch)
-            if batch is None:
-                if step == 1 and start_step == 0:
-                    raise ValueError(nothing_to_train_message(config))
-                logger.info("no batch at step %d (data exhausted); ending the run", step)
-                step -= 1
-                exhausted = True
-                break
-            metrics = train_on_batch(batch, actor, reference, config, tokenizer.pad_token_id)
-            pushed, lost = _push_weights(actor.model, side)
-            metrics.update(pushed)
-            ref_cfg = config.actor_rollout_ref.ref
-            if reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
-                actor.mix_into(reference, ref_cfg.ref_model_mixup_alpha)
-            if monitor is not None:
-                early_stopped = monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
-                metrics.update({"train/early_stopped": float(early_stopped),
-                                "early_stop/baseline": monitor.baseline if monitor.baseline is not None else 0.0})
-            if config.trainer.early_stop.enable:
-                early_stopped = _broadcast(early_stopped)
-            stopping = stop.agreed()
-            if is_rank0:
-                metrics.update(collected.metrics)
-                metrics.update(_batch_reward_metrics(collected.groups))
-                metrics.update(side.remote_reward_metrics())
-                metrics["rollout/engines_alive"] = float(side.manager.num_engines_alive())
-                seconds = time.perf_counter() - step_start
-                metrics.update({"timing/step_s": seconds,
-                                "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
-                                "train/epoch": float(side.stream.epoch)})
-                # the last step's row carries the final validation, so every step is one row of metrics.jsonl
-                if not lost and (step == total_steps or early_stopped or (
-                        config.trainer.test_freq > 0 and step % config.trainer.test_freq == 0)):
-                    metrics.update(_validate(side))
-                metric_logger.log(metrics, step)
-                _log_completions(metric_logger, collected.groups, config.trainer.log_completions, step)
-                last = metrics
-            if lost is not None:
-                _abort_engines_lost(side, checkpoints, step)
-            # metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on
-            # resume), while the other order would lose its metrics; the last step is saved after the loop
-            if stopping or (config.trainer.save_freq > 0 and step % config.trainer.save_freq == 0
-                            and step < total_steps):
-                checkpoints.save(step)
-            if stopping:
-                logger.warning("stopped by SIGTERM after step %d; resume with trainer.resume=auto", step)
-                return last
-            if early_stopped:
-                if is_rank0:
-                    logger.warning("%s", _early_stop_reason(monitor, step))
-                break
-        step_done = _broadcast(step)
-        if is_rank0 and exhausted and step_done > start_step:  # otherwise the last step's row has it
-            final = _validate(side)
-            if final:
-                metric_logger.log(final, step_done)
-                last = {**last, **final}
-        if step_done > 0 and checkpoints.saved_step != step_done:
-            checkpoints.save(step_done)  # the last (or early-stopped) step, whatever save_freq is
-        return last
-    except BaseException as err:
-        if startup.received and not isinstance(err, RunAbortedError):
-            raise startup.error() from err  # the signal's exception, as it surfaced (see StartupSignal)
-        raise
-    finally:
-        startup.restore()
-        if stop is not None:
-            stop.restore()
-        if metric_logger is not None:
-            metric_logger.close()
-        if side is not None:
-            side.close()
-        platform.destroy_distributed()
-
-
-def _validate(side: Any) -> dict[str, float]:
-    """Rank 0's validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's
-    checkpoint is still written and the next rollout ends the run with the full message."""
-    from megatron_cpo.rollout import RolloutEnginesLostError
-
-    try:
-        return side.validate()
-    except RolloutEnginesLostError as err:
-        logger.warning("validation skipped: %s", err)
-        return {}
-
-
-def _collect_or_abort(side: Any, step: int, checkpoints: CheckpointManager) -> Any:
-    """Collective: rank 0 collects step `step`'s groups (None elsewhere). When no engine is left, the data position
-    goes back to the start of the step, the steps trained so far are checkpointed and the run is aborted."""
-    from megatron_cpo.rollout import RolloutEnginesLostError
-
-    collected, lost = None, None
-    if side is not None:
-        position = side.stream.state_dict()
-        try:
-            collected = side.controller.collect(step)
-        except RolloutEnginesLostError as err:
-            side.stream.load_state_dict(position)
-            lost = str(err)
-    if _broadcast(lost is not None):
-        _abort_engines_lost(side, checkpoints, step - 1)
-    return collected
-
-
-def _push_weights(actor_model: Any, side: Any) -> tuple[dict[str, float], str | None]:
-    """Collective: push the actor's weights to the live engines; (metrics, None), or ({}, why) when none is left.
-    Rank 0 health-checks the engines first, so an engine that died since the last request is noticed here."""
-    from megatron_cpo.rollout import RolloutEnginesLostError
-    from megatron_cpo.trainer.rollout_side import push_weights
-
-    lost = None
-    if side is not None and side.manager.check_engines() == 0:
-        lost = side.manager.last_engine_failure or "no engine answers"
-    if _broadcast(lost) is not None:
-        return {}, lost
-    alive = side.manager.num_engines_alive() if side is not None else 0
-    try:
-        return push_weights(actor_model, side), None
-    except Exception as err:
-        import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
-
-        # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
-        # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
-        if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
-                or side.manager.check_engines() == alive):
-            raise  # not an engine death
-        return {}, side.manager.last_engine_failure
-
-
-def _push_weights_or_abort(actor_model: Any, side: Any, checkpoints: CheckpointManager, step: int) -> None:
-    if _push_weights(actor_model, side)[1] is not None:
-        _abort_engines_lost(side, checkpoints, step)
-
-
-def _abort_engines_lost(side: Any, checkpoints: CheckpointManager, step: int) -> None:
-    """Collective: checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError`."""
-    saved = None
-    if step > 0:
-        saved = checkpoints.root / f"step_{step:06d}"
-        if checkpoints.saved_step != step:
-            saved = checkpoints.save(step)
-    failure = side.manager.last_engine_failure if side is not None else None
-    engines = (side.manager.num_engines_alive(), len(side.manager.engines)) if side is not None else (0, 0)
-    raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
 
 
 def nothing_to_train_message(config: Config) -> str:
@@ -348,15 +316,3 @@ def _announce_engines(config: Config, given: bool) -> None:
     else:
         logger.info("loading data and starting %d vLLM engine(s) for %s (tens of seconds)",
                     rollout.num_engines, config.actor_rollout_ref.model.path)
-
-
-def _log_completions(metric_logger: MetricLogger, groups: list, rows: int, step: int) -> None:
-    """Write up to `rows` prompt / completion / reward rows of this step to completions.jsonl."""
-    if rows <= 0:
-        return
-    table = []
-    for group in groups:
-        for text, score, acc in zip(group.response_texts, group.scores.tolist(), group.acc.tolist()):
-            table.append({"prompt": group.record.messages[-1]["content"], "completion": text, "score": score,
-                          "acc": acc})
-    metric_logger.log_table("completions", table[:rows], step)

@@ -1,20 +1,17 @@
-"""One training update on a collected batch, as every rank runs it (steps 4-6 of ARCHITECTURE.md).
+"""Steps 4-6 of ARCHITECTURE.md on a collected batch, as every rank runs them in lockstep.
 
-Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included)
-and broadcasts it tensor by tensor; then every rank computes, in lockstep: old log-probs and entropy, reference
-log-probs, hint log-probs (CPO), GRPO advantages, the CPO shaping rule, filter loss scaling, and the PPO epochs over
-mini-batches. With verl's `algorithm.use_kl_in_reward` the scores the advantages see carry the KL penalty against the
-reference.
+Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included;
+`collectives.broadcast_batch` sends it), then every rank runs `compute_log_probs` (old log-probs and entropy, the
+reference's, CPO's hinted ones), `compute_advantages` (GRPO by prompt, verl's KL-in-reward, the CPO shaping rule,
+filter loss scaling) and `update_policy` (the PPO epochs over mini-batches).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron_cpo import platform
 from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
@@ -76,49 +73,6 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
 
 
-def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The batch as named tensors (ragged rows as `<field>.values` / `<field>.offsets`) and its other fields."""
-    tensors, other = {}, {}
-    for item in fields(batch):
-        value = getattr(batch, item.name)
-        if isinstance(value, RaggedRows):
-            tensors[f"{item.name}.values"], tensors[f"{item.name}.offsets"] = value.values, value.offsets
-        elif isinstance(value, torch.Tensor):
-            tensors[item.name] = value
-        else:
-            other[item.name] = value
-    return tensors, other
-
-
-def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
-    """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
-    tensor, on the device the backend needs."""
-    if dist.get_world_size() == 1:
-        return batch
-    header: list[Any] = [None]
-    tensors: dict[str, torch.Tensor] = {}
-    if dist.get_rank() == 0 and batch is not None:
-        tensors, other = _batch_tensors(batch)
-        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
-    dist.broadcast_object_list(header, src=0)
-    if header[0] is None:
-        return None
-    specs, other = header[0]
-    received = {}
-    for name, (shape, dtype) in specs.items():
-        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
-        wire = wire.contiguous().to(platform.device())
-        dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
-        received[name] = wire.cpu()
-    kwargs = dict(other)
-    for item in fields(StepBatch):
-        if f"{item.name}.values" in received:
-            kwargs[item.name] = RaggedRows(received[f"{item.name}.values"], received[f"{item.name}.offsets"])
-        elif item.name in received:
-            kwargs[item.name] = received[item.name]
-    return StepBatch(**kwargs)
-
-
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
     """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
     seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
@@ -151,63 +105,97 @@ def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": float(per_response.min())}
 
 
-def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
-                   pad_token_id: int) -> dict[str, float]:
-    """Score the batch under the actor (plain and hinted) and the reference, shape advantages, run the PPO epochs."""
-    rollout_cfg, actor_cfg, algo = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor, config.algorithm
-    temperature = rollout_cfg.temperature or 1.0
+@dataclass
+class BatchLogProbs:
+    """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model."""
+    seqs: PackedSequences
+    mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    entropy: torch.Tensor
+    ref_log_probs: torch.Tensor | None
+    hint_log_probs: torch.Tensor | None  # CPO: the responses under the hinted prompts (the plain ones where no hint)
+
+
+def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
+                      pad_token_id: int) -> BatchLogProbs:
+    """Old log-probs and entropy under the actor, the reference's log-probs, and the hinted ones for CPO."""
+    temperature = config.actor_rollout_ref.rollout.temperature or 1.0
     width = config.data.max_response_length
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
-    mask = seqs.response_mask()
-    metrics: dict[str, float] = {}
-
     old_log_probs, entropy = actor.log_probs(seqs, temperature)
     ref_log_probs = reference.log_probs(seqs, temperature)[0] if reference is not None else None
+    hint_log_probs = None
+    if batch.hint_prompt_ids is not None:
+        hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
+        hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
+                                     old_log_probs)
+    return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
+                         hint_log_probs)
+
+
+def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO advantages by prompt (scores with verl's KL-in-reward penalty when on), the CPO shaping rule, and the
+    filters' loss scaling."""
+    algo, actor_cfg = config.algorithm, config.actor_rollout_ref.actor
+    mask = lp.mask
+    metrics: dict[str, float] = {}
     scores = batch.scores
     if algo.use_kl_in_reward:
-        scores, kl_metrics = scores_with_kl_penalty(scores, old_log_probs, ref_log_probs, mask, seqs.response_lengths,
-                                                    algo.kl_penalty, algo.kl_ctrl.kl_coef)
+        scores, kl_metrics = scores_with_kl_penalty(scores, lp.old_log_probs, lp.ref_log_probs, mask,
+                                                    lp.seqs.response_lengths, algo.kl_penalty, algo.kl_ctrl.kl_coef)
         metrics.update(kl_metrics)
         metrics["reward/with_kl_mean"] = float(scores.mean())
     advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
-
     if algo.adv_estimator == "cpo":
-        hint_log_probs = old_log_probs
-        if batch.hint_prompt_ids is not None:
-            hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
-            hint_log_probs = actor.log_probs(hint_seqs, temperature)[0]
-            hint_log_probs = torch.where(batch.has_hint[:, None], hint_log_probs, old_log_probs)
-        signals = hint_mi_signals(old_log_probs, hint_log_probs, entropy, mask)
-        correct = batch.acc > 0
-        difficulty = difficulty_mask(correct, batch.group, levels=3)
-        advantages, cpo_metrics = shape_advantages(
-            algo.wrap_method, advantages, signals, entropy, mask.bool(), correct, difficulty, old_log_probs,
-            hint_log_probs, actor_cfg.pos_alpha, actor_cfg.neg_alpha, actor_cfg.cpo_lambda)
+        advantages, cpo_metrics = _cpo_advantages(batch, lp, advantages, config)
         metrics.update(cpo_metrics)
-        mi = signals.mi[mask.bool()]
-        metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
-                        "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                        "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-        for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
-            metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
+    return advantages, metrics
 
+
+def _cpo_advantages(batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor, config: Config
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The CPO rule `algorithm.wrap_method` applied to GRPO advantages, by difficulty (docs/cpo.md)."""
+    actor_cfg = config.actor_rollout_ref.actor
+    mask = lp.mask
+    hint_log_probs = lp.hint_log_probs if lp.hint_log_probs is not None else lp.old_log_probs
+    signals = hint_mi_signals(lp.old_log_probs, hint_log_probs, lp.entropy, mask)
+    correct = batch.acc > 0
+    difficulty = difficulty_mask(correct, batch.group, levels=3)
+    advantages, metrics = shape_advantages(
+        config.algorithm.wrap_method, advantages, signals, lp.entropy, mask.bool(), correct, difficulty,
+        lp.old_log_probs, hint_log_probs, actor_cfg.pos_alpha, actor_cfg.neg_alpha, actor_cfg.cpo_lambda)
+    mi = signals.mi[mask.bool()]
+    metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
+                    "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
+                    "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
+    for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
+        metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
+    return advantages, metrics
+
+
+def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor,
+                  config: Config) -> dict[str, float]:
+    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats."""
+    rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    temperature = rollout_cfg.temperature or 1.0
     loss_config = loss_config_of(config)
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []
     for _ in range(actor_cfg.ppo_epochs):
-        for start in range(0, seqs.rows, rows_per_mini):
+        for start in range(0, lp.seqs.rows, rows_per_mini):
             rows = slice(start, start + rows_per_mini)
-            inputs = UpdateInputs(advantages[rows], old_log_probs[rows],
-                                  ref_log_probs[rows] if ref_log_probs is not None else None, rollout_log_probs[rows])
-            update_metrics.append(actor.update(seqs.select(rows), inputs, loss_config, temperature))
-    for key in update_metrics[0]:
-        metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
+            inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
+                                  lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
+                                  lp.rollout_log_probs[rows])
+            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, loss_config, temperature))
+    metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
 
-    lengths = seqs.response_lengths.float()
-    per_response_entropy = masked_mean(entropy, mask, -1)
-    metrics.update(_masked_stats("entropy", per_response_entropy))
+    mask = lp.mask
+    lengths = lp.seqs.response_lengths.float()
+    metrics.update(_masked_stats("entropy", masked_mean(lp.entropy, mask, -1)))
     metrics.update({
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
@@ -216,7 +204,16 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         "advantages/abs_mean": float(masked_mean(advantages.abs(), mask)),
         "timing/train_tokens": float(mask.sum()),
     })
-    if ref_log_probs is not None:
-        kl = kl_penalty(old_log_probs, ref_log_probs, actor_cfg.kl_loss_type)
+    if lp.ref_log_probs is not None:
+        kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
+    return metrics
+
+
+def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
+                   pad_token_id: int) -> dict[str, float]:
+    """Steps 4-6 in one call: log-probs, advantages, PPO update (the trainer calls them one by one)."""
+    log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id)
+    advantages, metrics = compute_advantages(batch, log_probs, config)
+    metrics.update(update_policy(actor, batch, log_probs, advantages, config))
     return metrics

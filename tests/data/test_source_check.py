@@ -30,5 +30,5 @@ def test_trainer_data_load_names_unknown_sources(tmp_path, tokenizer):
     assert len(load_dataset(str(path), tokenizer, function, shuffle=False)) == 3
     custom = build_config({"reward": {"custom_graders": {
         "corp/unknown-v2": "tests.rewards.hostile_graders:exact_match"}}}, [f"data.train_files={path}"])
-    register_custom_graders(custom.reward.custom_graders)  # what RolloutSide does before it loads the data
+    register_custom_graders(custom.reward.custom_graders)  # what RankZero does before it loads the data
     assert len(load_dataset(str(path), tokenizer, custom, shuffle=False)) == 3

@@ -1,4 +1,4 @@
-"""`reward.remote.*` end to end: the trainer's grading path (`RolloutSide.score_groups` with the reward manager built
+"""`reward.remote.*` end to end: the trainer's grading path (`Grader.score_groups` with the reward manager built
 from the config) against the reference reward server run as its own process on loopback (real HTTP), healthy, down
 and too slow."""
 import selectors
@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from megatron_cpo.config import build_config
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.rewards import ARITH_DATA_SOURCE, RemoteRewardError
-from megatron_cpo.trainer.rollout_side import RolloutSide, build_reward_manager
+from megatron_cpo.trainer.grading import Grader, build_reward_manager
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "tiny" / "model"
@@ -64,8 +64,8 @@ def grade(tokenizer, overrides, answers=("4", "5")):
     responses = [tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) for answer in answers]
     with build_reward_manager(config) as rewards:
         side = SimpleNamespace(rewards=rewards, tokenizer=tokenizer, remote_counts=Counter())
-        [(scores, acc, _)] = RolloutSide.score_groups(side, [(record, responses)])
-    return scores, acc, RolloutSide.remote_reward_metrics(side)
+        [(scores, acc, _)] = Grader.score_groups(side, [(record, responses)])
+    return scores, acc, Grader.remote_reward_metrics(side)
 
 
 def test_remote_scores_replace_or_add_to_the_rule_scores(verifiable_server, tokenizer):

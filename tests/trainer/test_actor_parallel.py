@@ -20,7 +20,7 @@ def two_updates(model_dir, tp, pp, *overrides):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers import build_policies
+    from megatron_cpo.trainer.policies import build_policies
     from megatron_cpo.trainer.step import StepBatch, train_on_batch
 
     config = build_config({}, [

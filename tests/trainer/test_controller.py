@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_cpo.trainer.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
-from megatron_cpo.trainer.rollout_side import RolloutSide
+from megatron_cpo.trainer.rank_zero import RankZero
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def side_for(rollout_manager, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     def make(config):
-        sides.append(RolloutSide(config, tokenizer, rollout_manager))
+        sides.append(RankZero(config, tokenizer, rollout_manager))
         return sides[-1]
     yield make
     for side in sides:

@@ -53,7 +53,7 @@ def _compare_modes(model_dir, tp, pp):
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.micro_batches import MicroBatching
-    from megatron_cpo.trainer.workers import build_policies
+    from megatron_cpo.trainer.policies import build_policies
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",

@@ -43,19 +43,20 @@ def test_gen_batch_size_is_the_unit_of_max_num_gen_batches():
 
 
 def test_val_kwargs_choose_the_validation_sampling():
-    from megatron_cpo.trainer.rollout_side import RolloutSide
+    from megatron_cpo.trainer.rollout_side import training_sampling_params
+    from megatron_cpo.trainer.validation import Validator
 
-    def side(*overrides):
-        fake = SimpleNamespace(config=build_config({}, list(overrides)), tokenizer=SimpleNamespace(eos_token_id=2))
-        fake.sampling_params = lambda seed, n=None, greedy=False: RolloutSide.sampling_params(fake, seed, n, greedy)
-        return fake
+    def params(*overrides, index=5):
+        config = build_config({}, list(overrides))
+        greedy = training_sampling_params(config, eos_token_id=2, seed=None, greedy=True)
+        return Validator(config, None, None, None, greedy).params(index)
 
-    greedy = RolloutSide.validation_params(side(), 5)
+    greedy = params()
     assert (greedy.n, greedy.temperature, greedy.top_p, greedy.top_k) == (1, 0.0, 1.0, -1)
-    sampled = RolloutSide.validation_params(side(
+    sampled = params(
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.n=4",
         "actor_rollout_ref.rollout.val_kwargs.temperature=0.6", "actor_rollout_ref.rollout.val_kwargs.top_p=0.7",
-        "data.max_response_length=20", "trainer.seed=3"), 5)
+        "data.max_response_length=20", "trainer.seed=3")
     assert (sampled.n, sampled.temperature, sampled.top_p, sampled.max_tokens, sampled.seed) == (4, 0.6, 0.7, 20, 8)
 
 
@@ -115,11 +116,10 @@ def test_metric_logger_writes_verl_names_to_files_not_the_console(tmp_path, caps
 
 
 def test_val_max_samples_caps_the_validation_set():
-    from megatron_cpo.trainer.rollout_side import RolloutSide
+    from megatron_cpo.trainer.validation import Validator
 
     def size(*overrides):
-        side = SimpleNamespace(config=build_config({}, list(overrides)), val_data=list(range(10)))
-        return RolloutSide.validation_size(side)
+        return Validator(build_config({}, list(overrides)), list(range(10)), None, None, None).size()
 
     assert (size(), size("data.val_max_samples=3"), size("data.val_max_samples=50")) == (10, 3, 10)
     with pytest.raises(ValueError, match="data.val_max_samples=0 must be >= 1, or -1"):

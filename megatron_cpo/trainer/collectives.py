@@ -1,0 +1,112 @@
+"""Every collective of a training step, in one place: what all ranks must call together, and in which order.
+
+Rank 0 decides (the batch, whether engines are lost, whether to stop) and the other ranks learn it here; the
+weight push is collective because every pipeline stage exports its own layers. Anything that is not in this
+module runs on one rank without waiting for the others (the forward/backward passes have their own collectives
+inside Megatron).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_cpo import platform
+from megatron_cpo.models import iter_hf_weights
+from megatron_cpo.rollout import send_from_pipeline_stages
+from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.step import StepBatch
+
+# Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
+RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def _distributed() -> bool:
+    return dist.get_world_size() > 1
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (small Python objects: flags, counts, messages)."""
+    payload = [value]
+    if _distributed():
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank (e.g. a SIGTERM that reached only some of them)."""
+    value = torch.tensor([float(flag)], device=platform.device())  # NCCL reduces device tensors only
+    if _distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The batch as named tensors (ragged rows as `<field>.values` / `<field>.offsets`) and its other fields."""
+    tensors, other = {}, {}
+    for item in fields(batch):
+        value = getattr(batch, item.name)
+        if isinstance(value, RaggedRows):
+            tensors[f"{item.name}.values"], tensors[f"{item.name}.offsets"] = value.values, value.offsets
+        elif isinstance(value, torch.Tensor):
+            tensors[item.name] = value
+        else:
+            other[item.name] = value
+    return tensors, other
+
+
+def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
+    """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
+    tensor, on the device the backend needs."""
+    if not _distributed():
+        return batch
+    header: list[Any] = [None]
+    tensors: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0 and batch is not None:
+        tensors, other = _batch_tensors(batch)
+        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
+    dist.broadcast_object_list(header, src=0)
+    if header[0] is None:
+        return None
+    specs, other = header[0]
+    received = {}
+    for name, (shape, dtype) in specs.items():
+        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
+        wire = wire.contiguous().to(platform.device())
+        dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
+        received[name] = wire.cpu()
+    kwargs = dict(other)
+    for item in fields(StepBatch):
+        if f"{item.name}.values" in received:
+            kwargs[item.name] = RaggedRows(received[f"{item.name}.values"], received[f"{item.name}.offsets"])
+        elif item.name in received:
+            kwargs[item.name] = received[item.name]
+    return StepBatch(**kwargs)
+
+
+def push_weights(actor_model: Any, manager: Any | None) -> dict[str, float]:
+    """Stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines over the
+    configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
+    Returns the sync time and this rank's bytes."""
+    start = time.perf_counter()
+    payload = [None, None]
+    if manager is not None:
+        manager.begin_weight_sync()
+        payload = [manager.sender_spec(), {k: os.environ[k] for k in RAY_AUTH_VARIABLES if k in os.environ}]
+    spec, ray_auth = broadcast_object(payload)
+    if manager is None:
+        os.environ.update(ray_auth)  # a sending rank joins rank 0's Ray cluster with its authentication mode
+    exports = parallel_state.get_data_parallel_rank() == 0
+    tensors = iter_hf_weights(actor_model, actor_model.hf_config) if exports else iter(())
+    sent = send_from_pipeline_stages(spec, tensors, parallel_state.get_pipeline_model_parallel_rank(),
+                                     parallel_state.get_pipeline_model_parallel_world_size())
+    if _distributed():
+        dist.barrier()
+    if manager is not None:
+        manager.finish_weight_sync()
+    return {"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/bytes": float(sent.get("bytes", 0))}

@@ -1,0 +1,165 @@
+"""What only rank 0 does in a run: data, engines, the controller, grading, validation, run controls and logging.
+
+The other ranks learn its decisions through `collectives.py`. A `manager` passed in (already running engines, e.g.
+shared by tests or a notebook) is used and left running; otherwise the engines are started here.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
+from megatron_cpo.algorithms.filters import EarlyStopMonitor
+from megatron_cpo.config import Config, config_to_dict
+from megatron_cpo.rewards.registry import register_custom_graders
+from megatron_cpo.rollout import RolloutEnginesLostError
+from megatron_cpo.trainer.accumulator import selection_from_config
+from megatron_cpo.trainer.controller import CollectedBatch, ControllerSettings, RolloutController
+from megatron_cpo.trainer.grading import Grader
+from megatron_cpo.trainer.loggers import MetricLogger
+from megatron_cpo.trainer.prompt_stream import PromptStream
+from megatron_cpo.trainer.rollout_side import (HintContextBuilder, build_rollout_manager, load_dataset,
+                                               training_sampling_params)
+from megatron_cpo.trainer.step import StepBatch, make_step_batch
+from megatron_cpo.trainer.validation import Validator
+
+logger = logging.getLogger(__name__)
+
+
+class RankZero:
+    """Rank 0's side of a run. `collect` fills a batch (steps 1-3), `make_batch` flattens it for the broadcast,
+    `log_step` writes the step's metrics; `open_log` starts the metric sinks once the resume step is known."""
+
+    def __init__(self, config: Config, tokenizer: Any, manager: Any = None) -> None:
+        self.config = config
+        data = config.data
+        register_custom_graders(config.reward.custom_graders)
+        self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
+        val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
+        self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
+        self.owns_manager = manager is None
+        self.manager = manager or build_rollout_manager(config)
+        self.grader = Grader(config, tokenizer)
+        eos = tokenizer.eos_token_id
+        self.validator = Validator(config, val_data, self.manager, self.grader,
+                                   training_sampling_params(config, eos, None, greedy=True))
+        self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.adv_estimator == "cpo" else None
+        groups, rollout = config.algorithm.filter_groups, config.actor_rollout_ref.rollout
+        self.controller = RolloutController(
+            self.manager, self.stream, self.grader.score_groups,
+            ControllerSettings(train_batch_size=data.train_batch_size,
+                               max_num_gen_batches=groups.max_num_gen_batches
+                               if groups.enable or rollout.rollout_filter_enabled else 0,
+                               on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
+                               filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
+            selection_from_config(config), lambda seed: training_sampling_params(config, eos, seed))
+        early_stop = config.trainer.early_stop
+        self.monitor = (EarlyStopMonitor(MonitorConfig(baseline_steps=early_stop.baseline_steps,
+                                                       window=early_stop.window, ratio=early_stop.ratio))
+                        if early_stop.enable else None)
+        self.metric_logger: MetricLogger | None = None
+
+    def open_log(self, total_steps: int, resume_step: int) -> None:
+        trainer = self.config.trainer
+        self.metric_logger = MetricLogger(trainer.logger, Path(trainer.default_local_dir), total_steps,
+                                          trainer.project_name, trainer.experiment_name, config_to_dict(self.config),
+                                          trainer.log_verl_metric_names,
+                                          self.config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=resume_step)
+
+    # --- steps 1-3 ---------------------------------------------------------------------------------------------
+    def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
+        """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
+        start of the step, so a resumed run collects the same prompts."""
+        position = self.stream.state_dict()
+        try:
+            return self.controller.collect(step), None
+        except RolloutEnginesLostError as err:
+            self.stream.load_state_dict(position)
+            return None, str(err)
+
+    def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
+        """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
+        use_partial = self.config.algorithm.filter_groups.on_limit == "use_partial"
+        if collected is None or not collected.groups or not (collected.full or use_partial):
+            return None
+        return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints)
+
+    def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:
+        """Feed the reward-variance monitor; (stop now?, its metrics)."""
+        stopped = self.monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
+        baseline = self.monitor.baseline
+        return stopped, {"train/early_stopped": float(stopped),
+                         "early_stop/baseline": baseline if baseline is not None else 0.0}
+
+    def early_stop_reason(self, step: int) -> str:
+        cfg = self.monitor.config
+        return (f"early stop after step {step}: the last {cfg.window} values of rollout/in_group_reward_std were "
+                f"all below {cfg.ratio} x the baseline {self.monitor.baseline:.4g} (mean of the first "
+                f"{cfg.baseline_steps} steps); the rewards no longer separate the responses of a prompt. A checkpoint "
+                "was written; to train on, resume with trainer.early_stop.enable=false")
+
+    # --- step 7: metrics -------------------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's checkpoint
+        is still written and the next rollout ends the run with the full message."""
+        try:
+            return self.validator.validate()
+        except RolloutEnginesLostError as err:
+            logger.warning("validation skipped: %s", err)
+            return {}
+
+    def validation_due(self, step: int, last: bool) -> bool:
+        freq = self.config.trainer.test_freq
+        return last or (freq > 0 and step % freq == 0)
+
+    def log_step(self, step: int, metrics: dict[str, float], collected: CollectedBatch, seconds: float,
+                 validate: bool) -> dict[str, float]:
+        """Add rank 0's metrics (rollout, rewards, timing, validation when `validate`) and write the step's row."""
+        metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
+                   **self.grader.remote_reward_metrics()}
+        metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
+        metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
+                        "train/epoch": float(self.stream.epoch)})
+        if validate:  # the last step's row carries the final validation, so every step is one row of metrics.jsonl
+            metrics.update(self.validate())
+        self.metric_logger.log(metrics, step)
+        self._log_completions(collected.groups, step)
+        return metrics
+
+    def _log_completions(self, groups: list, step: int) -> None:
+        """Up to `trainer.log_completions` prompt / completion / reward rows of this step, to completions.jsonl."""
+        rows = self.config.trainer.log_completions
+        if rows <= 0:
+            return
+        table = []
+        for group in groups:
+            for text, score, acc in zip(group.response_texts, group.scores.tolist(), group.acc.tolist()):
+                table.append({"prompt": group.record.messages[-1]["content"], "completion": text, "score": score,
+                              "acc": acc})
+        self.metric_logger.log_table("completions", table[:rows], step)
+
+    def engines(self) -> tuple[int, int]:
+        return self.manager.num_engines_alive(), len(self.manager.engines)
+
+    def close(self) -> None:
+        if self.metric_logger is not None:
+            self.metric_logger.close()
+        self.grader.close()
+        if self.owns_manager:
+            self.manager.shutdown()
+        else:
+            self.manager.cancel_all()
+
+
+def batch_reward_metrics(groups: list) -> dict[str, float]:
+    """ms-swift's reward, reward_std (mean in-group std), frac_reward_zero_std, and acc over the trained batch."""
+    scores = torch.stack([g.scores.float() for g in groups])
+    acc = torch.stack([g.acc.float() for g in groups])
+    group_std = scores.std(dim=1, unbiased=False)
+    return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
+            "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+            "reward_std": float(group_std.mean()), "frac_reward_zero_std": float((group_std == 0).float().mean()),
+            "reward/acc": float(acc.mean())}

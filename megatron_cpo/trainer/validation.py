@@ -1,0 +1,65 @@
+"""Rank 0's held-out evaluation: `val/acc` and `val/score` (mean@n), overall and per data source."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from collections import Counter
+from typing import Any
+
+import torch
+
+from megatron_cpo.config import Config
+from megatron_cpo.data.dataset import PromptDataset
+from megatron_cpo.rollout import SamplingParams
+from megatron_cpo.trainer.grading import Grader
+
+
+class Validator:
+    """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it."""
+
+    def __init__(self, config: Config, val_data: PromptDataset | None, manager: Any, grader: Grader,
+                 greedy_params: SamplingParams) -> None:
+        self.config = config
+        self.val_data = val_data
+        self.manager = manager
+        self.grader = grader
+        self.greedy_params = greedy_params  # the training sampling's length and stop tokens, greedy
+
+    def params(self, index: int) -> SamplingParams:
+        """verl's `rollout.val_kwargs`: greedy unless `do_sample`, then `n` seeded samples per prompt."""
+        val = self.config.actor_rollout_ref.rollout.val_kwargs
+        if not val.do_sample:
+            return replace(self.greedy_params, n=val.n)
+        return SamplingParams(n=val.n, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k,
+                              max_tokens=self.greedy_params.max_tokens, stop_token_ids=self.greedy_params.stop_token_ids,
+                              seed=self.config.trainer.seed + index)
+
+    def size(self) -> int:
+        """How many rows of the validation set `validate` uses: all, or the first `data.val_max_samples`."""
+        cap = self.config.data.val_max_samples
+        return len(self.val_data) if cap == -1 else min(cap, len(self.val_data))
+
+    def validate(self) -> dict[str, float]:
+        """Accuracy on the held-out set: `val/acc` and `val/score` (means over every sample, i.e. mean@n), and the same
+        per data source (`val/<source>/acc`); {} without a validation set."""
+        if self.val_data is None:
+            return {}
+        start = time.perf_counter()
+        records = {}
+        for index in range(self.size()):
+            record = self.val_data[index]
+            records[f"val-{index}"] = record
+            self.manager.submit(f"val-{index}", record.prompt_ids, self.params(index))
+        finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
+        items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
+        val_counts: Counter = Counter()
+        scored = self.grader.score_groups(items, val_counts)
+        metrics = {"val/count": float(len(records)), **self.grader.remote_reward_metrics(val_counts, "val/remote")}
+        sources = [record.data_source for record, _ in items]
+        for source in [None, *sorted(set(sources))]:
+            chosen = [i for i, s in enumerate(sources) if source is None or s == source]
+            prefix = "val" if source is None else f"val/{source}"
+            metrics[f"{prefix}/acc"] = float(torch.cat([scored[i][1] for i in chosen]).mean())
+            metrics[f"{prefix}/score"] = float(torch.cat([scored[i][0].float() for i in chosen]).mean())
+        metrics["timing/val_s"] = time.perf_counter() - start
+        return metrics
