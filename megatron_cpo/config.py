@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_cpo.algorithms.cpo import known_rules
+from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's own config)
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re-exported: one import point)
     CHECKPOINT_CONTENTS, RAGEN_FILTER_METRICS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
@@ -123,26 +124,6 @@ class AlgorithmConfig:
         rules = known_rules()
         check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
                                           f"choose one of {rules}")
-
-@dataclass
-class EarlyStopConfig:
-    """Stop when the in-group reward std has collapsed (RAGEN's reward-variance early stop). Every step is one
-    attempt whose value is `rollout/in_group_reward_std` over all the groups generated for it (filtered ones
-    included); the baseline is the mean over the first `baseline_steps` steps; the run stops, logging
-    `train/early_stopped: 1` and the reason, once the last `window` attempts are all below `ratio * baseline`. The
-    monitor's state is checkpointed, so a resumed run continues (or stays stopped) where it was."""
-    enable: bool = False
-    baseline_steps: int = 10
-    window: int = 10
-    ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        check(self.baseline_steps >= 1, f"trainer.early_stop.baseline_steps={self.baseline_steps} must be >= 1")
-        check(self.window >= 1, f"trainer.early_stop.window={self.window} must be >= 1 (attempts that must all "
-                                 "be low)")
-        check(self.ratio > 0, f"trainer.early_stop.ratio={self.ratio} must be > 0 (e.g. 0.1: stop below 10% of "
-                               "the baseline std)")
-
 
 @dataclass
 class TrainerConfig:

@@ -223,7 +223,7 @@ class ConfigLoader:
             return None  # cross-field checks on a partly defaulted tree would only add confusing errors
         try:
             return cls(**kwargs)
-        except ConfigError as err:
+        except ValueError as err:  # ConfigError, or the ValueError of a component's own config dataclass
             errors.append(str(err))
             return cls()
 

@@ -272,18 +272,25 @@ def in_group_reward_std(rewards: torch.Tensor, group: torch.Tensor) -> float:
 
 @dataclass
 class EarlyStopConfig:
-    """baseline_steps: successful steps whose mean reward std is the baseline; window: recent attempts (retries
-    included) that must all be low; ratio: "low" means below ratio * baseline."""
+    """`trainer.early_stop.*`: stop when the in-group reward std has collapsed (RAGEN's reward-variance early stop).
+    Every step is one attempt whose value is `rollout/in_group_reward_std` over all the groups generated for it
+    (filtered ones included); the baseline is the mean over the first `baseline_steps` steps; the run stops, logging
+    `train/early_stopped: 1` and the reason, once the last `window` attempts are all below `ratio * baseline`. The
+    monitor's state is checkpointed, so a resumed run continues (or stays stopped) where it was."""
 
+    enable: bool = False
     baseline_steps: int = 10
     window: int = 10
     ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.baseline_steps < 1 or self.window < 1:
-            raise ValueError(f"baseline_steps={self.baseline_steps} and window={self.window} must both be >= 1")
+        if self.baseline_steps < 1:
+            raise ValueError(f"trainer.early_stop.baseline_steps={self.baseline_steps} must be >= 1")
+        if self.window < 1:
+            raise ValueError(f"trainer.early_stop.window={self.window} must be >= 1 (attempts that must all be low)")
         if not self.ratio > 0:
-            raise ValueError(f"early-stop ratio={self.ratio} must be > 0 (e.g. 0.1 = 10% of the baseline)")
+            raise ValueError(f"trainer.early_stop.ratio={self.ratio} must be > 0 (e.g. 0.1: stop below 10% of the "
+                             "baseline std)")
 
 
 class EarlyStopMonitor:

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
 from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.trainer.checkpointing import CheckpointManager
@@ -94,7 +93,7 @@ def _early_stop_monitor(config: Config, is_rank0: bool) -> EarlyStopMonitor | No
     cfg = config.trainer.early_stop
     if not (cfg.enable and is_rank0):
         return None
-    return EarlyStopMonitor(MonitorConfig(baseline_steps=cfg.baseline_steps, window=cfg.window, ratio=cfg.ratio))
+    return EarlyStopMonitor(cfg)
 
 
 def _early_stop_reason(monitor: EarlyStopMonitor, step: int) -> str:
