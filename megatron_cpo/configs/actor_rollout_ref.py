@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.kl import known_kl_kinds
+from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.configs.checks import check, check_choice
 
 
@@ -86,8 +86,10 @@ class CheckpointContentsConfig:
 
 
 @dataclass
-class ActorConfig:
-    """The policy update: PPO clipping (clip-higher), loss aggregation, KL, entropy, CPO weights.
+class ActorConfig(PolicyLossConfig):
+    """The policy update: the loss settings of `PolicyLossConfig` (PPO clipping with clip-higher and dual-clip, loss
+    aggregation, entropy bonus and mask, KL loss, TIS; algorithms/losses.py) plus the optimizer, layout, batch sizes
+    and CPO weights. The trainer passes this config to the loss as is.
 
     `ppo_mini_batch_size` is in prompts like `data.train_batch_size` (one optimizer step per mini-batch);
     `ppo_micro_batch_size_per_gpu` is in responses (one forward/backward per micro-batch).
@@ -106,41 +108,23 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    top_entropy_quantile: float = 1.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
     cpo_lambda: float = 5.0
     pos_alpha: float = 0.05
     neg_alpha: float = 0.1
     filter_loss_scaling: str = "none"
-    tis_imp_ratio_cap: float = -1.0
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     log_prob_max_token_len_per_gpu: int = 16384
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the loss settings (PolicyLossConfig)
         prefix = "actor_rollout_ref.actor."
         check(self.ppo_mini_batch_size >= 1, f"{prefix}ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1")
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")
         check(self.ppo_epochs >= 1, f"{prefix}ppo_epochs={self.ppo_epochs} must be >= 1")
-        check(0 <= self.clip_ratio_low < 1, f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
-        check(self.clip_ratio_high >= 0, f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
-        check(self.clip_ratio_c > 1, f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
-        check_choice(prefix + "loss_agg_mode", self.loss_agg_mode,
-                      ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        check_choice(prefix + "kl_loss_type", self.kl_loss_type, tuple(known_kl_kinds()))  # "+": k2's gradient
         check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
-        check(0 < self.top_entropy_quantile <= 1,
-               f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the fraction of "
-               "highest-entropy tokens that take part in the policy gradient (1.0 keeps all, e.g. 0.2 for the top 20%)")
         for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "
                                                "micro-batch; at least the longest prompt + response)")

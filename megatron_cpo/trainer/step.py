@@ -19,9 +19,7 @@ from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
-from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.algorithms.masked import masked_mean
-from megatron_cpo.algorithms.mismatch import TISConfig
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
@@ -125,17 +123,6 @@ def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[
     return seqs, batch.rollout_log_probs.padded(width, 0.0)
 
 
-def loss_config_of(config: Config) -> PolicyLossConfig:
-    """The policy-loss variant the actor config selects (clip-higher, aggregation, entropy mask, KL, TIS)."""
-    actor = config.actor_rollout_ref.actor
-    tis = TISConfig(level="token", threshold=actor.tis_imp_ratio_cap) if actor.tis_imp_ratio_cap > 0 else None
-    return PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                            clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
-                            entropy_coeff=actor.entropy_coeff, top_entropy_quantile=actor.top_entropy_quantile,
-                            use_kl_loss=actor.use_kl_loss,
-                            kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, tis=tis)
-
-
 def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
                            mask: torch.Tensor, response_lengths: torch.Tensor, kind: str, coef: float
                            ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -193,7 +180,6 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
 
-    loss_config = loss_config_of(config)
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []
     for _ in range(actor_cfg.ppo_epochs):
@@ -201,7 +187,7 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
             rows = slice(start, start + rows_per_mini)
             inputs = UpdateInputs(advantages[rows], old_log_probs[rows],
                                   ref_log_probs[rows] if ref_log_probs is not None else None, rollout_log_probs[rows])
-            update_metrics.append(actor.update(seqs.select(rows), inputs, loss_config, temperature))
+            update_metrics.append(actor.update(seqs.select(rows), inputs, actor_cfg, temperature))
     for key in update_metrics[0]:
         metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
 
