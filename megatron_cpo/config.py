@@ -19,7 +19,7 @@ from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's own config)
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re-exported: one import point)
-    CHECKPOINT_CONTENTS, RAGEN_FILTER_METRICS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
+    CHECKPOINT_CONTENTS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
     MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig, RolloutFilterConfig, ValKwargsConfig)
 from megatron_cpo.configs.checks import check, check_choice
 from megatron_cpo.configs.reward import (  # noqa: F401
@@ -189,7 +189,6 @@ class Config:
             check(rollout.max_inflight_prompts >= self.data.train_batch_size,
                    f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
                    f"data.train_batch_size={self.data.train_batch_size}; raise it or set 0 for the default")
-        rollout.check_rollout_filter()
         check(rollout.rollout_filter_strategy != "top_k" or rollout.rollout_filter_value < self.data.train_batch_size,
                f"actor_rollout_ref.rollout.rollout_filter_value={rollout.rollout_filter_value} keeps every group of a "
                f"generation batch of data.train_batch_size={self.data.train_batch_size} prompts; lower it below "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_cpo.algorithms.filters import RAGEN_FILTER_METRICS, RolloutFilterConfig  # noqa: F401  (re-exported)
 from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.configs.checks import check, check_choice
 
@@ -130,59 +131,6 @@ class ActorConfig(PolicyLossConfig):
                                                "micro-batch; at least the longest prompt + response)")
 
 
-RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
-                        "reward_sum": "sum", "length": "length"}
-"""`rollout_filter_metric` -> group score of `algorithms.filters` (RAGEN's `reward_variance` is its in-group std)."""
-
-
-@dataclass
-class RolloutFilterConfig:
-    """RAGEN's rollout filter (keys of `actor_rollout_ref.rollout`): within every generation batch of
-    `data.train_batch_size` prompts, rank the groups by `rollout_filter_metric` (`reward_std`: in-group reward std,
-    RAGEN's variance filter; `reward_mean`) and keep those that `rollout_filter_strategy` selects: `top_p` (smallest
-    set of best groups whose scores (`rollout_filter_top_p_prob_mode: linear`, RAGEN's default, less
-    `rollout_filter_selection_eps`) or softmax mass (`softmax`) reach `rollout_filter_value` of the total; 1.0 keeps
-    all), `top_k` (the `value` best groups, or that fraction of the groups when `value` < 1) or `min_p` (score >=
-    value * best score); `none` (the default) turns the filter off. Metrics: `reward_std` (= RAGEN's
-    `reward_variance`), `reward_mean` (`reward`), `reward_sum`, `length` (mean response length).
-    `rollout_filter_type` `largest` keeps high scores, `smallest` low ones; `rollout_filter_include_zero: false`
-    never keeps a group whose score is exactly 0. Groups accumulate until `data.train_batch_size` are kept, bounded
-    by `algorithm.filter_groups.max_num_gen_batches` / `on_limit` like DAPO's filter (see docs/filters.md)."""
-    rollout_filter_strategy: str = "none"
-    rollout_filter_value: float = 1.0
-    rollout_filter_type: str = "largest"
-    rollout_filter_include_zero: bool = True
-    rollout_filter_metric: str = "reward_std"
-    rollout_filter_top_p_prob_mode: str = "linear"
-    rollout_filter_selection_eps: float = 0.01
-
-    @property
-    def rollout_filter_enabled(self) -> bool:
-        return self.rollout_filter_strategy != "none"
-
-    def check_rollout_filter(self) -> None:
-        prefix = "actor_rollout_ref.rollout."
-        check_choice(prefix + "rollout_filter_strategy", self.rollout_filter_strategy,
-                      ("none", "top_p", "top_k", "min_p"))
-        check_choice(prefix + "rollout_filter_type", self.rollout_filter_type, ("largest", "smallest"))
-        check(self.rollout_filter_metric in RAGEN_FILTER_METRICS,
-               f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose one of "
-               f"{', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a trainer forward "
-               "pass on every generated group and are not offered)")
-        check_choice(prefix + "rollout_filter_top_p_prob_mode", self.rollout_filter_top_p_prob_mode,
-                      ("linear", "softmax"))
-        check(self.rollout_filter_selection_eps >= 0,
-               f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 (RAGEN: 0.01)")
-        value, strategy = self.rollout_filter_value, self.rollout_filter_strategy
-        check(strategy != "top_p" or 0 < value <= 1,
-               f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability mass to keep)")
-        check(strategy != "top_k" or (value >= 1 and float(value).is_integer()) or 0 < value < 1,
-               f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to keep per "
-               "generation batch of data.train_batch_size prompts) or a fraction in (0, 1) of that batch's groups")
-        check(strategy != "min_p" or 0 <= value <= 1,
-               f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best score)")
-
-
 @dataclass
 class ValKwargsConfig:
     """How validation samples (verl's `rollout.val_kwargs`): greedy unless `do_sample`; with `do_sample`, `n`
@@ -211,7 +159,8 @@ class RolloutConfig(RolloutFilterConfig):
     NCCL group between each sending rank and every engine worker, engines on any node), "auto" (collective when the
     Ray cluster or the trainer spans several nodes, else shm); `weight_sync_timeout_s` bounds forming that group and
     each broadcast.
-    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default.
+    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/filters.py, which
+    this config extends; docs/filters.md); off by default.
     vLLM engine options (GPU engines): `gpu_memory_utilization`, `enable_chunked_prefill`, `max_num_batched_tokens`
     (CPU engines never chunk prefills, see rollout/engine.py). `log_prob_micro_batch_size_per_gpu`: responses per
     forward when the actor recomputes log-probs (0: `actor.ppo_micro_batch_size_per_gpu`)."""
@@ -233,6 +182,7 @@ class RolloutConfig(RolloutFilterConfig):
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the rollout filter's settings
         prefix = "actor_rollout_ref.rollout."
         check(0 < self.gpu_memory_utilization <= 1,
                f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
-from megatron_cpo.algorithms.filters import RagenFilterConfig
+from megatron_cpo.algorithms.filters import RolloutFilterConfig
 from megatron_cpo.trainer.accumulator import (
     GroupAccumulator,
     GroupSelection,
@@ -91,7 +91,7 @@ def scored_with(tokenizer, seq, scores, lengths=None):
 
 def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
     # windows of 4 groups; top_k=2 by in-group reward std keeps the two most varied groups of each window
-    selection = GroupSelection(ragen=RagenFilterConfig(strategy="top_k", value=2), window=4)
+    selection = GroupSelection(ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=2), window=4)
     acc = GroupAccumulator(3, selection)
     scores = {0: [0.0, 1.0], 1: [0.0, 0.0], 2: [0.0, 0.5], 3: [1.0, 1.0],
               4: [0.2, 0.3], 5: [0.0, 1.0], 6: [0.0, 0.9], 7: [0.5, 0.5]}
@@ -110,7 +110,7 @@ def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
 
 def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_window(tokenizer):
     selection = GroupSelection(metric_filter=keep_varied_groups,
-                               ragen=RagenFilterConfig(strategy="top_k", value=1), window=4)
+                               ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=1), window=4)
     acc = GroupAccumulator(2, selection)
     # group 0 has the largest std but an all-correct acc, so filter-groups drops it before RAGEN ranks
     acc.add([scored_with(tokenizer, 0, [0.1, 1.0]), scored_with(tokenizer, 1, [0.0, 0.4]),
@@ -129,7 +129,8 @@ def test_ragen_length_metric_and_options_from_the_config(tokenizer):
         "rollout_filter_strategy": "top_k", "rollout_filter_value": 0.5, "rollout_filter_metric": "length",
         "rollout_filter_top_p_prob_mode": "softmax", "rollout_filter_selection_eps": 0.0}}})
     selection = selection_from_config(config)
-    assert (selection.ragen.group_score, selection.ragen.top_p_prob_mode, selection.ragen.selection_eps) == (
+    assert (selection.ragen.group_score, selection.ragen.rollout_filter_top_p_prob_mode,
+            selection.ragen.rollout_filter_selection_eps) == (
         "length", "softmax", 0.0)
     acc = GroupAccumulator(2, selection)
     # mean response lengths 3, 9, 6, 1: top_k 0.5 of 4 groups keeps the two longest, groups 1 and 2
