@@ -23,7 +23,7 @@ from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re
     MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig, RolloutFilterConfig, ValKwargsConfig)
 from megatron_cpo.configs.checks import check, check_choice
 from megatron_cpo.configs.reward import (  # noqa: F401
-    CustomRewardFunctionConfig, OverlongBufferConfig, RewardConfig, SandboxConfig, SandboxFusionConfig)
+    CustomRewardFunctionConfig, OverlongBufferConfig, RewardConfig, SandboxConfig)
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
@@ -204,15 +204,18 @@ class Config:
                "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
-        check(not (self.custom_reward_function.path and self.reward.custom_reward_function),
+        verl_function = self.custom_reward_function.spec
+        check(not verl_function or self.reward.custom_reward_function in ("", verl_function),
                f"both custom_reward_function.path={self.custom_reward_function.path!r} and "
                f"reward.custom_reward_function={self.reward.custom_reward_function!r} are set; keep one")
+        if verl_function:  # verl's spelling lands in the reward manager's config, the one place it is read
+            self.reward.custom_reward_function = verl_function
 
     @property
     def reward_function_spec(self) -> str:
         """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when graders are per
         source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
-        return self.custom_reward_function.spec or self.reward.custom_reward_function
+        return self.reward.custom_reward_function
 
     @property
     def world_model_parallel_size(self) -> int:
@@ -227,8 +230,8 @@ ALIASES: dict[str, str] = {
     "trainer.resume_mode": "trainer.resume",
     **{f"reward_model.overlong_buffer.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
-    **{f"reward_model.sandbox_fusion.{key}": f"reward.sandbox_fusion.{key}"
-       for key in ("url", "max_concurrent", "memory_limit_mb")},
+    **{f"{section}.sandbox_fusion.{key}": f"reward.sandbox.fusion_{key}"
+       for section in ("reward_model", "reward") for key in ("url", "max_concurrent", "memory_limit_mb")},
 }
 # Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {

@@ -19,9 +19,8 @@ from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
 from megatron_cpo.models import iter_hf_weights
-from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rewards.manager import RewardManager
 from megatron_cpo.rewards.registry import register_custom_graders
-from megatron_cpo.rewards.sandbox import SandboxSettings
 from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
 from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
@@ -43,12 +42,7 @@ def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool
 
 def build_reward_manager(config: Config) -> RewardManager:
     """The grading pool of `reward.*` (and the remote reward model of `reward.remote.*` when enabled)."""
-    return RewardManager(RewardConfig(
-        num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-        custom_graders=dict(config.reward.custom_graders), custom_reward_function=config.reward_function_spec or None,
-        sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
-                                config.reward.sandbox_fusion.max_concurrent, config.reward.sandbox_fusion.memory_limit_mb),
-        remote=config.reward.remote))
+    return RewardManager(config.reward)
 
 
 class RolloutSide:

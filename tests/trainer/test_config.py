@@ -169,3 +169,15 @@ def test_tuple_lengths_are_checked():
 
     with pytest.raises(ConfigError, match="must hold two numbers"):
         OptimConfig(betas=(0.9,))
+
+
+def test_mapping_values_keep_their_keys_and_verls_reward_function_lands_in_reward():
+    config = build_config({"reward": {"grader_kwargs": {"apps": {"limits": {"wall_timeout_s": 2}}},
+                                      "custom_graders": {"a.b/c": "m:f"}}},
+                          ["reward.grader_kwargs.math500={wrong_score: 0}", "reward.custom_graders.d=n:g",
+                           "custom_reward_function.path=grade.py"])
+    assert config.reward.grader_kwargs == {"apps": {"limits": {"wall_timeout_s": 2}}, "math500": {"wrong_score": 0}}
+    assert config.reward.custom_graders == {"a.b/c": "m:f", "d": "n:g"}
+    assert config.reward.custom_reward_function == "grade.py:compute_score"
+    with pytest.raises(ConfigError, match="keep one"):
+        build_config({}, ["custom_reward_function.path=grade.py", "reward.custom_reward_function=other.py:f"])
