@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megatron_cpo.algorithms.filters import RAGEN_FILTER_METRICS, RolloutFilterConfig  # noqa: F401  (re-exported)
 from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.configs.checks import check, check_choice
+from megatron_cpo.rollout.types import RolloutEngineConfig
 
 
 @dataclass
@@ -150,53 +151,32 @@ class ValKwargsConfig:
 
 
 @dataclass
-class RolloutConfig(RolloutFilterConfig):
-    """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
-    (0: 2 * data.train_batch_size); `kv_cache_gib` is each CPU engine's KV cache. `ray_address`: "auto" joins the
-    Ray cluster in RAY_ADDRESS when that is set (the SLURM launcher sets it) and otherwise starts a private local one
-    (never a cluster merely running on the machine); "local" always starts a private one; "host:port" joins that. `weight_transport`: how weights reach the
-    engines after each update: "shm" (/dev/shm buckets, engines on the sending ranks' node), "collective" (a gloo or
-    NCCL group between each sending rank and every engine worker, engines on any node), "auto" (collective when the
-    Ray cluster or the trainer spans several nodes, else shm); `weight_sync_timeout_s` bounds forming that group and
-    each broadcast.
-    The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/filters.py, which
-    this config extends; docs/filters.md); off by default.
-    vLLM engine options (GPU engines): `gpu_memory_utilization`, `enable_chunked_prefill`, `max_num_batched_tokens`
-    (CPU engines never chunk prefills, see rollout/engine.py). `log_prob_micro_batch_size_per_gpu`: responses per
-    forward when the actor recomputes log-probs (0: `actor.ppo_micro_batch_size_per_gpu`)."""
+class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
+    """`actor_rollout_ref.rollout`: the engines' settings (`RolloutEngineConfig` of rollout/types.py: count, layout,
+    memory, Ray address, weight transport), RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/filters.py,
+    the `rollout_filter_*` keys, off by default; docs/filters.md) and the sampling the trainer asks for. This class
+    extends both, so the engines and the filter receive this object as is.
+    `n` responses per prompt at `temperature` / `top_p` / `top_k`; `val_kwargs` is how validation samples.
+    `max_inflight_prompts` caps the prompts the controller keeps in flight (0: 2 * data.train_batch_size).
+    `log_prob_micro_batch_size_per_gpu`: responses per forward when the actor recomputes log-probs
+    (0: `actor.ppo_micro_batch_size_per_gpu`)."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    num_engines: int = 1
-    tensor_model_parallel_size: int = 1
-    kv_cache_gib: float = 1.0
     max_inflight_prompts: int = 0
-    ray_address: str = "auto"
-    weight_transport: str = "auto"
-    weight_sync_timeout_s: float = 300.0
-    gpu_memory_utilization: float = 0.6
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int = 8192
     log_prob_micro_batch_size_per_gpu: int = 0
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the rollout filter's settings
+        RolloutEngineConfig.__post_init__(self)
+        RolloutFilterConfig.__post_init__(self)
         prefix = "actor_rollout_ref.rollout."
-        check(0 < self.gpu_memory_utilization <= 1,
-               f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        check(self.max_num_batched_tokens >= 1, f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} "
-                                                 "must be >= 1")
         check(self.log_prob_micro_batch_size_per_gpu >= 0, f"{prefix}log_prob_micro_batch_size_per_gpu="
                f"{self.log_prob_micro_batch_size_per_gpu} must be >= 0 (0: actor.ppo_micro_batch_size_per_gpu)")
-        check_choice(prefix + "weight_transport", self.weight_transport, ("auto", "shm", "collective"))
-        check(self.weight_sync_timeout_s > 0,
-               f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
         check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
         check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
         check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
-        check(self.num_engines >= 1, f"{prefix}num_engines={self.num_engines} must be >= 1")
         check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
                                                ">= 0 (0 means 2 * data.train_batch_size)")
 
