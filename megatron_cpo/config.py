@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_cpo.algorithms.cpo import known_rules
 from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's own config)
+from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re-exported: one import point)
     CHECKPOINT_CONTENTS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
@@ -106,24 +106,26 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`.
+    """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
+    under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
     `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
     summed over the response, from each response's score before the advantages (needs the reference model)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    gold_as_hint: bool = True
-    wrap_method: str = "negonly_mi3"
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
 
     def __post_init__(self) -> None:
         check_choice("algorithm.kl_penalty", self.kl_penalty, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
-        check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo", "cpo"))
-        rules = known_rules()
-        check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
-                                          f"choose one of {rules}")
+        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
+
+    @property
+    def shaper(self) -> AdvantageShaper:
+        """The advantage shaper `adv_estimator` selects; ask it whether hint contexts are needed."""
+        return build_shaper(self.adv_estimator, self.cpo)
 
 @dataclass
 class TrainerConfig:
@@ -228,6 +230,9 @@ ALIASES: dict[str, str] = {
     "algorithm.use_dynamic_sample": "algorithm.filter_groups.enable",
     "algorithm.dynamic_sample_max_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
     "trainer.resume_mode": "trainer.resume",
+    "algorithm.wrap_method": "algorithm.cpo.wrap_method",
+    "algorithm.gold_as_hint": "algorithm.cpo.gold_as_hint",
+    **{f"actor_rollout_ref.actor.{key}": f"algorithm.cpo.{key}" for key in ("cpo_lambda", "pos_alpha", "neg_alpha")},
     **{f"reward_model.overlong_buffer.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
     **{f"{section}.sandbox_fusion.{key}": f"reward.sandbox.fusion_{key}"

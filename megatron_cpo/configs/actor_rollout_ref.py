@@ -90,8 +90,8 @@ class CheckpointContentsConfig:
 @dataclass
 class ActorConfig(PolicyLossConfig):
     """The policy update: the loss settings of `PolicyLossConfig` (PPO clipping with clip-higher and dual-clip, loss
-    aggregation, entropy bonus and mask, KL loss, TIS; algorithms/losses.py) plus the optimizer, layout, batch sizes
-    and CPO weights. The trainer passes this config to the loss as is.
+    aggregation, entropy bonus and mask, KL loss, TIS; algorithms/losses.py) plus the optimizer, layout and batch sizes
+    (CPO's weights are `algorithm.cpo.*`). The trainer passes this config to the loss as is.
 
     `ppo_mini_batch_size` is in prompts like `data.train_batch_size` (one optimizer step per mini-batch);
     `ppo_micro_batch_size_per_gpu` is in responses (one forward/backward per micro-batch).
@@ -110,9 +110,6 @@ class ActorConfig(PolicyLossConfig):
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1
-    cpo_lambda: float = 5.0
-    pos_alpha: float = 0.05
-    neg_alpha: float = 0.1
     filter_loss_scaling: str = "none"
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
@@ -125,7 +122,6 @@ class ActorConfig(PolicyLossConfig):
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")
         check(self.ppo_epochs >= 1, f"{prefix}ppo_epochs={self.ppo_epochs} must be >= 1")
-        check(self.cpo_lambda >= 1, f"{prefix}cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
         check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
         for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "

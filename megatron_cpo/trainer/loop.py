@@ -182,7 +182,7 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
             if collected is not None and collected.groups and (
                     collected.full or config.algorithm.filter_groups.on_limit == "use_partial"):
                 kept_ratio = collected.metrics["filter/kept_ratio"]
-                hints = side.hint_contexts if config.algorithm.adv_estimator == "cpo" else None
+                hints = side.hint_contexts if config.algorithm.shaper.needs_hint_contexts else None
                 batch = make_step_batch(collected.groups, kept_ratio, hints)
             batch = broadcast_batch(batch)
             if batch is None:

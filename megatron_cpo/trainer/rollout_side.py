@@ -120,7 +120,7 @@ class RolloutSide:
         """CPO hinted prompts for every response, built through the chat template (see data/hints.py)."""
         records = [g.record for g in groups for _ in range(g.n)]
         hints, source_metrics = [None] * len(records), {}
-        if self.config.algorithm.gold_as_hint:
+        if self.config.algorithm.cpo.gold_as_hint:
             hints, source_metrics = self.hint_reader.read([r.extra_info for r in records],
                                                           [r.reward_model for r in records])
         contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,

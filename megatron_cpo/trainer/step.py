@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
@@ -158,25 +157,20 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
         metrics["reward/with_kl_mean"] = float(scores.mean())
     advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
 
-    if algo.adv_estimator == "cpo":
+    shaper = algo.shaper  # grpo: unchanged; cpo: the hint-conditioned rule (algorithms/shapers.py)
+    hint_log_probs = signals = None
+    if shaper.needs_hint_contexts:
         hint_log_probs = old_log_probs
         if batch.hint_prompt_ids is not None:
             hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
             hint_log_probs = actor.log_probs(hint_seqs, temperature)[0]
             hint_log_probs = torch.where(batch.has_hint[:, None], hint_log_probs, old_log_probs)
         signals = hint_mi_signals(old_log_probs, hint_log_probs, entropy, mask)
-        correct = batch.acc > 0
-        difficulty = difficulty_mask(correct, batch.group, levels=3)
-        advantages, cpo_metrics = shape_advantages(
-            algo.wrap_method, advantages, signals, entropy, mask.bool(), correct, difficulty, old_log_probs,
-            hint_log_probs, actor_cfg.pos_alpha, actor_cfg.neg_alpha, actor_cfg.cpo_lambda)
-        metrics.update(cpo_metrics)
-        mi = signals.mi[mask.bool()]
-        metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
-                        "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                        "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-        for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
-            metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
+        metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
+    advantages, shaping_metrics = shaper.shape(advantages, mask=mask, correct=batch.acc > 0, group=batch.group,
+                                               log_probs=old_log_probs, entropy=entropy,
+                                               hint_log_probs=hint_log_probs, signals=signals)
+    metrics.update(shaping_metrics)
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
 
