@@ -219,11 +219,6 @@ class Config:
         source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
         return self.reward.custom_reward_function
 
-    @property
-    def world_model_parallel_size(self) -> int:
-        meg = self.actor_rollout_ref.actor.megatron
-        return meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
-
 
 # Seed aliases: accepted spellings -> canonical dotted name. Values given under an alias are moved, never duplicated.
 ALIASES: dict[str, str] = {

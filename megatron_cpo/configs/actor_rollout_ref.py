@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.filters import RAGEN_FILTER_METRICS, RolloutFilterConfig  # noqa: F401  (re-exported)
+from megatron_cpo.algorithms.filters import RolloutFilterConfig
 from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.configs.checks import check, check_choice
 from megatron_cpo.rollout.types import RolloutEngineConfig
