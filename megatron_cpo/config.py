@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's own config)
+from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's config)
 from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re-exported: one import point)

@@ -191,8 +191,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--max-prompts", type=int, default=0, help="evaluate the first N prompts only (0: all)")
     parser.add_argument("--num-engines", type=int, default=1, help="vLLM engines sharing the prompts "
                         "(default: %(default)s)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine "
-                        "(default: %(default)s)")
+    parser.add_argument("--tensor-model-parallel-size", "--tensor-parallel-size", type=int, default=1,
+                        help="GPUs per vLLM engine (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="engine weights' dtype (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed; each prompt's samples are seeded from "
@@ -213,6 +213,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
     config = EvalConfig(data_files=args.data, model_path=args.model, n=args.n, temperature=args.temperature,
                         top_p=args.top_p, max_prompt_length=args.max_prompt_length,
                         max_response_length=args.max_response_length, max_prompts=args.max_prompts,
-                        num_engines=args.num_engines, tensor_model_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+                        num_engines=args.num_engines, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                        dtype=args.dtype,
                         seed=args.seed, output_dir=args.output_dir, ray_address=args.ray_address)
     print(format_table(run_eval(config)), flush=True)

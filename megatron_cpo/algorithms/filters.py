@@ -97,7 +97,8 @@ def _top_p_linear(scores, candidate, config, num_groups):
     the sum was reached, else nothing."""
     order = _ranked_order(scores, candidate, config.rollout_filter_type == "largest")
     ranked = scores.double()[order][: int(candidate.sum())]
-    threshold = config.rollout_filter_value * float(scores.double()[candidate].sum()) - config.rollout_filter_selection_eps
+    total = float(scores.double()[candidate].sum())
+    threshold = config.rollout_filter_value * total - config.rollout_filter_selection_eps
     positive_prefix = torch.cumprod((ranked > 0).long(), dim=0).bool()
     before = torch.cumsum(ranked, dim=0) - ranked
     taken = positive_prefix & (before < threshold)
@@ -107,7 +108,7 @@ def _top_p_linear(scores, candidate, config, num_groups):
 
 
 def _top_p(scores, candidate, config, num_groups):
-    if config.rollout_filter_value >= 1.0:  # every candidate, exactly (a peaked softmax must not drop the tail by rounding)
+    if config.rollout_filter_value >= 1.0:  # every candidate, exactly (a peaked softmax must not drop the tail)
         return candidate.clone()
     mode = _top_p_softmax if config.rollout_filter_top_p_prob_mode == "softmax" else _top_p_linear
     return mode(scores, candidate, config, num_groups)
@@ -116,7 +117,8 @@ def _top_p(scores, candidate, config, num_groups):
 def _top_k(scores, candidate, config, num_groups):
     """The k best groups, k = int(value * groups) for a fraction value < 1 (RAGEN's `top_k`), else int(value)
     (RAGEN's `top_k_abs`); at least one, at most the candidates."""
-    k = int(config.rollout_filter_value * num_groups) if config.rollout_filter_value < 1 else int(config.rollout_filter_value)
+    value = config.rollout_filter_value
+    k = int(value * num_groups) if value < 1 else int(value)
     k = max(min(k, int(candidate.sum())), 1)
     return _first(_ranked_order(scores, candidate, config.rollout_filter_type == "largest"), k, candidate)
 
@@ -243,7 +245,8 @@ def ragen_group_scores(
     """The per-group score RAGEN ranks by, Tensor[G]: reward std / mean / sum, or mean response length."""
     if config.group_score == "length":
         if lengths is None or lengths.shape != rewards.shape:
-            raise ValueError("rollout_filter_metric='length' needs the response lengths: pass lengths= with one per response")
+            raise ValueError("rollout_filter_metric='length' needs the response lengths: pass lengths= with one per "
+                             "response")
         return group_mean(lengths.double(), group)
     return GROUP_SCORES[config.group_score](rewards.double(), group)
 

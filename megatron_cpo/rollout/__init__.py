@@ -25,5 +25,6 @@ from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, cl
                                               send_from_pipeline_stages)
 
 __all__ = ["EngineLaunchConfig", "RolloutEngineConfig", "RolloutEngineStartError", "RolloutEnginesLostError",
-           "RolloutGroup", "RolloutManager", "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender", "WeightSenderSpec",
+           "RolloutGroup", "RolloutManager", "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender",
+           "WeightSenderSpec",
            "close_weight_groups", "derive_sample_seeds", "send_from_pipeline_stages"]
