@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.filters import RolloutFilterConfig
+from megatron_cpo.algorithms.filters import FILTER_LOSS_SCALINGS, RolloutFilterConfig
 from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.configs.checks import check, check_choice
 from megatron_cpo.rollout.types import RolloutEngineConfig
@@ -122,7 +122,7 @@ class ActorConfig(PolicyLossConfig):
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")
         check(self.ppo_epochs >= 1, f"{prefix}ppo_epochs={self.ppo_epochs} must be >= 1")
-        check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, ("none", "linear", "sqrt"))
+        check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, tuple(FILTER_LOSS_SCALINGS))
         for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "
                                                "micro-batch; at least the longest prompt + response)")
