@@ -15,14 +15,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_cpo.algorithms.cpo import known_rules
+from megatron_cpo.algorithms.filters import EarlyStopConfig  # noqa: F401  (trainer.early_stop: the monitor's config)
+from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_loader import ConfigError, ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.configs.actor_rollout_ref import (  # noqa: F401  (sections re-exported: one import point)
-    CHECKPOINT_CONTENTS, RAGEN_FILTER_METRICS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
+    CHECKPOINT_CONTENTS, ActorConfig, ActorRolloutRefConfig, CheckpointContentsConfig,
     MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig, RolloutFilterConfig, ValKwargsConfig)
 from megatron_cpo.configs.checks import check, check_choice
 from megatron_cpo.configs.reward import (  # noqa: F401
-    CustomRewardFunctionConfig, OverlongBufferConfig, RewardConfig, SandboxConfig, SandboxFusionConfig)
+    CustomRewardFunctionConfig, OverlongBufferConfig, RewardConfig, SandboxConfig)
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 from megatron_cpo.verl_compat import VERL_ALIASES, VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
@@ -105,44 +106,26 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and CPO shaping; see docs/cpo.md ("Specification") for the rules behind `wrap_method`.
+    """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
+    under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
     `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
     summed over the response, from each response's score before the advantages (needs the reference model)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    gold_as_hint: bool = True
-    wrap_method: str = "negonly_mi3"
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
 
     def __post_init__(self) -> None:
         check_choice("algorithm.kl_penalty", self.kl_penalty, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
-        check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo", "cpo"))
-        rules = known_rules()
-        check(self.wrap_method in rules, f"algorithm.wrap_method={self.wrap_method!r} is not a CPO shaping rule; "
-                                          f"choose one of {rules}")
+        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
 
-@dataclass
-class EarlyStopConfig:
-    """Stop when the in-group reward std has collapsed (RAGEN's reward-variance early stop). Every step is one
-    attempt whose value is `rollout/in_group_reward_std` over all the groups generated for it (filtered ones
-    included); the baseline is the mean over the first `baseline_steps` steps; the run stops, logging
-    `train/early_stopped: 1` and the reason, once the last `window` attempts are all below `ratio * baseline`. The
-    monitor's state is checkpointed, so a resumed run continues (or stays stopped) where it was."""
-    enable: bool = False
-    baseline_steps: int = 10
-    window: int = 10
-    ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        check(self.baseline_steps >= 1, f"trainer.early_stop.baseline_steps={self.baseline_steps} must be >= 1")
-        check(self.window >= 1, f"trainer.early_stop.window={self.window} must be >= 1 (attempts that must all "
-                                 "be low)")
-        check(self.ratio > 0, f"trainer.early_stop.ratio={self.ratio} must be > 0 (e.g. 0.1: stop below 10% of "
-                               "the baseline std)")
-
+    @property
+    def shaper(self) -> AdvantageShaper:
+        """The advantage shaper `adv_estimator` selects; ask it whether hint contexts are needed."""
+        return build_shaper(self.adv_estimator, self.cpo)
 
 @dataclass
 class TrainerConfig:
@@ -208,7 +191,6 @@ class Config:
             check(rollout.max_inflight_prompts >= self.data.train_batch_size,
                    f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
                    f"data.train_batch_size={self.data.train_batch_size}; raise it or set 0 for the default")
-        rollout.check_rollout_filter()
         check(rollout.rollout_filter_strategy != "top_k" or rollout.rollout_filter_value < self.data.train_batch_size,
                f"actor_rollout_ref.rollout.rollout_filter_value={rollout.rollout_filter_value} keeps every group of a "
                f"generation batch of data.train_batch_size={self.data.train_batch_size} prompts; lower it below "
@@ -224,20 +206,18 @@ class Config:
                "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         check(self.data.max_prompt_length + self.data.max_response_length <= 1 << 20,
                "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
-        check(not (self.custom_reward_function.path and self.reward.custom_reward_function),
+        verl_function = self.custom_reward_function.spec
+        check(not verl_function or self.reward.custom_reward_function in ("", verl_function),
                f"both custom_reward_function.path={self.custom_reward_function.path!r} and "
                f"reward.custom_reward_function={self.reward.custom_reward_function!r} are set; keep one")
+        if verl_function:  # verl's spelling lands in the reward manager's config, the one place it is read
+            self.reward.custom_reward_function = verl_function
 
     @property
     def reward_function_spec(self) -> str:
         """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when graders are per
         source: `custom_reward_function.path`/`.name` (verl) or `reward.custom_reward_function`."""
-        return self.custom_reward_function.spec or self.reward.custom_reward_function
-
-    @property
-    def world_model_parallel_size(self) -> int:
-        meg = self.actor_rollout_ref.actor.megatron
-        return meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
+        return self.reward.custom_reward_function
 
 
 # Seed aliases: accepted spellings -> canonical dotted name. Values given under an alias are moved, never duplicated.
@@ -245,10 +225,13 @@ ALIASES: dict[str, str] = {
     "algorithm.use_dynamic_sample": "algorithm.filter_groups.enable",
     "algorithm.dynamic_sample_max_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
     "trainer.resume_mode": "trainer.resume",
+    "algorithm.wrap_method": "algorithm.cpo.wrap_method",
+    "algorithm.gold_as_hint": "algorithm.cpo.gold_as_hint",
+    **{f"actor_rollout_ref.actor.{key}": f"algorithm.cpo.{key}" for key in ("cpo_lambda", "pos_alpha", "neg_alpha")},
     **{f"reward_model.overlong_buffer.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
-    **{f"reward_model.sandbox_fusion.{key}": f"reward.sandbox_fusion.{key}"
-       for key in ("url", "max_concurrent", "memory_limit_mb")},
+    **{f"{section}.sandbox_fusion.{key}": f"reward.sandbox.fusion_{key}"
+       for section in ("reward_model", "reward") for key in ("url", "max_concurrent", "memory_limit_mb")},
 }
 # Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {

@@ -32,12 +32,13 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which value and how to fix it."""
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: dict, prefix: str = "", mappings: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Dotted name -> value; the value of a dict-typed field (`mappings`) stays one dict, its keys being data."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
+        if isinstance(value, dict) and value and name not in mappings:
+            flat.update(_flatten(value, name + ".", mappings))
         else:
             flat[name] = value
     return flat
@@ -223,7 +224,7 @@ class ConfigLoader:
             return None  # cross-field checks on a partly defaulted tree would only add confusing errors
         try:
             return cls(**kwargs)
-        except ConfigError as err:
+        except ValueError as err:  # ConfigError, or the ValueError of a component's own config dataclass
             errors.append(str(err))
             return cls()
 
@@ -259,7 +260,7 @@ class ConfigLoader:
         """Build and validate the config from a nested dict (a parsed YAML file) and dotted overrides after it;
         raise one `ConfigError` listing every problem."""
         errors: list[str] = []
-        flat = self._canonical(_flatten(tree or {}))
+        flat = self._canonical(_flatten(tree or {}, mappings=frozenset(mapping_fields(self.root))))
         given = {}
         for text in overrides:
             try:

@@ -74,7 +74,7 @@ class EvalConfig:
     max_response_length: int = 1024
     max_prompts: int = 0
     num_engines: int = 1
-    tensor_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
     dtype: str = "bfloat16"
     seed: int = 0
     output_dir: str = ""
@@ -112,17 +112,17 @@ def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.nd
 
     from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
     from megatron_cpo.rewards import compute_score
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager, SamplingParams
 
     check_lengths(config)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     dataset = PromptDataset(DatasetConfig(files=config.data_files, max_prompt_length=config.max_prompt_length,
                                           truncation="left", shuffle=False), tokenizer)
     records = dataset.records[:config.max_prompts] if config.max_prompts else dataset.records
-    rollout = RolloutConfig(model_path=config.model_path, num_engines=config.num_engines,
-                            tensor_parallel_size=config.tensor_parallel_size, dtype=config.dtype,
-                            max_model_len=config.max_prompt_length + config.max_response_length,
-                            ray_address=config.ray_address, seed=config.seed)
+    rollout = EngineLaunchConfig(model_path=config.model_path, engines=RolloutEngineConfig(
+        num_engines=config.num_engines, tensor_model_parallel_size=config.tensor_model_parallel_size,
+        ray_address=config.ray_address), dtype=config.dtype,
+        max_model_len=config.max_prompt_length + config.max_response_length, seed=config.seed)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     groups = {}
     with RolloutManager(rollout) as manager:
@@ -191,8 +191,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--max-prompts", type=int, default=0, help="evaluate the first N prompts only (0: all)")
     parser.add_argument("--num-engines", type=int, default=1, help="vLLM engines sharing the prompts "
                         "(default: %(default)s)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine "
-                        "(default: %(default)s)")
+    parser.add_argument("--tensor-model-parallel-size", "--tensor-parallel-size", type=int, default=1,
+                        help="GPUs per vLLM engine (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="engine weights' dtype (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed; each prompt's samples are seeded from "
@@ -213,6 +213,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
     config = EvalConfig(data_files=args.data, model_path=args.model, n=args.n, temperature=args.temperature,
                         top_p=args.top_p, max_prompt_length=args.max_prompt_length,
                         max_response_length=args.max_response_length, max_prompts=args.max_prompts,
-                        num_engines=args.num_engines, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+                        num_engines=args.num_engines, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                        dtype=args.dtype,
                         seed=args.seed, output_dir=args.output_dir, ray_address=args.ray_address)
     print(format_table(run_eval(config)), flush=True)

@@ -195,7 +195,7 @@ def _from_recipe(path: str) -> tuple[dict, Layout, Batch]:
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
-                  extra_forwards=2 + (config.algorithm.adv_estimator == "cpo"))
+                  extra_forwards=2 + config.algorithm.shaper.needs_hint_contexts)
     return {"model": config.actor_rollout_ref.model.path}, layout, batch
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.gpu.report import append_record
-from megatron_cpo.kernels import TorchChunkedBackend, TritonBackend, linear_logprobs_and_entropy, logprobs_and_entropy
-from megatron_cpo.kernels.reference import materialized_logprobs_and_entropy
+from megatron_cpo.kernels import TorchChunkedBackend, TritonBackend, linear_log_probs_and_entropy, log_probs_and_entropy
+from megatron_cpo.kernels.reference import materialized_log_probs_and_entropy
 
 IGNORE = -100
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # max |error| / max |float64 value|
@@ -102,15 +102,15 @@ def check(case: Case, impl: object, device: torch.device, seed: int = 0) -> dict
         inputs64 = [t.to(device) for t in _linear_inputs(gen, case)]
     ref_inputs = [t.clone().requires_grad_() for t in inputs64]
     ref_logits = ref_inputs[0] if case.kernel == "logits" else ref_inputs[0] @ ref_inputs[1].T
-    ref_lp, ref_ent = materialized_logprobs_and_entropy(ref_logits[:, : case.v], targets, case.temperature, IGNORE)
+    ref_lp, ref_ent = materialized_log_probs_and_entropy(ref_logits[:, : case.v], targets, case.temperature, IGNORE)
     ref_grads = torch.autograd.grad((ref_lp * grad_lp).sum() + (ref_ent * grad_ent).sum(), ref_inputs)
 
     inputs = [t.to(case.dtype).requires_grad_() for t in inputs64]
     if case.kernel == "logits":
-        lp, ent = logprobs_and_entropy(inputs[0], targets, case.temperature, ignore_index=IGNORE, vocab_size=case.v,
+        lp, ent = log_probs_and_entropy(inputs[0], targets, case.temperature, ignore_index=IGNORE, vocab_size=case.v,
                                        impl=impl)
     else:
-        lp, ent = linear_logprobs_and_entropy(inputs[0], inputs[1], targets, case.temperature, ignore_index=IGNORE,
+        lp, ent = linear_log_probs_and_entropy(inputs[0], inputs[1], targets, case.temperature, ignore_index=IGNORE,
                                               vocab_size=case.v, impl=impl)
     grads = torch.autograd.grad((lp.double() * grad_lp).sum() + (ent.double() * grad_ent).sum(), inputs)
     errors = {"log_probs": rel_error(lp, ref_lp), "entropy": rel_error(ent, ref_ent),
@@ -121,7 +121,7 @@ def check(case: Case, impl: object, device: torch.device, seed: int = 0) -> dict
     passed = finite and all(e is not None and e < tolerance for e in errors.values() if e is not None)
     padding_grad_zero = bool((grads[0][:, case.v:] == 0).all()) if case.kernel == "logits" else \
         bool((grads[1][case.v:] == 0).all())
-    return {"kernel": "logprobs_and_entropy" if case.kernel == "logits" else "linear_logprobs_and_entropy",
+    return {"kernel": "log_probs_and_entropy" if case.kernel == "logits" else "linear_log_probs_and_entropy",
             "dtype": str(case.dtype).replace("torch.", ""), "case": "+-1e4 logits" if case.extreme else "random",
             "n": case.n, "h": case.h if case.kernel == "linear" else None, "v": case.v, "pad": case.pad,
             "temperature": case.temperature, "ignored_tokens": int((targets == IGNORE).sum()),

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
-from megatron_cpo.kernels.reference import materialized_linear_logprobs_and_entropy, materialized_logprobs_and_entropy
+from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
+from megatron_cpo.kernels.reference import materialized_linear_log_probs_and_entropy, materialized_log_probs_and_entropy
 
 GPU_SIZES = [(n, h, v) for n in (4096, 16384, 32768) for h in (2048, 4096) for v in (128256, 152064)]
 CPU_SIZES = [(512, 256, 32768), (512, 128, 128256)]
@@ -69,10 +69,10 @@ def _liger(inputs: Inputs):
 
 # name -> (needs materialised logits as input, forward returning (log_probs, entropy-or-None))
 METHODS: dict[str, tuple[bool, Callable[[Inputs], tuple]]] = {
-    "fused_linear": (False, lambda x: linear_logprobs_and_entropy(x.hidden, x.weight, x.targets)),
-    "torch_linear": (False, lambda x: materialized_linear_logprobs_and_entropy(x.hidden, x.weight, x.targets)),
-    "fused_logits": (True, lambda x: logprobs_and_entropy(x.logits, x.targets)),
-    "torch_logits": (True, lambda x: materialized_logprobs_and_entropy(x.logits, x.targets)),
+    "fused_linear": (False, lambda x: linear_log_probs_and_entropy(x.hidden, x.weight, x.targets)),
+    "torch_linear": (False, lambda x: materialized_linear_log_probs_and_entropy(x.hidden, x.weight, x.targets)),
+    "fused_logits": (True, lambda x: log_probs_and_entropy(x.logits, x.targets)),
+    "torch_logits": (True, lambda x: materialized_log_probs_and_entropy(x.logits, x.targets)),
     "matmul": (False, lambda x: (x.hidden @ x.weight.T, None)),
     "verl_linear": (False, _verl),
     "liger_linear": (False, _liger),

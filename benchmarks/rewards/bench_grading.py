@@ -99,9 +99,9 @@ def main() -> None:
     arguments = parser.parse_args()
     sandbox = {}
     if arguments.sandbox_mode:
-        from megatron_cpo.rewards.sandbox import SandboxSettings, configure_sandbox
+        from megatron_cpo.rewards.sandbox import SandboxConfig, configure_sandbox
 
-        sandbox = {"sandbox": SandboxSettings(mode=arguments.sandbox_mode)}
+        sandbox = {"sandbox": SandboxConfig(mode=arguments.sandbox_mode)}
         print(f"sandbox backend: {configure_sandbox(sandbox['sandbox'])}")
     math_samples, code_samples = math_batch(arguments.math_samples), code_batch(arguments.code_samples)
     compute_score("math500", "\\boxed{(x+1)^2}", "x^2+2x+1")  # imports and first-use set-up
@@ -112,7 +112,7 @@ def main() -> None:
     inline_math = 128 / (time.perf_counter() - started)
     inline_cpu_ms = 1000 * (time.process_time() - started_cpu) / 128
     sandbox_cpu_ms = sandbox_cpu_ms_per_program()
-    config = RewardConfig(num_workers=arguments.workers, reward_fn_timeout_s=60.0, **sandbox)
+    config = RewardConfig(num_workers=arguments.workers, timeout_s=60.0, **sandbox)
     with RewardManager(config) as manager:
         manager.score(*math_batch(16))  # workers up and warm
         math_rate, math_acc = timed_manager_run(manager, math_samples)

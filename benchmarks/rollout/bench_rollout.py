@@ -23,15 +23,16 @@ def _bench_size(hidden: int, layers: int, args, workdir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_cpo.models.tiny import write_tiny_model
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager, SamplingParams
 
     model_dir = write_tiny_model(os.path.join(workdir, f"qwen2-{hidden}x{layers}"), family="qwen2", seed=0,
                                  hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                                  num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64))
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     num_params = sum(p.numel() for p in hf_model.parameters())
-    config = RolloutConfig(model_path=str(model_dir), num_engines=1, dtype="float32", max_model_len=1024,
-                           cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1800,
+    config = EngineLaunchConfig(model_path=str(model_dir), dtype="float32", max_model_len=1024,
+                                engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local"),
+                                engine_start_timeout_s=1800,
                            weight_sync_bucket_mb=args.bucket_mb)
     start = time.perf_counter()
     with RolloutManager(config) as manager:

@@ -73,15 +73,16 @@ def untrained_setup(prefix: str, max_num_seqs: int | None = None):
     from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
     from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
     from megatron_cpo.models.tiny import write_tiny_model
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
     model = write_tiny_model(work / "model")
     data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
-    manager = RolloutManager(RolloutConfig(model_path=str(model), dtype="float32", max_model_len=512,
-                                           ray_address="local", seed=1, max_num_seqs=max_num_seqs))
+    manager = RolloutManager(EngineLaunchConfig(model_path=str(model), dtype="float32", max_model_len=512, seed=1,
+                                                engines=RolloutEngineConfig(ray_address="local"),
+                                                max_num_seqs=max_num_seqs))
     return tokenizer, dataset, manager
 
 

@@ -6,7 +6,7 @@ lengths, issue 14's shape scaled down); times the actor's log-prob pass and one 
 and reports real (prompt + response) tokens per second (modes alternate `--repeats` times, the last of each counts).
 
 `memory`: the log-prob head alone, as the actor runs it after the decoder, forward and backward: `hidden @ W.T`
-then `logprobs_and_entropy` on the logits, or `linear_logprobs_and_entropy` on hidden and W; each mode in a fresh
+then `log_probs_and_entropy` on the logits, or `linear_log_probs_and_entropy` on hidden and W; each mode in a fresh
 process, peak resident memory above the inputs' (ru_maxrss).
 
     python benchmarks/trainer/bench_scale_paths.py throughput
@@ -36,7 +36,7 @@ def _maxrss_mib() -> float:
 
 
 def memory_mode(args: argparse.Namespace) -> dict:
-    from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+    from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=generator).requires_grad_()
@@ -45,9 +45,9 @@ def memory_mode(args: argparse.Namespace) -> dict:
     before = _maxrss_mib()
     start = time.perf_counter()
     if args.mode == "fused":
-        log_probs, entropy = linear_logprobs_and_entropy(hidden, weight, targets, temperature=0.7)
+        log_probs, entropy = linear_log_probs_and_entropy(hidden, weight, targets, temperature=0.7)
     else:
-        log_probs, entropy = logprobs_and_entropy(hidden @ weight.T, targets, temperature=0.7)
+        log_probs, entropy = log_probs_and_entropy(hidden @ weight.T, targets, temperature=0.7)
     (log_probs.sum() + 0.01 * entropy.sum()).backward()
     return {"mode": args.mode, "peak_above_inputs_mib": round(_maxrss_mib() - before, 1),
             "seconds": round(time.perf_counter() - start, 2), "log_prob_sum": float(log_probs.sum())}

@@ -8,7 +8,8 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 - advantages.py: GRPO and Dr.GRPO advantages.
 - losses.py: clipped policy loss, loss aggregation, entropy mask (kl.py: KL estimators; mismatch.py: rollout/trainer
   mismatch metrics and TIS, re-exported by losses.py).
-- cpo.py: hint signals, difficulty mask, the shaping-rule table.
+- cpo.py: difficulty mask, the shaping-rule table.
+- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (GRPO as is, CPO's rule) and CPO's config.
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling, early-stop monitor.
 - overlong.py: DAPO overlong reward shaping.
 """

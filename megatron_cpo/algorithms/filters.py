@@ -82,11 +82,11 @@ def _ranked_order(scores: torch.Tensor, candidate: torch.Tensor, largest: bool) 
 
 def _top_p_softmax(scores, candidate, config, num_groups):
     """Smallest best-first prefix whose softmax mass reaches `value` (RAGEN: `searchsorted(cumsum, value) + 1`)."""
-    logits = scores if config.filter_type == "largest" else -scores
+    logits = scores if config.rollout_filter_type == "largest" else -scores
     probs = torch.softmax(logits.double().masked_fill(~candidate, float("-inf")), dim=0)
-    order = _ranked_order(scores, candidate, config.filter_type == "largest")
+    order = _ranked_order(scores, candidate, config.rollout_filter_type == "largest")
     cumulative = torch.cumsum(probs[order], dim=0)
-    cutoff = int(torch.searchsorted(cumulative, torch.tensor([config.value], dtype=cumulative.dtype)))
+    cutoff = int(torch.searchsorted(cumulative, torch.tensor([config.rollout_filter_value], dtype=cumulative.dtype)))
     count = min(cutoff + 1, int(candidate.sum()))
     return _first(order, count, candidate)
 
@@ -95,9 +95,10 @@ def _top_p_linear(scores, candidate, config, num_groups):
     """RAGEN's linear top-p: walk the groups best-first adding their scores until the sum reaches
     `value * (sum of the candidates' scores) - selection_eps`; stop early at a score <= 0; keep the prefix only if
     the sum was reached, else nothing."""
-    order = _ranked_order(scores, candidate, config.filter_type == "largest")
+    order = _ranked_order(scores, candidate, config.rollout_filter_type == "largest")
     ranked = scores.double()[order][: int(candidate.sum())]
-    threshold = config.value * float(scores.double()[candidate].sum()) - config.selection_eps
+    total = float(scores.double()[candidate].sum())
+    threshold = config.rollout_filter_value * total - config.rollout_filter_selection_eps
     positive_prefix = torch.cumprod((ranked > 0).long(), dim=0).bool()
     before = torch.cumsum(ranked, dim=0) - ranked
     taken = positive_prefix & (before < threshold)
@@ -107,18 +108,19 @@ def _top_p_linear(scores, candidate, config, num_groups):
 
 
 def _top_p(scores, candidate, config, num_groups):
-    if config.value >= 1.0:  # every candidate, exactly (a peaked softmax must not drop the tail by rounding)
+    if config.rollout_filter_value >= 1.0:  # every candidate, exactly (a peaked softmax must not drop the tail)
         return candidate.clone()
-    mode = _top_p_softmax if config.top_p_prob_mode == "softmax" else _top_p_linear
+    mode = _top_p_softmax if config.rollout_filter_top_p_prob_mode == "softmax" else _top_p_linear
     return mode(scores, candidate, config, num_groups)
 
 
 def _top_k(scores, candidate, config, num_groups):
     """The k best groups, k = int(value * groups) for a fraction value < 1 (RAGEN's `top_k`), else int(value)
     (RAGEN's `top_k_abs`); at least one, at most the candidates."""
-    k = int(config.value * num_groups) if config.value < 1 else int(config.value)
+    value = config.rollout_filter_value
+    k = int(value * num_groups) if value < 1 else int(value)
     k = max(min(k, int(candidate.sum())), 1)
-    return _first(_ranked_order(scores, candidate, config.filter_type == "largest"), k, candidate)
+    return _first(_ranked_order(scores, candidate, config.rollout_filter_type == "largest"), k, candidate)
 
 
 def _min_p(scores, candidate, config, num_groups):
@@ -126,12 +128,12 @@ def _min_p(scores, candidate, config, num_groups):
     The best group itself is always kept: with a negative best score the threshold lies beyond it (value * best >
     best) and RAGEN would keep nothing (docs/filters.md)."""
     values = scores.double()
-    if config.filter_type == "largest":
+    if config.rollout_filter_type == "largest":
         best = values.masked_fill(~candidate, float("-inf")).max()
-        chosen = values >= best * config.value - MIN_P_TOL
+        chosen = values >= best * config.rollout_filter_value - MIN_P_TOL
     else:
         best = values.masked_fill(~candidate, float("inf")).min()
-        chosen = values <= best / (config.value + MIN_P_TOL) + MIN_P_TOL
+        chosen = values <= best / (config.rollout_filter_value + MIN_P_TOL) + MIN_P_TOL
     return (chosen | (values == best)) & candidate
 
 
@@ -162,68 +164,95 @@ GROUP_SCORES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
 TOP_P_PROB_MODES = ("linear", "softmax")
 
 
-@dataclass
-class RagenFilterConfig:
-    """RAGEN rollout filter (RAGEN's `rollout_filter`; the option mapping is in docs/filters.md).
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
+                        "reward_sum": "sum", "length": "length"}
+"""`rollout_filter_metric` (RAGEN's names) -> the group score of `GROUP_SCORES` (RAGEN's `reward_variance` is its
+in-group std)."""
 
-    strategy: `top_p` (value >= 1 keeps every candidate; else by `top_p_prob_mode`: `linear` (RAGEN's default)
-    keeps the best groups until their scores sum to `value` of the total (minus `selection_eps`), `softmax` the
-    smallest set whose softmax mass reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the
-    `value` best groups; at least one) or `min_p` (score >= value * best; `smallest`: score <= best / value).
-    filter_type: `largest` ranks high scores first, `smallest` low ones.
-    include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is exactly 0) may be kept.
-    group_score: `std` (in-group reward std, RAGEN's `reward_variance`), `mean` (`reward`), `sum` (`reward_sum`) or
-    `length` (mean response length; `ragen_filter` is then given the lengths).
+
+@dataclass
+class RolloutFilterConfig:
+    """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`, whose config extends this
+    class; the option mapping is in docs/filters.md). Within every generation batch of `data.train_batch_size`
+    prompts, rank the groups by `rollout_filter_metric` and keep those that `rollout_filter_strategy` selects.
+
+    rollout_filter_strategy: `none` (the default) turns the filter off; `top_p` (value >= 1 keeps every candidate;
+    else by `rollout_filter_top_p_prob_mode`: `linear` (RAGEN's default) keeps the best groups until their scores sum
+    to `value` of the total (minus `rollout_filter_selection_eps`), `softmax` the smallest set whose softmax mass
+    reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the `value` best groups; at least one)
+    or `min_p` (score >= value * best; `smallest`: score <= best / value).
+    rollout_filter_type: `largest` ranks high scores first, `smallest` low ones.
+    rollout_filter_include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is
+    exactly 0) may be kept.
+    rollout_filter_metric: `reward_std` (= RAGEN's `reward_variance`, the in-group reward std), `reward_mean`
+    (`reward`), `reward_sum` or `length` (mean response length; `ragen_filter` is then given the lengths).
+    Groups accumulate until `data.train_batch_size` are kept, bounded by `algorithm.filter_groups.max_num_gen_batches`
+    / `on_limit` like DAPO's filter (see docs/filters.md).
     """
 
-    strategy: str = "top_p"
-    value: float = 0.9
-    filter_type: str = "largest"
-    include_zero: bool = True
-    group_score: str = "std"
-    top_p_prob_mode: str = "linear"
-    selection_eps: float = 0.01
+    rollout_filter_strategy: str = "none"
+    rollout_filter_value: float = 1.0
+    rollout_filter_type: str = "largest"
+    rollout_filter_include_zero: bool = True
+    rollout_filter_metric: str = "reward_std"
+    rollout_filter_top_p_prob_mode: str = "linear"
+    rollout_filter_selection_eps: float = 0.01
+
+    @property
+    def rollout_filter_enabled(self) -> bool:
+        return self.rollout_filter_strategy != "none"
+
+    @property
+    def group_score(self) -> str:
+        """The `GROUP_SCORES` entry `rollout_filter_metric` names."""
+        return RAGEN_FILTER_METRICS[self.rollout_filter_metric]
 
     def __post_init__(self) -> None:
-        if self.strategy not in RAGEN_STRATEGIES:
-            raise ValueError(
-                f"rollout_filter_strategy={self.strategy!r} is unknown; choose one of {list(RAGEN_STRATEGIES)}"
-            )
-        if self.filter_type not in ("largest", "smallest"):
-            raise ValueError(f"rollout_filter_type={self.filter_type!r} is unknown; choose 'largest' or 'smallest'")
-        if self.group_score not in GROUP_SCORES:
-            raise ValueError(f"group_score={self.group_score!r} is unknown; choose one of {list(GROUP_SCORES)}")
-        if self.top_p_prob_mode not in TOP_P_PROB_MODES:
-            raise ValueError(
-                f"rollout_filter_top_p_prob_mode={self.top_p_prob_mode!r} is unknown; choose one of {TOP_P_PROB_MODES}"
-            )
-        if self.strategy == "top_p" and not 0.0 < self.value <= 1.0:
-            raise ValueError(f"top_p needs rollout_filter_value in (0, 1], got {self.value}")
-        whole = self.value >= 1 and self.value == int(self.value)
-        if self.strategy == "top_k" and not (0.0 < self.value < 1.0 or whole):
-            raise ValueError(
-                f"top_k needs rollout_filter_value as a fraction of the groups in (0, 1) or a whole number >= 1 of "
-                f"groups to keep, got {self.value}"
-            )
-        if self.strategy == "min_p" and not 0.0 <= self.value <= 1.0:
-            raise ValueError(f"min_p needs rollout_filter_value in [0, 1], got {self.value}")
-        if self.selection_eps < 0:
-            raise ValueError(f"rollout_filter_selection_eps={self.selection_eps} must be >= 0 (RAGEN's default 0.01)")
+        prefix = "actor_rollout_ref.rollout."
+        strategy, value = self.rollout_filter_strategy, self.rollout_filter_value
+        if strategy != "none" and strategy not in RAGEN_STRATEGIES:
+            raise ValueError(f"{prefix}rollout_filter_strategy={strategy!r} is not supported; choose one of "
+                             f"{', '.join(map(repr, ['none', *RAGEN_STRATEGIES]))}")
+        if self.rollout_filter_type not in ("largest", "smallest"):
+            raise ValueError(f"{prefix}rollout_filter_type={self.rollout_filter_type!r} is not supported; choose "
+                             "one of 'largest', 'smallest'")
+        if self.rollout_filter_metric not in RAGEN_FILTER_METRICS:
+            raise ValueError(f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose "
+                             f"one of {', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a "
+                             "trainer forward pass on every generated group and are not offered)")
+        if self.rollout_filter_top_p_prob_mode not in TOP_P_PROB_MODES:
+            raise ValueError(f"{prefix}rollout_filter_top_p_prob_mode={self.rollout_filter_top_p_prob_mode!r} is not "
+                             f"supported; choose one of {', '.join(map(repr, TOP_P_PROB_MODES))}")
+        if self.rollout_filter_selection_eps < 0:
+            raise ValueError(f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 "
+                             "(RAGEN: 0.01)")
+        if strategy == "top_p" and not 0.0 < value <= 1.0:
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability "
+                             "mass to keep)")
+        whole = value >= 1 and float(value).is_integer()
+        if strategy == "top_k" and not (0.0 < value < 1.0 or whole):
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to "
+                             "keep per generation batch of data.train_batch_size prompts) or a fraction in (0, 1) "
+                             "of that batch's groups")
+        if strategy == "min_p" and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best "
+                             "score)")
 
 
 def ragen_group_scores(
-    rewards: torch.Tensor, group: torch.Tensor, config: RagenFilterConfig, lengths: Optional[torch.Tensor] = None
+    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """The per-group score RAGEN ranks by, Tensor[G]: reward std / mean / sum, or mean response length."""
     if config.group_score == "length":
         if lengths is None or lengths.shape != rewards.shape:
-            raise ValueError("group_score='length' needs the response lengths: pass lengths= with one per response")
+            raise ValueError("rollout_filter_metric='length' needs the response lengths: pass lengths= with one per "
+                             "response")
         return group_mean(lengths.double(), group)
     return GROUP_SCORES[config.group_score](rewards.double(), group)
 
 
 def ragen_filter(
-    rewards: torch.Tensor, group: torch.Tensor, config: RagenFilterConfig, lengths: Optional[torch.Tensor] = None
+    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: Optional[torch.Tensor] = None
 ) -> GroupFilterResult:
     """Keep the prompt groups that RAGEN's strategy selects by group score; returns whole-group keep mask + metrics.
 
@@ -234,9 +263,12 @@ def ragen_filter(
     check_group(group, rewards.shape[0])
     scores = ragen_group_scores(rewards, group, config, lengths)
     present = group_count(group) > 0
-    candidate = present if config.include_zero else present & (scores.abs() > ZERO_SCORE_TOL)
+    if not config.rollout_filter_enabled:
+        raise ValueError("rollout_filter_strategy='none' selects no filter; call ragen_filter only when it is on")
+    candidate = present if config.rollout_filter_include_zero else present & (scores.abs() > ZERO_SCORE_TOL)
     if bool(candidate.any()):
-        keep_group = RAGEN_STRATEGIES[config.strategy](scores, candidate, config, int(present.sum())) & candidate
+        strategy = RAGEN_STRATEGIES[config.rollout_filter_strategy]
+        keep_group = strategy(scores, candidate, config, int(present.sum())) & candidate
     else:
         keep_group = torch.zeros_like(candidate)
     return _result(keep_group, present, group, group_std(rewards.float(), group, unbiased=True))
@@ -272,18 +304,25 @@ def in_group_reward_std(rewards: torch.Tensor, group: torch.Tensor) -> float:
 
 @dataclass
 class EarlyStopConfig:
-    """baseline_steps: successful steps whose mean reward std is the baseline; window: recent attempts (retries
-    included) that must all be low; ratio: "low" means below ratio * baseline."""
+    """`trainer.early_stop.*`: stop when the in-group reward std has collapsed (RAGEN's reward-variance early stop).
+    Every step is one attempt whose value is `rollout/in_group_reward_std` over all the groups generated for it
+    (filtered ones included); the baseline is the mean over the first `baseline_steps` steps; the run stops, logging
+    `train/early_stopped: 1` and the reason, once the last `window` attempts are all below `ratio * baseline`. The
+    monitor's state is checkpointed, so a resumed run continues (or stays stopped) where it was."""
 
+    enable: bool = False
     baseline_steps: int = 10
     window: int = 10
     ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.baseline_steps < 1 or self.window < 1:
-            raise ValueError(f"baseline_steps={self.baseline_steps} and window={self.window} must both be >= 1")
+        if self.baseline_steps < 1:
+            raise ValueError(f"trainer.early_stop.baseline_steps={self.baseline_steps} must be >= 1")
+        if self.window < 1:
+            raise ValueError(f"trainer.early_stop.window={self.window} must be >= 1 (attempts that must all be low)")
         if not self.ratio > 0:
-            raise ValueError(f"early-stop ratio={self.ratio} must be > 0 (e.g. 0.1 = 10% of the baseline)")
+            raise ValueError(f"trainer.early_stop.ratio={self.ratio} must be > 0 (e.g. 0.1: stop below 10% of the "
+                             "baseline std)")
 
 
 class EarlyStopMonitor:

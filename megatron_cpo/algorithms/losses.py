@@ -11,7 +11,7 @@
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -169,16 +169,20 @@ def clipped_policy_loss(
 
 @dataclass
 class PolicyLossConfig:
-    """Everything that selects the policy-loss variant. GRPO: the defaults; DAPO: `clip_ratio_high=0.28`,
-    `loss_agg_mode="token-mean"`; Dr.GRPO: `loss_agg_mode="seq-mean-token-sum-norm"`.
+    """Everything that selects the policy-loss variant, under verl's names. The actor's config
+    (`actor_rollout_ref.actor`, configs/actor_rollout_ref.py) extends this class, so the trainer passes it as is.
+    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
+    `loss_agg_mode="seq-mean-token-sum-norm"`.
 
     clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high].
     clip_ratio_c: dual-clip bound for negative advantages (> 1).
     loss_agg_mode: one of LOSS_AGGREGATIONS.
     entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
-    top_entropy_quantile: keep only the top fraction of tokens by entropy in the policy-gradient term (1.0 = all).
+    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
+    policy-gradient term (1.0 = all).
     use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
-    tis: truncated importance sampling against the rollout engine's log-probs (None = off); needs them.
+    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
+    engine's log-probs, truncated at this cap; needs them. <= 0: off.
     """
 
     clip_ratio_low: float = 0.2
@@ -190,20 +194,32 @@ class PolicyLossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    tis: Optional[TISConfig] = field(default=None)
+    tis_imp_ratio_cap: float = -1.0
 
     def __post_init__(self) -> None:
-        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
-            raise ValueError(
-                f"clip ratios must be >= 0, got clip_ratio_low={self.clip_ratio_low}, "
-                f"clip_ratio_high={self.clip_ratio_high}"
-            )
+        prefix = "actor_rollout_ref.actor."
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
+        if self.clip_ratio_high < 0:
+            raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
         if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip lower bound; default 3.0)")
-        check_loss_agg_mode(self.loss_agg_mode)
-        check_kl_kind(self.kl_loss_type)
+            raise ValueError(f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; default 3.0)")
+        if self.loss_agg_mode not in LOSS_AGGREGATIONS:
+            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
+                             f"{', '.join(map(repr, LOSS_AGGREGATIONS))}")
+        try:
+            check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
+        except ValueError as error:
+            raise ValueError(f"{prefix}kl_loss_type={self.kl_loss_type!r}: {error}") from None
         if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]; 1.0 disables it")
+            raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
+                             "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
+                             "all, e.g. 0.2 for the top 20%)")
+
+    @property
+    def tis(self) -> Optional[TISConfig]:
+        """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
+        return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None
 
 
 def policy_loss(

@@ -6,7 +6,7 @@ instance with other tile sizes.
 """
 from megatron_cpo.kernels.backends import BACKENDS, KernelBackend, TorchChunkedBackend, TritonBackend
 from megatron_cpo.kernels.hint_signals import HintSignals, hint_mi_signals
-from megatron_cpo.kernels.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
+from megatron_cpo.kernels.log_probs import linear_log_probs_and_entropy, log_probs_and_entropy
 
 __all__ = ["BACKENDS", "HintSignals", "KernelBackend", "TorchChunkedBackend", "TritonBackend", "hint_mi_signals",
-           "linear_logprobs_and_entropy", "logprobs_and_entropy"]
+           "linear_log_probs_and_entropy", "log_probs_and_entropy"]

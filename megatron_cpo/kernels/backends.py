@@ -1,7 +1,7 @@
 """Backends that compute one rank's softmax statistics and logit gradients: chunked torch and Triton.
 
 Both work on one rank's vocabulary slice and never hold float32 logits for more than a bounded tile; the
-tensor-parallel reduction and the autograd wiring are shared (``softmax_stats.finalize``, ``logprobs.py``). A backend
+tensor-parallel reduction and the autograd wiring are shared (``softmax_stats.finalize``, ``log_probs.py``). A backend
 is selected by name through ``BACKENDS`` or passed as an instance (to change tile sizes, as the tests do).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class RowGrads:
 
 
 class KernelBackend(Protocol):
-    """What ``logprobs.py`` needs from a backend, for one rank's vocabulary slice (``n_valid`` real columns)."""
+    """What ``log_probs.py`` needs from a backend, for one rank's vocabulary slice (``n_valid`` real columns)."""
 
     def logits_stats(self, logits: torch.Tensor, local_targets: torch.Tensor, inv_temp: float,
                      n_valid: int) -> SoftmaxStats: ...

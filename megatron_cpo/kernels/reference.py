@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 
-def materialized_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+def materialized_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax`` over a float32 copy of all logits, then gather and ``-sum p log p`` (autograd by torch)."""
     log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -17,8 +17,8 @@ def materialized_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tenso
     return picked.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0)
 
 
-def materialized_linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+def materialized_linear_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                              temperature: float = 1.0,
                                              ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lm-head matmul in the input dtype followed by ``materialized_logprobs_and_entropy``."""
-    return materialized_logprobs_and_entropy(hidden @ weight.T, targets, temperature, ignore_index)
+    """The lm-head matmul in the input dtype followed by ``materialized_log_probs_and_entropy``."""
+    return materialized_log_probs_and_entropy(hidden @ weight.T, targets, temperature, ignore_index)

@@ -106,7 +106,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.models.checkpoint import load_checkpoint, read_checkpoint_info
-    from megatron_cpo.models.conversion import load_hf_weights
+    from megatron_cpo.models.weight_mapping import load_hf_weights
 
     if args.mcore and not args.hf_config:
         raise ValueError("--mcore needs --hf-config DIR (the HF directory with the model's config and tokenizer)")

@@ -6,7 +6,7 @@ Ground truth follows the APPS/TACO convention: JSON (or a dict) with ``inputs`` 
 return value is compared (APPS wraps expected values in a one-element list; both forms are accepted).
 
 Each test case is a separate sandboxed process (``sandbox.run_python``, in the backend ``reward.sandbox.mode``
-selects); with the remote (SandboxFusion) backend up to ``reward.sandbox_fusion.max_concurrent`` cases of one sample
+selects); with the remote (SandboxFusion) backend up to ``reward.sandbox.fusion_max_concurrent`` cases of one sample
 are in flight at once. ``continuous=True`` (the seed's choice) scores the fraction of tests passed;
 ``continuous=False`` scores 1 when all pass and ``wrong_score`` otherwise, and stops at the first failure.
 """

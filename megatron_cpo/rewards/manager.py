@@ -1,6 +1,6 @@
 """Reward manager: scores a batch of responses in a grading pool and turns scores into sparse token rewards.
 
-A sample whose grader raises, hangs past ``reward_fn_timeout_s`` or kills its worker gets that grader's wrong-answer
+A sample whose grader raises, hangs past ``timeout_s`` or kills its worker gets that grader's wrong-answer
 score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
 stops for it. With a remote reward model (``reward.remote``, see ``remote.py``) its score replaces or is added to the
 rule score of every sample; ``acc`` stays the rule graders'. Following the seed (section 2.2), the whole sequence
@@ -13,53 +13,65 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_cpo.algorithms.overlong import OverlongBufferConfig
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
 from megatron_cpo.rewards.registry import get_grader, load_callable
-from megatron_cpo.rewards.sandbox import SandboxSettings, configure_sandbox, sandbox_metrics
+from megatron_cpo.rewards.sandbox import SandboxConfig, configure_sandbox, sandbox_metrics
 from megatron_cpo.rewards.remote import RemoteRewardConfig, RemoteRewardModel
 
 
 @dataclass
 class RewardConfig:
-    """Configuration of verifiable rewards (the trainer embeds it as ``reward``).
+    """`reward.*`: the grading process pool, what grades each response, the code sandbox, a remote reward model and
+    DAPO's overlong buffer (applied by the trainer's group selection).
 
     num_workers: grading processes (the pool is bounded; keep it at or below the free cores).
-    reward_fn_timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced.
-    custom_graders: ``{data_source: "pkg.module:fn"}``, graders with the built-ins' keyword signature.
-    custom_reward_function: ``"pkg.module:fn"`` that grades every source (verl's ``custom_reward_function``).
+    timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced (code graders need their
+        total_timeout_s plus process start-up).
+    custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
+        grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info`
+        keywords and returns a score or a dict with `score` and `acc`. verl's spelling, `custom_reward_function.path`
+        + `.name` at the top level, is accepted too (one or the other) and lands here.
+    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources, in the trainer
+        (data check) and in every grading worker.
     custom_failure_score: score given when a custom grader fails.
-    grader_kwargs: ``{data_source: {kwarg: value}}`` passed to that source's grader, e.g.
-        ``{"math500": {"wrong_score": 0.0}}`` for 1/0 math rewards or ``{"apps": {"continuous": False}}``.
+    grader_kwargs: `{data_source: {kwarg: value}}` passed to that source's grader over its defaults, e.g.
+        `{math500: {wrong_score: 0.0}}` for 1/0 math rewards or `{apps: {continuous: false}}`.
     worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
-        MemoryError instead of exhausting the host); None for no limit.
-    sandbox: which backend runs model-written code (``reward.sandbox.mode`` and ``reward.sandbox_fusion``; see
-        ``sandbox.py``); batches with code samples log ``reward/sandbox_weak``.
-    remote: a reward model behind a URL (``RemoteRewardConfig``); None or ``enable=False`` for rule graders only.
+        MemoryError instead of exhausting the host); 0 for no limit.
+    sandbox: which backend runs model-written code (`SandboxConfig`, rewards/sandbox.py); batches with code samples
+        log `reward/sandbox_weak`.
+    remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
     """
 
     num_workers: int = 2
-    reward_fn_timeout_s: float = 30.0
+    timeout_s: float = 10.0
+    custom_reward_function: str = ""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     custom_graders: dict[str, str] = field(default_factory=dict)
-    custom_reward_function: str | None = None
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     custom_failure_score: float = 0.0
     grader_kwargs: dict[str, dict] = field(default_factory=dict)
-    worker_memory_limit_mb: int | None = 4096
-    sandbox: SandboxSettings = field(default_factory=SandboxSettings)
-    remote: RemoteRewardConfig | None = None
+    worker_memory_limit_mb: int = 4096
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
-            raise ValueError(f"reward.num_workers={self.num_workers}; use >= 1")
-        if self.reward_fn_timeout_s <= 0:
-            raise ValueError(f"reward.reward_fn_timeout_s={self.reward_fn_timeout_s}; use a positive number of "
-                             "seconds (code graders need their total_timeout_s plus process start-up)")
-        if self.worker_memory_limit_mb is not None and self.worker_memory_limit_mb < 512:
+            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0 (seconds; code graders need their "
+                             "total_timeout_s plus process start-up)")
+        if self.worker_memory_limit_mb and self.worker_memory_limit_mb < 512:
             raise ValueError(f"reward.worker_memory_limit_mb={self.worker_memory_limit_mb} cannot hold sympy and the "
-                             "graders; use >= 512 or None")
-        for path in self.custom_graders.values():
-            load_callable(path)
-        if self.custom_reward_function:
-            load_callable(self.custom_reward_function)
+                             "graders; use >= 512, or 0 for no limit")
+        for source, path in self.custom_graders.items():
+            if not (isinstance(path, str) and ":" in path):
+                raise ValueError(f"reward.custom_graders[{source!r}]={path!r} must be 'pkg.module:function' or "
+                                 "'file.py:function'")
+        for source, kwargs in self.grader_kwargs.items():
+            if not isinstance(kwargs, dict):
+                raise ValueError(f"reward.grader_kwargs[{source!r}]={kwargs!r} must be a mapping of the grader's "
+                                 "keyword arguments, e.g. {wrong_score: 0.0}")
 
 
 @dataclass
@@ -117,10 +129,13 @@ class RewardManager:
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function,
-                                dict(config.grader_kwargs), config.worker_memory_limit_mb, config.sandbox)
+        for path in [*config.custom_graders.values(), config.custom_reward_function]:
+            if path:
+                load_callable(path)  # a missing module or function fails here, naming it, before any worker starts
+        self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function or None,
+                                dict(config.grader_kwargs), config.worker_memory_limit_mb or None, config.sandbox)
         configure_sandbox(config.sandbox, resolve=False)  # this process resolves it too, for the log and metric
-        self.remote = RemoteRewardModel(config.remote) if config.remote is not None and config.remote.enable else None
+        self.remote = RemoteRewardModel(config.remote) if config.remote.enable else None
 
     def _grader_for(self, data_source: str) -> tuple[str, float]:
         """(grader name, failure score); unknown sources fail here, before any work is done."""
@@ -148,7 +163,7 @@ class RewardManager:
         graders = [self._grader_for(source) for source in data_sources]
         started = time.monotonic()
         outcomes: list[TaskOutcome] = self._pool.run(
-            list(zip(data_sources, solution_strs, ground_truths, extra_infos)), self.config.reward_fn_timeout_s)
+            list(zip(data_sources, solution_strs, ground_truths, extra_infos)), self.config.timeout_s)
         details = []
         for outcome, (name, failure_score) in zip(outcomes, graders):
             if outcome.status == "ok":

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_cpo.rewards.sandbox import SandboxSettings
+    from megatron_cpo.rewards.sandbox import SandboxConfig
 
 _STARTUP_TIMEOUT_S = 120.0
 GradingTask = tuple[str, str, object, object]  # data_source, solution_str, ground_truth, extra_info
@@ -37,7 +37,7 @@ class TaskOutcome:
 
 def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_reward_function: str | None,
                  grader_kwargs: dict[str, dict], memory_limit_mb: int | None,
-                 sandbox_settings: SandboxSettings | None = None) -> None:
+                 sandbox_settings: SandboxConfig | None = None) -> None:
     """Grade tasks received on ``connection`` until it sends None."""
     from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_grader
     from megatron_cpo.rewards.sandbox import configure_sandbox
@@ -104,7 +104,7 @@ class GraderPool:
 
     def __init__(self, num_workers: int, custom_graders: dict[str, str], custom_reward_function: str | None,
                  grader_kwargs: dict[str, dict], memory_limit_mb: int | None = None,
-                 sandbox_settings: SandboxSettings | None = None) -> None:
+                 sandbox_settings: SandboxConfig | None = None) -> None:
         self._init_args = (custom_graders, custom_reward_function, grader_kwargs, memory_limit_mb, sandbox_settings)
         self._workers = [_Worker(self._init_args) for _ in range(num_workers)]
         self.restarts = 0

@@ -8,7 +8,7 @@ Backends, chosen by ``reward.sandbox.mode`` (``configure_sandbox``):
   space, file size, open files, processes) and PID-namespace teardown: when the call returns or times out, every
   process the program started is gone. Needs root (or ``CAP_SYS_ADMIN``) in the grading process. Each grading
   process keeps one small launcher server (``launcher_server``) that forks the per-run launchers.
-- ``remote``: a SandboxFusion service (``reward.sandbox_fusion.url``; ``sandbox_fusion.py``); its isolation is the
+- ``remote``: a SandboxFusion service (``reward.sandbox.fusion_url``; ``sandbox_fusion.py``); its isolation is the
   service's.
 - ``process`` (weak, a fallback to be chosen knowingly): a child process with the same rlimits, an empty
   environment, a throwaway working directory, its own session, and -- when the grader runs as root -- a fresh
@@ -91,8 +91,15 @@ class SandboxResult:
 
 
 @dataclass(frozen=True)
-class SandboxSettings:
-    """Which backend runs programs in this process (``reward.sandbox`` and ``reward.sandbox_fusion``)."""
+class SandboxConfig:
+    """`reward.sandbox.*`: which backend runs model-written code (see the module docstring). `mode`: `namespaces`
+    (the isolation boundary; needs root or CAP_SYS_ADMIN), `remote` (a SandboxFusion service at `fusion_url`),
+    `process` (rlimits and a throwaway uid only, NOT a boundary: logs a warning and `reward/sandbox_weak=1`) or
+    `auto` (remote when a URL is set, else namespaces when this machine allows them, else process; logged).
+    `fusion_url` is the `run_code` endpoint (e.g. `http://host:8080/run_code`), `fusion_max_concurrent` the
+    requests in flight per grading worker (the test cases of one sample run in parallel), `fusion_memory_limit_mb`
+    the limit per program. verl's `reward_model.sandbox_fusion.{url,max_concurrent,memory_limit_mb}` (and
+    `reward.sandbox_fusion.*`) are accepted as aliases of the `fusion_*` keys."""
 
     mode: str = "auto"
     fusion_url: str = ""
@@ -101,19 +108,22 @@ class SandboxSettings:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"reward.sandbox.mode={self.mode!r}; choose one of {', '.join(MODES)}")
+            raise ValueError(f"reward.sandbox.mode={self.mode!r} is not supported; choose one of "
+                             f"{', '.join(map(repr, MODES))}")
         if self.mode == "remote" and not self.fusion_url:
-            raise ValueError("reward.sandbox.mode=remote needs reward.sandbox_fusion.url (e.g. "
+            raise ValueError("reward.sandbox.mode=remote needs reward.sandbox.fusion_url (e.g. "
                              "http://host:8080/run_code)")
-        if self.fusion_max_concurrent < 1 or self.fusion_memory_limit_mb < 64:
-            raise ValueError(f"reward.sandbox_fusion.max_concurrent={self.fusion_max_concurrent} (>= 1) and "
-                             f"memory_limit_mb={self.fusion_memory_limit_mb} (>= 64) out of range")
+        if self.fusion_max_concurrent < 1:
+            raise ValueError(f"reward.sandbox.fusion_max_concurrent={self.fusion_max_concurrent} must be >= 1")
+        if self.fusion_memory_limit_mb < 64:
+            raise ValueError(f"reward.sandbox.fusion_memory_limit_mb={self.fusion_memory_limit_mb} must be >= 64 (a "
+                             "Python interpreter needs about that)")
 
 
-_settings = SandboxSettings()
+_settings = SandboxConfig()
 
 
-def configure_sandbox(settings: SandboxSettings, resolve: bool = True) -> str | None:
+def configure_sandbox(settings: SandboxConfig, resolve: bool = True) -> str | None:
     """Set the backend every later ``run_python`` call of this process uses; returns the resolved mode (``resolve``
     False leaves ``auto``'s probe to the first run)."""
     global _settings
@@ -121,7 +131,7 @@ def configure_sandbox(settings: SandboxSettings, resolve: bool = True) -> str | 
     return active_mode() if resolve else None
 
 
-def current_settings() -> SandboxSettings:
+def current_settings() -> SandboxConfig:
     return _settings
 
 
@@ -139,12 +149,12 @@ def _resolve(mode: str, has_url: bool) -> str:
     elif mode == "namespaces" and (reason := namespaces_unavailable_reason()) is not None:
         raise RuntimeError(f"reward.sandbox.mode=namespaces, but this machine refuses them ({reason}); run the "
                            "grader as root (or with CAP_SYS_ADMIN), or set reward.sandbox.mode=remote with "
-                           "reward.sandbox_fusion.url, or knowingly reward.sandbox.mode=process")
+                           "reward.sandbox.fusion_url, or knowingly reward.sandbox.mode=process")
     if mode == "process":
         logger.warning(
             "CODE SANDBOX IS WEAK: reward.sandbox.mode resolved to 'process' (no namespaces here: %s). Model-written "
             "code runs with rlimits only and can see this machine's files and network%s. Use "
-            "reward.sandbox.mode=namespaces (root / CAP_SYS_ADMIN) or remote (reward.sandbox_fusion.url) for "
+            "reward.sandbox.mode=namespaces (root / CAP_SYS_ADMIN) or remote (reward.sandbox.fusion_url) for "
             "untrusted code; reward/sandbox_weak=1 is logged every step.", namespaces_unavailable_reason(),
             "" if os.geteuid() == 0 else ", and as the trainer's own user, can read and signal its processes")
     return mode

@@ -25,7 +25,7 @@ from megatron_cpo.rewards.sandbox import (
     RUNNER_SOURCE,
     SandboxLimits,
     SandboxResult,
-    SandboxSettings,
+    SandboxConfig,
     classify,
     run_python,
 )
@@ -53,12 +53,12 @@ def _post(url: str, payload: dict, timeout_s: float) -> dict:
             time.sleep(0.5 * (attempt + 1))
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as error:
             raise RemoteSandboxError(f"sandbox_fusion {url} unreachable or malformed answer ({error}); check "
-                                     "reward.sandbox_fusion.url") from error
+                                     "reward.sandbox.fusion_url") from error
     raise AssertionError("unreachable")
 
 
 def run_remote(program: str, stdin: str, limits: SandboxLimits, mode: str, fn_name: str | None,
-               settings: SandboxSettings) -> SandboxResult:
+               settings: SandboxConfig) -> SandboxResult:
     """Run one program on the SandboxFusion service at ``settings.fusion_url``."""
     code = program if mode == "stdio" else embedded_program(RUNNER_SOURCE, mode, program, fn_name)
     payload = {"code": code, "stdin": stdin, "language": "python", "compile_timeout": 10,
@@ -122,7 +122,7 @@ class _RunCodeHandler(BaseHTTPRequestHandler):
 
 class FusionCompatibleServer(ThreadingHTTPServer):
     """``POST /run_code`` on ``host:port`` (0: any free port), each request run by ``run_python`` with ``backend``.
-    ``url`` is the endpoint for ``reward.sandbox_fusion.url``; ``start``/``close`` run it on a daemon thread."""
+    ``url`` is the endpoint for ``reward.sandbox.fusion_url``; ``start``/``close`` run it on a daemon thread."""
 
     daemon_threads = True
 

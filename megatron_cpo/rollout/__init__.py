@@ -2,7 +2,7 @@
 
 On trainer rank 0::
 
-    manager = RolloutManager(RolloutConfig(model_path=hf_dir, num_engines=2, tensor_parallel_size=1))
+    manager = RolloutManager(EngineLaunchConfig(model_path=hf_dir, engines=RolloutEngineConfig(num_engines=2)))
     manager.submit("uid-0", prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=512, seed=0))
     for group in manager.completed():          # streamed as each prompt's n samples finish
         ...                                    # group.samples[i].token_ids / .logprobs / .finish_reason
@@ -17,12 +17,14 @@ the stages for the collective transport). `rollout.weight_transport` picks how b
 ("collective", engines on any node); "auto" chooses.
 """
 from megatron_cpo.rollout.manager import RolloutManager
-from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup,
-                                        RolloutSample, SamplingParams, derive_sample_seeds)
+from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineConfig, RolloutEngineStartError,
+                                        RolloutEnginesLostError, RolloutGroup, RolloutSample, SamplingParams,
+                                        derive_sample_seeds)
 from megatron_cpo.rollout.collective import WeightGroupJoinError
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
                                               send_from_pipeline_stages)
 
-__all__ = ["RolloutConfig", "RolloutEngineStartError", "RolloutEnginesLostError", "RolloutGroup", "RolloutManager",
-           "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender", "WeightSenderSpec",
+__all__ = ["EngineLaunchConfig", "RolloutEngineConfig", "RolloutEngineStartError", "RolloutEnginesLostError",
+           "RolloutGroup", "RolloutManager", "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender",
+           "WeightSenderSpec",
            "close_weight_groups", "derive_sample_seeds", "send_from_pipeline_stages"]

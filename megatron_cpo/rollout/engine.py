@@ -2,7 +2,7 @@
 
 The actor is asynchronous: every `generate` call is a coroutine awaiting vLLM's `AsyncLLM`, so many prompts are
 batched by vLLM's scheduler while the controller receives each group as soon as its last sample finishes.
-The same code runs the CPU build of vLLM and the CUDA build; with tensor_parallel_size > 1, vLLM's multiprocessing
+The same code runs the CPU build of vLLM and the CUDA build; with tensor_model_parallel_size > 1, vLLM's multiprocessing
 executor spreads the engine over the GPUs Ray assigned to this actor.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import socket
 
 from megatron_cpo.rollout.buckets import BucketSpec
-from megatron_cpo.rollout.types import RolloutConfig, RolloutGroup, RolloutSample, SamplingParams
+from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutGroup, RolloutSample, SamplingParams
 
 WORKER_EXTENSION = "megatron_cpo.rollout.worker_extension.WeightReloadExtension"
 PROCESS_CHECK_S = 1.0  # how often a pending weight RPC checks that the engine's processes are alive
@@ -21,13 +21,13 @@ PROCESS_CHECK_S = 1.0  # how often a pending weight RPC checks that the engine's
 class VLLMEngine:
     """Wrapped by `ray.remote` in the manager; constructing it starts the vLLM engine (tens of seconds)."""
 
-    def __init__(self, config: RolloutConfig, engine_index: int, pid_file: str | None = None) -> None:
+    def __init__(self, config: EngineLaunchConfig, engine_index: int, pid_file: str | None = None) -> None:
         if pid_file is not None and os.path.isdir(os.path.dirname(pid_file)):  # the manager's host only
             # first, so the manager can end what this actor starts even if the actor never finishes starting
             with open(pid_file, "w") as file:
                 file.write(f"{socket.gethostname()} {os.getpid()}")
         if not config.uses_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gib))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_space_gib))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -35,9 +35,9 @@ class VLLMEngine:
             model=config.model_path,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
-            tensor_parallel_size=config.tensor_parallel_size,
-            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.engines.tensor_model_parallel_size,
+            distributed_executor_backend="mp" if config.engines.tensor_model_parallel_size > 1 else None,
+            gpu_memory_utilization=config.engines.gpu_memory_utilization,
             max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
             logprobs_mode=config.logprobs_mode,
@@ -46,8 +46,8 @@ class VLLMEngine:
             enforce_eager=not config.uses_gpu,
             # vLLM's CPU sampler cannot rewind a seeded request's torch generator when a chunked prefill discards
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
-            enable_chunked_prefill=config.uses_gpu and config.enable_chunked_prefill,
-            max_num_batched_tokens=config.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
+            enable_chunked_prefill=config.uses_gpu and config.engines.enable_chunked_prefill,
+            max_num_batched_tokens=config.engines.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)

@@ -28,7 +28,7 @@ import torch
 from megatron_cpo.rollout.engine import VLLMEngine
 from megatron_cpo.rollout.processes import end_processes, engine_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
-from megatron_cpo.rollout.types import (RolloutConfig, RolloutEngineStartError, RolloutEnginesLostError,
+from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineStartError, RolloutEnginesLostError,
                                         RolloutGroup, SamplingParams)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
                                               resolve_weight_transport)
@@ -44,14 +44,14 @@ class _Request:
     engine_index: int
 
 
-def _connect_ray(config: RolloutConfig) -> bool:
+def _connect_ray(config: EngineLaunchConfig) -> bool:
     """`connect_ray`, keeping the caller's SIGTERM handler (the trainer's stop logic): `ray.init` installs one that
     calls sys.exit."""
     if threading.current_thread() is not threading.main_thread():
-        return connect_ray(config.ray_address, config.ray_namespace)
+        return connect_ray(config.engines.ray_address, config.ray_namespace)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        return connect_ray(config.ray_address, config.ray_namespace)
+        return connect_ray(config.engines.ray_address, config.ray_namespace)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -60,13 +60,13 @@ def _connect_ray(config: RolloutConfig) -> bool:
 class RolloutManager:
     """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
 
-    def __init__(self, config: RolloutConfig) -> None:
+    def __init__(self, config: EngineLaunchConfig) -> None:
         import ray
 
         self.config = config
         self._owns_ray = _connect_ray(config)
         self._name_prefix = f"rollout-engine-{uuid.uuid4().hex[:8]}"
-        self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.num_engines))
+        self.engine_names = tuple(f"{self._name_prefix}-{i}" for i in range(config.engines.num_engines))
         self.engines: list = []
         self._alive: list[bool] = []
         self._ready: list[bool] = []
@@ -76,17 +76,17 @@ class RolloutManager:
         self.last_engine_failure: str | None = None
         atexit.register(self.shutdown)
         try:
-            self.weight_transport = resolve_weight_transport(config.weight_transport)
+            self.weight_transport = resolve_weight_transport(config.engines.weight_transport)
             self._spawn_engines(ray)
         except BaseException:
             self.shutdown()
             raise
 
     def _spawn_engines(self, ray) -> None:
-        resources = ({"num_gpus": self.config.tensor_parallel_size, "num_cpus": 1} if self.config.uses_gpu
+        resources = ({"num_gpus": self.config.engines.tensor_model_parallel_size, "num_cpus": 1} if self.config.uses_gpu
                      else {"num_cpus": self.config.cpus_per_engine})
         actor_cls = ray.remote(VLLMEngine)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.config.cpu_kv_cache_gib), **self.config.engine_env}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_space_gib), **self.config.engine_env}
         for index, name in enumerate(self.engine_names):
             self.engines.append(actor_cls.options(name=name, namespace=self.config.ray_namespace,
                                                   max_concurrency=10_000, runtime_env={"env_vars": env},
@@ -190,8 +190,8 @@ class RolloutManager:
                                 ray_namespace=self.config.ray_namespace, engine_names=names,
                                 bucket_bytes=self.config.weight_sync_bucket_bytes,
                                 transport=resolve_weight_transport(transport or self.weight_transport),
-                                workers_per_engine=self.config.tensor_parallel_size,
-                                timeout_s=self.config.weight_sync_timeout_s)
+                                workers_per_engine=self.config.engines.tensor_model_parallel_size,
+                                timeout_s=self.config.engines.weight_sync_timeout_s)
 
     def begin_weight_sync(self) -> None:
         """Open an in-place reload on every live engine; engines must be idle."""
@@ -213,7 +213,7 @@ class RolloutManager:
         refs = [getattr(self.engines[i], method).remote() for i in live]
         for index, ref in zip(live, refs):
             try:
-                ray.get(ref, timeout=self.config.weight_sync_timeout_s)
+                ray.get(ref, timeout=self.config.engines.weight_sync_timeout_s)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
                 if self._engine_is_healthy(index):
                     raise

@@ -5,6 +5,7 @@ and receives a `RolloutGroup` of `n` `RolloutSample`s when every sample of that 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -89,76 +90,103 @@ class RolloutGroup:
 
 
 @dataclass
-class RolloutConfig:
-    """Rollout engines: what model they serve, how many, where, and how weights reach them.
+class RolloutEngineConfig:
+    """The user's settings of the rollout engines (keys of `actor_rollout_ref.rollout`, whose config extends this
+    class): how many engines, their layout and memory, where they run and how weights reach them.
 
+    `tensor_model_parallel_size`: GPUs per engine (vLLM's tensor parallelism). On CPU each engine takes
+    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB); on GPU `gpu_memory_utilization` of its GPUs' memory.
+    `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process) are vLLM's options
+    on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step (see engine.py).
     `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
     and otherwise starts a private local one, never a cluster merely found on the machine; "local" always starts a
     private local cluster; "host:port" joins that cluster (`ray_cluster.resolve_ray_address`).
-    On CPU each engine takes `cpus_per_engine` Ray CPU slots and `cpu_kv_cache_gib` GiB of KV cache; on GPU it takes
-    `tensor_parallel_size` GPUs and `gpu_memory_utilization` of their memory.
-    `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);
-    "processed_logprobs" apply temperature/top-k/top-p first.
     `weight_transport`: how synced weights reach the engines: "shm" (/dev/shm buckets; engines on the sending rank's
     node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
     (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
     forming that group and each broadcast.
+    """
+
+    num_engines: int = 1
+    tensor_model_parallel_size: int = 1
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.6
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 8192
+    ray_address: str = "auto"
+    weight_transport: str = "auto"
+    weight_sync_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout."
+        if self.num_engines < 1:
+            raise ValueError(f"{prefix}num_engines={self.num_engines} must be >= 1")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"{prefix}tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"{prefix}kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB of KV cache per CPU engine)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.weight_transport not in ("auto", "shm", "collective"):
+            raise ValueError(f"{prefix}weight_transport={self.weight_transport!r} is not supported; choose one of "
+                             "'auto', 'shm', 'collective'")
+        if not self.weight_sync_timeout_s > 0:
+            raise ValueError(f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
+
+
+@dataclass
+class EngineLaunchConfig:
+    """What one set of engines serves and how it starts: the user's `RolloutEngineConfig` (`engines`, held as given)
+    plus the facts of the run (`model_path`, `dtype`, `max_model_len`, `seed`) and start-up details the YAML does
+    not expose.
+
+    `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);
+    "processed_logprobs" apply temperature/top-k/top-p first.
     `max_num_seqs`: sequences one engine decodes at once (vLLM's scheduler limit; None keeps vLLM's default, 128 for
     an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
-    max_num_seqs / n prompts only queues.
-    `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process; None: vLLM's default)
-    are vLLM's options on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step.
+    max_num_seqs / n prompts only queues. On CPU each engine takes `cpus_per_engine` Ray CPU slots.
     """
 
     model_path: str
-    num_engines: int = 1
-    tensor_parallel_size: int = 1
+    engines: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     dtype: str = "bfloat16"
     max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.6
+    seed: int = 0
     max_num_seqs: int | None = None
-    cpu_kv_cache_gib: int = 1
     cpus_per_engine: float = 1.0
     enable_prefix_caching: bool = True
     logprobs_mode: str = "raw_logprobs"
     weight_sync_bucket_mb: float = 256.0
-    weight_transport: str = "auto"
-    weight_sync_timeout_s: float = 300.0
-    ray_address: str = "auto"
     ray_namespace: str = "megatron_cpo_rollout"
     engine_start_timeout_s: float = 600.0
     health_timeout_s: float = 30.0
-    seed: int = 0
     engine_env: dict[str, str] = field(default_factory=dict)
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):
-            raise ValueError(f"rollout.model_path={self.model_path!r} is not a directory; point it at an HF model "
+            raise ValueError(f"rollout model_path={self.model_path!r} is not a directory; point it at an HF model "
                              "directory (config.json + weights + tokenizer)")
-        if self.num_engines < 1:
-            raise ValueError(f"rollout.num_engines={self.num_engines}; set rollout.num_engines >= 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size}; set it >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"rollout.dtype={self.dtype!r}; use float32, bfloat16 or float16")
+            raise ValueError(f"rollout dtype={self.dtype!r}; use float32, bfloat16 or float16")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"rollout.max_num_seqs={self.max_num_seqs}; set it >= 1 or None for vLLM's default")
+            raise ValueError(f"rollout max_num_seqs={self.max_num_seqs}; set it >= 1 or None for vLLM's default")
         if self.weight_sync_bucket_mb <= 0:
-            raise ValueError(f"rollout.weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
-        if self.weight_transport not in ("auto", "shm", "collective"):
-            raise ValueError(f"rollout.weight_transport={self.weight_transport!r}; use auto, shm or collective")
-        if self.weight_sync_timeout_s <= 0:
-            raise ValueError(f"rollout.weight_sync_timeout_s={self.weight_sync_timeout_s}; set a positive timeout")
+            raise ValueError(f"rollout weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
+            raise ValueError(f"rollout logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
         if self.engine_start_timeout_s <= 0:
-            raise ValueError(f"rollout.engine_start_timeout_s={self.engine_start_timeout_s}; set a positive timeout")
+            raise ValueError(f"rollout engine_start_timeout_s={self.engine_start_timeout_s}; set a positive timeout")
 
     @property
     def uses_gpu(self) -> bool:
         return platform.has_cuda()
+
+    @property
+    def kv_cache_space_gib(self) -> int:
+        """vLLM's CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB): `engines.kv_cache_gib` rounded up."""
+        return max(1, math.ceil(self.engines.kv_cache_gib))
 
     @property
     def weight_sync_bucket_bytes(self) -> int:

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
+from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
-from megatron_cpo.config import RAGEN_FILTER_METRICS, Config
+from megatron_cpo.config import Config
 
 MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 """Maps a [groups, n] metric matrix to a bool [groups] keep mask (vectorised over the groups)."""
@@ -45,7 +45,7 @@ class GroupSelection:
     overlong: DAPO's overlong penalty, added to the scores before any filter sees them.
     """
     metric_filter: MetricFilter | None = None
-    ragen: RagenFilterConfig | None = None
+    ragen: RolloutFilterConfig | None = None
     window: int = 1
     overlong: OverlongShaping | None = None
 
@@ -248,14 +248,7 @@ def selection_from_config(config: Config) -> GroupSelection | None:
     (None when none is on). RAGEN decides one generation batch (`data.train_batch_size` groups) at a time."""
     rollout, groups, overlong = (config.actor_rollout_ref.rollout, config.algorithm.filter_groups,
                                  config.reward.overlong_buffer)
-    ragen = None
-    if rollout.rollout_filter_enabled:
-        ragen = RagenFilterConfig(
-            strategy=rollout.rollout_filter_strategy, value=rollout.rollout_filter_value,
-            filter_type=rollout.rollout_filter_type, include_zero=rollout.rollout_filter_include_zero,
-            group_score=RAGEN_FILTER_METRICS[rollout.rollout_filter_metric],
-            top_p_prob_mode=rollout.rollout_filter_top_p_prob_mode,
-            selection_eps=rollout.rollout_filter_selection_eps)
+    ragen = rollout if rollout.rollout_filter_enabled else None  # the rollout config is a RolloutFilterConfig
     shaping = None
     if overlong.enable:
         shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)

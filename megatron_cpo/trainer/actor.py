@@ -5,7 +5,7 @@ the (distributed) optimizer; the reference only scores. Every forward goes throu
 `get_forward_backward_func`, so pipeline parallelism works unchanged, and every log-prob / entropy comes from the
 fused kernel, with the padded vocabulary columns left out of the softmax: either on the vocab-parallel logits, or
 (`use_fused_kernels`) on the final hidden states and the vocab-parallel lm-head weight, so the logits are never
-materialised (`linear_logprobs_and_entropy`; tied embeddings use the shared weight).
+materialised (`linear_log_probs_and_entropy`; tied embeddings use the shared weight).
 
 Rows are split over the data-parallel ranks and cut into micro-batches (a fixed row count, or a token budget: see
 `micro_batches`); each rank computes its share and the per-token results are gathered, so every rank ends with the
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
-from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import decoder_hidden_states, lm_head_weight
 from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
@@ -92,11 +92,11 @@ class MegatronPolicy:
         tp_group = tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
         targets = seqs.targets.to(output.device)
         if self.use_fused_kernels:
-            log_probs, entropy = linear_logprobs_and_entropy(
+            log_probs, entropy = linear_log_probs_and_entropy(
                 output.transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
                 tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
         else:
-            log_probs, entropy = logprobs_and_entropy(
+            log_probs, entropy = log_probs_and_entropy(
                 output, targets, temperature=temperature, tp_group=tp_group, ignore_index=IGNORE_INDEX,
                 vocab_size=self.model.hf_vocab_size)
         return seqs.to_response(log_probs), seqs.to_response(entropy)

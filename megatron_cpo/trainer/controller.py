@@ -125,40 +125,41 @@ class RolloutController:
         """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out."""
         s = self.settings
         start = time.perf_counter()
-        acc = GroupAccumulator(s.train_batch_size, self.group_filter, s.filter_metric)
+        accumulator = GroupAccumulator(s.train_batch_size, self.group_filter, s.filter_metric)
         requests: list[_Request] = []
         inflight: dict[str, _Request] = {}
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
                                 "timing/score_calls"), 0.0)
         logged_gen_batches = 0
         data_exhausted = False
-        while not acc.full:
-            data_exhausted = self._top_up(step, acc, requests, inflight) or data_exhausted
+        while not accumulator.full:
+            data_exhausted = self._top_up(step, accumulator, requests, inflight) or data_exhausted
             if not inflight:
                 break
             waited = time.perf_counter()
             finished = [(inflight.pop(group.request_id), group)
                         for group in self.manager.finished(timeout=s.poll_timeout_s) if group.request_id in inflight]
             scoring = time.perf_counter()
-            acc.add(self._score(finished, timing))
+            accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
-            logged_gen_batches = self._log_progress(step, acc, logged_gen_batches)
+            logged_gen_batches = self._log_progress(step, accumulator, logged_gen_batches)
         if inflight:
             self.manager.cancel_all()
-        if acc.next_seq < len(requests):
-            self.stream.rewind(requests[acc.next_seq].position)
+        if accumulator.next_seq < len(requests):
+            self.stream.rewind(requests[accumulator.next_seq].position)
             data_exhausted = False
-        self.keep_history.update(acc.stats.kept, acc.stats.committed)
-        metrics = self._metrics(acc, len(requests), timing, time.perf_counter() - start)
-        if acc.full:
+        self.keep_history.update(accumulator.stats.kept, accumulator.stats.committed)
+        metrics = self._metrics(accumulator, len(requests), timing, time.perf_counter() - start)
+        if accumulator.full:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",
-                        step, sum(g.n for g in acc.batch()))
-            return CollectedBatch(acc.batch(), True, False, metrics)
+                        step, sum(g.n for g in accumulator.batch()))
+            return CollectedBatch(accumulator.batch(), True, False, metrics)
         if not data_exhausted:
             limit = s.prompt_limit
-            message = (f"step {step}: num_gen_batches={math.ceil(acc.next_seq / s.generation_batch)} >= "
-                       f"max_num_gen_batches={s.max_num_gen_batches} with only {len(acc.kept)}/{s.train_batch_size} "
+            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.next_seq / s.generation_batch)} >= "
+                       f"max_num_gen_batches={s.max_num_gen_batches} with only "
+                       f"{len(accumulator.kept)}/{s.train_batch_size} "
                        f"prompts kept after {limit} prompts; the data may be too easy or too hard for the filter. "
                        "Raise algorithm.filter_groups.max_num_gen_batches, or set "
                        "algorithm.filter_groups.on_limit=use_partial to train on the partial batch")
@@ -167,16 +168,16 @@ class RolloutController:
             logger.warning("%s; training on the partial batch (on_limit=use_partial)", message)
         else:
             logger.info("[filter_groups] step %d: data exhausted after epoch %d with %d/%d prompts kept",
-                        step, self.stream.total_epochs, len(acc.kept), s.train_batch_size)
-        return CollectedBatch(acc.batch(), False, data_exhausted, metrics)
+                        step, self.stream.total_epochs, len(accumulator.kept), s.train_batch_size)
+        return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics)
 
-    def _top_up(self, step: int, acc: GroupAccumulator, requests: list[_Request],
+    def _top_up(self, step: int, accumulator: GroupAccumulator, requests: list[_Request],
                 inflight: dict[str, _Request]) -> bool:
         """Submit prompts until enough are outstanding for the observed keep rate; True when data ran out."""
         s = self.settings
-        keep_rate = self.keep_history.rate(acc.stats.kept, acc.stats.committed)
-        wanted = min(s.inflight_cap, prompts_to_request(s.train_batch_size - len(acc.kept), keep_rate))
-        while len(requests) - acc.next_seq < wanted:
+        keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
+        wanted = min(s.inflight_cap, prompts_to_request(s.train_batch_size - len(accumulator.kept), keep_rate))
+        while len(requests) - accumulator.next_seq < wanted:
             if s.prompt_limit is not None and len(requests) >= s.prompt_limit:
                 return False
             item = self.stream.next()
@@ -211,23 +212,24 @@ class RolloutController:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically."""
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
-    def _log_progress(self, step: int, acc: GroupAccumulator, logged: int) -> int:
+    def _log_progress(self, step: int, accumulator: GroupAccumulator, logged: int) -> int:
         """The seeds' per-generation-batch line, once per generation batch of committed prompts."""
         size, wanted = self.settings.generation_batch, self.settings.train_batch_size
-        while (logged + 1) * size <= acc.next_seq or (acc.full and logged * size < acc.next_seq):
+        committed = accumulator.next_seq
+        while (logged + 1) * size <= committed or (accumulator.full and logged * size < committed):
             logged += 1
             logger.info("[filter_groups] step %d, gen batch %d: committed %d prompts, filtered %d trajectories, "
-                        "accumulated %d/%d", step, logged, acc.next_seq, acc.stats.filtered_trajectories,
-                        min(len(acc.kept), wanted), wanted)
+                        "accumulated %d/%d", step, logged, committed, accumulator.stats.filtered_trajectories,
+                        min(len(accumulator.kept), wanted), wanted)
         return logged
 
-    def _metrics(self, acc: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
+    def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
                  ) -> dict[str, float]:
         size = self.settings.train_batch_size
-        metrics = acc.metrics()
+        metrics = accumulator.metrics()
         metrics.update(timing)
         metrics.update({
-            "filter/num_gen_batches": float(math.ceil(acc.next_seq / size)),
+            "filter/num_gen_batches": float(math.ceil(accumulator.next_seq / size)),
             "filter/target_prompts": float(size),
             "timing/requested_prompts": float(requested),
             "timing/gen_s": seconds,

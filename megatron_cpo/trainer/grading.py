@@ -11,18 +11,12 @@ from typing import Any
 import torch
 
 from megatron_cpo.config import Config
-from megatron_cpo.rewards.manager import RewardConfig, RewardManager
-from megatron_cpo.rewards.sandbox import SandboxSettings
+from megatron_cpo.rewards.manager import RewardManager
 
 
 def build_reward_manager(config: Config) -> RewardManager:
     """The grading pool of `reward.*` (and the remote reward model of `reward.remote.*` when enabled)."""
-    return RewardManager(RewardConfig(
-        num_workers=config.reward.num_workers, reward_fn_timeout_s=config.reward.timeout_s,
-        custom_graders=dict(config.reward.custom_graders), custom_reward_function=config.reward_function_spec or None,
-        sandbox=SandboxSettings(config.reward.sandbox.mode, config.reward.sandbox_fusion.url,
-                                config.reward.sandbox_fusion.max_concurrent, config.reward.sandbox_fusion.memory_limit_mb),
-        remote=config.reward.remote))
+    return RewardManager(config.reward)
 
 
 class Grader:

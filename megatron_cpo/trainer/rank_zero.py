@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.algorithms.filters import EarlyStopConfig as MonitorConfig
 from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.rewards.registry import register_custom_graders
@@ -46,7 +45,7 @@ class RankZero:
         eos = tokenizer.eos_token_id
         self.validator = Validator(config, val_data, self.manager, self.grader,
                                    training_sampling_params(config, eos, None, greedy=True))
-        self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.adv_estimator == "cpo" else None
+        self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
         groups, rollout = config.algorithm.filter_groups, config.actor_rollout_ref.rollout
         self.controller = RolloutController(
             self.manager, self.stream, self.grader.score_groups,
@@ -56,10 +55,7 @@ class RankZero:
                                on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
                                filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
             selection_from_config(config), lambda seed: training_sampling_params(config, eos, seed))
-        early_stop = config.trainer.early_stop
-        self.monitor = (EarlyStopMonitor(MonitorConfig(baseline_steps=early_stop.baseline_steps,
-                                                       window=early_stop.window, ratio=early_stop.ratio))
-                        if early_stop.enable else None)
+        self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
 
     def open_log(self, total_steps: int, resume_step: int) -> None:

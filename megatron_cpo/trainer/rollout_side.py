@@ -1,13 +1,12 @@
 """What rank 0 builds from the config for rollout: the data sets, the engines, sampling parameters, hint contexts."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
-from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams
+from megatron_cpo.rollout import EngineLaunchConfig, RolloutManager, SamplingParams
 from megatron_cpo.trainer.accumulator import ScoredGroup
 
 
@@ -23,16 +22,10 @@ def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool
 def build_rollout_manager(config: Config) -> RolloutManager:
     """The engines of `actor_rollout_ref.rollout` (started here) behind one submit / completed interface."""
     data, rollout = config.data, config.actor_rollout_ref.rollout
-    return RolloutManager(RolloutConfig(
-        model_path=config.actor_rollout_ref.model.path, num_engines=rollout.num_engines,
-        tensor_parallel_size=rollout.tensor_model_parallel_size,
+    return RolloutManager(EngineLaunchConfig(
+        model_path=config.actor_rollout_ref.model.path, engines=rollout,
         dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
-        max_model_len=data.max_prompt_length + data.max_response_length,
-        cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed,
-        ray_address=rollout.ray_address, weight_transport=rollout.weight_transport,
-        weight_sync_timeout_s=rollout.weight_sync_timeout_s, gpu_memory_utilization=rollout.gpu_memory_utilization,
-        enable_chunked_prefill=rollout.enable_chunked_prefill,
-        max_num_batched_tokens=rollout.max_num_batched_tokens))
+        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed))
 
 
 def training_sampling_params(config: Config, eos_token_id: int, seed: int | None, greedy: bool = False

@@ -13,12 +13,9 @@ from typing import Any
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
-from megatron_cpo.algorithms.losses import PolicyLossConfig
 from megatron_cpo.algorithms.masked import masked_mean
-from megatron_cpo.algorithms.mismatch import TISConfig
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
@@ -79,17 +76,6 @@ def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[
     return seqs, batch.rollout_log_probs.padded(width, 0.0)
 
 
-def loss_config_of(config: Config) -> PolicyLossConfig:
-    """The policy-loss variant the actor config selects (clip-higher, aggregation, entropy mask, KL, TIS)."""
-    actor = config.actor_rollout_ref.actor
-    tis = TISConfig(level="token", threshold=actor.tis_imp_ratio_cap) if actor.tis_imp_ratio_cap > 0 else None
-    return PolicyLossConfig(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                            clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
-                            entropy_coeff=actor.entropy_coeff, top_entropy_quantile=actor.top_entropy_quantile,
-                            use_kl_loss=actor.use_kl_loss,
-                            kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, tis=tis)
-
-
 def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
                            mask: torch.Tensor, response_lengths: torch.Tensor, kind: str, coef: float
                            ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -147,32 +133,18 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
         metrics.update(kl_metrics)
         metrics["reward/with_kl_mean"] = float(scores.mean())
     advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
-    if algo.adv_estimator == "cpo":
-        advantages, cpo_metrics = _cpo_advantages(batch, lp, advantages, config)
-        metrics.update(cpo_metrics)
+    shaper = algo.shaper  # grpo: unchanged; cpo: the hint-conditioned rule (algorithms/shapers.py)
+    hint_log_probs = signals = None
+    if shaper.needs_hint_contexts:
+        hint_log_probs = lp.hint_log_probs if lp.hint_log_probs is not None else lp.old_log_probs
+        signals = hint_mi_signals(lp.old_log_probs, hint_log_probs, lp.entropy, mask)
+        metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
+    advantages, shaping_metrics = shaper.shape(advantages, mask=mask, correct=batch.acc > 0, group=batch.group,
+                                               log_probs=lp.old_log_probs, entropy=lp.entropy,
+                                               hint_log_probs=hint_log_probs, signals=signals)
+    metrics.update(shaping_metrics)
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
-    return advantages, metrics
-
-
-def _cpo_advantages(batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor, config: Config
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The CPO rule `algorithm.wrap_method` applied to GRPO advantages, by difficulty (docs/cpo.md)."""
-    actor_cfg = config.actor_rollout_ref.actor
-    mask = lp.mask
-    hint_log_probs = lp.hint_log_probs if lp.hint_log_probs is not None else lp.old_log_probs
-    signals = hint_mi_signals(lp.old_log_probs, hint_log_probs, lp.entropy, mask)
-    correct = batch.acc > 0
-    difficulty = difficulty_mask(correct, batch.group, levels=3)
-    advantages, metrics = shape_advantages(
-        config.algorithm.wrap_method, advantages, signals, lp.entropy, mask.bool(), correct, difficulty,
-        lp.old_log_probs, hint_log_probs, actor_cfg.pos_alpha, actor_cfg.neg_alpha, actor_cfg.cpo_lambda)
-    mi = signals.mi[mask.bool()]
-    metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
-                    "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0,
-                    "cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-    for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
-        metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
     return advantages, metrics
 
 
@@ -181,7 +153,6 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats."""
     rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     temperature = rollout_cfg.temperature or 1.0
-    loss_config = loss_config_of(config)
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []
     for _ in range(actor_cfg.ppo_epochs):
@@ -190,7 +161,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
             inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                   lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
                                   lp.rollout_log_probs[rows])
-            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, loss_config, temperature))
+            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, actor_cfg, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
 
     mask = lp.mask

@@ -7,7 +7,7 @@ import torch
 from megatron_cpo.algorithms.filters import (
     EarlyStopConfig,
     EarlyStopMonitor,
-    RagenFilterConfig,
+    RolloutFilterConfig,
     filter_groups,
     filter_loss_scale,
     in_group_reward_std,
@@ -44,32 +44,32 @@ def _kept_groups(config):
 
 
 @pytest.mark.parametrize("config,kept", [
-    (RagenFilterConfig("top_k", 2), [0, 3]),
-    (RagenFilterConfig("top_k", 2, filter_type="smallest"), [1, 2]),
-    (RagenFilterConfig("top_k", 2, filter_type="smallest", include_zero=False), [0, 2]),
+    (RolloutFilterConfig("top_k", 2), [0, 3]),
+    (RolloutFilterConfig("top_k", 2, rollout_filter_type="smallest"), [1, 2]),
+    (RolloutFilterConfig("top_k", 2, rollout_filter_type="smallest", rollout_filter_include_zero=False), [0, 2]),
     # top_k as a fraction of the 4 groups: int(0.5 * 4) = 2; int(0.3 * 4) = 1; int(0.1 * 4) = 0 -> at least 1
-    (RagenFilterConfig("top_k", 0.5), [0, 3]),
-    (RagenFilterConfig("top_k", 0.3), [3]),
-    (RagenFilterConfig("top_k", 0.1), [3]),
-    (RagenFilterConfig("min_p", 0.5), [0, 2, 3]),
+    (RolloutFilterConfig("top_k", 0.5), [0, 3]),
+    (RolloutFilterConfig("top_k", 0.3), [3]),
+    (RolloutFilterConfig("top_k", 0.1), [3]),
+    (RolloutFilterConfig("min_p", 0.5), [0, 2, 3]),
     # softmax of the stds: g3 0.380, g0 0.249, g2 0.231, g1 0.140
-    (RagenFilterConfig("top_p", 0.3, top_p_prob_mode="softmax"), [3]),
-    (RagenFilterConfig("top_p", 0.5, top_p_prob_mode="softmax"), [0, 3]),
-    (RagenFilterConfig("top_p", 0.7, top_p_prob_mode="softmax"), [0, 2, 3]),
-    (RagenFilterConfig("top_p", 1.0, top_p_prob_mode="softmax"), [0, 1, 2, 3]),
+    (RolloutFilterConfig("top_p", 0.3, rollout_filter_top_p_prob_mode="softmax"), [3]),
+    (RolloutFilterConfig("top_p", 0.5, rollout_filter_top_p_prob_mode="softmax"), [0, 3]),
+    (RolloutFilterConfig("top_p", 0.7, rollout_filter_top_p_prob_mode="softmax"), [0, 2, 3]),
+    (RolloutFilterConfig("top_p", 1.0, rollout_filter_top_p_prob_mode="softmax"), [0, 1, 2, 3]),
     # linear (RAGEN's default): stds sum to 2.0774; keep best-first until value * 2.0774 - 0.01 is reached.
     # 0.3 -> 0.613: g3 (1.0) reaches it; 0.5 -> 1.029: g3 + g0 = 1.577; 0.9 -> 1.860: g3 + g0 + g2 = 2.077
-    (RagenFilterConfig("top_p", 0.3), [3]),
-    (RagenFilterConfig("top_p", 0.5), [0, 3]),
-    (RagenFilterConfig("top_p", 0.9), [0, 2, 3]),
-    (RagenFilterConfig("top_p", 1.0), [0, 1, 2, 3]),
+    (RolloutFilterConfig("top_p", 0.3), [3]),
+    (RolloutFilterConfig("top_p", 0.5), [0, 3]),
+    (RolloutFilterConfig("top_p", 0.9), [0, 2, 3]),
+    (RolloutFilterConfig("top_p", 1.0), [0, 1, 2, 3]),
     # smallest, ascending: g1's 0 stops the walk at once, the sum is never reached: nothing (as RAGEN); without
     # zero groups: g2 0.5 + g0 0.577 = 1.077 >= 0.5 * 2.0774 - 0.01
-    (RagenFilterConfig("top_p", 0.5, filter_type="smallest"), []),
-    (RagenFilterConfig("top_p", 0.5, filter_type="smallest", include_zero=False), [0, 2]),
-    (RagenFilterConfig("top_k", 1, group_score="mean"), [1]),  # means 0.5, 1, 0.25, 0.5
-    (RagenFilterConfig("top_k", 1, group_score="sum"), [1]),  # sums 2, 4, 1, 2
-    (RagenFilterConfig("top_k", 2, group_score="sum", filter_type="smallest"), [0, 2]),  # ties: group order
+    (RolloutFilterConfig("top_p", 0.5, rollout_filter_type="smallest"), []),
+    (RolloutFilterConfig("top_p", 0.5, rollout_filter_type="smallest", rollout_filter_include_zero=False), [0, 2]),
+    (RolloutFilterConfig("top_k", 1, rollout_filter_metric="reward_mean"), [1]),  # means 0.5, 1, 0.25, 0.5
+    (RolloutFilterConfig("top_k", 1, rollout_filter_metric="reward_sum"), [1]),  # sums 2, 4, 1, 2
+    (RolloutFilterConfig("top_k", 2, rollout_filter_metric="reward_sum", rollout_filter_type="smallest"), [0, 2]),  # ties: group order
 ])
 def test_ragen_strategies_hand_computed(config, kept):
     assert _kept_groups(config) == kept
@@ -77,25 +77,25 @@ def test_ragen_strategies_hand_computed(config, kept):
 
 def test_ragen_length_score():
     lengths = torch.tensor([10, 20, 30, 40, 5, 5, 5, 5, 100, 0, 0, 0, 1, 1, 1, 1.0])  # group means 25, 5, 25, 1
-    keep = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RagenFilterConfig("top_k", 2, group_score="length"),
+    keep = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RolloutFilterConfig("top_k", 2, rollout_filter_metric="length"),
                         lengths=lengths).keep
     assert [g for g in range(4) if bool(keep[4 * g])] == [0, 2]
     with pytest.raises(ValueError, match="needs the response lengths"):
-        ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RagenFilterConfig("top_k", 2, group_score="length"))
+        ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RolloutFilterConfig("top_k", 2, rollout_filter_metric="length"))
 
 
 @pytest.mark.parametrize("mode", ["linear", "softmax"])
 def test_top_p_one_keeps_every_group_issue_repro(mode):
     # a very peaked softmax (20 vs 0): the tail's mass rounds away in float32, yet value 1.0 keeps all
     rewards, group = torch.tensor([20.0, 20.0, 0.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2])
-    config = RagenFilterConfig("top_p", 1.0, group_score="mean", top_p_prob_mode=mode)
+    config = RolloutFilterConfig("top_p", 1.0, rollout_filter_metric="reward_mean", rollout_filter_top_p_prob_mode=mode)
     assert ragen_filter(rewards, group, config).keep.all()
 
 
 def test_min_p_smallest_keeps_scores_up_to_min_over_value_issue_repro():
     # group means 0.2, 0.3, 0.5; min / value = 0.4: groups 0 and 1
     rewards, group = torch.tensor([0.2, 0.2, 0.3, 0.3, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2])
-    keep = ragen_filter(rewards, group, RagenFilterConfig("min_p", 0.5, "smallest", group_score="mean")).keep
+    keep = ragen_filter(rewards, group, RolloutFilterConfig("min_p", 0.5, "smallest", rollout_filter_metric="reward_mean")).keep
     assert keep.tolist() == [True, True, True, True, False, False]
 
 
@@ -104,42 +104,42 @@ def test_min_p_with_only_negative_scores_keeps_the_best(filter_type, kept):
     # means -1, -0.5, -2. largest: value * best = -0.25 lies above every score; smallest: best / value = -4 lies
     # below every score; RAGEN would keep nothing, we keep the best group (docs/filters.md).
     rewards, group = torch.tensor([-1.0, -1.0, -0.5, -0.5, -2.0, -2.0]), torch.tensor([0, 0, 1, 1, 2, 2])
-    keep = ragen_filter(rewards, group, RagenFilterConfig("min_p", 0.5, filter_type, group_score="mean")).keep
+    keep = ragen_filter(rewards, group, RolloutFilterConfig("min_p", 0.5, filter_type, rollout_filter_metric="reward_mean")).keep
     expected = [1] if filter_type == "largest" else [2]
     assert [g for g in range(3) if bool(keep[2 * g])] == expected and kept
 
 
 def test_constant_group_std_is_exactly_zero_issue_repro():
-    # float32 [0.9, 0.9, 0.9] has a rounding std of 7e-8; it must count as 0: dropped with include_zero=false, and
+    # float32 [0.9, 0.9, 0.9] has a rounding std of 7e-8; it must count as 0: dropped with rollout_filter_include_zero=false, and
     # tied with the other constant group under top_k (ties go to the earlier group), never ahead of it.
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.9, 0.9])
     group = torch.tensor([0, 0, 0, 1, 1, 1])
-    assert not ragen_filter(rewards, group, RagenFilterConfig("top_k", 1, include_zero=False)).keep.any()
-    assert not ragen_filter(rewards, group, RagenFilterConfig("top_p", 1.0, include_zero=False)).keep.any()
-    keep = ragen_filter(rewards, group, RagenFilterConfig("top_k", 1)).keep
+    assert not ragen_filter(rewards, group, RolloutFilterConfig("top_k", 1, rollout_filter_include_zero=False)).keep.any()
+    assert not ragen_filter(rewards, group, RolloutFilterConfig("top_p", 1.0, rollout_filter_include_zero=False)).keep.any()
+    keep = ragen_filter(rewards, group, RolloutFilterConfig("top_k", 1)).keep
     assert keep.tolist() == [True, True, True, False, False, False]
     varied = torch.tensor([0.9, 0.9, 0.9, 0.0, 1.0, 0.0])
-    keep = ragen_filter(varied, group, RagenFilterConfig("top_p", 1.0, include_zero=False)).keep
+    keep = ragen_filter(varied, group, RolloutFilterConfig("top_p", 1.0, rollout_filter_include_zero=False)).keep
     assert keep.tolist() == [False, False, False, True, True, True]
 
 
 def test_ragen_metrics_and_empty_candidates():
-    result = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RagenFilterConfig("top_k", 1))
+    result = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RolloutFilterConfig("top_k", 1))
     assert result.metrics["kept"] == 1 and result.metrics["kept_ratio"] == 0.25
     assert result.metrics["mean_std"] == pytest.approx((math.sqrt(1 / 3) + 0 + 0.5 + 1) / 4)
-    nothing = ragen_filter(torch.ones(4), torch.tensor([0, 0, 1, 1]), RagenFilterConfig(include_zero=False))
+    nothing = ragen_filter(torch.ones(4), torch.tensor([0, 0, 1, 1]), RolloutFilterConfig("top_p", 0.9, rollout_filter_include_zero=False))
     assert not nothing.keep.any() and nothing.metrics["filter_rate"] == 1.0
 
 
 def test_ragen_config_errors_name_the_fix():
-    with pytest.raises(ValueError, match="fraction of the groups in \\(0, 1\\) or a whole number >= 1"):
-        RagenFilterConfig("top_k", 2.5)
+    with pytest.raises(ValueError, match="rollout_filter_value=2.5 must be a whole number >= 1 for top_k"):
+        RolloutFilterConfig("top_k", 2.5)
     with pytest.raises(ValueError, match="rollout_filter_strategy='top_q'"):
-        RagenFilterConfig("top_q", 0.5)
-    with pytest.raises(ValueError, match="top_p needs"):
-        RagenFilterConfig("top_p", 1.5)
-    with pytest.raises(ValueError, match="top_p_prob_mode='nucleus'"):
-        RagenFilterConfig("top_p", 0.5, top_p_prob_mode="nucleus")
+        RolloutFilterConfig("top_q", 0.5)
+    with pytest.raises(ValueError, match="rollout_filter_value=1.5 must be in \\(0, 1\\] for top_p"):
+        RolloutFilterConfig("top_p", 1.5)
+    with pytest.raises(ValueError, match="rollout_filter_top_p_prob_mode='nucleus'"):
+        RolloutFilterConfig("top_p", 0.5, rollout_filter_top_p_prob_mode="nucleus")
 
 
 def test_filter_loss_scaling():

@@ -165,7 +165,7 @@ def test_tis_token_and_sequence_levels():
 def test_total_loss_with_tis_entropy_and_kl():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     config = PolicyLossConfig(entropy_coeff=0.1, use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k1",
-                              tis=TISConfig("token", 2.0))
+                              tis_imp_ratio_cap=2.0)
     loss, m = policy_loss(old, old, torch.ones(1, 2), torch.ones(1, 2), config,
                           entropy=torch.tensor([[1.0, 3.0]]), ref_log_probs=old - 0.5,
                           rollout_log_probs=torch.log(torch.tensor([[0.1, 0.5]])))
@@ -191,10 +191,10 @@ def test_missing_inputs_and_bad_config_are_named():
     with pytest.raises(ValueError, match="ref_log_probs"):
         policy_loss(x, x, x, torch.ones(1, 2), PolicyLossConfig(use_kl_loss=True))
     with pytest.raises(ValueError, match="rollout_log_probs"):
-        policy_loss(x, x, x, torch.ones(1, 2), PolicyLossConfig(tis=TISConfig()))
+        policy_loss(x, x, x, torch.ones(1, 2), PolicyLossConfig(tis_imp_ratio_cap=2.0))
     with pytest.raises(ValueError, match="clip_ratio_c=1.0"):
         PolicyLossConfig(clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
+    with pytest.raises(ValueError, match="loss_agg_mode='mean' is not supported"):
         PolicyLossConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="global_tokens=0"):
         aggregate_loss(x, torch.ones(1, 2), "token-mean", global_tokens=0)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from megatron_cpo.algorithms.advantages import grpo_scalar_advantages
 from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, shape_advantages
 from megatron_cpo.kernels import hint_mi_signals
-from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter
+from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
 
 FAST = settings(max_examples=25, deadline=None)
@@ -54,12 +54,12 @@ def test_filter_groups_keeps_whole_groups_in_any_order(batch):
 
 @FAST
 @given(grouped_batch(binary=True), st.sampled_from(["top_p", "top_k", "min_p"]), st.floats(0.05, 1.0),
-       st.sampled_from(["largest", "smallest"]), st.booleans(), st.sampled_from(["std", "mean", "sum"]),
+       st.sampled_from(["largest", "smallest"]), st.booleans(), st.sampled_from(["reward_std", "reward_mean", "reward_sum"]),
        st.sampled_from(["linear", "softmax"]))
 def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, include_zero, group_score, mode):
     scores, group, perm = batch
     value = float(max(1, round(value * 4))) if strategy == "top_k" and value > 0.5 else value
-    config = RagenFilterConfig(strategy, value, filter_type, include_zero, group_score, top_p_prob_mode=mode)
+    config = RolloutFilterConfig(strategy, value, filter_type, include_zero, group_score, rollout_filter_top_p_prob_mode=mode)
     keep = ragen_filter(scores, group, config).keep
     for g in group.unique():
         assert keep[group == g].all() or not keep[group == g].any()
@@ -72,7 +72,7 @@ def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, in
 @given(grouped_batch(), st.floats(0.01, 1.0))
 def test_softmax_top_p_keeps_at_least_one_group(batch, value):
     scores, group, _ = batch
-    assert ragen_filter(scores, group, RagenFilterConfig("top_p", value, top_p_prob_mode="softmax")).keep.any()
+    assert ragen_filter(scores, group, RolloutFilterConfig("top_p", value, rollout_filter_top_p_prob_mode="softmax")).keep.any()
 
 
 @st.composite

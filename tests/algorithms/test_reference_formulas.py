@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.filters import RagenFilterConfig, filter_groups, ragen_filter, ragen_group_scores
+from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter, ragen_group_scores
 from megatron_cpo.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron_cpo.algorithms.losses import aggregate_loss, clipped_policy_loss
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
@@ -151,23 +151,23 @@ def test_overlong_penalty_matches_dapo(lengths, buffer_len, factor):
 def ragen_select(scores, config, num_groups):
     """RAGEN's `_select_top_groups` on a list of group scores: the selected group indices."""
     idx = list(range(num_groups))
-    if not config.include_zero:
+    if not config.rollout_filter_include_zero:
         idx = [i for i in idx if abs(scores[i]) > 1e-10]
         if not idx:
             return set()
     s = [scores[i] for i in idx]
-    largest = config.filter_type == "largest"
-    if config.strategy == "top_p":
-        if config.value >= 1.0:
+    largest = config.rollout_filter_type == "largest"
+    if config.rollout_filter_strategy == "top_p":
+        if config.rollout_filter_value >= 1.0:
             return set(idx)
-        if config.top_p_prob_mode == "softmax":
+        if config.rollout_filter_top_p_prob_mode == "softmax":
             logits = torch.tensor(s if largest else [-x for x in s], dtype=torch.float64)
             probs = torch.softmax(logits, 0)
             sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            k = min(int(torch.searchsorted(torch.cumsum(sorted_probs, 0), config.value)) + 1, len(idx))
+            k = min(int(torch.searchsorted(torch.cumsum(sorted_probs, 0), config.rollout_filter_value)) + 1, len(idx))
             return {idx[int(j)] for j in order[:k]}
         order = sorted(range(len(s)), key=lambda j: -s[j] if largest else s[j])
-        threshold = config.value * sum(s) - config.selection_eps
+        threshold = config.rollout_filter_value * sum(s) - config.rollout_filter_selection_eps
         total, count = 0.0, 0
         for j in order:
             if total >= threshold or s[j] <= 0:
@@ -175,17 +175,17 @@ def ragen_select(scores, config, num_groups):
             total += s[j]
             count += 1
         return {idx[j] for j in order[:count]} if total >= threshold else set()
-    if config.strategy == "top_k":
-        k = int(config.value * num_groups) if config.value < 1 else int(config.value)
+    if config.rollout_filter_strategy == "top_k":
+        k = int(config.rollout_filter_value * num_groups) if config.rollout_filter_value < 1 else int(config.rollout_filter_value)
         k = max(min(k, len(idx)), 1)
         order = sorted(range(len(s)), key=lambda j: -s[j] if largest else s[j])
         return {idx[j] for j in order[:k]}
     if largest:
         best = max(s)
-        chosen = {idx[j] for j in range(len(s)) if s[j] >= best * config.value - 1e-10}
+        chosen = {idx[j] for j in range(len(s)) if s[j] >= best * config.rollout_filter_value - 1e-10}
     else:
         best = min(s)
-        chosen = {idx[j] for j in range(len(s)) if s[j] <= best / (config.value + 1e-10) + 1e-10}
+        chosen = {idx[j] for j in range(len(s)) if s[j] <= best / (config.rollout_filter_value + 1e-10) + 1e-10}
     return chosen | {idx[j] for j in range(len(s)) if s[j] == best}  # deviation: the best group is always kept
 
 
@@ -198,10 +198,10 @@ def ragen_case(draw):
     rewards[constant] = rewards[constant][:, :1]  # some constant groups (std 0) to exercise include_zero and ties
     strategy = draw(st.sampled_from(["top_p", "top_k", "min_p"]))
     value = draw(st.sampled_from([0.1, 0.3, 0.5, 0.75, 0.9, 1.0] + ([2.0, 3.0] if strategy == "top_k" else [])))
-    config = RagenFilterConfig(strategy, value, draw(st.sampled_from(["largest", "smallest"])), draw(st.booleans()),
-                               draw(st.sampled_from(["std", "mean", "sum"])),
-                               top_p_prob_mode=draw(st.sampled_from(["linear", "softmax"])),
-                               selection_eps=draw(st.sampled_from([0.0, 0.01])))
+    config = RolloutFilterConfig(strategy, value, draw(st.sampled_from(["largest", "smallest"])), draw(st.booleans()),
+                               draw(st.sampled_from(["reward_std", "reward_mean", "reward_sum"])),
+                               rollout_filter_top_p_prob_mode=draw(st.sampled_from(["linear", "softmax"])),
+                               rollout_filter_selection_eps=draw(st.sampled_from([0.0, 0.01])))
     return rewards, config
 
 
@@ -222,7 +222,7 @@ def test_ragen_selection_matches_ragen(case):
 def test_ragen_std_is_torch_std_except_exact_zero_for_constant_groups():
     rewards = torch.tensor([[0.2, 0.9, 0.4], [0.9, 0.9, 0.9], [1.0, 0.0, 0.5]])
     group = torch.arange(3).repeat_interleave(3)
-    ours = ragen_group_scores(rewards.reshape(-1), group, RagenFilterConfig())
+    ours = ragen_group_scores(rewards.reshape(-1), group, RolloutFilterConfig())
     reference = rewards.double().std(dim=-1)  # RAGEN: in_group_std = rm_scores.std(dim=-1)
     torch.testing.assert_close(ours[[0, 2]], reference[[0, 2]])
     assert float(ours[1]) == 0.0 and float(rewards[1].std()) > 0  # float32 rounding: RAGEN's std is 7e-8 here

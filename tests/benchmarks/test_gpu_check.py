@@ -70,7 +70,7 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     correctness = parts["kernel_correctness"]["records"]
     # 2 kernels x 2 dtypes x 2 cases, on the interpreted Triton backend and the chunked torch backend
     assert len(correctness) == 16 and all(r["passed"] for r in correctness)
-    kernels = ("logprobs_and_entropy", "linear_logprobs_and_entropy")
+    kernels = ("log_probs_and_entropy", "linear_log_probs_and_entropy")
     assert {(r["backend"], r["kernel"]) for r in correctness} == {
         (b, k) for b in ("triton-interpreted", "torch") for k in kernels}
     actor = parts["actor"]["records"]

@@ -42,7 +42,7 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     from megatron_cpo import platform
     from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, load_checkpoint, load_hf_config,
                                      load_hf_weights)
-    from megatron_cpo.models.converters import convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_cpo.models.conversion_commands import convert_hf_to_mcore, convert_mcore_to_hf
 
     work = Path(work_dir)
     configs = {family: load_hf_config(hf_dirs[family]) for family in FAMILIES}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_cpo.models.builder import build_gpt_model, linear_biases
-from megatron_cpo.models.converters import config_dtype
+from megatron_cpo.models.conversion_commands import config_dtype
 from megatron_cpo.models.hf_options import OPTIONS, rope_settings, sliding_window_settings
 from megatron_cpo.models.tiny import tiny_config
 

@@ -6,7 +6,7 @@ import torch
 from megatron_cpo.kernels import TorchChunkedBackend, TritonBackend
 
 
-def logprobs_entropy64(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+def log_probs_entropy64(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                        ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of the target and entropy, in float64, 0 where the target is ignored."""
     log_p = torch.log_softmax(logits.double() / temperature, dim=-1)

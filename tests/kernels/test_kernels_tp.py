@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from kernel_test_utils import SMALL_BACKENDS, logprobs_entropy64, objective, rel_error
+from kernel_test_utils import SMALL_BACKENDS, log_probs_entropy64, objective, rel_error
 
-from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from tests.multiprocess import run_processes
 
 N, LOCAL_V, H, TEMPERATURE = 19, 102, 24, 0.8
@@ -37,11 +37,11 @@ def _check_rank(rank: int, vocab_size: int, impl: str) -> dict[str, float]:
     errors = {}
 
     ref_logits = logits.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64(ref_logits[:, :vocab_size], targets, TEMPERATURE)
+    ref_lp, ref_ent = log_probs_entropy64(ref_logits[:, :vocab_size], targets, TEMPERATURE)
     (ref_grad,) = torch.autograd.grad(objective(ref_lp, ref_ent, grad_lp, grad_ent), ref_logits)
     ref_grad[:, vocab_size:] = 0.0
     local = logits[:, cols].float().requires_grad_()
-    lp, ent = logprobs_and_entropy(local, targets, TEMPERATURE, tp_group=group, vocab_size=vocab_size,
+    lp, ent = log_probs_and_entropy(local, targets, TEMPERATURE, tp_group=group, vocab_size=vocab_size,
                                    impl=SMALL_BACKENDS[impl])
     (grad,) = torch.autograd.grad(objective(lp, ent, grad_lp, grad_ent), local)
     errors.update(logits_lp=rel_error(lp, ref_lp), logits_entropy=rel_error(ent, ref_ent),
@@ -49,10 +49,10 @@ def _check_rank(rank: int, vocab_size: int, impl: str) -> dict[str, float]:
                   else float(grad.abs().max()))
 
     ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64((ref_h @ ref_w.T)[:, :vocab_size], targets, TEMPERATURE)
+    ref_lp, ref_ent = log_probs_entropy64((ref_h @ ref_w.T)[:, :vocab_size], targets, TEMPERATURE)
     ref_gh, ref_gw = torch.autograd.grad(objective(ref_lp, ref_ent, grad_lp, grad_ent), (ref_h, ref_w))
     h, w = hidden.float().requires_grad_(), weight[cols].float().requires_grad_()
-    lp, ent = linear_logprobs_and_entropy(h, w, targets, TEMPERATURE, tp_group=group, vocab_size=vocab_size,
+    lp, ent = linear_log_probs_and_entropy(h, w, targets, TEMPERATURE, tp_group=group, vocab_size=vocab_size,
                                           impl=SMALL_BACKENDS[impl])
     gh, gw = torch.autograd.grad(objective(lp, ent, grad_lp, grad_ent), (h, w))
     errors.update(linear_lp=rel_error(lp, ref_lp), linear_entropy=rel_error(ent, ref_ent),

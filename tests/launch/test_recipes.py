@@ -27,9 +27,10 @@ def test_recipe_loads_and_validates(path):
         groups = config.algorithm.filter_groups
         assert groups.enable and groups.metric == "acc" and groups.max_num_gen_batches == 10
     if path.stem == "cpo":
-        assert config.algorithm.adv_estimator == "cpo" and config.algorithm.wrap_method == "negonly_mi3"
-        assert (actor.cpo_lambda, actor.pos_alpha, actor.neg_alpha) == (5.0, 0.05, 0.1)
-        assert config.algorithm.gold_as_hint
+        cpo = config.algorithm.cpo
+        assert config.algorithm.adv_estimator == "cpo" and cpo.wrap_method == "negonly_mi3"
+        assert (cpo.cpo_lambda, cpo.pos_alpha, cpo.neg_alpha) == (5.0, 0.05, 0.1)
+        assert cpo.gold_as_hint and config.algorithm.shaper.needs_hint_contexts
     if path.stem == "grpo":
         assert config.algorithm.adv_estimator == "grpo" and not config.algorithm.filter_groups.enable
 

@@ -17,7 +17,7 @@ HOSTILE = {
 
 @pytest.fixture(scope="module")
 def manager():
-    config = RewardConfig(num_workers=2, reward_fn_timeout_s=3.0, custom_graders=HOSTILE, worker_memory_limit_mb=1024,
+    config = RewardConfig(num_workers=2, timeout_s=3.0, custom_graders=HOSTILE, worker_memory_limit_mb=1024,
                           grader_kwargs={"openai/gsm8k": {"wrong_score": -0.5},
                                          "apps": {"continuous": False, "limits": {"wall_timeout_s": 2.0}}})
     with RewardManager(config) as reward_manager:
@@ -87,10 +87,16 @@ def test_token_level_rewards_sit_on_the_last_valid_token():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"num_workers": 0}, "num_workers=0"),
-    ({"reward_fn_timeout_s": 0}, "reward_fn_timeout_s=0"),
+    ({"timeout_s": 0}, "reward.timeout_s=0"),
+    ({"custom_graders": {"s": "no_colon"}}, "must be 'pkg.module:function'"),
+    ({"grader_kwargs": {"s": 0.5}}, "must be a mapping"),
     ({"worker_memory_limit_mb": 100}, "worker_memory_limit_mb=100"),
-    ({"custom_graders": {"s": "tests.rewards.hostile_graders:nope"}}, "no callable 'nope'"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         RewardConfig(**overrides)
+
+
+def test_a_missing_grader_fails_before_the_pool_starts():
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        RewardManager(RewardConfig(custom_graders={"s": "tests.rewards.hostile_graders:nope"}))

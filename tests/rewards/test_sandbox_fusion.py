@@ -4,12 +4,11 @@ import json
 
 import pytest
 
-from megatron_cpo.config import RewardConfig as TrainerRewardConfig
-from megatron_cpo.config import SandboxConfig, load_config
+from megatron_cpo.config import load_config
 from megatron_cpo.rewards import RewardConfig, RewardManager, compute_score
 from megatron_cpo.rewards.sandbox import (
     SandboxLimits,
-    SandboxSettings,
+    SandboxConfig,
     configure_sandbox,
     namespaces_unavailable_reason,
     run_python,
@@ -31,10 +30,10 @@ def server():
 
 @pytest.fixture
 def remote(server):
-    configure_sandbox(SandboxSettings(mode="remote", fusion_url=server.url, fusion_max_concurrent=3,
+    configure_sandbox(SandboxConfig(mode="remote", fusion_url=server.url, fusion_max_concurrent=3,
                                       fusion_memory_limit_mb=256))
     yield server.url
-    configure_sandbox(SandboxSettings(), resolve=False)
+    configure_sandbox(SandboxConfig(), resolve=False)
 
 
 def test_remote_runs_report_the_program_outcome(remote):
@@ -63,34 +62,35 @@ def test_code_grader_scores_right_through_the_remote_sandbox(remote):
 
 
 def test_reward_manager_workers_use_the_configured_remote_sandbox(server):
-    settings = SandboxSettings(mode="remote", fusion_url=server.url, fusion_max_concurrent=2)
+    settings = SandboxConfig(mode="remote", fusion_url=server.url, fusion_max_concurrent=2)
     correct = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     with RewardManager(RewardConfig(num_workers=1, sandbox=settings)) as manager:
         result = manager.score(["codecontests", "codecontests"], [correct, "```python\nprint(0)\n```"],
                                [STDIO_TESTS, STDIO_TESTS])
     assert result.scores.tolist() == [1.0, pytest.approx(1 / 3)]
     assert result.metrics["reward/sandbox_weak"] == 0.0
-    configure_sandbox(SandboxSettings(), resolve=False)
+    configure_sandbox(SandboxConfig(), resolve=False)
 
 
 def test_service_errors_are_raised_not_scored(server):
-    configure_sandbox(SandboxSettings(mode="remote", fusion_url=server.url.replace("run_code", "nothing")))
+    configure_sandbox(SandboxConfig(mode="remote", fusion_url=server.url.replace("run_code", "nothing")))
     try:
         with pytest.raises(RemoteSandboxError, match="HTTP 404"):
             run_python("print(1)", limits=FAST)
-        configure_sandbox(SandboxSettings(mode="remote", fusion_url="http://127.0.0.1:9/run_code"))
+        configure_sandbox(SandboxConfig(mode="remote", fusion_url="http://127.0.0.1:9/run_code"))
         with pytest.raises(RemoteSandboxError, match="unreachable"):
             run_python("print(1)", limits=FAST)
     finally:
-        configure_sandbox(SandboxSettings(), resolve=False)
+        configure_sandbox(SandboxConfig(), resolve=False)
 
 
 def test_config_keys_and_verl_aliases(tmp_path):
-    with pytest.raises(ValueError, match="reward.sandbox.mode=remote needs reward.sandbox_fusion.url"):
-        TrainerRewardConfig(sandbox=SandboxConfig(mode="remote"))
+    with pytest.raises(ValueError, match="reward.sandbox.mode=remote needs reward.sandbox.fusion_url"):
+        SandboxConfig(mode="remote")
     path = tmp_path / "config.yaml"
     path.write_text("reward_model:\n  sandbox_fusion:\n    url: http://h:8080/run_code\n    max_concurrent: 8\n"
                     "reward:\n  sandbox:\n    mode: remote\n")
     config = load_config(str(path))
-    assert (config.reward.sandbox.mode, config.reward.sandbox_fusion.url, config.reward.sandbox_fusion.max_concurrent,
-            config.reward.sandbox_fusion.memory_limit_mb) == ("remote", "http://h:8080/run_code", 8, 1024)
+    assert config.reward.sandbox == SandboxConfig("remote", "http://h:8080/run_code", 8, 1024)
+    ours = load_config(None, ["reward.sandbox_fusion.url=http://h:1/run_code", "reward.sandbox.fusion_max_concurrent=3"])
+    assert (ours.reward.sandbox.fusion_url, ours.reward.sandbox.fusion_max_concurrent) == ("http://h:1/run_code", 3)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from megatron_cpo.rewards import sandbox
-from megatron_cpo.rewards.sandbox import SandboxLimits, SandboxSettings, configure_sandbox, run_python
+from megatron_cpo.rewards.sandbox import SandboxLimits, SandboxConfig, configure_sandbox, run_python
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 pytestmark = pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here")
@@ -47,13 +47,13 @@ def test_process_mode_kills_a_setsid_daemon_and_protects_root_files(tmp_path):
 @pytest.fixture
 def restore_settings():
     yield
-    configure_sandbox(SandboxSettings(), resolve=False)
+    configure_sandbox(SandboxConfig(), resolve=False)
 
 
 def test_choosing_process_mode_warns_and_sets_the_metric(caplog, restore_settings):
     sandbox._resolve.cache_clear()
     with caplog.at_level(logging.WARNING, logger="megatron_cpo.rewards.sandbox"):
-        assert configure_sandbox(SandboxSettings(mode="process")) == "process"
+        assert configure_sandbox(SandboxConfig(mode="process")) == "process"
     assert "CODE SANDBOX IS WEAK" in caplog.text
     assert sandbox.sandbox_metrics() == {"reward/sandbox_weak": 1.0}
 
@@ -62,17 +62,17 @@ def test_auto_picks_the_strongest_backend_and_logs_it(caplog, restore_settings):
     sandbox._resolve.cache_clear()
     expected = "namespaces" if sandbox.namespaces_unavailable_reason() is None else "process"
     with caplog.at_level(logging.INFO, logger="megatron_cpo.rewards.sandbox"):
-        assert configure_sandbox(SandboxSettings(mode="auto")) == expected
-        assert configure_sandbox(SandboxSettings(mode="auto", fusion_url="http://127.0.0.1:1/run_code")) == "remote"
+        assert configure_sandbox(SandboxConfig(mode="auto")) == expected
+        assert configure_sandbox(SandboxConfig(mode="auto", fusion_url="http://127.0.0.1:1/run_code")) == "remote"
     assert f"runs the '{expected}' backend" in caplog.text and "runs the 'remote' backend" in caplog.text
     assert sandbox.sandbox_metrics() == {"reward/sandbox_weak": 0.0}
 
 
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="reward.sandbox.mode='chroot'"):
-        SandboxSettings(mode="chroot")
-    with pytest.raises(ValueError, match="reward.sandbox_fusion.url"):
-        SandboxSettings(mode="remote")
+        SandboxConfig(mode="chroot")
+    with pytest.raises(ValueError, match="reward.sandbox.fusion_url"):
+        SandboxConfig(mode="remote")
 
 
 def test_where_namespaces_are_refused_auto_falls_back_loudly_and_namespaces_mode_is_an_error():
@@ -82,8 +82,8 @@ def test_where_namespaces_are_refused_auto_falls_back_loudly_and_namespaces_mode
     script = ("import ctypes, os\n"
               "assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0, 'no user namespaces here'\n"
               "from megatron_cpo.rewards.sandbox import *\n"
-              "print(configure_sandbox(SandboxSettings(mode='auto')))\n"
-              "try:\n    configure_sandbox(SandboxSettings(mode='namespaces'))\n"
+              "print(configure_sandbox(SandboxConfig(mode='auto')))\n"
+              "try:\n    configure_sandbox(SandboxConfig(mode='namespaces'))\n"
               "except RuntimeError as error:\n    print('refused:', error)\n")
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

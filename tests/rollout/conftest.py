@@ -9,13 +9,12 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def tiny_rollout_config(model_dir, **overrides):
-    from megatron_cpo.rollout import RolloutConfig
+def tiny_rollout_config(model_dir, num_engines=2):
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig
 
-    settings = dict(model_path=str(model_dir), num_engines=2, dtype="float32", max_model_len=512,
-                    cpu_kv_cache_gib=1, ray_address="local", engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
-    settings.update(overrides)
-    return RolloutConfig(**settings)
+    return EngineLaunchConfig(model_path=str(model_dir), engines=RolloutEngineConfig(
+        num_engines=num_engines, kv_cache_gib=1, ray_address="local"), dtype="float32", max_model_len=512,
+        engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
 
 
 @pytest.fixture(scope="session")

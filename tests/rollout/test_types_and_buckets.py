@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from megatron_cpo.rollout import RolloutConfig, SamplingParams, derive_sample_seeds
+from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, SamplingParams, derive_sample_seeds
 from megatron_cpo.rollout.buckets import iter_buckets, read_bucket, release_bucket, write_bucket
 
 
@@ -27,7 +27,7 @@ def test_bad_sampling_params_name_the_value_and_the_fix(field, value, hint):
 
 def test_rollout_config_rejects_missing_model_dir(tmp_path):
     with pytest.raises(ValueError, match="model_path=.*not a directory"):
-        RolloutConfig(model_path=str(tmp_path / "missing"))
+        EngineLaunchConfig(model_path=str(tmp_path / "missing"))
 
 
 def test_buckets_respect_the_size_and_round_trip_through_shared_memory():
@@ -49,8 +49,9 @@ def test_buckets_respect_the_size_and_round_trip_through_shared_memory():
 
 
 @pytest.mark.parametrize("field, value, shown, hint", [
-    ("weight_transport", "nccl", "'nccl'", "auto, shm or collective"), ("weight_sync_timeout_s", 0, "0", "positive")])
-def test_rollout_config_rejects_bad_weight_transport_settings(tmp_path, field, value, shown, hint):
-    with pytest.raises(ValueError, match=f"{field}={shown}") as err:
-        RolloutConfig(model_path=str(tmp_path), **{field: value})
+    ("weight_transport", "nccl", "'nccl'", "'auto', 'shm', 'collective'"), ("weight_sync_timeout_s", 0, "0", "> 0"),
+    ("tensor_model_parallel_size", 0, "0", ">= 1"), ("kv_cache_gib", 0, "0", "> 0")])
+def test_rollout_engine_config_rejects_bad_settings(field, value, shown, hint):
+    with pytest.raises(ValueError, match=f"rollout.{field}={shown}") as err:
+        RolloutEngineConfig(**{field: value})
     assert hint in str(err.value)

@@ -34,10 +34,10 @@ def arith_data(tmp_path_factory):
 def rollout_manager(tiny_model):
     """One real vLLM engine (Ray actor) for every test of the session; runs reuse it and push their weights."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from megatron_cpo.rollout import RolloutConfig, RolloutManager
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
 
-    manager = RolloutManager(RolloutConfig(model_path=tiny_model, dtype="float32", max_model_len=512,
-                                           cpu_kv_cache_gib=1, seed=1, ray_address="local"))
+    manager = RolloutManager(EngineLaunchConfig(model_path=tiny_model, dtype="float32", max_model_len=512, seed=1,
+                                                engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local")))
     yield manager
     manager.shutdown()
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
-from megatron_cpo.algorithms.filters import RagenFilterConfig
+from megatron_cpo.algorithms.filters import RolloutFilterConfig
 from megatron_cpo.trainer.accumulator import (
     GroupAccumulator,
     GroupSelection,
@@ -33,35 +33,35 @@ def scored_group(tokenizer, seq, answers, truth="4"):
 
 
 def test_filter_drops_uniform_groups_and_truncates(tokenizer):
-    acc = GroupAccumulator(2, keep_varied_groups, "acc")
+    accumulator = GroupAccumulator(2, keep_varied_groups, "acc")
     mixed, all_right, all_wrong, mixed2, mixed3 = (["4", "5"], ["4", "4"], ["3", "5"], ["5", "4"], ["4", "1"])
-    acc.add([scored_group(tokenizer, 1, all_right), scored_group(tokenizer, 2, all_wrong)])
-    assert acc.next_seq == 0 and not acc.kept  # seq 0 has not finished: nothing is committed out of order
-    acc.add([scored_group(tokenizer, 0, mixed), scored_group(tokenizer, 4, mixed3)])
-    assert acc.next_seq == 3 and len(acc.kept) == 1 and not acc.full
-    acc.add([scored_group(tokenizer, 3, mixed2)])
-    assert acc.full
-    assert [g.seq for g in acc.batch()] == [0, 3]
-    assert acc.next_seq == 4  # seq 4 finished but is not used: it goes back to the data stream
-    metrics = acc.metrics()
+    accumulator.add([scored_group(tokenizer, 1, all_right), scored_group(tokenizer, 2, all_wrong)])
+    assert accumulator.next_seq == 0 and not accumulator.kept  # seq 0 has not finished: nothing is committed out of order
+    accumulator.add([scored_group(tokenizer, 0, mixed), scored_group(tokenizer, 4, mixed3)])
+    assert accumulator.next_seq == 3 and len(accumulator.kept) == 1 and not accumulator.full
+    accumulator.add([scored_group(tokenizer, 3, mixed2)])
+    assert accumulator.full
+    assert [g.seq for g in accumulator.batch()] == [0, 3]
+    assert accumulator.next_seq == 4  # seq 4 finished but is not used: it goes back to the data stream
+    metrics = accumulator.metrics()
     assert metrics["filter/filtered_prompts"] == 2
     assert metrics["filter/filtered_all_correct"] == 1 and metrics["filter/filtered_all_wrong"] == 1
     assert metrics["filter/filter_rate"] == pytest.approx(0.5)
     assert metrics["filter/kept_ratio"] == pytest.approx(3 / 5)  # seq 4 was judged (kept) though not used
-    assert acc.stats.filtered_trajectories == 4
+    assert accumulator.stats.filtered_trajectories == 4
 
 
 def test_without_filter_every_group_is_kept(tokenizer):
-    acc = GroupAccumulator(3)
-    acc.add([scored_group(tokenizer, i, ["4", "4"]) for i in range(5)])
-    assert [g.seq for g in acc.batch()] == [0, 1, 2] and acc.next_seq == 3
+    accumulator = GroupAccumulator(3)
+    accumulator.add([scored_group(tokenizer, i, ["4", "4"]) for i in range(5)])
+    assert [g.seq for g in accumulator.batch()] == [0, 1, 2] and accumulator.next_seq == 3
 
 
 def test_duplicate_groups_are_rejected(tokenizer):
-    acc = GroupAccumulator(3)
-    acc.add([scored_group(tokenizer, 0, ["4", "5"])])
+    accumulator = GroupAccumulator(3)
+    accumulator.add([scored_group(tokenizer, 0, ["4", "5"])])
     with pytest.raises(ValueError, match="already added"):
-        acc.add([scored_group(tokenizer, 0, ["4", "5"])])
+        accumulator.add([scored_group(tokenizer, 0, ["4", "5"])])
 
 
 def test_prompt_stream_epochs_and_rewind():
@@ -91,18 +91,18 @@ def scored_with(tokenizer, seq, scores, lengths=None):
 
 def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
     # windows of 4 groups; top_k=2 by in-group reward std keeps the two most varied groups of each window
-    selection = GroupSelection(ragen=RagenFilterConfig(strategy="top_k", value=2), window=4)
-    acc = GroupAccumulator(3, selection)
+    selection = GroupSelection(ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=2), window=4)
+    accumulator = GroupAccumulator(3, selection)
     scores = {0: [0.0, 1.0], 1: [0.0, 0.0], 2: [0.0, 0.5], 3: [1.0, 1.0],
               4: [0.2, 0.3], 5: [0.0, 1.0], 6: [0.0, 0.9], 7: [0.5, 0.5]}
-    acc.add([scored_with(tokenizer, seq, scores[seq]) for seq in (0, 1, 2)])
-    assert not acc.kept and acc.next_seq == 3  # the window is not complete: nothing decided yet
-    acc.add([scored_with(tokenizer, 3, scores[3])])
-    assert [g.seq for g in acc.kept] == [0, 2]
-    acc.add([scored_with(tokenizer, seq, scores[seq]) for seq in (4, 5, 6, 7)])
-    assert acc.full and [g.seq for g in acc.batch()] == [0, 2, 5]
-    assert acc.next_seq == 6  # 6 and 7 were judged in the window but go back to the data stream
-    metrics = acc.metrics()
+    accumulator.add([scored_with(tokenizer, seq, scores[seq]) for seq in (0, 1, 2)])
+    assert not accumulator.kept and accumulator.next_seq == 3  # the window is not complete: nothing decided yet
+    accumulator.add([scored_with(tokenizer, 3, scores[3])])
+    assert [g.seq for g in accumulator.kept] == [0, 2]
+    accumulator.add([scored_with(tokenizer, seq, scores[seq]) for seq in (4, 5, 6, 7)])
+    assert accumulator.full and [g.seq for g in accumulator.batch()] == [0, 2, 5]
+    assert accumulator.next_seq == 6  # 6 and 7 were judged in the window but go back to the data stream
+    metrics = accumulator.metrics()
     assert metrics["filter/kept_ratio"] == pytest.approx(4 / 8)  # the filter kept 2 of every 4 it judged
     stds = [torch.tensor(scores[s]).std().item() for s in range(8)]
     assert metrics["rollout/in_group_reward_std"] == pytest.approx(sum(stds) / 8)
@@ -110,14 +110,14 @@ def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
 
 def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_window(tokenizer):
     selection = GroupSelection(metric_filter=keep_varied_groups,
-                               ragen=RagenFilterConfig(strategy="top_k", value=1), window=4)
-    acc = GroupAccumulator(2, selection)
+                               ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=1), window=4)
+    accumulator = GroupAccumulator(2, selection)
     # group 0 has the largest std but an all-correct acc, so filter-groups drops it before RAGEN ranks
-    acc.add([scored_with(tokenizer, 0, [0.1, 1.0]), scored_with(tokenizer, 1, [0.0, 0.4]),
+    accumulator.add([scored_with(tokenizer, 0, [0.1, 1.0]), scored_with(tokenizer, 1, [0.0, 0.4]),
              scored_with(tokenizer, 2, [0.0, 0.6])])
-    assert not acc.kept
-    assert [g.seq for g in acc.batch()] == [2]  # collection stopped (data ran out): the partial window is decided
-    assert acc.metrics()["filter/kept_ratio"] == pytest.approx(1 / 3)
+    assert not accumulator.kept
+    assert [g.seq for g in accumulator.batch()] == [2]  # collection stopped (data ran out): the partial window is decided
+    assert accumulator.metrics()["filter/kept_ratio"] == pytest.approx(1 / 3)
 
 
 def test_ragen_length_metric_and_options_from_the_config(tokenizer):
@@ -129,23 +129,24 @@ def test_ragen_length_metric_and_options_from_the_config(tokenizer):
         "rollout_filter_strategy": "top_k", "rollout_filter_value": 0.5, "rollout_filter_metric": "length",
         "rollout_filter_top_p_prob_mode": "softmax", "rollout_filter_selection_eps": 0.0}}})
     selection = selection_from_config(config)
-    assert (selection.ragen.group_score, selection.ragen.top_p_prob_mode, selection.ragen.selection_eps) == (
+    assert (selection.ragen.group_score, selection.ragen.rollout_filter_top_p_prob_mode,
+            selection.ragen.rollout_filter_selection_eps) == (
         "length", "softmax", 0.0)
-    acc = GroupAccumulator(2, selection)
+    accumulator = GroupAccumulator(2, selection)
     # mean response lengths 3, 9, 6, 1: top_k 0.5 of 4 groups keeps the two longest, groups 1 and 2
     lengths = {0: [2, 4], 1: [9, 9], 2: [6, 6], 3: [1, 1]}
-    acc.add([scored_with(tokenizer, seq, [0.0, 1.0], lengths[seq]) for seq in range(4)])
-    assert [g.seq for g in acc.batch()] == [1, 2]
+    accumulator.add([scored_with(tokenizer, seq, [0.0, 1.0], lengths[seq]) for seq in range(4)])
+    assert [g.seq for g in accumulator.batch()] == [1, 2]
 
 
 def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
     # max 10 tokens, buffer 4: lengths 6 (no penalty), 8 (-0.5) and 10 (-1.0 with factor 1)
     overlong = OverlongShaping(max_response_length=10, buffer_len=4, penalty_factor=1.0)
-    acc = GroupAccumulator(1, GroupSelection(metric_filter=keep_varied_groups, overlong=overlong), "score")
+    accumulator = GroupAccumulator(1, GroupSelection(metric_filter=keep_varied_groups, overlong=overlong), "score")
     # equal raw scores: only the penalty makes the group varied, so filter-groups on `score` keeps it
-    acc.add([scored_with(tokenizer, 0, [1.0, 1.0, 1.0], lengths=[6, 8, 10])])
-    assert acc.full
-    torch.testing.assert_close(acc.batch()[0].scores, torch.tensor([1.0, 0.5, 0.0]))
-    metrics = acc.metrics()
+    accumulator.add([scored_with(tokenizer, 0, [1.0, 1.0, 1.0], lengths=[6, 8, 10])])
+    assert accumulator.full
+    torch.testing.assert_close(accumulator.batch()[0].scores, torch.tensor([1.0, 0.5, 0.0]))
+    metrics = accumulator.metrics()
     assert metrics["overlong/reward_mean"] == pytest.approx(-0.5)
     assert metrics["overlong/frac"] == pytest.approx(2 / 3)

@@ -16,7 +16,7 @@ def test_yaml_and_overrides(tmp_path):
     assert config.algorithm.filter_groups.enable is True
     assert config.actor_rollout_ref.actor.optim.lr == pytest.approx(2e-5)
     assert config.trainer.logger == ["console"]
-    assert config.algorithm.wrap_method == "negonly_mi3_qwen3"
+    assert config.algorithm.cpo.wrap_method == "negonly_mi3_qwen3"
 
 
 def test_seed_001_aliases_map_to_filter_groups():
@@ -56,7 +56,7 @@ def test_feature_keys_under_verl_ragen_and_ms_swift_names():
     (["actor_rollout_ref.actor.clip_ratio_low=1.5"], "clip_ratio_low=1.5 must be in [0, 1)"),
     (["trainer.logger=[console,mlflow]"], "trainer.logger entry='mlflow'"),
     (["data.train_batch_size"], "has no '='"),
-    (["algorithm.wrap_method=mi4"], "algorithm.wrap_method='mi4' is not a CPO shaping rule"),
+    (["algorithm.wrap_method=mi4"], "algorithm.cpo.wrap_method='mi4' is not a CPO shaping rule"),
     (["actor_rollout_ref.rollout.max_inflight_prompts=2", "data.train_batch_size=8"], "raise it or set 0"),
     (["actor_rollout_ref.rollout.rollout_filter_strategy=top_q"], "choose one of 'none', 'top_p', 'top_k', 'min_p'"),
     (["actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=2.5"],
@@ -169,3 +169,15 @@ def test_tuple_lengths_are_checked():
 
     with pytest.raises(ConfigError, match="must hold two numbers"):
         OptimConfig(betas=(0.9,))
+
+
+def test_mapping_values_keep_their_keys_and_verls_reward_function_lands_in_reward():
+    config = build_config({"reward": {"grader_kwargs": {"apps": {"limits": {"wall_timeout_s": 2}}},
+                                      "custom_graders": {"a.b/c": "m:f"}}},
+                          ["reward.grader_kwargs.math500={wrong_score: 0}", "reward.custom_graders.d=n:g",
+                           "custom_reward_function.path=grade.py"])
+    assert config.reward.grader_kwargs == {"apps": {"limits": {"wall_timeout_s": 2}}, "math500": {"wrong_score": 0}}
+    assert config.reward.custom_graders == {"a.b/c": "m:f", "d": "n:g"}
+    assert config.reward.custom_reward_function == "grade.py:compute_score"
+    with pytest.raises(ConfigError, match="keep one"):
+        build_config({}, ["custom_reward_function.path=grade.py", "reward.custom_reward_function=other.py:f"])

@@ -35,13 +35,12 @@ def _batch():
 
 def _results(actor, reference, config):
     from megatron_cpo.trainer.actor import UpdateInputs
-    from megatron_cpo.trainer.step import loss_config_of
 
     seqs, advantages, mask = _batch()
     log_probs, entropy = actor.log_probs(seqs, temperature=0.7)
     ref_log_probs, ref_entropy = reference.log_probs(seqs, temperature=0.7)
     old = (log_probs - 0.05 * mask).detach()
-    metrics = actor.update(seqs, UpdateInputs(advantages, old, ref_log_probs, None), loss_config_of(config), 0.7)
+    metrics = actor.update(seqs, UpdateInputs(advantages, old, ref_log_probs, None), config.actor_rollout_ref.actor, 0.7)
     grads = torch.cat([p.main_grad.detach().reshape(-1).clone() for p in actor.model.parameters()])
     return {"log_probs": log_probs, "entropy": entropy, "ref_log_probs": ref_log_probs, "ref_entropy": ref_entropy,
             "grads": grads, **{key: torch.tensor(metrics[key]) for key in LOSS_KEYS}}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import SMALL_BACKENDS, logprobs_entropy64, objective, rel_error
+from kernel_test_utils import SMALL_BACKENDS, log_probs_entropy64, objective, rel_error
 
-from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
+from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 
 N, V, H = 29, 203, 40
 FLOAT32_TOL = 1e-5
@@ -52,11 +52,11 @@ def test_logits_kernel_matches_float64(impl, case):
         targets[::3] = 5
     grad_lp, grad_ent = _upstream(gen)
     ref_input = logits.double().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, temperature)
+    ref_lp, ref_ent = log_probs_entropy64(ref_input, targets, temperature)
     (ref_grad,) = torch.autograd.grad(objective(ref_lp, ref_ent, grad_lp, grad_ent), ref_input)
 
     x = logits.clone().requires_grad_()
-    lp, ent = logprobs_and_entropy(x, targets, temperature, impl=SMALL_BACKENDS[impl])
+    lp, ent = log_probs_and_entropy(x, targets, temperature, impl=SMALL_BACKENDS[impl])
     (grad,) = torch.autograd.grad(objective(lp, ent, grad_lp, grad_ent), x)
 
     assert lp.dtype == ent.dtype == torch.float32 and grad.dtype == dtype
@@ -77,11 +77,11 @@ def test_padded_vocab_columns_are_excluded(impl):
     targets = _targets(gen, V, ignore_index=-1)
     grad_lp, grad_ent = _upstream(gen)
     ref_input = real.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, 1.0, ignore_index=-1)
+    ref_lp, ref_ent = log_probs_entropy64(ref_input, targets, 1.0, ignore_index=-1)
     (ref_grad,) = torch.autograd.grad(objective(ref_lp, ref_ent, grad_lp, grad_ent), ref_input)
 
     x = padded.float().requires_grad_()
-    lp, ent = logprobs_and_entropy(x, targets, ignore_index=-1, vocab_size=V, impl=SMALL_BACKENDS[impl])
+    lp, ent = log_probs_and_entropy(x, targets, ignore_index=-1, vocab_size=V, impl=SMALL_BACKENDS[impl])
     (grad,) = torch.autograd.grad(objective(lp, ent, grad_lp, grad_ent), x)
     assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(ent, ref_ent) < FLOAT32_TOL
     assert rel_error(grad[:, :V], ref_grad) < FLOAT32_TOL
@@ -94,10 +94,10 @@ def test_leading_dims_and_entropy_only_backward(impl):
     logits = _logits(gen, "fp32")[:14].reshape(2, 7, V)
     targets = _targets(gen, V)[:14].reshape(2, 7)
     ref_input = logits.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, 1.0)
+    ref_lp, ref_ent = log_probs_entropy64(ref_input, targets, 1.0)
     (ref_grad,) = torch.autograd.grad(ref_ent.sum(), ref_input)
     x = logits.float().requires_grad_()
-    lp, ent = logprobs_and_entropy(x, targets, impl=SMALL_BACKENDS[impl])
+    lp, ent = log_probs_and_entropy(x, targets, impl=SMALL_BACKENDS[impl])
     (grad,) = torch.autograd.grad(ent.sum(), x)
     assert lp.shape == ent.shape == targets.shape
     assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad, ref_grad) < FLOAT32_TOL
@@ -113,11 +113,11 @@ def test_logits_sliced_from_a_wider_buffer(impl):
     logits = _logits(gen, "fp32")
     targets = _targets(gen, V)
     ref_input = logits.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64(ref_input, targets, 0.9)
+    ref_lp, ref_ent = log_probs_entropy64(ref_input, targets, 0.9)
     (ref_grad,) = torch.autograd.grad((ref_lp + ref_ent).sum(), ref_input)
     wide = torch.cat([logits, torch.randn(N, 37, generator=gen, dtype=torch.float64)], dim=1).float()
     wide.requires_grad_()
-    lp, ent = logprobs_and_entropy(wide[:, :V], targets, temperature=0.9, impl=SMALL_BACKENDS[impl])
+    lp, ent = log_probs_and_entropy(wide[:, :V], targets, temperature=0.9, impl=SMALL_BACKENDS[impl])
     (grad,) = torch.autograd.grad((lp + ent).sum(), wide)
     assert rel_error(lp, ref_lp) < FLOAT32_TOL and rel_error(grad[:, :V], ref_grad) < FLOAT32_TOL
     assert (grad[:, V:] == 0).all()
@@ -157,11 +157,11 @@ def test_linear_kernel_matches_float64(impl, case):
     targets = _targets(gen, V)
     grad_lp, grad_ent = _upstream(gen)
     ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref_lp, ref_ent = logprobs_entropy64((ref_h @ ref_w.T)[:, :V], targets, temperature)
+    ref_lp, ref_ent = log_probs_entropy64((ref_h @ ref_w.T)[:, :V], targets, temperature)
     ref_gh, ref_gw = torch.autograd.grad(objective(ref_lp, ref_ent, grad_lp, grad_ent), (ref_h, ref_w))
 
     h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
-    lp, ent = linear_logprobs_and_entropy(h, w, targets, temperature, vocab_size=V, impl=SMALL_BACKENDS[impl])
+    lp, ent = linear_log_probs_and_entropy(h, w, targets, temperature, vocab_size=V, impl=SMALL_BACKENDS[impl])
     gh, gw = torch.autograd.grad(objective(lp, ent, grad_lp, grad_ent), (h, w))
 
     assert gh.dtype == gw.dtype == dtype
@@ -178,8 +178,8 @@ def test_backends_agree_on_auto_dispatch():
     gen = torch.Generator().manual_seed(3)
     logits = _logits(gen, "fp32").float()
     targets = _targets(gen, V)
-    auto = logprobs_and_entropy(logits, targets)
-    chunked = logprobs_and_entropy(logits, targets, impl="torch")
+    auto = log_probs_and_entropy(logits, targets)
+    chunked = log_probs_and_entropy(logits, targets, impl="torch")
     assert all(torch.equal(a, b) for a, b in zip(auto, chunked))
 
 
@@ -187,19 +187,19 @@ def test_bad_inputs_name_the_value_and_the_fix():
     logits = torch.zeros(4, 10)
     targets = torch.tensor([1, 2, 10, -100])
     with pytest.raises(ValueError, match=r"target id 10 is outside the vocabulary \[0, 10\)"):
-        logprobs_and_entropy(logits, targets, impl="torch")
+        log_probs_and_entropy(logits, targets, impl="torch")
     with pytest.raises(ValueError, match=r"vocab_size=11 must lie in \[1, 10\]"):
-        logprobs_and_entropy(logits, targets.clamp(max=3), vocab_size=11)
+        log_probs_and_entropy(logits, targets.clamp(max=3), vocab_size=11)
     with pytest.raises(ValueError, match=r"target id 9 is outside the vocabulary \[0, 8\)"):
-        logprobs_and_entropy(logits, torch.tensor([1, 9, 0, 0]), vocab_size=8)
+        log_probs_and_entropy(logits, torch.tensor([1, 9, 0, 0]), vocab_size=8)
     with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
-        logprobs_and_entropy(logits, targets.clamp(max=3), temperature=0.0)
+        log_probs_and_entropy(logits, targets.clamp(max=3), temperature=0.0)
     with pytest.raises(ValueError, match="impl='cuda' is unknown"):
-        logprobs_and_entropy(logits, targets.clamp(max=3), impl="cuda")
+        log_probs_and_entropy(logits, targets.clamp(max=3), impl="cuda")
     with pytest.raises(ValueError, match="dtype torch.int64"):
-        logprobs_and_entropy(logits.long(), targets.clamp(max=3))
+        log_probs_and_entropy(logits.long(), targets.clamp(max=3))
     with pytest.raises(ValueError, match=r"must be \[V_local, 10\]"):
-        linear_logprobs_and_entropy(logits, torch.zeros(7, 9), targets.clamp(max=3))
+        linear_log_probs_and_entropy(logits, torch.zeros(7, 9), targets.clamp(max=3))
 
 
 def test_triton_linear_kernels_refuse_offsets_past_int32():

@@ -6,9 +6,9 @@ global token ids; max, sum-exp, the target's logit and ``sum p * z`` are reduced
 full-vocabulary log-prob and entropy of every token.
 
 Backward:
-- ``logprobs_and_entropy``: the gradient of each rank's logits shard is exact locally (it needs only the global
+- ``log_probs_and_entropy``: the gradient of each rank's logits shard is exact locally (it needs only the global
   log-sum-exp and entropy, saved from forward); no communication.
-- ``linear_logprobs_and_entropy``: the weight gradient is the local shard's; the hidden gradient is the sum over ranks
+- ``linear_log_probs_and_entropy``: the weight gradient is the local shard's; the hidden gradient is the sum over ranks
   of ``grad_logits_shard @ weight_shard``, so it is all-reduced over ``tp_group`` (what the backward of Megatron's
   ``copy_to_tensor_model_parallel_region`` does for a column-parallel lm-head). ``hidden`` must therefore be the full,
   replicated input of the lm-head (gather sequence-parallel activations first).
@@ -109,7 +109,7 @@ class _LinearLogProbsEntropy(torch.autograd.Function):
         return grad_hidden.reshape(hidden_shape), grad_weight, None, None, None, None, None, None
 
 
-def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          tp_group: Optional[dist.ProcessGroup] = None, ignore_index: int = -100,
                          vocab_size: Optional[int] = None, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, float32, from (vocab-parallel) logits.
@@ -132,16 +132,16 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatur
     return _LogitsLogProbsEntropy.apply(logits, targets, temperature, tp_group, ignore_index, vocab_size, backend)
 
 
-def linear_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+def linear_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                 temperature: float = 1.0, tp_group: Optional[dist.ProcessGroup] = None,
                                 ignore_index: int = -100, vocab_size: Optional[int] = None,
                                 impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """``logprobs_and_entropy(hidden @ weight.T, ...)`` without ever holding the logits (online softmax over tiles).
+    """``log_probs_and_entropy(hidden @ weight.T, ...)`` without ever holding the logits (online softmax over tiles).
 
     Args:
         hidden: ``[..., H]`` lm-head input, replicated over ``tp_group`` (its gradient is all-reduced there).
         weight: ``[V_local, H]`` this rank's lm-head rows (Megatron's column-parallel output layer weight), same dtype.
-        targets, temperature, tp_group, ignore_index, vocab_size, impl: as in ``logprobs_and_entropy``.
+        targets, temperature, tp_group, ignore_index, vocab_size, impl: as in ``log_probs_and_entropy``.
 
     Returns:
         ``(log_probs, entropy)``, float32 of shape ``targets.shape``; differentiable w.r.t. ``hidden`` and ``weight``

@@ -82,7 +82,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     """
     from megatron_cpo.models.builder import build_gpt_model, family_of, load_hf_config
     from megatron_cpo.models.checkpoint import save_checkpoint
-    from megatron_cpo.models.conversion import load_hf_weights
+    from megatron_cpo.models.weight_mapping import load_hf_weights
     from megatron_cpo.models.hf_options import check_supported_options
 
     out = check_output_dir(out_dir, force)
@@ -121,7 +121,7 @@ def _write_stage_shards(model, hf_config, staging: Path, dtype: torch.dtype, max
     from megatron.core import parallel_state
     from safetensors.torch import save_file
 
-    from megatron_cpo.models.conversion import iter_hf_weights
+    from megatron_cpo.models.weight_mapping import iter_hf_weights
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     files: list[dict] = []

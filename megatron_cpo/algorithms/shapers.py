@@ -1,0 +1,96 @@
+"""Advantage shapers: what happens to the group-relative advantages before the policy update, one small class per
+`algorithm.adv_estimator`, registered in `ADVANTAGE_SHAPERS`.
+
+A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
+the hinted log-prob pass only for a shaper that asks for them, and passes the resulting signals to `shape`.
+
+- `grpo` (also DAPO, Dr.GRPO: those differ in the filters and the loss, not here): the GRPO advantages as they are.
+- `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
+  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda].
+"""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+import torch
+
+from megatron_cpo.algorithms.cpo import difficulty_mask, known_rules, shape_advantages
+
+if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
+    from megatron_cpo.kernels.hint_signals import HintSignals
+
+
+@dataclass
+class CPOConfig:
+    """`algorithm.cpo.*`: CPO's settings (the seed's `algorithm.wrap_method`, `algorithm.gold_as_hint` and
+    `actor_rollout_ref.actor.{cpo_lambda, pos_alpha, neg_alpha}` are accepted as aliases). Used when
+    `algorithm.adv_estimator=cpo`.
+
+    wrap_method: the shaping rule (docs/cpo.md, "The 18 shaping rules").
+    gold_as_hint: show the data's worked solution as the hint (`data.hint_key`); off: no response gets a hint.
+    cpo_lambda: the hint ratio is clamped to [1/cpo_lambda, cpo_lambda] (>= 1).
+    pos_alpha / neg_alpha: the weights `a+` / `a-` of the rule's terms (0: the term does nothing).
+    """
+
+    wrap_method: str = "negonly_mi3"
+    gold_as_hint: bool = True
+    cpo_lambda: float = 5.0
+    pos_alpha: float = 0.05
+    neg_alpha: float = 0.1
+
+    def __post_init__(self) -> None:
+        rules = known_rules()
+        if self.wrap_method not in rules:
+            raise ValueError(f"algorithm.cpo.wrap_method={self.wrap_method!r} is not a CPO shaping rule; choose one "
+                             f"of {rules}")
+        if self.cpo_lambda < 1:
+            raise ValueError(f"algorithm.cpo.cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
+
+
+class AdvantageShaper:
+    """The GRPO advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
+    signals (the trainer then builds hinted prompts and scores the responses under them)."""
+
+    needs_hint_contexts: ClassVar[bool] = False
+
+    def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
+              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
+              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """(advantages to train on, metrics); all per-token tensors [N, T], `correct` / `group` [N]."""
+        return advantages, {}
+
+
+class CPOShaper(AdvantageShaper):
+    """CPO: the rule `config.wrap_method` moves the advantages of tokens the hint makes much more or less likely."""
+
+    needs_hint_contexts: ClassVar[bool] = True
+
+    def __init__(self, config: CPOConfig) -> None:
+        self.config = config
+
+    def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
+              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
+              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        if hint_log_probs is None or signals is None:
+            raise ValueError("the cpo shaper needs hint_log_probs and the hint signals (kernels.hint_mi_signals)")
+        cfg, on = self.config, mask.bool()
+        difficulty = difficulty_mask(correct, group, levels=3)
+        shaped, metrics = shape_advantages(cfg.wrap_method, advantages, signals, entropy, on, correct, difficulty,
+                                           log_probs, hint_log_probs, cfg.pos_alpha, cfg.neg_alpha, cfg.cpo_lambda)
+        mi = signals.mi[on]
+        metrics.update({"cpo/mi_std": float(mi.std()) if mi.numel() > 1 else 0.0,
+                        "cpo/mi_positive_ratio": float((mi > 0).float().mean()) if mi.numel() else 0.0})
+        for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
+            metrics[f"cpo/difficulty_{name}"] = float((difficulty == level).float().mean())
+        return shaped, metrics
+
+
+ADVANTAGE_SHAPERS = {"grpo": lambda cpo: AdvantageShaper(), "cpo": CPOShaper}
+"""`algorithm.adv_estimator` -> the shaper, built from `algorithm.cpo` (adding a variant touches this table)."""
+
+
+def build_shaper(adv_estimator: str, cpo: CPOConfig) -> AdvantageShaper:
+    """The shaper `algorithm.adv_estimator` selects."""
+    if adv_estimator not in ADVANTAGE_SHAPERS:
+        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of "
+                         f"{', '.join(map(repr, ADVANTAGE_SHAPERS))}")
+    return ADVANTAGE_SHAPERS[adv_estimator](cpo)

@@ -1,0 +1,49 @@
+"""The advantage shapers `algorithm.adv_estimator` selects: GRPO leaves the advantages alone and needs no hints; CPO
+asks for hint contexts and applies its rule with `algorithm.cpo.*` (the seed's keys are aliases)."""
+import pytest
+import torch
+
+from megatron_cpo.algorithms.shapers import CPOConfig, CPOShaper, build_shaper
+from megatron_cpo.config import build_config
+from tests.algorithms.test_cpo import EXPECTED, _batch
+
+
+def _inputs():
+    batch = _batch()  # r0, r1 share a mixed group; r2 is an all-wrong group, r3 an all-correct one
+    return batch, dict(mask=batch["mask"], correct=batch["correct"], group=torch.tensor([0, 0, 1, 2]),
+                       log_probs=batch["log_probs"], entropy=batch["entropy"],
+                       hint_log_probs=batch["hint_log_probs"], signals=batch["signals"])
+
+
+def test_grpo_keeps_the_advantages_and_needs_no_hints():
+    batch, inputs = _inputs()
+    shaper = build_shaper("grpo", CPOConfig())
+    assert not shaper.needs_hint_contexts
+    shaped, metrics = shaper.shape(batch["advantages"], **inputs)
+    assert shaped is batch["advantages"] and metrics == {}
+
+
+def test_cpo_applies_its_rule_with_the_configured_weights():
+    batch, inputs = _inputs()
+    shaper = build_shaper("cpo", CPOConfig(wrap_method="negonly_mi3", pos_alpha=1.0, neg_alpha=2.0, cpo_lambda=2.0))
+    assert isinstance(shaper, CPOShaper) and shaper.needs_hint_contexts
+    shaped, metrics = shaper.shape(batch["advantages"], **inputs)
+    torch.testing.assert_close(shaped, torch.tensor(EXPECTED["negonly_mi3_qwen3"]))
+    # one response of four in each of: all wrong (r2), all correct (r3); two in the mixed group
+    assert (metrics["cpo/difficulty_all_wrong"], metrics["cpo/difficulty_mixed"],
+            metrics["cpo/difficulty_all_correct"]) == (0.25, 0.5, 0.25)
+    assert metrics["cpo/mi_positive_ratio"] == pytest.approx(4 / 7)  # 7 unmasked tokens, token 0 has mi = 0.5
+    with pytest.raises(ValueError, match="needs hint_log_probs"):
+        shaper.shape(batch["advantages"], **{**inputs, "signals": None})
+
+
+def test_cpo_settings_under_algorithm_cpo_and_the_seed_keys_as_aliases():
+    seed = build_config({"algorithm": {"adv_estimator": "cpo", "wrap_method": "mi3", "gold_as_hint": False},
+                         "actor_rollout_ref": {"actor": {"cpo_lambda": 3.0, "pos_alpha": 0.5, "neg_alpha": 0.25}}})
+    ours = build_config({}, ["algorithm.adv_estimator=cpo", "algorithm.cpo.wrap_method=mi3",
+                             "algorithm.cpo.gold_as_hint=false", "algorithm.cpo.cpo_lambda=3",
+                             "algorithm.cpo.pos_alpha=0.5", "algorithm.cpo.neg_alpha=0.25"])
+    assert seed.algorithm.cpo == ours.algorithm.cpo == CPOConfig("mi3", False, 3.0, 0.5, 0.25)
+    assert seed.algorithm.shaper.needs_hint_contexts and not build_config({}).algorithm.shaper.needs_hint_contexts
+    with pytest.raises(ValueError, match="algorithm.cpo.cpo_lambda=0.5 must be >= 1"):
+        build_config({}, ["actor_rollout_ref.actor.cpo_lambda=0.5"])
