@@ -134,10 +134,6 @@ class CheckpointManager:
         self.saved_step = step
         return final
 
-    def latest_step(self) -> int | None:
-        """The step `latest` names, None without a checkpoint; a damaged marker raises `CheckpointError`."""
-        return read_latest(self.root)
-
     def maybe_resume(self, mode: str) -> int:
         """With `mode="auto"` and a checkpoint present, restore it and return its step; otherwise return 0.
 
