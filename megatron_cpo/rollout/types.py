@@ -108,6 +108,8 @@ class RolloutConfig:
     max_num_seqs / n prompts only queues.
     `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process; None: vLLM's default)
     are vLLM's options on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step.
+    `enable_sleep_mode` starts the engines able to sleep (free their memory) while colocated training runs, where
+    vLLM's platform has sleep mode (not the CPU build: there sleep and wake-up do nothing; rollout/sleep_mode.py).
     """
 
     model_path: str
@@ -132,6 +134,7 @@ class RolloutConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):
