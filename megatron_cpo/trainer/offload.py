@@ -110,9 +110,9 @@ class _Parked:
 class ActorOffload:
     """Moves the parts of one actor (model, DDP wrapper, Megatron optimizer) to host memory and back.
 
-    The storages are found once, at construction (after the optimizer exists, so its state must be created: Adam
-    makes its moments at the first step, so build this after one update, or call `refresh()` after it).
     `offload(parts)` / `reload(parts)` move the named parts (default: the configured ones); both are idempotent.
+    Each `offload` first looks for storages created since the last one (Adam makes its moments at the first step,
+    after the first rollout), so the offload can be built with the actor.
     """
 
     def __init__(self, model: Any, ddp_model: Any = None, optimizer: Any = None,
@@ -130,9 +130,8 @@ class ActorOffload:
         return cls(policy.model, policy.ddp_model, policy.optimizer, parts)
 
     def refresh(self) -> None:
-        """Pick up storages created since construction (e.g. Adam's moments after the first step)."""
-        if any(p.offloaded for parked in self._parked.values() for p in parked.values()):
-            raise RuntimeError("ActorOffload.refresh() while part of the actor is offloaded; call reload() first")
+        """Pick up storages created since the last look (e.g. Adam's moments after the first step); the ones
+        offloaded now are known already (and empty), so this is safe at any time."""
         seen = {key for parked in self._parked.values() for key in parked}
         for part, tensors in actor_tensors(self.model, self.ddp_model, self.optimizer).items():
             for tensor in tensors:
@@ -167,6 +166,7 @@ class ActorOffload:
     def offload(self, parts: Iterable[str] | None = None) -> int:
         """Copy the parts to host memory and free their device memory; returns the bytes freed."""
         _log_cpu_notice_once(self.device)
+        self.refresh()
         moving = [p for p in self._selected(parts) if not p.offloaded]
         for parked in moving:
             parked.copy_out(self.pin)
@@ -192,3 +192,20 @@ def _log_cpu_notice_once(device: torch.device) -> None:
         _cpu_notice_logged = True
         logger.info("actor offload does nothing useful on this platform (no accelerator: host and device memory are "
                     "the same); the state is still copied to a separate host buffer and back")
+
+
+def colocated_offload(policy: Any, megatron: Any, rollout_mode: str) -> ActorOffload | None:
+    """The actor offload of a run, or None: when no `actor.megatron.*_offload` switch is on, or when the engines
+    are not colocated (`rollout_mode` other than "colocate": they have devices of their own, so there is nothing to
+    make room for, and one log line says the switches do nothing)."""
+    parts = OffloadParts.from_megatron_config(megatron)
+    if not parts.any:
+        return None
+    if rollout_mode != "colocate":
+        switches = ", ".join(f"actor_rollout_ref.actor.megatron.{name}" for name in
+                             ("param_offload", "grad_offload", "optimizer_offload")
+                             if getattr(megatron, name))
+        logger.info("%s do(es) nothing with actor_rollout_ref.rollout.mode=%s: the engines have devices of their own; "
+                    "the actor is offloaded only when colocated (mode=colocate)", switches, rollout_mode)
+        return None
+    return ActorOffload.for_policy(policy, parts)

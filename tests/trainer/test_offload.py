@@ -7,6 +7,7 @@ fp32 actor (the distributed optimizer's main parameters are views of the paramet
 main parameters) are both run; one pair of processes runs both to pay the start-up once.
 """
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def round_trip(model_dir: str, dtype: str) -> dict:
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, actor_tensors
+    from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.step import train_on_batch
     from megatron_cpo.trainer.workers import build_policies
 
@@ -47,17 +48,16 @@ def round_trip(model_dir: str, dtype: str) -> dict:
     platform.init_distributed(1, 1, seed=1)
     offloaded, _ = build_policies(config, pad_token_id=0, total_updates=10)
     plain, _ = build_policies(config, pad_token_id=0, total_updates=10)
+    # built with the actor, before Adam has state: the first offload finds the moments the first step made
+    offload = colocated_offload(offloaded, config.actor_rollout_ref.actor.megatron, "colocate")
     batch = _batch()
     for actor in (offloaded, plain):
         train_on_batch(batch, actor, None, config, pad_token_id=0)
 
-    parts = OffloadParts.from_megatron_config(config.actor_rollout_ref.actor.megatron)
-    offload = ActorOffload.for_policy(offloaded, parts)
     tensors = actor_tensors(offloaded.model, offloaded.ddp_model, offloaded.optimizer)
     before = _snapshot(tensors)
-    sizes = {part: offload.nbytes(part) for part in ("params", "grads", "optimizer")}
-
     freed_optimizer = offload.offload(["optimizer"])  # a part alone; the others stay
+    sizes = {part: offload.nbytes(part) for part in ("params", "grads", "optimizer")}
     optimizer_alone = (all(s.nbytes() == 0 for s in offload.storages("optimizer"))
                        and all(s.nbytes() > 0 for s in offload.storages("params")))
     freed_rest = offload.offload()  # the configured parts: the optimizer is already out
@@ -111,7 +111,7 @@ def test_offload_round_trip_is_bit_identical_and_training_continues_unchanged(ti
 def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer import offload as offload_module
-    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts
+    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
                                "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
@@ -120,6 +120,16 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     assert not OffloadParts.from_megatron_config(build_config({}, []).actor_rollout_ref.actor.megatron).any
 
     model = torch.nn.Linear(3, 2)  # a plain module: parameters only, no DDP buffers or optimizer
+    policy = SimpleNamespace(model=model, ddp_model=None, optimizer=None)
+    with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
+        assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "ray") is None
+        assert colocated_offload(policy, build_config({}, []).actor_rollout_ref.actor.megatron, "colocate") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "actor_rollout_ref.actor.megatron.param_offload, actor_rollout_ref.actor.megatron.optimizer_offload do(es) "
+        "nothing with actor_rollout_ref.rollout.mode=ray: the engines have devices of their own; the actor is "
+        "offloaded only when colocated (mode=colocate)"]
+    caplog.clear()
+    assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "colocate").parts == parts
     weight = model.weight.detach().clone()
     offload = ActorOffload(model, parts=OffloadParts(params=True))
     offload_module._cpu_notice_logged = False
