@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")
     for name, value in report.get("colocated_gib", {}).items():
-        print(f"  colocated/{name:<18}{value:10.3f} GiB")
+        print(f"  {'colocated/' + name:<36}{value:10.3f} GiB")
     for name, value in report.get("step_time_s", {}).items():
         print(f"  time/{name:<23}{value:10.1f} s")
     return 0
