@@ -30,7 +30,7 @@ def _snapshot(tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Te
     return {part: [t.detach().clone() for t in group] for part, group in tensors.items()}
 
 
-def round_trip(model_dir: str, dtype: str) -> dict:
+def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -44,7 +44,7 @@ def round_trip(model_dir: str, dtype: str) -> dict:
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3", f"actor_rollout_ref.actor.megatron.params_dtype={dtype}",
         "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
-        "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
+        "actor_rollout_ref.actor.megatron.optimizer_offload=true", *overrides])
     platform.init_distributed(1, 1, seed=1)
     offloaded, _ = build_policies(config, pad_token_id=0, total_updates=10)
     plain, _ = build_policies(config, pad_token_id=0, total_updates=10)
@@ -114,7 +114,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
-                               "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
+                               "actor_rollout_ref.actor.megatron.optimizer_offload=true", *overrides])
     parts = OffloadParts.from_megatron_config(config.actor_rollout_ref.actor.megatron)
     assert parts.names() == ("params", "optimizer") and parts.any
     assert not OffloadParts.from_megatron_config(build_config({}, []).actor_rollout_ref.actor.megatron).any
