@@ -114,7 +114,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
-                               "actor_rollout_ref.actor.megatron.optimizer_offload=true", *overrides])
+                               "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
     parts = OffloadParts.from_megatron_config(config.actor_rollout_ref.actor.megatron)
     assert parts.names() == ("params", "optimizer") and parts.any
     assert not OffloadParts.from_megatron_config(build_config({}, []).actor_rollout_ref.actor.megatron).any
@@ -136,11 +136,14 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
         assert offload.offload() == (6 + 2) * 4
         assert offload.offload() == 0  # already out
+        with pytest.raises(RuntimeError, match="cannot push weights: the actor's params are offloaded"):
+            offload.require_loaded("push weights")
         assert offload.reload() == (6 + 2) * 4
         offload.offload()
         offload.reload()
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "does nothing useful on this platform" in caplog.records[0].message
     assert torch.equal(model.weight, weight)
+    offload.require_loaded("train")  # loaded again: no error
     with pytest.raises(ValueError, match=r"unknown actor offload part\(s\) \['weights'\]"):
         offload.offload(["weights"])
