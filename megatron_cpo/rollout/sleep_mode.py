@@ -22,12 +22,6 @@ def platform_supports_sleep() -> bool:
     return current_platform.is_sleep_mode_available()
 
 
-def engine_sleep_mode(requested: bool) -> bool:
-    """The `enable_sleep_mode` engine argument: on only when asked for and the platform has it (vLLM refuses the
-    argument on platforms without it)."""
-    return requested and platform_supports_sleep()
-
-
 def why_not_sleeping(enabled: bool, platform_supported: bool) -> str | None:
     """None when the engine can sleep; otherwise what a sleep / wake-up request will do instead."""
     if not platform_supported:
