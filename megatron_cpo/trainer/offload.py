@@ -130,17 +130,24 @@ class ActorOffload:
         return cls(policy.model, policy.ddp_model, policy.optimizer, parts)
 
     def refresh(self) -> None:
-        """Pick up storages created since the last look (e.g. Adam's moments after the first step); the ones
-        offloaded now are known already (and empty), so this is safe at any time."""
-        seen = {key for parked in self._parked.values() for key in parked}
+        """Look at the actor's storages again: pick up new ones (Adam's moments after the first step) and let go of
+        the ones it no longer holds (optimizer state replaced by a checkpoint load), so no stale storage is kept
+        alive. Offloaded ones are known (and empty), so this is safe at any time."""
+        known = {key: parked for group in self._parked.values() for key, parked in group.items()}
+        current: dict[str, dict[int, _Parked]] = {part: {} for part in PARTS}
         for part, tensors in actor_tensors(self.model, self.ddp_model, self.optimizer).items():
             for tensor in tensors:
                 storage = tensor.untyped_storage()
                 key = storage._cdata  # the storage itself, stable while its memory is freed and re-grown
-                if key in seen or storage.device != self.device or storage.nbytes() == 0:
-                    continue  # shared with an earlier part, host-resident already (e.g. Adam's step), or empty
-                seen.add(key)
-                self._parked[part][key] = _Parked(storage)
+                if any(key in group for group in current.values()):
+                    continue  # shared with an earlier part
+                if key in known:
+                    current[part][key] = known.pop(key)
+                elif storage.device == self.device and storage.nbytes() > 0:  # not host-resident (Adam's step)
+                    current[part][key] = _Parked(storage)
+        for part in PARTS:  # offloaded state always stays reachable, whatever the actor holds now
+            current[part].update({key: p for key, p in self._parked[part].items() if key in known and p.offloaded})
+        self._parked = current
 
     def nbytes(self, part: str) -> int:
         """Device bytes that part `part` occupies when loaded."""

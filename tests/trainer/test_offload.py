@@ -145,5 +145,10 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     assert "does nothing useful on this platform" in caplog.records[0].message
     assert torch.equal(model.weight, weight)
     offload.require_loaded("train")  # loaded again: no error
+    replaced = model.weight.untyped_storage()._cdata
+    model.weight = torch.nn.Parameter(torch.zeros(2, 3))  # e.g. state replaced by a checkpoint load
+    offload.refresh()
+    assert replaced not in [storage._cdata for storage in offload.storages("params")]  # let go, not kept alive
+    assert offload.nbytes("params") == (6 + 2) * 4
     with pytest.raises(ValueError, match=r"unknown actor offload part\(s\) \['weights'\]"):
         offload.offload(["weights"])
