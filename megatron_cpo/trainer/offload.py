@@ -17,9 +17,10 @@ says so; the copy to a separate host buffer and back still runs, so the bookkeep
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -198,6 +199,20 @@ class ActorOffload:
             parked.copy_back(self.pin)
         self._synchronize()
         return sum(p.nbytes for p in moving)
+
+
+@contextlib.contextmanager
+def offloaded_during(offload: ActorOffload | None) -> Iterator[None]:
+    """The rollout phase of a colocated step: the actor's configured parts are on the host inside the block and
+    back on the device after it (also when it raises); nothing happens when `offload` is None (not colocated)."""
+    if offload is None:
+        yield
+        return
+    offload.offload()
+    try:
+        yield
+    finally:
+        offload.reload()
 
 
 def _log_cpu_notice_once(device: torch.device) -> None:

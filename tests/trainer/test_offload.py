@@ -111,7 +111,7 @@ def test_offload_round_trip_is_bit_identical_and_training_continues_unchanged(ti
 def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer import offload as offload_module
-    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload
+    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload, offloaded_during
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
                                "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
@@ -145,6 +145,14 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     assert "does nothing useful on this platform" in caplog.records[0].message
     assert torch.equal(model.weight, weight)
     offload.require_loaded("train")  # loaded again: no error
+    with offloaded_during(offload):  # the rollout phase: out inside, back after
+        assert offload.is_offloaded("params") and model.weight.untyped_storage().nbytes() == 0
+    assert not offload.is_offloaded("params") and torch.equal(model.weight, weight)
+    with pytest.raises(KeyError), offloaded_during(offload):
+        raise KeyError("rollout failed")
+    assert torch.equal(model.weight, weight)  # reloaded although the block raised
+    with offloaded_during(None):
+        pass  # not colocated: nothing to do
     replaced = model.weight.untyped_storage()._cdata
     model.weight = torch.nn.Parameter(torch.zeros(2, 3))  # e.g. state replaced by a checkpoint load
     offload.refresh()
