@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no HF config at {config_path}; pass --model with a local model directory")
         shape = ModelShape.from_hf_config(json.loads(config_path.read_text()))
         trainer = trainer_memory(shape, layout, batch)
-        report = {"params": shape.total_params(), "dp": layout.dp, "memory_gib": {k: v / GIB for k, v in trainer.items()}}
+        report = {"params": shape.total_params(), "dp": layout.dp,
+                  "memory_gib": {k: v / GIB for k, v in trainer.items()}}
         if args.colocate:
             report["colocated_gib"] = {k: v / GIB for k, v in _colocate_report(args, shape, layout, trainer).items()}
         if args.gpu:

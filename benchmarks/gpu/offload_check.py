@@ -5,8 +5,9 @@ checkpoint and built twice by the trainer's `build_policies` (bf16, distributed 
 `train_on_batch` step, then one is offloaded with `trainer/offload.py` (all three parts, as
 `actor.megatron.{param,grad,optimizer}_offload=true` in `rollout.mode=colocate`) and reloaded. Recorded: the bytes
 of each part, the allocator's allocated memory before, while offloaded and after reload (the offloaded bytes must
-really leave the device and come back), the copy times and bandwidths, whether every parameter, gradient and optimizer tensor
-came back bit-identical, and whether one more step of both actors gives the same metrics and parameters.
+really leave the device and come back), the copy times and bandwidths, whether every parameter, gradient and
+optimizer tensor came back bit-identical, and whether one more step of both actors gives the same metrics and
+parameters.
 
 With `--tiny` on CPU (the smoke test) the same code runs on the suite-sized model, the "host" copy being a separate
 CPU buffer; allocator figures are then not applicable (None).
