@@ -16,6 +16,8 @@ VERL_ALIASES: dict[str, str] = {
     # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
     # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
+    # vLLM's and TRL's name for verl's free_cache_engine (sleep the colocated engines while the actor trains)
+    "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
 }
@@ -30,16 +32,14 @@ class NoOpKey:
     allowed: tuple[Any, ...] | None = None
 
 
-_COLOCATED = "offloading applies to verl's colocated actor/rollout; our engines are separate processes"
+_REF_OFFLOAD = ("the reference's weights stay on the device in every rollout mode; only the actor's state is "
+                "offloaded (actor_rollout_ref.actor.megatron.{param,grad,optimizer}_offload)")
 
 VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("actor_rollout_ref.*.fsdp_config.*", "FSDP settings; the trainer is Megatron-Core"),
     NoOpKey("actor_rollout_ref.*.ulysses_sequence_parallel_size", "Ulysses sequence parallelism is FSDP's; the "
             "Megatron trainer splits the model with TP/PP"),
-    NoOpKey("actor_rollout_ref.actor.megatron.param_offload", _COLOCATED),
-    NoOpKey("actor_rollout_ref.actor.megatron.grad_offload", _COLOCATED),
-    NoOpKey("actor_rollout_ref.actor.megatron.optimizer_offload", _COLOCATED),
-    NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _COLOCATED),
+    NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _REF_OFFLOAD),
     NoOpKey("actor_rollout_ref.model.use_remove_padding", "padding-free packing is not implemented yet; "
             "actor_rollout_ref.actor.use_dynamic_bsz pads each micro-batch only to its own longest row (speed and "
             "memory only, the update is the same)"),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: kernel correctness on CUDA against float64, the kernel benchmark grid (vs cuBLAS, plain torch and
-# Liger), and the Megatron actor (log-prob pass + one update, tokens/s, MFU, peak memory, next to plan_memory.py),
+# Liger), the Megatron actor (log-prob pass + one update, tokens/s, MFU, peak memory, next to plan_memory.py), and
+# the actor's colocated offload round trip (params, grads, optimizer state to pinned host memory and back, bit-identical),
 # in one command that finishes within GPU_CHECK_BUDGET_S (default 530 s: under 9 minutes) on a bare GPU machine.
 # Wheels it needs (megatron-core, liger-kernel) are installed offline from .whl/ beside the code (docs/gpu_check.md).
 #

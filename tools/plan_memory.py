@@ -161,6 +161,69 @@ def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str,
     return memory
 
 
+OFFLOADABLE = {"param": "weights", "grad": "gradients", "optimizer": "optimizer"}  # verl's *_offload -> component
+
+
+def colocated_memory(trainer: dict[str, float], engine_weights: float, kv_cache: float, offload: set[str],
+                     sleep_level: int, engine_overhead: float = 0.0) -> dict[str, float]:
+    """Bytes per GPU when training and the engines share it one phase at a time (`rollout.mode=colocate`): the
+    peak of the two phases, not their sum.
+
+    - training, engines asleep: the trainer's whole footprint (`trainer_memory`) plus what a sleeping engine keeps:
+      `engine_overhead` (CUDA context and graph pools, which sleep mode does not free) at `sleep_level` 1 or 2, or
+      its weights and KV cache too at level 0 (`rollout.free_cache_engine=false`: the engine never sleeps);
+    - rollout, actor offloaded: the engine's weights + KV cache + overhead plus the trainer components that stay
+      (those not in `offload`, verl's `param`/`grad`/`optimizer`; the reference is never offloaded; no activations).
+    Host memory holds the offloaded actor parts, and at level 1 the sleeping engine's weights.
+    """
+    unknown = set(offload) - set(OFFLOADABLE)
+    if unknown:
+        raise ValueError(f"--offload {sorted(unknown)} unknown; choose from {sorted(OFFLOADABLE)}")
+    if sleep_level not in (0, 1, 2):
+        raise ValueError(f"--sleep-level={sleep_level}; use 1, 2, or 0 for engines that never sleep")
+    engine_awake = engine_weights + kv_cache + engine_overhead
+    asleep = engine_overhead if sleep_level else engine_awake
+    moved = {OFFLOADABLE[name] for name in offload}
+    kept = sum(trainer[name] for name in ("weights", "gradients", "optimizer", "reference") if name not in moved)
+    memory = {"training/trainer": trainer["total"], "training/engines_asleep": asleep,
+              "rollout/engines": engine_awake, "rollout/trainer_kept": kept}
+    memory["training"] = memory["training/trainer"] + asleep
+    memory["rollout"] = engine_awake + kept
+    memory["peak"] = max(memory["training"], memory["rollout"])
+    memory["host/actor_offloaded"] = sum(trainer[name] for name in moved)
+    memory["host/engine_weights"] = engine_weights if sleep_level == 1 else 0.0
+    return memory
+
+
+def _colocate_report(args: argparse.Namespace, shape: ModelShape, layout: Layout,
+                     trainer: dict[str, float]) -> dict[str, float]:
+    """`--colocate`: the settings from the recipe (its offload switches, sleep level, gpu_memory_utilization) or the
+    flags; the KV cache is `--kv-cache-gib`, or what `gpu_memory_utilization` of `--gpu` leaves after the weights."""
+    offload = set(filter(None, args.offload.split(","))) if args.offload is not None else set()
+    sleep_level, utilization = args.sleep_level, args.gpu_memory_utilization
+    if args.recipe:
+        from megatron_cpo.config import load_config
+
+        config = load_config(args.recipe)
+        megatron, rollout = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.rollout
+        if args.offload is None:
+            offload = {name for name in OFFLOADABLE if getattr(megatron, f"{name}_offload")}
+        sleep_level = rollout.sleep_level if rollout.free_cache_engine else 0
+        utilization = rollout.gpu_memory_utilization
+    engine_weights = (shape.stage_params(layout.rollout_tp, 1, padded_vocab(shape.vocab_size, layout.rollout_tp, 64))
+                      * DTYPE_BYTES[layout.params_dtype])
+    if args.kv_cache_gib is not None:
+        kv_cache = args.kv_cache_gib * GIB
+    elif args.gpu:
+        kv_cache = utilization * GPUS[args.gpu][2] * GIB - engine_weights - args.engine_overhead_gib * GIB
+        if kv_cache <= 0:
+            raise ValueError(f"gpu_memory_utilization={utilization} of {args.gpu} leaves no KV cache after "
+                             f"{engine_weights / GIB:.1f} GiB of engine weights; raise it or --rollout-tp")
+    else:
+        raise ValueError("--colocate needs the engines' KV cache: pass --kv-cache-gib or --gpu")
+    return colocated_memory(trainer, engine_weights, kv_cache, offload, sleep_level, args.engine_overhead_gib * GIB)
+
+
 def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: float,
               decode_efficiency: float = 0.5) -> dict[str, float]:
     """Seconds per step by phase for `gpu` (a `GPUS` key), at `mfu` of peak FLOPs and `decode_efficiency` of HBM
@@ -219,6 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", choices=sorted(GPUS), help="estimate step time with this GPU's datasheet peaks")
     parser.add_argument("--mfu", type=float, default=0.3, help="fraction of peak FLOPs training reaches")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--colocate", action="store_true", help="engines share the trainer's GPUs: plan the peak of "
+                        "the training and rollout phases (colocated_memory)")
+    parser.add_argument("--offload", help="with --colocate: actor parts offloaded during rollout, comma-separated "
+                        "from param,grad,optimizer (default: the recipe's actor.megatron.*_offload, else none)")
+    parser.add_argument("--sleep-level", type=int, default=1, help="with --colocate: vLLM sleep level while "
+                        "training (1 or 2; 0: engines never sleep); a recipe's rollout.sleep_level wins")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                        help="with --colocate and --gpu: the engines' share of the GPU (a recipe's value wins)")
+    parser.add_argument("--kv-cache-gib", type=float, help="with --colocate: KV cache per GPU instead of what "
+                        "--gpu-memory-utilization leaves")
+    parser.add_argument("--engine-overhead-gib", type=float, default=1.0, help="with --colocate: what an engine "
+                        "keeps asleep (CUDA context, graph pools; an assumption, not a measurement)")
     args = parser.parse_args(argv)
     try:
         if args.recipe:
@@ -235,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         if not config_path.is_file():
             raise ValueError(f"no HF config at {config_path}; pass --model with a local model directory")
         shape = ModelShape.from_hf_config(json.loads(config_path.read_text()))
+        trainer = trainer_memory(shape, layout, batch)
         report = {"params": shape.total_params(), "dp": layout.dp,
-                  "memory_gib": {k: v / GIB for k, v in trainer_memory(shape, layout, batch).items()}}
+                  "memory_gib": {k: v / GIB for k, v in trainer.items()}}
+        if args.colocate:
+            report["colocated_gib"] = {k: v / GIB for k, v in _colocate_report(args, shape, layout, trainer).items()}
         if args.gpu:
             report["step_time_s"] = step_time(shape, layout, batch, args.gpu, args.mfu)
             report["gpu_memory_gib"] = GPUS[args.gpu][2]
@@ -249,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['params'] / 1e9:.3f} B parameters; TP={layout.tp} PP={layout.pp} DP={layout.dp}")
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")
+    for name, value in report.get("colocated_gib", {}).items():
+        print(f"  {'colocated/' + name:<36}{value:10.3f} GiB")
     for name, value in report.get("step_time_s", {}).items():
         print(f"  time/{name:<23}{value:10.1f} s")
     return 0

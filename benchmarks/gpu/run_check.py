@@ -1,7 +1,8 @@
 """Run the GPU check's parts within one time budget and write `results.json` and `results.md`.
 
 Parts run in this order, each in its own process with its own budget (the last one gets what is left):
-kernel correctness against float64, the Megatron actor, the kernel benchmark grid. A part stops starting new
+kernel correctness against float64, the Megatron actor, the actor's colocated offload round trip (device -> pinned
+host -> device, bit-identical), the kernel benchmark grid. A part stops starting new
 measurements at its deadline and is killed (its process group) if it overruns; everything it recorded up to then is
 kept. `scripts/gpu_check.sh` is the entry point (GPU detection, offline wheels); `--tiny --device cpu` runs the same
 parts at tiny shapes on CPU (the CI smoke test).
@@ -63,9 +64,19 @@ GRID_COLUMNS: list[Column] = [
     ("peak extra MiB", "peak_extra_mib", fmt(0)), ("extra / fp32 logits", "extra_over_fp32_logits", fmt(4)),
     ("status", "status", text), ("note", "note", text)]
 
+OFFLOAD_COLUMNS: list[Column] = [
+    ("layers", "layers", text), ("params GiB", "params_gib", fmt(3)), ("grads GiB", "grads_gib", fmt(3)),
+    ("optimizer GiB", "optimizer_gib", fmt(3)), ("allocated GiB", "allocated_gib", fmt(3)),
+    ("offloaded: allocated GiB", "allocated_offloaded_gib", fmt(3)),
+    ("reloaded: allocated GiB", "allocated_reloaded_gib", fmt(3)), ("offload s", "offload_s", fmt(3)),
+    ("reload s", "reload_s", fmt(3)), ("offload GB/s", "offload_gb_s", fmt(1)), ("reload GB/s", "reload_gb_s", fmt(1)),
+    ("bit-identical", "identical", _ok), ("next step identical", "next_step_identical", _ok),
+    ("status", "status", text)]
+
 PARTS = [
     Part("kernel_correctness", "benchmarks.gpu.check_kernels", 90.0, KERNEL_COLUMNS),
     Part("actor", "benchmarks.gpu.actor_bench", 170.0, ACTOR_COLUMNS),
+    Part("actor_offload", "benchmarks.gpu.offload_check", 90.0, OFFLOAD_COLUMNS),
     Part("kernel_grid", "benchmarks.gpu.kernel_grid", None, GRID_COLUMNS,
          tiny_args=("--tiny", "--warmup", "0", "--iters", "1")),
 ]

@@ -48,11 +48,19 @@ class OptimConfig:
 
 @dataclass
 class MegatronConfig:
-    """Model parallelism of the trainer; data parallelism is what remains of the world size."""
+    """Model parallelism of the trainer; data parallelism is what remains of the world size.
+
+    `param_offload` / `grad_offload` / `optimizer_offload` (verl's names) move the actor's parameters, gradients
+    (DDP's grad buffers) and optimizer state (Adam's moments, fp32 main parameters) to host memory while colocated
+    engines generate (`rollout.mode=colocate`), and back before training; they do nothing when the engines have
+    GPUs of their own (trainer/offload.py)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     use_distributed_optimizer: bool = True
     params_dtype: str = "float32"
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
@@ -155,7 +163,11 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     `n` responses per prompt at `temperature` / `top_p` / `top_k`; `val_kwargs` is how validation samples.
     `max_inflight_prompts` caps the prompts the controller keeps in flight (0: 2 * data.train_batch_size).
     `log_prob_micro_batch_size_per_gpu`: responses per forward when the actor recomputes log-probs
-    (0: `actor.ppo_micro_batch_size_per_gpu`)."""
+    (0: `actor.ppo_micro_batch_size_per_gpu`).
+    `free_cache_engine` (verl's name; `enable_sleep_mode` is accepted for it) puts colocated engines to sleep while
+    the actor trains (`rollout.mode=colocate`, GPU engines only) and wakes them before rollout: `sleep_level` 1 frees
+    the KV cache and moves the weights to host memory, 2 discards the weights too (new ones are pushed before the
+    next rollout anyway, so 2 saves the copy and the host memory)."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -163,6 +175,8 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     max_inflight_prompts: int = 0
     log_prob_micro_batch_size_per_gpu: int = 0
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    free_cache_engine: bool = True
+    sleep_level: int = 1
 
     def __post_init__(self) -> None:
         RolloutEngineConfig.__post_init__(self)
@@ -170,6 +184,8 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
         prefix = "actor_rollout_ref.rollout."
         check(self.log_prob_micro_batch_size_per_gpu >= 0, f"{prefix}log_prob_micro_batch_size_per_gpu="
                f"{self.log_prob_micro_batch_size_per_gpu} must be >= 0 (0: actor.ppo_micro_batch_size_per_gpu)")
+        check(self.sleep_level in (1, 2), f"{prefix}sleep_level={self.sleep_level} must be 1 (free the KV cache, "
+               "move the engine's weights to host memory) or 2 (discard the weights too)")
         check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
         check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
         check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")

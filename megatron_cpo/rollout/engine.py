@@ -48,6 +48,7 @@ class VLLMEngine:
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
             enable_chunked_prefill=config.uses_gpu and config.engines.enable_chunked_prefill,
             max_num_batched_tokens=config.engines.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
+            enable_sleep_mode=config.uses_gpu and config.enable_sleep_mode,
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)
@@ -170,6 +171,34 @@ class VLLMEngine:
             await self.leave_weight_group()
         finally:
             self.engine.shutdown()
+
+    async def sleep(self, level: int = 1) -> bool:
+        """Free this engine's device memory while colocated training runs (vLLM's sleep mode; `level` 1 frees the
+        KV cache and moves the weights to host memory, 2 discards them: push weights before generating again).
+        Returns whether it slept; where it cannot (CPU, or started without sleep mode) it says why once."""
+        if not self._can_sleep():
+            return False
+        if self._active:
+            raise RuntimeError(f"engine {self.engine_index} has {len(self._active)} groups in flight; it can only "
+                               "sleep when idle (cancel_all() or drain completed() first)")
+        await self._unless_dead(self.engine.sleep(level))
+        return True
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Re-allocate what `sleep` freed (`tags`: vLLM's "weights" / "kv_cache" to wake in stages, None: all).
+        Returns whether there was anything to wake."""
+        if not self._can_sleep():
+            return False
+        await self._unless_dead(self.engine.wake_up(tags))
+        return True
+
+    def _can_sleep(self) -> bool:
+        from megatron_cpo.rollout.sleep_mode import explain_once, platform_supports_sleep, why_not_sleeping
+
+        reason = why_not_sleeping(self.engine.vllm_config.model_config.enable_sleep_mode, platform_supports_sleep())
+        if reason is not None:
+            explain_once(self.engine_index, reason)
+        return reason is None
 
 
 class _ChildProcess:

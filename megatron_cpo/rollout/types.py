@@ -147,6 +147,8 @@ class EngineLaunchConfig:
     `max_num_seqs`: sequences one engine decodes at once (vLLM's scheduler limit; None keeps vLLM's default, 128 for
     an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
     max_num_seqs / n prompts only queues. On CPU each engine takes `cpus_per_engine` Ray CPU slots.
+    `enable_sleep_mode` starts the engines able to sleep (free their memory) while colocated training runs, where
+    vLLM's platform has sleep mode (not the CPU build: there sleep and wake-up do nothing; rollout/sleep_mode.py).
     """
 
     model_path: str
@@ -163,6 +165,7 @@ class EngineLaunchConfig:
     engine_start_timeout_s: float = 600.0
     health_timeout_s: float = 30.0
     engine_env: dict[str, str] = field(default_factory=dict)
+    enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):

@@ -2,7 +2,7 @@
 
 `bash scripts/gpu_check.sh --cpu-smoke` runs every part the GPU run runs (kernel correctness on the Triton
 interpreter and the chunked torch path, the Megatron actor through the trainer's own step on gloo with a tiny model,
-the kernel grid, plan_memory.py, the JSON and Markdown writers) and installs a wheel from the wheel folder offline,
+the actor's offload round trip, the kernel grid, plan_memory.py, the JSON and Markdown writers) and installs a wheel from the wheel folder offline,
 so CI proves the script is not broken. The numbers it prints at tiny shapes are not measurements.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     summary = json.loads((out / "results.json").read_text())
     parts = summary["parts"]
     assert {name: part["status"] for name, part in parts.items()} == {
-        "kernel_correctness": "ok", "actor": "ok", "kernel_grid": "ok"}
+        "kernel_correctness": "ok", "actor": "ok", "actor_offload": "ok", "kernel_grid": "ok"}
     correctness = parts["kernel_correctness"]["records"]
     # 2 kernels x 2 dtypes x 2 cases, on the interpreted Triton backend and the chunked torch backend
     assert len(correctness) == 16 and all(r["passed"] for r in correctness)
@@ -79,6 +79,10 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
         assert 0 < record["real_tokens"] < record["padded_positions"]  # log-normal lengths: padding exists
         assert record["real_tokens_per_s"] == pytest.approx(record["real_tokens"] / record["seconds"])
         assert record["plan_memory_gib"] > 0 and record["plan_seconds"] > 0 and math_finite(record["loss"])
+    (offload,) = parts["actor_offload"]["records"]  # the CPU run: a separate host copy, no allocator figures
+    assert offload["identical"] and offload["next_step_identical"] and offload["storages_released"]
+    assert offload["offloaded_gib"] == pytest.approx(offload["params_gib"] + offload["grads_gib"]
+                                                     + offload["optimizer_gib"]) and offload["allocated_gib"] is None
     grid = parts["kernel_grid"]["records"]
     assert {r["method"] for r in grid} == {"matmul", "fused_linear", "torch_linear", "fused_logits", "torch_logits"}
     assert all(r["status"] == "ok" for r in grid)

@@ -103,3 +103,44 @@ def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "TP=1 PP=1 DP=8" in out and "time/generation" in out and "activations/logits" in out
     assert main(["--model", str(tiny_dir / "missing")]) == 2
+
+
+def test_colocated_plan_is_the_peak_of_the_two_phases_with_offload_honoured():
+    from plan_memory import colocated_memory
+
+    # GiB by hand: trainer 10 weights + 20 grads + 30 optimizer + 5 reference + 10 activations = 75;
+    # engine 4 weights + 12 KV cache + 1 overhead = 17 awake, 1 asleep
+    trainer = {"weights": 10, "gradients": 20, "optimizer": 30, "reference": 5, "activations/layers": 7,
+               "activations/logits": 3, "total": 75}
+    plan = colocated_memory(trainer, engine_weights=4, kv_cache=12, offload={"param", "optimizer"}, sleep_level=1,
+                            engine_overhead=1)
+    assert plan["training"] == 75 + 1  # engines asleep keep their overhead only
+    assert plan["rollout"] == 17 + 20 + 5  # grads and reference stay, no activations
+    assert plan["peak"] == 76 and plan["peak"] < plan["training"] + plan["rollout"]
+    assert (plan["host/actor_offloaded"], plan["host/engine_weights"]) == (40, 4)
+    everything = colocated_memory(trainer, 4, 12, {"param", "grad", "optimizer"}, sleep_level=2, engine_overhead=1)
+    assert everything["rollout"] == 17 + 5 and everything["host/engine_weights"] == 0  # level 2 discards weights
+    awake = colocated_memory(trainer, 4, 12, set(), sleep_level=0, engine_overhead=1)  # never sleeps, no offload
+    assert awake["training"] == 75 + 17 and awake["rollout"] == 17 + 65 and awake["peak"] == 92
+    with pytest.raises(ValueError, match=r"--offload \['params'\] unknown"):
+        colocated_memory(trainer, 4, 12, {"params"}, sleep_level=1)
+
+
+def test_cli_plans_a_colocated_recipe_with_its_offload_switches(tiny_dir, capsys, tmp_path):
+    shipped = (ROOT / "examples" / "qwen2.5-math-1.5b" / "cpo.yaml").read_text()
+    recipe = tmp_path / "colocated.yaml"  # the shipped recipe with verl's three offload switches on
+    recipe.write_text(shipped.replace("      params_dtype: bfloat16\n", "      params_dtype: bfloat16\n"
+                                      "      param_offload: true\n      grad_offload: true\n"
+                                      "      optimizer_offload: true\n"))
+    args = ["--model", str(tiny_dir), "--trainer-gpus", "8", "--colocate", "--kv-cache-gib", "2", "--json"]
+    assert main(["--recipe", str(ROOT / "examples" / "qwen2.5-math-1.5b" / "cpo.yaml"), *args]) == 0
+    plain = json.loads(capsys.readouterr().out)["colocated_gib"]
+    assert main(["--recipe", str(recipe), *args]) == 0
+    offloaded = json.loads(capsys.readouterr().out)
+    memory, colocated = offloaded["memory_gib"], offloaded["colocated_gib"]
+    assert colocated["rollout/trainer_kept"] == pytest.approx(memory["reference"])
+    assert plain["rollout/trainer_kept"] == pytest.approx(
+        memory["weights"] + memory["gradients"] + memory["optimizer"] + memory["reference"])
+    assert colocated["peak"] == pytest.approx(max(colocated["training"], colocated["rollout"]))
+    assert main(["--model", str(tiny_dir), "--colocate"]) == 2  # no KV cache size: a clear error
+    assert "--kv-cache-gib or --gpu" in capsys.readouterr().err
