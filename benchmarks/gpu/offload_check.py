@@ -46,7 +46,7 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.step import train_on_batch
-    from megatron_cpo.trainer.workers import build_policies
+    from megatron_cpo.trainer.policies import build_policies
 
     batch = length_skewed_batch(shape, vocab)
     config = build_config({}, [

@@ -287,7 +287,7 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
 
 def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
     """Collective: writes the actor as a Hugging Face model directory (config and tokenizer from the model path)."""
-    from megatron_cpo.models.converters import export_hf_model
+    from megatron_cpo.models.conversion_commands import export_hf_model
 
     dtype = getattr(torch, config.actor_rollout_ref.actor.megatron.params_dtype)
     return lambda out: export_hf_model(actor.model, actor.model.hf_config, config.actor_rollout_ref.model.path, out,

@@ -42,7 +42,7 @@ class HintContextBuilder:
 
     def __init__(self, config: Config, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.gold_as_hint = config.algorithm.gold_as_hint
+        self.gold_as_hint = config.algorithm.cpo.gold_as_hint
         self.reader = HintReader(config.data.hint_key)
         self.hint_config = HintConfig(max_prompt_length=config.data.max_prompt_length)
 

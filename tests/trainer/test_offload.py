@@ -37,7 +37,7 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.step import train_on_batch
-    from megatron_cpo.trainer.workers import build_policies
+    from megatron_cpo.trainer.policies import build_policies
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
