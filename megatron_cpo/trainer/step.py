@@ -61,17 +61,18 @@ class StepBatch:
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
     """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
-    prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
-    responses = [r for g in groups for r in g.response_token_ids]
     hints = {}
     if hint_builder is not None:
+        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
+        responses = [r for g in groups for r in g.response_token_ids]
         contexts = hint_builder(groups, prompts, responses)
         hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
                  "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
     group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
     return StepBatch(
         prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).select(group),  # each prompt once
-        response_ids=responses, rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
+        response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
+        rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
         group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
 
@@ -90,26 +91,33 @@ def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, other
 
 
+def _wire_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """int32 for int64 values that fit in it (token ids), else the tensor's own dtype."""
+    if tensor.dtype == torch.long and tensor.numel() and int(tensor.abs().max()) < 2**31:
+        return torch.int32
+    return tensor.dtype
+
+
 def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
-    tensor, on the device the backend needs."""
+    tensor, on the device the backend needs; token ids travel as int32 when they fit (half the bytes)."""
     if dist.get_world_size() == 1:
         return batch
     header: list[Any] = [None]
     tensors: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0 and batch is not None:
         tensors, other = _batch_tensors(batch)
-        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
+        header = [({name: (tuple(t.shape), t.dtype, _wire_dtype(t)) for name, t in tensors.items()}, other)]
     dist.broadcast_object_list(header, src=0)
     if header[0] is None:
         return None
     specs, other = header[0]
     received = {}
-    for name, (shape, dtype) in specs.items():
-        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
+    for name, (shape, dtype, wire_dtype) in specs.items():
+        wire = tensors[name].to(wire_dtype) if name in tensors else torch.empty(shape, dtype=wire_dtype)
         wire = wire.contiguous().to(platform.device())
         dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
-        received[name] = wire.cpu()
+        received[name] = wire.cpu().to(dtype)
     kwargs = dict(other)
     for item in fields(StepBatch):
         if f"{item.name}.values" in received:
@@ -119,10 +127,10 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     return StepBatch(**kwargs)
 
 
-def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
-    """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
-    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
-    return seqs, batch.rollout_log_probs.padded(width, 0.0)
+def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
+    """The batch's prompt + response sequences and the engine's log-probs (ragged: each mini-batch pads its own rows
+    to [rows, width] when it trains)."""
+    return pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width), batch.rollout_log_probs
 
 
 def loss_config_of(config: Config) -> PolicyLossConfig:
@@ -199,8 +207,9 @@ def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronP
     for _ in range(actor_cfg.ppo_epochs):
         for start in range(0, seqs.rows, rows_per_mini):
             rows = slice(start, start + rows_per_mini)
+            engine_log_probs = rollout_log_probs.select(torch.arange(seqs.rows)[rows]).padded(width, 0.0)
             inputs = UpdateInputs(advantages[rows], old_log_probs[rows],
-                                  ref_log_probs[rows] if ref_log_probs is not None else None, rollout_log_probs[rows])
+                                  ref_log_probs[rows] if ref_log_probs is not None else None, engine_log_probs)
             update_metrics.append(actor.update(seqs.select(rows), inputs, loss_config, temperature))
     for key in update_metrics[0]:
         metrics[key] = sum(m[key] for m in update_metrics) / len(update_metrics)
