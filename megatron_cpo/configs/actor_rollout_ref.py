@@ -60,6 +60,8 @@ class MegatronConfig:
     whole layers, `selective`: the core attention), `recompute_method` (`uniform`: every `recompute_num_layers` layers
     form one checkpoint; `block`: only the first `recompute_num_layers` layers of a stage are recomputed) and
     `recompute_num_layers` are Megatron's names and apply when `actor_rollout_ref.model.enable_gradient_checkpointing`.
+    `context_parallel_size` splits every row over that many ranks (ring attention): Transformer Engine only, padded rows
+    only (not with `use_remove_padding`); data parallelism is then world / (TP x PP x CP).
     """
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -69,6 +71,7 @@ class MegatronConfig:
     recompute_granularity: str = "full"
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
@@ -85,6 +88,8 @@ class MegatronConfig:
         check_choice("actor_rollout_ref.actor.megatron.recompute_method", self.recompute_method, ("uniform", "block"))
         check(self.recompute_num_layers >= 1, "actor_rollout_ref.actor.megatron.recompute_num_layers="
                                               f"{self.recompute_num_layers} must be >= 1")
+        check(self.context_parallel_size >= 1, "actor_rollout_ref.actor.megatron.context_parallel_size="
+                                               f"{self.context_parallel_size} must be >= 1")
 
 
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")

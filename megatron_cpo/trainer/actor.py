@@ -13,6 +13,7 @@ whole batch's tensors (the advantage math then runs identically everywhere).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.kernels import linear_logprobs_and_entropy, logprobs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)
+from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
 from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.packing import PackedRows, pack_rows
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
@@ -43,6 +45,8 @@ def model_options(config: Any) -> dict[str, Any]:
     parallelism and (`enable_gradient_checkpointing`) Megatron's activation recompute."""
     megatron = config.actor_rollout_ref.actor.megatron
     options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
+    if megatron.context_parallel_size > 1:
+        options["context_parallel_size"] = megatron.context_parallel_size
     if config.actor_rollout_ref.model.enable_gradient_checkpointing:
         options["recompute_granularity"] = megatron.recompute_granularity
         if megatron.recompute_granularity == "full":
@@ -78,6 +82,9 @@ class MegatronPolicy:
         self.use_fused_kernels = use_fused_kernels
         # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
         self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
+        if self.packing and model.config.context_parallel_size > 1:
+            raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
+                             "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")
         if ((self.batching.dynamic or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
             model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
@@ -115,6 +122,9 @@ class MegatronPolicy:
                 hidden = decoder_hidden_states(stage_model, tokens, positions, layout.attention_mask(device))
             return hidden if self.use_fused_kernels else output_logits(stage_model, hidden)
         positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        if self._cp_size() > 1:  # this CP rank's two chunks of every row
+            index = chunk_index(tokens.shape[1], self._cp_size(), self._cp_rank()).to(device)
+            tokens, positions = tokens[:, index], positions[:, index]
         if self.use_fused_kernels:
             return decoder_hidden_states(stage_model, tokens, positions)
         return stage_model(tokens, positions, attention_mask=None)
@@ -128,6 +138,9 @@ class MegatronPolicy:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
         targets = seqs.targets.to(output.device)
+        cp_size = self._cp_size()
+        if cp_size > 1:
+            targets = targets[:, chunk_index(seqs.length, cp_size, self._cp_rank()).to(targets.device)]
         if self.use_fused_kernels:
             log_probs, entropy = linear_logprobs_and_entropy(
                 gather_sequence_parallel(self.model, output).transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
@@ -136,6 +149,10 @@ class MegatronPolicy:
             log_probs, entropy = logprobs_and_entropy(
                 output, targets, temperature=temperature, tp_group=tp_group, ignore_index=IGNORE_INDEX,
                 vocab_size=self.model.hf_vocab_size)
+        if cp_size > 1:
+            group = parallel_state.get_context_parallel_group()
+            log_probs = gather_positions(log_probs, seqs.length, group)
+            entropy = gather_positions(entropy, seqs.length, group)
         return seqs.to_response(log_probs), seqs.to_response(entropy)
 
     def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
@@ -173,10 +190,21 @@ class MegatronPolicy:
         return micro
 
     def _sequence_multiple(self) -> int:
-        """Rows are padded to a multiple of the TP size under sequence parallelism (they are split over TP)."""
+        """Rows are padded to a multiple of the TP size under sequence parallelism (they are split over TP) and of
+        2 x CP under context parallelism (two chunks per CP rank)."""
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_world_size() if self.model.config.sequence_parallel else 1
+        tp = parallel_state.get_tensor_model_parallel_world_size() if self.model.config.sequence_parallel else 1
+        cp = self._cp_size()
+        return math.lcm(tp, 2 * cp) if cp > 1 else tp
+
+    def _cp_size(self) -> int:
+        return self.model.config.context_parallel_size
+
+    def _cp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
 
     @torch.no_grad()
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

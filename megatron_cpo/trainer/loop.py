@@ -127,7 +127,7 @@ def run_training(config: Config, manager: Any = None, checked: bool = False) -> 
     megatron = config.actor_rollout_ref.actor.megatron
     try:
         platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                                  seed=config.trainer.seed)
+                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size)
         prepare_run_directory(config)
         is_rank0 = dist.get_rank() == 0
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
