@@ -2,8 +2,10 @@
 
 `throughput`: one process (TP = PP = DP = 1), a tiny Megatron GPTModel, a length-skewed batch (log-normal response
 lengths, issue 14's shape scaled down); times the actor's log-prob pass and one update with fixed micro-batches
-(`ppo_micro_batch_size_per_gpu` rows padded to the batch's longest row) and with token budgets (`use_dynamic_bsz`),
-and reports real (prompt + response) tokens per second (modes alternate `--repeats` times, the last of each counts).
+(`ppo_micro_batch_size_per_gpu` rows padded to the batch's longest row), with token budgets (`use_dynamic_bsz`), with
+padding-free packing of the fixed micro-batches (`use_remove_padding`) and with both (the budget then counts real
+tokens), and reports real (prompt + response) tokens per second (modes alternate `--repeats` times, the last of each
+counts).
 
 `memory`: the log-prob head alone, as the actor runs it after the decoder, forward and backward: `hidden @ W.T`
 then `logprobs_and_entropy` on the logits, or `linear_logprobs_and_entropy` on hidden and W; each mode in a fresh
@@ -81,11 +83,13 @@ def throughput_mode(args: argparse.Namespace) -> dict:
     mask = seqs.response_mask()
     results = {"rows": args.rows, "real_tokens": real, "longest": seqs.length,
                "real_over_padded": round(real / (seqs.rows * seqs.length), 3)}
-    modes = {"padded": MicroBatching(args.micro_batch_size),
-             "dynamic": MicroBatching(args.micro_batch_size, args.token_budget, args.token_budget)}
+    fixed, budget = MicroBatching(args.micro_batch_size), MicroBatching(args.micro_batch_size, args.token_budget,
+                                                                        args.token_budget)
+    modes = {"padded": (fixed, None), "dynamic": (budget, None), "packed": (fixed, "rows"),
+             "packed_dynamic": (budget, "rows")}
     actor.log_probs(seqs.select(slice(0, 2)), temperature=1.0)  # warm-up: first-call costs stay out of the timings
-    for name, batching in [*modes.items()] * args.repeats:  # each mode's last repeat is reported
-        actor.batching = batching
+    for name, (batching, packing) in [*modes.items()] * args.repeats:  # each mode's last repeat is reported
+        actor.batching, actor.packing = batching, packing
         start = time.perf_counter()
         log_probs, _ = actor.log_probs(seqs, temperature=1.0)
         forward = time.perf_counter() - start
