@@ -70,7 +70,7 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
                  "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
     group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
     return StepBatch(
-        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).select(group),  # each prompt once
+        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).repeat_rows([g.n for g in groups]),
         response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
         rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
