@@ -175,7 +175,7 @@ def apply_cpu_optimizer_adaptation() -> None:
 
 
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                     seed: int = 1234) -> None:
+                     seed: int = 1234, context_parallel_size: int = 1) -> None:
     """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP groups.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK as torchrun sets them; without WORLD_SIZE the
@@ -203,13 +203,14 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
             dist.init_process_group(backend=backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                                     world_size=1, timeout=timeout)
     world_size = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not divisible by TP={tensor_model_parallel_size} x "
-                         f"PP={pipeline_model_parallel_size} = {model_parallel}; launch a multiple of {model_parallel} "
-                         f"processes (torchrun --nproc-per-node) or change --tp/--pp")
+                         f"PP={pipeline_model_parallel_size} x CP={context_parallel_size} = {model_parallel}; launch a "
+                         f"multiple of {model_parallel} processes (torchrun --nproc-per-node) or change --tp/--pp/--cp")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                             pipeline_model_parallel_size=pipeline_model_parallel_size)
+                                             pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                             context_parallel_size=context_parallel_size)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

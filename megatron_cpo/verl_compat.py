@@ -20,6 +20,9 @@ VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
+    # verl passes Megatron's recompute settings through override_transformer_config
+    **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}": f"actor_rollout_ref.actor.megatron.{key}"
+       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
 }
 
 
@@ -40,11 +43,6 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("actor_rollout_ref.*.ulysses_sequence_parallel_size", "Ulysses sequence parallelism is FSDP's; the "
             "Megatron trainer splits the model with TP/PP"),
     NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _REF_OFFLOAD),
-    NoOpKey("actor_rollout_ref.model.use_remove_padding", "padding-free packing is not implemented yet; "
-            "actor_rollout_ref.actor.use_dynamic_bsz pads each micro-batch only to its own longest row (speed and "
-            "memory only, the update is the same)"),
-    NoOpKey("actor_rollout_ref.model.enable_gradient_checkpointing", "activation recomputation is not wired "
-            "(memory only, the update is the same)"),
     NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
     NoOpKey("actor_rollout_ref.rollout.mode", "the controller always streams groups from asynchronous engines",
             ("async", "sync")),
@@ -68,6 +66,8 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "the reference runs in the actor's layout"),
     "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": (
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "the reference runs in the actor's layout"),
+    "actor_rollout_ref.ref.megatron.sequence_parallel": (
+        "actor_rollout_ref.actor.megatron.sequence_parallel", "the reference runs in the actor's layout"),
     "reward_model.reward_kwargs.max_resp_len": (
         "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
 }

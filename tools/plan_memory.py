@@ -11,13 +11,22 @@ Method (docs/planning.md has the derivation):
 - Resident state per parameter: the weights in `params_dtype`; fp32 gradients (Megatron DDP reduces in fp32); Adam
   moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer;
   a frozen reference copy of the weights when the KL loss is on.
-- Activations of one micro-batch of `micro_batch * (prompt + response)` tokens, counted from the tensors autograd
-  keeps per layer (norm inputs, QKV, attention output, MLP inputs and SwiGLU halves), plus attention scores and
-  probabilities when attention is not fused (CPU, or GPUs without flash attention), plus the fp32 logits and their
-  gradient for the log-prob kernel. Pipeline parallelism keeps up to PP micro-batches in flight on the first stage.
+- Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
+  budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
+  SwiGLU halves), plus attention scores and probabilities when attention is not fused (CPU, or GPUs without flash
+  attention), plus the fp32 logits and their gradient for the log-prob kernel (only per-token statistics with
+  `--fused-kernels`). Pipeline parallelism keeps up to PP micro-batches in flight on the first stage. Sequence
+  parallelism divides the norm/residual activations by TP too; context parallelism divides the tokens by CP; full
+  recompute (`--recompute full`, uniform, `--recompute-num-layers` N) keeps only every N-th layer input, plus one
+  group of N layers' activations while it is recomputed; selective recompute drops the unfused attention scores.
 - Step time = generation + log-prob forwards + training + weight sync. Generation is memory-bandwidth bound: a
-  decode step of an engine reads its weights once; training and forwards take 6 (resp. 2) x params x tokens FLOPs at
-  the GPU's datasheet peak times `--mfu`. These are model estimates, not measurements.
+  decode step of an engine reads its weights once. A forward-only log-prob pass costs 2 x params x tokens FLOPs plus
+  the attention's 2 x layers x heads x head_dim x L^2 per sequence (causal), about 1/3 of a training pass (6 x and
+  3 x those); full recompute adds one forward to training (8 x). There is one log-prob pass for the old log-probs,
+  one for the reference (KL loss) and one for CPO's hinted contexts. Tokens are padded rows (prompt + response
+  length) unless `--remove-padding` or `--dynamic-bsz`, then the real tokens (`--mean-response-length`). FLOPs run
+  at the GPU's datasheet peak times `--mfu`. These are model estimates; benchmarks/trainer/README.md compares their
+  ratios with CPU measurements of the trainer.
 """
 from __future__ import annotations
 
@@ -98,12 +107,21 @@ class Layout:
     distributed_optimizer: bool = True
     reference_model: bool = True
     fused_attention: bool = True
+    sequence_parallel: bool = False
+    context_parallel: int = 1
+    recompute: str = ""           # "", "full" (uniform) or "selective"
+    recompute_num_layers: int = 1
+    remove_padding: bool = False
+    dynamic_bsz: bool = False
+    fused_kernels: bool = False
 
     @property
     def dp(self) -> int:
-        if self.trainer_gpus % (self.tp * self.pp):
-            raise ValueError(f"--trainer-gpus={self.trainer_gpus} is not a multiple of TP x PP = {self.tp * self.pp}")
-        return self.trainer_gpus // (self.tp * self.pp)
+        model_parallel = self.tp * self.pp * self.context_parallel
+        if self.trainer_gpus % model_parallel:
+            raise ValueError(f"--trainer-gpus={self.trainer_gpus} is not a multiple of TP x PP x CP = "
+                             f"{model_parallel}")
+        return self.trainer_gpus // model_parallel
 
 
 @dataclass
@@ -117,6 +135,12 @@ class Batch:
     micro_batch: int = 8
     ppo_epochs: int = 1
     extra_forwards: int = 2  # old log-probs + reference (CPO adds one more for the hinted context)
+    token_budget: int = 0          # ppo_max_token_len_per_gpu (tokens of one micro-batch) with dynamic batch sizes
+    mean_response_length: int = 0  # of the real responses (0: response_length, the worst case)
+
+    @property
+    def mean_response(self) -> int:
+        return self.mean_response_length or self.response_length
 
 
 def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -129,19 +153,32 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: 
     """Activations autograd keeps for one micro-batch on the first pipeline stage (see the module docstring)."""
     act = DTYPE_BYTES[layout.params_dtype]
     tp, h = layout.tp, shape.hidden_size
+    length = tokens / sequences
+    tokens = tokens / layout.context_parallel  # each CP rank holds 1/CP of every row
     attention_width = shape.num_heads * shape.head_dim
-    per_token = (4 * h + (shape.qkv_width + attention_width + 3 * shape.intermediate_size) / tp + 2 * attention_width
-                 / tp)
+    replicated = 4 * h / (tp if layout.sequence_parallel else 1)  # norm inputs and residuals: split by SP
+    per_token = replicated + (shape.qkv_width + attention_width + 3 * shape.intermediate_size) / tp + 2 * (
+        attention_width / tp)
+    unfused = not layout.fused_attention and layout.recompute != "selective"
+    if unfused:  # unfused attention also keeps the rotated q/k and k/v repeated to every query head (GQA)
+        per_token += ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + 2 * attention_width) / tp
     layers = math.ceil(shape.num_layers / layout.pp)
     in_flight = layout.pp
-    result = {"layers": per_token * tokens * act * layers * in_flight}
-    if not layout.fused_attention:
-        # unfused attention also keeps the rotated q/k and k/v repeated to every query head (GQA), and the scores
-        per_token += ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + 2 * attention_width) / tp
-        result["layers"] = per_token * tokens * act * layers * in_flight
-        length = tokens / sequences
-        result["attention_scores"] = 2 * shape.num_heads / tp * length * length * sequences * act * layers * in_flight
-    result["logits"] = 2 * tokens * padded_vocab(shape.vocab_size, tp) / tp * 4
+    scores_per_layer = 2 * shape.num_heads / tp * length * length * sequences / layout.context_parallel * act
+    if layout.recompute == "full":  # every N-th layer's input stays; one group of N layers is live at a time
+        group = min(layout.recompute_num_layers, layers)
+        result = {"layers": tokens * act * (math.ceil(layers / group) * replicated / 4 * in_flight
+                                            + group * per_token)}
+        if unfused:
+            result["attention_scores"] = scores_per_layer * group
+    else:
+        result = {"layers": per_token * tokens * act * layers * in_flight}
+        if unfused:
+            result["attention_scores"] = scores_per_layer * layers * in_flight
+    if layout.fused_kernels:  # per-token log-prob, entropy and softmax statistics; the logits never exist
+        result["logits"] = 4 * tokens * 4
+    else:
+        result["logits"] = 2 * tokens * padded_vocab(shape.vocab_size, tp) / tp * 4
     return result
 
 
@@ -154,8 +191,11 @@ def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str,
     memory = {"weights": params * weight_bytes, "gradients": params * 4,
               "optimizer": params * optimizer_per_param / shards,
               "reference": params * weight_bytes if layout.reference_model else 0.0}
-    tokens = batch.micro_batch * (batch.prompt_length + batch.response_length)
-    for name, value in activation_bytes(shape, layout, tokens, batch.micro_batch).items():
+    length = batch.prompt_length + batch.response_length
+    tokens = batch.micro_batch * length
+    if layout.dynamic_bsz and batch.token_budget:  # a micro-batch holds at most the budget's tokens
+        tokens = max(batch.token_budget, length)
+    for name, value in activation_bytes(shape, layout, tokens, max(1, tokens // length)).items():
         memory[f"activations/{name}"] = value
     memory["total"] = sum(memory.values())
     return memory
@@ -224,6 +264,11 @@ def _colocate_report(args: argparse.Namespace, shape: ModelShape, layout: Layout
     return colocated_memory(trainer, engine_weights, kv_cache, offload, sleep_level, args.engine_overhead_gib * GIB)
 
 
+def attention_flops(shape: ModelShape, length: float) -> float:
+    """Forward FLOPs of causal attention over one sequence of `length` tokens (QK^T and PV, half the square)."""
+    return 2 * shape.num_layers * shape.num_heads * shape.head_dim * length * length
+
+
 def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: float,
               decode_efficiency: float = 0.5) -> dict[str, float]:
     """Seconds per step by phase for `gpu` (a `GPUS` key), at `mfu` of peak FLOPs and `decode_efficiency` of HBM
@@ -234,10 +279,14 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     prompts_per_engine = math.ceil(batch.train_batch_size / layout.engines)
     decode_step_s = params * 2 / layout.rollout_tp / (bandwidth_gbs * 1e9 * decode_efficiency)
     generation = batch.response_length * decode_step_s * max(1.0, prompts_per_engine * batch.n / 256)
-    tokens = responses * (batch.prompt_length + batch.response_length)
+    padding_free = layout.remove_padding or layout.dynamic_bsz
+    length = batch.prompt_length + (batch.mean_response if padding_free else batch.response_length)
+    tokens = responses * length
     flops_per_s = layout.trainer_gpus * peak_tflops * 1e12 * mfu
-    forwards = batch.extra_forwards * 2 * params * tokens / flops_per_s
-    training = batch.ppo_epochs * 6 * params * tokens / flops_per_s
+    forward_flops = 2 * params * tokens + attention_flops(shape, length) * responses
+    forwards = batch.extra_forwards * forward_flops / flops_per_s
+    passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
+    training = batch.ppo_epochs * passes * forward_flops / flops_per_s
     weight_sync = params * 2 / (bandwidth_gbs * 1e9 * 0.05)
     times = {"generation": generation, "log_prob_forwards": forwards, "training": training,
              "weight_sync": weight_sync}
@@ -249,16 +298,22 @@ def _from_recipe(path: str) -> tuple[dict, Layout, Batch]:
     from megatron_cpo.config import load_config
 
     config = load_config(path)
-    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    layout = Layout(tp=actor.megatron.tensor_model_parallel_size, pp=actor.megatron.pipeline_model_parallel_size,
+    actor, rollout, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+    megatron = actor.megatron
+    layout = Layout(tp=megatron.tensor_model_parallel_size, pp=megatron.pipeline_model_parallel_size,
                     engines=rollout.num_engines, rollout_tp=rollout.tensor_model_parallel_size,
-                    params_dtype=actor.megatron.params_dtype,
-                    distributed_optimizer=actor.megatron.use_distributed_optimizer,
-                    reference_model=actor.use_kl_loss)
+                    params_dtype=megatron.params_dtype,
+                    distributed_optimizer=megatron.use_distributed_optimizer,
+                    reference_model=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
+                    sequence_parallel=megatron.sequence_parallel, context_parallel=megatron.context_parallel_size,
+                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
+                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,
+                    dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels)
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
-                  extra_forwards=2 + config.algorithm.shaper.needs_hint_contexts)
+                  extra_forwards=1 + layout.reference_model + config.algorithm.shaper.needs_hint_contexts,
+                  token_budget=actor.ppo_max_token_len_per_gpu)
     return {"model": config.actor_rollout_ref.model.path}, layout, batch
 
 
@@ -279,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--recompute", default="", choices=("", "full", "selective"))
+    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--remove-padding", action="store_true", help="padding-free packing")
+    parser.add_argument("--dynamic-bsz", action="store_true", help="micro-batches cut by --token-budget")
+    parser.add_argument("--token-budget", type=int, default=0, help="ppo_max_token_len_per_gpu")
+    parser.add_argument("--fused-kernels", action="store_true", help="log-probs fused with the lm-head")
+    parser.add_argument("--mean-response-length", type=int, default=0,
+                        help="mean real response length for padding-free step time (default: --response-length)")
     parser.add_argument("--gpu", choices=sorted(GPUS), help="estimate step time with this GPU's datasheet peaks")
     parser.add_argument("--mfu", type=float, default=0.3, help="fraction of peak FLOPs training reaches")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -302,9 +367,14 @@ def main(argv: list[str] | None = None) -> int:
             model = args.model or meta["model"]
         else:
             layout = Layout(args.tp, args.pp, args.trainer_gpus, args.engines, args.rollout_tp, args.dtype,
-                            reference_model=not args.no_reference)
-            batch = Batch(args.train_batch_size, args.n, args.prompt_length, args.response_length, args.micro_batch)
+                            reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
+                            context_parallel=args.cp, recompute=args.recompute,
+                            recompute_num_layers=args.recompute_num_layers, remove_padding=args.remove_padding,
+                            dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels)
+            batch = Batch(args.train_batch_size, args.n, args.prompt_length, args.response_length, args.micro_batch,
+                          token_budget=args.token_budget)
             model = args.model
+        batch.mean_response_length = args.mean_response_length
         layout.fused_attention = not args.unfused_attention
         config_path = Path(model or "") / "config.json" if not str(model).endswith(".json") else Path(model)
         if not config_path.is_file():
@@ -324,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"layout": asdict(layout), "batch": asdict(batch), **report}, indent=1))
         return 0
-    print(f"{report['params'] / 1e9:.3f} B parameters; TP={layout.tp} PP={layout.pp} DP={layout.dp}")
+    on = {True: "on", False: "off"}
+    print(f"{report['params'] / 1e9:.3f} B parameters; TP={layout.tp} PP={layout.pp} DP={layout.dp}"
+          + (f" CP={layout.context_parallel}" if layout.context_parallel > 1 else ""))
+    print(f"  SP {on[layout.sequence_parallel]}, recompute {layout.recompute or 'off'}, remove_padding "
+          f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, fused_kernels {on[layout.fused_kernels]}; "
+          f"{batch.extra_forwards} log-prob pass(es) per step")
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")
     for name, value in report.get("colocated_gib", {}).items():

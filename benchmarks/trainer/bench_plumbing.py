@@ -3,7 +3,11 @@
 A synthetic DAPO-like step (issue 14): `--prompts` prompts x `--n` samples, `--prompt-len`-token prompts, log-normal
 response lengths (mean about `--mean-response` tokens, capped at `--max-response`), engine log-probs per token. Two
 gloo processes on loopback play rank 0 and one receiving rank; rank 0 times `make_step_batch`, `broadcast_batch` and
-`prepare_sequences` (the packing and padding every rank does before the log-prob passes) and prints one JSON line.
+`prepare_sequences` (the length checks every rank does before the log-prob passes) and prints one JSON line. Each
+group's lists are first converted to tensors as the accumulator does when the group arrives (`ScoredGroup.ragged`,
+while generation still runs); that time is reported apart (`on_arrival_s`, the sum over all groups). Wall times and
+rank 0's CPU time (`cpu_*`, process time: what the step costs without the other jobs of a shared machine) are both
+reported.
 
     python benchmarks/trainer/bench_plumbing.py            # 512 x 16 x (512 + up to 8k), about 22M tokens
 """
@@ -51,18 +55,24 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups = synthetic_groups(args) if rank == 0 else None
+    arrival = time.perf_counter()
+    for group in groups or []:
+        group.ragged()
+    on_arrival = time.perf_counter() - arrival
     dist.barrier()
+    cpu_start = time.process_time()
     start = time.perf_counter()
     batch = step.make_step_batch(groups, 1.0) if rank == 0 else None
-    built = time.perf_counter()
+    built, cpu_built = time.perf_counter(), time.process_time()
     batch = collectives.broadcast_batch(batch)
-    sent = time.perf_counter()
+    sent, cpu_sent = time.perf_counter(), time.process_time()
     seqs, rollout_log_probs = step.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
-    packed = time.perf_counter()
+    packed, cpu_packed = time.perf_counter(), time.process_time()
     if rank == 0:
         tokens = int(seqs.lengths().sum())
-        queue.put({"make_step_batch_s": built - start, "broadcast_s": sent - built, "pack_s": packed - sent,
-                   "total_s": packed - start, "rows": seqs.rows, "real_tokens": tokens,
+        queue.put({"on_arrival_s": on_arrival, "make_step_batch_s": built - start, "broadcast_s": sent - built, "pack_s": packed - sent,
+                   "total_s": packed - start, "cpu_make_step_batch_s": cpu_built - cpu_start,
+                   "cpu_broadcast_s": cpu_sent - cpu_built, "cpu_total_s": cpu_packed - cpu_start, "rows": seqs.rows, "real_tokens": tokens,
                    "real_over_padded": tokens / (seqs.rows * int(seqs.lengths().max()))})
     dist.barrier()
     dist.destroy_process_group()

@@ -2,8 +2,11 @@
 
 `throughput`: one process (TP = PP = DP = 1), a tiny Megatron GPTModel, a length-skewed batch (log-normal response
 lengths, issue 14's shape scaled down); times the actor's log-prob pass and one update with fixed micro-batches
-(`ppo_micro_batch_size_per_gpu` rows padded to the batch's longest row) and with token budgets (`use_dynamic_bsz`),
-and reports real (prompt + response) tokens per second (modes alternate `--repeats` times, the last of each counts).
+(`ppo_micro_batch_size_per_gpu` rows padded to the batch's longest row), with token budgets (`use_dynamic_bsz`), with
+padding-free packing of the fixed micro-batches (`use_remove_padding`) and with both (the budget then counts real
+tokens), and with both plus full activation recompute (`enable_gradient_checkpointing`), and reports real (prompt +
+response) tokens per second (modes alternate `--repeats` times; the median time of each mode counts: the machine is
+shared and loaded, so single timings swing by 2x and more).
 
 `memory`: the log-prob head alone, as the actor runs it after the decoder, forward and backward: `hidden @ W.T`
 then `log_probs_and_entropy` on the logits, or `linear_log_probs_and_entropy` on hidden and W; each mode in a fresh
@@ -81,11 +84,18 @@ def throughput_mode(args: argparse.Namespace) -> dict:
     mask = seqs.response_mask()
     results = {"rows": args.rows, "real_tokens": real, "longest": seqs.length,
                "real_over_padded": round(real / (seqs.rows * seqs.length), 3)}
-    modes = {"padded": MicroBatching(args.micro_batch_size),
-             "dynamic": MicroBatching(args.micro_batch_size, args.token_budget, args.token_budget)}
+    fixed, budget = MicroBatching(args.micro_batch_size), MicroBatching(args.micro_batch_size, args.token_budget,
+                                                                        args.token_budget)
+    modes = {"padded": (fixed, None, False), "dynamic": (budget, None, False), "packed": (fixed, "rows", False),
+             "packed_dynamic": (budget, "rows", False), "packed_dynamic_recompute": (budget, "rows", True)}
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     actor.log_probs(seqs.select(slice(0, 2)), temperature=1.0)  # warm-up: first-call costs stay out of the timings
-    for name, batching in [*modes.items()] * args.repeats:  # each mode's last repeat is reported
-        actor.batching = batching
+    for name, (batching, packing, recompute) in [*modes.items()] * args.repeats:
+        actor.batching, actor.packing = batching, packing
+        # Megatron reads these at every forward: full recompute of each layer, as enable_gradient_checkpointing sets
+        actor.model.config.recompute_granularity = "full" if recompute else None
+        actor.model.config.recompute_method = "uniform" if recompute else None
+        actor.model.config.recompute_num_layers = 1 if recompute else None
         start = time.perf_counter()
         log_probs, _ = actor.log_probs(seqs, temperature=1.0)
         forward = time.perf_counter() - start
@@ -93,11 +103,31 @@ def throughput_mode(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         actor.update(seqs, inputs, PolicyLossConfig(), temperature=1.0)
         update = time.perf_counter() - start
+        timings[name].append((forward, update))
+    for name, runs in timings.items():
+        forward = sorted(f for f, _ in runs)[len(runs) // 2]
+        update = sorted(u for _, u in runs)[len(runs) // 2]
         results[name] = {"log_prob_s": round(forward, 2), "update_s": round(update, 2),
                          "log_prob_real_tokens_per_s": round(real / forward), "update_real_tokens_per_s":
-                         round(real / update)}
+                         round(real / update), "all_runs_s": [[round(f, 2), round(u, 2)] for f, u in runs]}
     platform.destroy_distributed()
+    results["plan_memory_model"] = _planned_ratios(model_dir, seqs.lengths(), seqs.length)
     return results
+
+
+def _planned_ratios(model_dir: Path, lengths: torch.Tensor, longest: int) -> dict:
+    """What tools/plan_memory.py's step-time model predicts for this batch: a forward-only pass over an update, the
+    update with full recompute over without, and the padded FLOPs over the padding-free ones (the speed-up it
+    expects from dynamic / packed modes)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from plan_memory import ModelShape, attention_flops
+
+    shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    params = shape.total_params()
+    padded = len(lengths) * (2 * params * longest + attention_flops(shape, longest))
+    real = sum(2 * params * int(n) + attention_flops(shape, int(n)) for n in lengths)
+    return {"log_prob_over_update": round(1 / 3, 3), "recompute_update_over_update": round(4 / 3, 3),
+            "padded_over_padding_free_flops": round(padded / real, 2)}
 
 
 def main() -> None:
@@ -113,12 +143,13 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--token-budget", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--port", type=int, default=29611)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     if args.what == "throughput":
-        print(json.dumps({"load_average_1m": load, **throughput_mode(args)}))
+        results = throughput_mode(args)
+        print(json.dumps({"load_average_1m": load, "load_average_1m_end": os.getloadavg()[0], **results}))
     elif args.mode:
         print(json.dumps(memory_mode(args)))
     else:

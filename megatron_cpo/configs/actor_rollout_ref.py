@@ -17,9 +17,16 @@ class ModelConfig:
     `use_fused_kernels` (verl's name) computes the actor's and the reference's log-probs and entropy from the final
     hidden states and the vocab-parallel lm-head weight in one kernel, so the `[tokens, vocab]` logits are never
     materialised (the memory that dominates at long responses and a 152k vocabulary); the results are the same.
+    `use_remove_padding` (verl's name) packs several sequences into each row of a micro-batch, position ids restarting
+    and attention confined per sequence (THD packed sequences with Transformer Engine, a per-sequence mask on the local
+    attention without it), so no compute is spent on padding; with `actor.use_dynamic_bsz` the token budgets then count
+    real tokens. `enable_gradient_checkpointing` recomputes activations in the backward (Megatron's recompute, as
+    `actor.megatron.recompute_*` say): less memory, one more forward; the results are the same.
     """
     path: str = ""
     use_fused_kernels: bool = False
+    use_remove_padding: bool = False
+    enable_gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -50,6 +57,13 @@ class OptimConfig:
 class MegatronConfig:
     """Model parallelism of the trainer; data parallelism is what remains of the world size.
 
+    `sequence_parallel` (needs TP > 1) splits the activations outside attention and the MLP along the sequence over the
+    TP ranks (Megatron's sequence parallelism: less activation memory, same results). `recompute_granularity` (`full`:
+    whole layers, `selective`: the core attention), `recompute_method` (`uniform`: every `recompute_num_layers` layers
+    form one checkpoint; `block`: only the first `recompute_num_layers` layers of a stage are recomputed) and
+    `recompute_num_layers` are Megatron's names and apply when `actor_rollout_ref.model.enable_gradient_checkpointing`.
+    `context_parallel_size` splits every row over that many ranks (ring attention): Transformer Engine only, padded rows
+    only (not with `use_remove_padding`); data parallelism is then world / (TP x PP x CP).
     `param_offload` / `grad_offload` / `optimizer_offload` (verl's names) move the actor's parameters, gradients
     (DDP's grad buffers) and optimizer state (Adam's moments, fp32 main parameters) to host memory while colocated
     engines generate (`rollout.mode=colocate`), and back before training; they do nothing when the engines have
@@ -61,6 +75,11 @@ class MegatronConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: str = "full"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
@@ -69,6 +88,16 @@ class MegatronConfig:
                                                        f"{self.pipeline_model_parallel_size} must be >= 1")
         check_choice("actor_rollout_ref.actor.megatron.params_dtype", self.params_dtype,
                       ("float32", "bfloat16", "float16"))
+        check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+              "actor_rollout_ref.actor.megatron.sequence_parallel=true needs tensor_model_parallel_size > 1 (it splits "
+              "activations over the TP ranks); set it false or raise tensor_model_parallel_size")
+        check_choice("actor_rollout_ref.actor.megatron.recompute_granularity", self.recompute_granularity,
+                     ("full", "selective"))
+        check_choice("actor_rollout_ref.actor.megatron.recompute_method", self.recompute_method, ("uniform", "block"))
+        check(self.recompute_num_layers >= 1, "actor_rollout_ref.actor.megatron.recompute_num_layers="
+                                              f"{self.recompute_num_layers} must be >= 1")
+        check(self.context_parallel_size >= 1, "actor_rollout_ref.actor.megatron.context_parallel_size="
+                                               f"{self.context_parallel_size} must be >= 1")
 
 
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")

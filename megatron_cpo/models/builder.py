@@ -98,8 +98,9 @@ def check_parallel_sizes(hf_config: Any, tensor_model_parallel_size: int, pipeli
         raise ValueError(f"PP={pp} does not divide num_hidden_layers={layers}; choose a PP size that divides it")
 
 
-def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32):
-    """Megatron `TransformerConfig` equivalent to the HF config, for the current TP/PP sizes."""
+def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32, **options: Any):
+    """Megatron `TransformerConfig` equivalent to the HF config, for the current TP/PP sizes; `options` are further
+    `TransformerConfig` fields that change how, not what, it computes (sequence parallelism, activation recompute)."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
@@ -141,6 +142,7 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         gradient_accumulation_fusion=False,
         **sliding_window_settings(hf_config),
         **platform.megatron_config_kwargs(),
+        **options,
     )
 
 
@@ -154,6 +156,21 @@ def _without_bias(linear_class: type) -> type:
     return type(f"{linear_class.__name__}WithoutBias", (linear_class,), {"__init__": __init__})
 
 
+class SequenceParallelRMSNorm:
+    """The local spec's torch RMSNorm with its weight marked `sequence_parallel`, so sequence parallelism runs
+    without Transformer Engine.
+
+    Megatron's torch-norm wrapper refuses sequence parallelism only because it does not mark the weight: each TP rank
+    then sees a different part of the sequence, and Megatron's `finalize_model_grads` all-reduces the gradients of
+    weights marked `sequence_parallel` over TP (what its fused and TE norms declare).
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 def layer_spec(config: Any, biases: LinearBiases | None = None):
     """Transformer Engine layer spec when TE is importable (GPU), Megatron-Core's local spec otherwise.
 
@@ -164,12 +181,12 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    else:
+    if uses_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        if config.sequence_parallel:
+            spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     if biases is not None and config.add_bias_linear:
         attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         if not biases.qkv:  # Megatron gives linear_qkv a bias when add_bias_linear or add_qkv_bias is on
@@ -178,20 +195,28 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
             attention.linear_proj = _without_bias(attention.linear_proj)
         if not biases.mlp:
             mlp.linear_fc1, mlp.linear_fc2 = _without_bias(mlp.linear_fc1), _without_bias(mlp.linear_fc2)
+    if config.sequence_parallel and not uses_transformer_engine():  # the final norm too: a block spec names it
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                                 get_num_layers_to_build)
+
+        layers = [spec] * get_num_layers_to_build(config)
+        return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+            layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
     return spec
 
 
-def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32):
+def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, **options: Any):
     """A Megatron `GPTModel` for this rank's TP slice and PP stage, randomly initialised, on `platform.device()`.
 
     Call `init_distributed` first. The model returns vocab-parallel logits (`parallel_output=True`), padded to
     `model.padded_vocab_size`; `model.hf_vocab_size` is the tokenizer's real vocabulary and `model.hf_config` the
-    config it was built from.
+    config it was built from. `options`: see `transformer_config`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(hf_config, params_dtype)
+    config = transformer_config(hf_config, params_dtype, **options)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vocab = padded_vocab_size(hf_config.vocab_size, tp)
     model = GPTModel(
@@ -231,22 +256,66 @@ def lm_head_weight(model: Any) -> torch.Tensor:
     return gpt.output_layer.weight
 
 
-def decoder_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def uses_transformer_engine() -> bool:
+    """Whether models are built with the Transformer Engine layer spec (TE importable: GPU builds)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decoder_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          attention_mask: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
     """`GPTModel.forward` without the output layer: `[s, b, h]` hidden states.
 
     On the last pipeline stage these are the final-norm states the lm-head would multiply (so a fused log-prob
     kernel can take them with `lm_head_weight` and never build the logits); on other stages they are exactly what
-    `forward` returns and the pipeline sends on. Causal attention over right-padded rows, as `forward(...,
-    attention_mask=None)`.
+    `forward` returns and the pipeline sends on. Without a mask: causal attention over right-padded rows, as
+    `forward(..., attention_mask=None)`. With `attention_mask` (`[b, 1, s, s]` bool, True = hidden; packed rows on the
+    local attention) the rotary embedding is taken at each token's own `position_ids` (Megatron's RoPE otherwise uses
+    the column index), so position ids that restart per packed sequence are honoured. `packed_seq_params` (THD,
+    Transformer Engine) is passed to Megatron, whose RoPE restarts per sequence itself.
     """
     gpt = unwrap_model(model)
     if gpt.mtp_process or gpt.config.fine_grained_activation_offloading:
-        raise ValueError("the fused lm-head path supports neither multi-token prediction nor fine-grained activation "
-                         "offloading; set actor_rollout_ref.model.use_fused_kernels=false")
-    preprocessed = gpt._preprocess(input_ids=input_ids, position_ids=position_ids)
+        raise ValueError("the fused lm-head and packed paths support neither multi-token prediction nor fine-grained "
+                         "activation offloading; set actor_rollout_ref.model.use_fused_kernels=false and "
+                         "actor_rollout_ref.model.use_remove_padding=false")
+    if attention_mask is not None and gpt.config.window_size is not None:
+        raise ValueError("packed rows on the local attention cannot combine the per-sequence mask with a sliding "
+                         "window; set actor_rollout_ref.model.use_remove_padding=false")
+    preprocessed = gpt._preprocess(input_ids=input_ids, position_ids=position_ids,
+                                   packed_seq_params=packed_seq_params)
     decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = preprocessed[:6]
+    if attention_mask is not None and rotary_pos_emb is not None:
+        # [s, 1, 1, d] at columns 0..s-1 -> [s, b, 1, d] at each token's position id
+        rotary_pos_emb = rotary_pos_emb[position_ids.transpose(0, 1).to(rotary_pos_emb.device)].squeeze(2)
     return gpt.decoder(
-        hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
+        hidden_states=decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
         rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
         rotary_pos_cos_sin=preprocessed[6] if len(preprocessed) == 7 else None,
-        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask)
+        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, packed_seq_params=packed_seq_params)
+
+
+def output_logits(model: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The last stage's vocab-parallel logits `[b, s, V_local]` from `decoder_hidden_states` (what `forward` returns);
+    on other stages the hidden states themselves."""
+    gpt = unwrap_model(model)
+    if not gpt.post_process:
+        return hidden_states
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    logits, _ = gpt.output_layer(hidden_states, weight=weight)
+    return logits.transpose(0, 1).contiguous()
+
+
+def gather_sequence_parallel(model: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The last stage's final hidden states over the whole sequence: with sequence parallelism each TP rank holds
+    `s / TP` of them; the fused lm-head kernel needs them all (its backward all-reduces the hidden-state gradient
+    over TP, so the gather's backward only keeps this rank's part)."""
+    gpt = unwrap_model(model)
+    if not gpt.config.sequence_parallel:
+        return hidden_states
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)

@@ -18,6 +18,7 @@ import torch
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
 from megatron_cpo.config import Config
+from megatron_cpo.trainer.ragged import RaggedRows
 
 MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 """Maps a [groups, n] metric matrix to a bool [groups] keep mask (vectorised over the groups)."""
@@ -91,10 +92,20 @@ class ScoredGroup:
     acc: torch.Tensor
     response_texts: list[str] = field(default_factory=list)
     overlong_penalty: torch.Tensor | None = None
+    _ragged: tuple[RaggedRows, RaggedRows] | None = field(default=None, init=False, repr=False)
 
     @property
     def n(self) -> int:
         return len(self.response_token_ids)
+
+    def ragged(self) -> tuple[RaggedRows, RaggedRows]:
+        """The response token ids and the engine's log-probs as flat tensors (converted once, cached): the
+        accumulator converts each group as it arrives, while generation still runs, so building the step batch only
+        concatenates tensors."""
+        if self._ragged is None:
+            self._ragged = (RaggedRows.from_lists(self.response_token_ids),
+                            RaggedRows.from_lists(self.rollout_log_probs, torch.float32))
+        return self._ragged
 
     def metric(self, name: str) -> torch.Tensor:
         """Per-response value of a filter metric: `acc`, `score`, or `seq_reward` (the sparse reward's sum)."""
@@ -162,6 +173,7 @@ class GroupAccumulator:
             if self.selection.overlong is not None:
                 group.overlong_penalty = self.selection.overlong.penalty(group.response_token_ids)
                 group.scores = group.scores.float() + group.overlong_penalty
+            group.ragged()  # the list -> tensor conversion, now rather than on the step's critical path
             self._pending[group.seq] = group
         while not self.full and self.next_seq in self._pending:
             self._window.append(self._pending.pop(self.next_seq))

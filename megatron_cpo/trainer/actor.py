@@ -13,7 +13,8 @@ whole batch's tensors (the advantage math then runs identically everywhere).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -22,8 +23,11 @@ import torch.distributed as dist
 from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
-from megatron_cpo.models.builder import decoder_hidden_states, lm_head_weight
+from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
+                                         output_logits, uses_transformer_engine)
+from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
 from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
+from megatron_cpo.trainer.packing import PackedRows, pack_rows
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 
@@ -36,6 +40,25 @@ class UpdateInputs:
     rollout_log_probs: torch.Tensor | None
 
 
+def model_options(config: Any) -> dict[str, Any]:
+    """The `TransformerConfig` fields the trainer config selects for the actor and the reference: sequence
+    parallelism and (`enable_gradient_checkpointing`) Megatron's activation recompute."""
+    megatron = config.actor_rollout_ref.actor.megatron
+    options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
+    if megatron.context_parallel_size > 1:
+        options["context_parallel_size"] = megatron.context_parallel_size
+    if config.actor_rollout_ref.model.enable_gradient_checkpointing:
+        options["recompute_granularity"] = megatron.recompute_granularity
+        if megatron.recompute_granularity == "full":
+            options.update(recompute_method=megatron.recompute_method,
+                           recompute_num_layers=megatron.recompute_num_layers)
+    return options
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
     """Append empty rows (no response tokens) so the row count is a multiple of `multiple`."""
     extra = (-seqs.rows) % multiple
@@ -46,7 +69,8 @@ class MegatronPolicy:
     """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates."""
 
     def __init__(self, model: Any, pad_token_id: int, batching: MicroBatching | int, ddp_model: Any = None,
-                 optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False) -> None:
+                 optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
+                 use_remove_padding: bool = False) -> None:
         from megatron.core import parallel_state
 
         self.model = model
@@ -56,7 +80,12 @@ class MegatronPolicy:
         self.pad_token_id = pad_token_id
         self.batching = batching if isinstance(batching, MicroBatching) else MicroBatching(batching)
         self.use_fused_kernels = use_fused_kernels
-        if self.batching.dynamic and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
+        self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
+        if self.packing and model.config.context_parallel_size > 1:
+            raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
+                             "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")
+        if ((self.batching.dynamic or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
             model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
     @property
@@ -69,36 +98,61 @@ class MegatronPolicy:
 
         def forward_step(data_iterator, stage_model):
             batch = next(data_iterator)
-            tokens = batch["seqs"].tokens.to(platform.device())
-            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            if self.use_fused_kernels:
-                output = decoder_hidden_states(stage_model, tokens, positions)
-            else:
-                output = stage_model(tokens, positions, attention_mask=None)
-            return output, lambda out: step_fn(*self._log_probs_entropy(out, batch["seqs"], temperature), batch)
+            layout = batch.get("packed", batch["seqs"])
+            output = self._forward(stage_model, layout)
+            return output, lambda out: step_fn(*self._log_probs_entropy(out, layout, temperature), batch)
 
+        shapes = [tuple(b.get("packed", b["seqs"]).tokens_shape) for b in micro_batches]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self._module],
-            num_microbatches=len(micro_batches), seq_length=max(b["seqs"].length for b in micro_batches),
-            micro_batch_size=max(b["seqs"].rows for b in micro_batches), forward_only=forward_only)
+            num_microbatches=len(micro_batches), seq_length=max(width for _, width in shapes),
+            micro_batch_size=max(rows for rows, _ in shapes), forward_only=forward_only)
 
-    def _log_probs_entropy(self, output: torch.Tensor, seqs: PackedSequences, temperature: float
+    def _forward(self, stage_model: Any, layout: PackedSequences | PackedRows) -> torch.Tensor:
+        """This stage's output for right-padded rows (`PackedSequences`, causal mask) or packed rows (`PackedRows`:
+        per-sequence mask and positions, or THD): logits, or with fused kernels the hidden states."""
+        device = platform.device()
+        tokens = layout.tokens.to(device)
+        if isinstance(layout, PackedRows):
+            positions = layout.positions.to(device)
+            if layout.layout == "thd":
+                hidden = decoder_hidden_states(stage_model, tokens, positions,
+                                               packed_seq_params=layout.packed_seq_params(device))
+            else:
+                hidden = decoder_hidden_states(stage_model, tokens, positions, layout.attention_mask(device))
+            return hidden if self.use_fused_kernels else output_logits(stage_model, hidden)
+        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        if self._cp_size() > 1:  # this CP rank's two chunks of every row
+            index = chunk_index(tokens.shape[1], self._cp_size(), self._cp_rank()).to(device)
+            tokens, positions = tokens[:, index], positions[:, index]
+        if self.use_fused_kernels:
+            return decoder_hidden_states(stage_model, tokens, positions)
+        return stage_model(tokens, positions, attention_mask=None)
+
+    def _log_probs_entropy(self, output: torch.Tensor, seqs: PackedSequences | PackedRows, temperature: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-aligned log-probs and entropy from the last stage's output: logits `[b, s, V_local]`, or with
-        fused kernels the final hidden states `[s, b, h]` times the lm-head weight."""
+        """Response-aligned log-probs and entropy from the last stage's output (padded or packed rows): logits
+        `[b, s, V_local]`, or with fused kernels the final hidden states `[s, b, h]` times the lm-head weight."""
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_group = tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
         targets = seqs.targets.to(output.device)
+        cp_size = self._cp_size()
+        if cp_size > 1:
+            targets = targets[:, chunk_index(seqs.length, cp_size, self._cp_rank()).to(targets.device)]
         if self.use_fused_kernels:
             log_probs, entropy = linear_log_probs_and_entropy(
-                output.transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
+                gather_sequence_parallel(self.model, output).transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
                 tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
         else:
             log_probs, entropy = log_probs_and_entropy(
                 output, targets, temperature=temperature, tp_group=tp_group, ignore_index=IGNORE_INDEX,
                 vocab_size=self.model.hf_vocab_size)
+        if cp_size > 1:
+            group = parallel_state.get_context_parallel_group()
+            log_probs = gather_positions(log_probs, seqs.length, group)
+            entropy = gather_positions(entropy, seqs.length, group)
         return seqs.to_response(log_probs), seqs.to_response(entropy)
 
     def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
@@ -113,7 +167,8 @@ class MegatronPolicy:
             return padded, fixed_plan(padded.rows, dp_size, micro_rows)
         padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
         stages = parallel_state.get_pipeline_model_parallel_world_size()
-        return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages)
+        return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages,
+                                         packed=self.packing is not None)
 
     def _micro_batches(self, padded: PackedSequences, plan: Plan, extra: dict[str, torch.Tensor] | None = None
                        ) -> list[dict]:
@@ -125,10 +180,31 @@ class MegatronPolicy:
         micro = []
         for index in plan[parallel_state.get_data_parallel_rank()]:
             seqs = padded.select(index)
-            batch = {"seqs": seqs.trimmed() if self.batching.dynamic else seqs}
+            seqs = seqs.trimmed() if self.batching.dynamic else seqs
+            multiple = self._sequence_multiple()
+            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple))}
+            if self.packing:
+                batch["packed"] = pack_rows(seqs, self.packing, multiple)
             batch.update({name: tensor[index] for name, tensor in full.items()})
             micro.append(batch)
         return micro
+
+    def _sequence_multiple(self) -> int:
+        """Rows are padded to a multiple of the TP size under sequence parallelism (they are split over TP) and of
+        2 x CP under context parallelism (two chunks per CP rank)."""
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size() if self.model.config.sequence_parallel else 1
+        cp = self._cp_size()
+        return math.lcm(tp, 2 * cp) if cp > 1 else tp
+
+    def _cp_size(self) -> int:
+        return self.model.config.context_parallel_size
+
+    def _cp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
 
     @torch.no_grad()
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,26 +60,33 @@ def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, other
 
 
+def _wire_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """int32 for int64 values that fit in it (token ids), else the tensor's own dtype."""
+    if tensor.dtype == torch.long and tensor.numel() and int(tensor.abs().max()) < 2**31:
+        return torch.int32
+    return tensor.dtype
+
+
 def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     """Rank 0's batch (or None: stop) on every rank: a small header (shapes, dtypes, scalars), then one broadcast per
-    tensor, on the device the backend needs."""
+    tensor, on the device the backend needs; token ids travel as int32 when they fit (half the bytes)."""
     if not _distributed():
         return batch
     header: list[Any] = [None]
     tensors: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0 and batch is not None:
         tensors, other = _batch_tensors(batch)
-        header = [({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, other)]
+        header = [({name: (tuple(t.shape), t.dtype, _wire_dtype(t)) for name, t in tensors.items()}, other)]
     dist.broadcast_object_list(header, src=0)
     if header[0] is None:
         return None
     specs, other = header[0]
     received = {}
-    for name, (shape, dtype) in specs.items():
-        wire = tensors[name] if name in tensors else torch.empty(shape, dtype=dtype)
+    for name, (shape, dtype, wire_dtype) in specs.items():
+        wire = tensors[name].to(wire_dtype) if name in tensors else torch.empty(shape, dtype=wire_dtype)
         wire = wire.contiguous().to(platform.device())
         dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
-        received[name] = wire.cpu()
+        received[name] = wire.cpu().to(dtype)
     kwargs = dict(other)
     for item in fields(StepBatch):
         if f"{item.name}.values" in received:

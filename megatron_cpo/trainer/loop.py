@@ -77,7 +77,7 @@ class Trainer:
         config = self.config
         megatron = config.actor_rollout_ref.actor.megatron
         platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                                  seed=config.trainer.seed)
+                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size)
         prepare_run_directory(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id

@@ -64,8 +64,9 @@ def balance_rows(lengths: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 
 def token_budget_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int, budget_name: str,
-                               min_count: int = 1) -> list[torch.Tensor]:
-    """Cut `rows` into micro-batches with `len(micro) * longest row in it <= budget`, longest rows first.
+                               min_count: int = 1, packed: bool = False) -> list[torch.Tensor]:
+    """Cut `rows` into micro-batches with `len(micro) * longest row in it <= budget`, longest rows first; with
+    `packed` (padding-free rows) the budget counts real tokens: the sum of the rows' lengths.
 
     `min_count` (the pipeline depth) splits the largest micro-batches further until there are that many, when the rows
     allow, so every pipeline stage has work. A row longer than the budget is an error naming both numbers.
@@ -79,11 +80,15 @@ def token_budget_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget
     order = rows[torch.argsort(row_lengths, descending=True, stable=True)].tolist()
     values = lengths.tolist()
     batches: list[list[int]] = []
+    used = 0
     for row in order:  # sorted longest first, so a micro-batch's first row is its longest
-        if batches and (len(batches[-1]) + 1) * values[batches[-1][0]] <= budget:
+        cost = used + values[row] if packed else (len(batches[-1]) + 1) * values[batches[-1][0]] if batches else 0
+        if batches and cost <= budget:
             batches[-1].append(row)
+            used = cost
         else:
             batches.append([row])
+            used = values[row]
     while len(batches) < min_count and max(len(b) for b in batches) > 1:
         largest = max(range(len(batches)), key=lambda i: len(batches[i]) * values[batches[i][0]])
         if len(batches[largest]) == 1:
@@ -95,9 +100,9 @@ def token_budget_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget
 
 
 def token_budget_plan(lengths: torch.Tensor, dp_size: int, budget: int, budget_name: str,
-                      pipeline_stages: int = 1) -> Plan:
+                      pipeline_stages: int = 1, packed: bool = False) -> Plan:
     """Rows balanced by tokens over the DP ranks, each rank's share cut by the token budget (needs rows >= DP)."""
     if lengths.numel() < dp_size:
         raise ValueError(f"{lengths.numel()} rows cannot be shared by {dp_size} data-parallel ranks; pad them first")
-    return [token_budget_micro_batches(lengths, share, budget, budget_name, pipeline_stages)
+    return [token_budget_micro_batches(lengths, share, budget, budget_name, pipeline_stages, packed)
             for share in balance_rows(lengths, dp_size)]

@@ -112,17 +112,38 @@ def model_problems(config: Config, world_size: int) -> list[str]:
     return problems
 
 
+def context_parallel_problems(config: Config) -> list[str]:
+    """Context parallelism needs Transformer Engine (its ring attention) and the padded rows."""
+    from megatron_cpo.models.builder import uses_transformer_engine
+
+    cp = config.actor_rollout_ref.actor.megatron.context_parallel_size
+    if cp == 1:
+        return []
+    name = f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}"
+    if not uses_transformer_engine():
+        return [f"{name} needs Transformer Engine (its ring attention; GPU only), which is not importable here; set "
+                "context_parallel_size=1 or install transformer_engine"]
+    if config.actor_rollout_ref.model.use_remove_padding:
+        return [f"{name} splits padded rows only; set actor_rollout_ref.model.use_remove_padding=false or "
+                "context_parallel_size=1"]
+    return []
+
+
 def layout_problems(config: Config, world_size: int, world_source: str, planning: bool) -> list[str]:
-    """TP x PP divides the world; verl's nnodes x n_gpus_per_node, when given, is the world."""
+    """TP x PP (x CP) divides the world; verl's nnodes x n_gpus_per_node, when given, is the world; context
+    parallelism has Transformer Engine and padded rows."""
     megatron, trainer = config.actor_rollout_ref.actor.megatron, config.trainer
-    model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-    problems = []
+    model_parallel = (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+                      * megatron.context_parallel_size)
+    cp_text = (f" x context_parallel_size={megatron.context_parallel_size}"
+               if megatron.context_parallel_size > 1 else "")
+    problems = context_parallel_problems(config)
     if world_size % model_parallel:
         problems.append(
             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} x "
-            f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} = {model_parallel} does not divide "
-            f"the trainer's {world_size} process(es) ({world_source}); launch a multiple of {model_parallel} "
-            f"processes (torchrun --nproc-per-node) or lower TP/PP")
+            f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size}{cp_text} = {model_parallel} does "
+            f"not divide the trainer's {world_size} process(es) ({world_source}); launch a multiple of "
+            f"{model_parallel} processes (torchrun --nproc-per-node) or lower TP/PP")
     declared = trainer.nnodes * trainer.n_gpus_per_node
     if not planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0 and declared != world_size:
         problems.append(
@@ -228,7 +249,8 @@ def preflight(config: Config, planning: bool = False) -> Layout:
 def _layout(config: Config, world_size: int, world_source: str, train_rows: int | None) -> Layout:
     megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
     rollout, data, trainer = config.actor_rollout_ref.rollout, config.data, config.trainer
-    dp = world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size)
+    dp = world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+                        * megatron.context_parallel_size)
     per_mini = actor.ppo_mini_batch_size * rollout.n
     steps = trainer.total_training_steps or (
         trainer.total_epochs * math.ceil(train_rows / data.train_batch_size) if train_rows is not None else None)

@@ -69,6 +69,26 @@ class RaggedRows:
         within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(lengths)
         return RaggedRows(self.values[self.offsets[:-1][rows].repeat_interleave(lengths) + within], offsets)
 
+    def repeat_rows(self, counts: Sequence[int]) -> "RaggedRows":
+        """Row i repeated `counts[i]` times, in place (one tile per row: a group's prompt for each of its samples)."""
+        values, bounds = self.values.numpy(), self.offsets.tolist()
+        lengths = np.repeat(np.diff(self.offsets.numpy()), counts)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tiles = [np.tile(values[start:end], count) for start, end, count in zip(bounds[:-1], bounds[1:], counts)]
+        flat = np.concatenate(tiles) if tiles else values[:0]
+        return RaggedRows(torch.from_numpy(flat), torch.from_numpy(offsets))
+
+    @classmethod
+    def cat(cls, parts: Sequence["RaggedRows"]) -> "RaggedRows":
+        """The rows of `parts`, one after another (one concatenation of the values, offsets shifted)."""
+        # numpy's single-threaded copy: torch.cat's thread pool stalls on a loaded machine (seconds, measured)
+        lengths = np.concatenate([np.diff(part.offsets.numpy()) for part in parts])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.concatenate([part.values.numpy() for part in parts])
+        return cls(torch.from_numpy(values), torch.from_numpy(offsets))
+
     def tolist(self) -> list[list]:
         values = self.values.tolist()
         bounds = self.offsets.tolist()

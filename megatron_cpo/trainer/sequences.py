@@ -57,6 +57,11 @@ class PackedSequences:
         return targets.masked_scatter_(self.responses.within(self.length, self.prompt_lengths - 1),
                                        self.responses.values)
 
+    @property
+    def tokens_shape(self) -> tuple[int, int]:
+        """(rows, L): the shape of `tokens`, without building it."""
+        return self.rows, self.length
+
     def response_mask(self) -> torch.Tensor:
         """[rows, R] float, 1 on real response tokens."""
         steps = torch.arange(self.response_width)

@@ -55,25 +55,26 @@ class StepBatch:
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
     """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
-    prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
-    responses = [r for g in groups for r in g.response_token_ids]
     hints = {}
     if hint_builder is not None:
+        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
+        responses = [r for g in groups for r in g.response_token_ids]
         contexts = hint_builder(groups, prompts, responses)
         hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
                  "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
     group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
     return StepBatch(
-        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).select(group),  # each prompt once
-        response_ids=responses, rollout_log_probs=[lp for g in groups for lp in g.rollout_log_probs],
+        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).repeat_rows([g.n for g in groups]),
+        response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
+        rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
         group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
 
 
-def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, torch.Tensor]:
-    """The batch's packed prompt + response sequences and the engine's log-probs, response-aligned [rows, width]."""
-    seqs = pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width)
-    return seqs, batch.rollout_log_probs.padded(width, 0.0)
+def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
+    """The batch's prompt + response sequences and the engine's log-probs (ragged: each mini-batch pads its own rows
+    to [rows, width] when it trains)."""
+    return pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width), batch.rollout_log_probs
 
 
 def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
@@ -96,7 +97,7 @@ class BatchLogProbs:
     """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model."""
     seqs: PackedSequences
     mask: torch.Tensor
-    rollout_log_probs: torch.Tensor
+    rollout_log_probs: RaggedRows  # the engine's, padded per mini-batch when it trains
     old_log_probs: torch.Tensor
     entropy: torch.Tensor
     ref_log_probs: torch.Tensor | None
@@ -153,14 +154,15 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats."""
     rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     temperature = rollout_cfg.temperature or 1.0
+    width = config.data.max_response_length
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     update_metrics: list[dict[str, float]] = []
     for _ in range(actor_cfg.ppo_epochs):
         for start in range(0, lp.seqs.rows, rows_per_mini):
             rows = slice(start, start + rows_per_mini)
+            engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
             inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
-                                  lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                  lp.rollout_log_probs[rows])
+                                  lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None, engine_log_probs)
             update_metrics.append(actor.update(lp.seqs.select(rows), inputs, actor_cfg, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
 

@@ -144,3 +144,45 @@ def test_cli_plans_a_colocated_recipe_with_its_offload_switches(tiny_dir, capsys
     assert colocated["peak"] == pytest.approx(max(colocated["training"], colocated["rollout"]))
     assert main(["--model", str(tiny_dir), "--colocate"]) == 2  # no KV cache size: a clear error
     assert "--kv-cache-gib or --gpu" in capsys.readouterr().err
+
+
+def test_scale_settings_change_memory_and_time_as_derived():
+    shape = ModelShape(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                       intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
+    batch = Batch(train_batch_size=1024, n=8, prompt_length=1024, response_length=3072, micro_batch=4,
+                  extra_forwards=3, token_budget=16384, mean_response_length=1024)
+    base = dict(tp=4, trainer_gpus=16, engines=8, rollout_tp=2)
+    plain = step_time(shape, Layout(**base), batch, "h100-sxm", mfu=0.3)
+    # one forward-only pass is a third of forward + backward; the recompute adds a forward to training
+    assert plain["log_prob_forwards"] / batch.extra_forwards == pytest.approx(plain["training"] / 3)
+    recompute = step_time(shape, Layout(**base, recompute="full"), batch, "h100-sxm", mfu=0.3)
+    assert recompute["training"] == pytest.approx(plain["training"] * 4 / 3)
+    packed = step_time(shape, Layout(**base, remove_padding=True), batch, "h100-sxm", mfu=0.3)
+    assert packed["training"] < plain["training"] * (1024 + 1024) / (1024 + 3072) * 1.01  # real tokens only
+    memory = {name: trainer_memory(shape, Layout(**base, **flags), batch) for name, flags in {
+        "plain": {}, "fused": {"fused_kernels": True}, "sp": {"sequence_parallel": True},
+        "recompute": {"recompute": "full"}}.items()}
+    assert memory["fused"]["activations/logits"] < memory["plain"]["activations/logits"] / 1000
+    assert memory["sp"]["activations/layers"] < memory["plain"]["activations/layers"]
+    assert memory["recompute"]["activations/layers"] < memory["plain"]["activations/layers"] / 4
+
+
+@pytest.mark.parametrize("size, gpus", [("1.5b", 8), ("7b", 16)])
+def test_recipes_turn_on_the_scale_settings_and_fit(size, gpus, tmp_path, capsys):
+    from megatron_cpo.config import load_config
+
+    recipe = ROOT / "examples" / f"qwen2.5-math-{size}" / "cpo.yaml"
+    config = load_config(recipe)
+    model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
+    assert model.use_remove_padding and model.use_fused_kernels and actor.use_dynamic_bsz
+    assert model.enable_gradient_checkpointing == (size == "7b")
+    assert actor.megatron.sequence_parallel == (actor.megatron.tensor_model_parallel_size > 1)
+    shapes = {"1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                           num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
+              "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False)}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **shapes[size]}))
+    assert main(["--recipe", str(recipe), "--model", str(tmp_path), "--trainer-gpus", str(gpus), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["remove_padding"] and report["layout"]["fused_kernels"]
+    assert report["memory_gib"]["total"] < 0.8 * 80  # an 80 GiB GPU with room to spare

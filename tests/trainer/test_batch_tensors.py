@@ -17,6 +17,9 @@ def test_ragged_rows_round_trip_and_pad():
     assert rows.select(torch.tensor([2, 0])).tolist() == [[8], [5, 6, 7]]
     log_probs = RaggedRows.from_lists([[-0.5], [-1.0, -2.0]], torch.float32)
     assert log_probs.values.dtype == torch.float32 and log_probs.padded(3).tolist() == [[-0.5, 0, 0], [-1, -2, 0]]
+    joined = RaggedRows.cat([rows, RaggedRows.from_lists([[9, 10]]), RaggedRows.from_lists([[]])])
+    assert joined.tolist() == [[5, 6, 7], [], [8], [9, 10], []] and joined.offsets.tolist() == [0, 3, 3, 4, 6, 6]
+    assert rows.repeat_rows([2, 1, 0]).tolist() == [[5, 6, 7], [5, 6, 7], []]
 
 
 def test_pack_sequences_places_tokens_and_targets():

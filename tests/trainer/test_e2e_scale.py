@@ -1,4 +1,5 @@
-"""A CPO run with the fused lm-head and token-budget micro-batches on (real Megatron, vLLM engine, grading pool).
+"""A CPO run with the fused lm-head, token-budget micro-batches, padding-free packing and activation recompute on (real
+Megatron, vLLM engine, grading pool).
 
 The equality of these paths with the padded logits path is proven in test_scale_paths.py; this run checks that the
 trainer wires them through every pass (actor, reference, hinted actor, update) and that a budget below the longest
@@ -12,6 +13,7 @@ import pytest
 from megatron_cpo.trainer.loop import run_training
 
 SCALE = ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+         "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
          "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=cpo",
          "trainer.total_training_steps=2", "trainer.val_before_train=false")
 
@@ -19,7 +21,7 @@ SCALE = ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.ac
 pytestmark = pytest.mark.usefixtures("restore_environment")
 
 
-def test_cpo_run_with_fused_kernels_and_token_budgets(make_config, rollout_manager, tmp_path):
+def test_cpo_run_with_fused_kernels_token_budgets_packing_and_recompute(make_config, rollout_manager, tmp_path):
     run_dir = tmp_path / "scale"
     # character-level prompts of up to ~300 tokens + 12 response tokens: a few rows per micro-batch
     config = make_config(*SCALE, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=800",

@@ -214,3 +214,15 @@ def test_a_run_that_cannot_form_its_first_batch_is_an_error(make_config, rollout
     with pytest.raises(ValueError, match="no training batch could be formed at step 1: the filters dropped every "
                                          "group before data.train_batch_size=4 were kept"):
         run_training(config, rollout_manager)
+
+
+def test_context_parallelism_names_what_it_needs(make):
+    from megatron_cpo.models.builder import uses_transformer_engine
+
+    message = problems_of(make("actor_rollout_ref.actor.megatron.context_parallel_size=2"))
+    if uses_transformer_engine():  # GPU build: only the layout (1 process, CP=2) is wrong
+        assert "x context_parallel_size=2 = 2 does not divide the trainer's 1 process(es)" in message
+    else:
+        assert ("actor_rollout_ref.actor.megatron.context_parallel_size=2 needs Transformer Engine (its ring "
+                "attention; GPU only), which is not importable here; set context_parallel_size=1 or install "
+                "transformer_engine") in message

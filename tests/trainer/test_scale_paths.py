@@ -1,9 +1,10 @@
-"""The fused lm-head path and token-budget micro-batches give the present padded path's numbers (real Megatron, gloo).
+"""The fused lm-head path, token-budget micro-batches and padding-free packing give the padded path's numbers (real
+Megatron, gloo).
 
 For each layout (DP=2, TP=2, PP=2 on two processes) and a model with tied embeddings and a vocabulary that TP=2 must
 pad (101 tokens), the actor's and the reference's log-probs and entropy, the update's loss terms, the gradient buffers
-and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic
-paths must equal those of the padded logits path within 1e-5 (fp32). The rows are length-skewed and the token
+and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic paths, and the packed (`use_remove_padding`, several sequences per row under a
+per-sequence mask, position ids restarting per sequence) and packed + fused + dynamic paths must equal those of the padded logits path within 1e-5 (fp32). The rows are length-skewed and the token
 budget small, so the dynamic path cuts uneven micro-batches of different lengths (and, at DP=2, uneven row shares).
 The learning rate is 1e-12, so the (Adam) updates leave the fp32 weights as they are and every path sees the same
 model. Plain DDP all-reduces the whole gradient buffer (the distributed optimizer would leave the other ranks' shards
@@ -15,7 +16,24 @@ import torch
 from megatron_cpo.models.tiny import write_tiny_model
 from tests.multiprocess import run_processes
 
-MODES = {"fused": (True, False), "dynamic": (False, True), "fused_dynamic": (True, True)}
+RECOMPUTE = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+SELECTIVE = "actor_rollout_ref.actor.megatron.recompute_granularity=selective"
+SEQUENCE_PARALLEL = "actor_rollout_ref.actor.megatron.sequence_parallel=true"
+# mode: (use_fused_kernels, use_dynamic_bsz, use_remove_padding, overrides the policies are rebuilt with)
+MODES = {"fused": (True, False, False, ()), "dynamic": (False, True, False, ()),
+         "fused_dynamic": (True, True, False, ()), "packed": (False, False, True, ()),
+         "packed_fused_dynamic": (True, True, True, ()),
+         "recompute_full": (False, False, False, (RECOMPUTE,)),
+         "recompute_selective_packed_dynamic": (False, True, True, (RECOMPUTE, SELECTIVE)),
+         "sequence_parallel": (False, False, False, (SEQUENCE_PARALLEL,)),
+         "sequence_parallel_packed_fused_dynamic": (True, True, True, (SEQUENCE_PARALLEL,))}
+# the modes each case runs (CI time): packing everywhere, recompute at DP=2 and PP=2, sequence parallelism at TP=2
+CASES = {(1, 1): ("fused", "dynamic", "fused_dynamic", "packed", "packed_fused_dynamic",
+                  "recompute_selective_packed_dynamic"),
+         (2, 1): ("fused", "dynamic", "packed", "packed_fused_dynamic", "sequence_parallel",
+                  "sequence_parallel_packed_fused_dynamic"),
+         (1, 2): ("fused", "dynamic", "packed", "packed_fused_dynamic", "recompute_full"),
+         "untied": ("fused", "fused_dynamic", "packed_fused_dynamic", "sequence_parallel_packed_fused_dynamic")}
 LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
@@ -46,7 +64,7 @@ def _results(actor, reference, config):
             "grads": grads, **{key: torch.tensor(metrics[key]) for key in LOSS_KEYS}}
 
 
-def _compare_modes(model_dir, tp, pp):
+def _compare_modes(model_dir, tp, pp, modes):
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -54,23 +72,31 @@ def _compare_modes(model_dir, tp, pp):
     from megatron_cpo.trainer.micro_batches import MicroBatching
     from megatron_cpo.trainer.policies import build_policies
 
-    config = build_config({}, [
+    base = [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-12", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.entropy_coeff=0.01",
         "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
-        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"])
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
+    config = build_config({}, base)
     platform.init_distributed(tp, pp, seed=1)
-    actor, reference = build_policies(config, pad_token_id=0, total_updates=10)
-    padded = _results(actor, reference, config)
+    policies = {(): build_policies(config, pad_token_id=0, total_updates=10)}
+    padded = _results(*policies[()], config)
     differences = {}
-    for mode, (fused, dynamic) in MODES.items():
+    for mode in modes:
+        fused, dynamic, packed, overrides = MODES[mode]
+        if overrides not in policies:
+            policies[overrides] = build_policies(build_config({}, base + list(overrides)), 0, 10)
+        actor, reference = policies[overrides]
         for policy in (actor, reference):
             policy.use_fused_kernels = fused
             policy.batching = MicroBatching(2, 30, 40) if dynamic else MicroBatching(2)
-            if dynamic and pp > 1:
+            if packed:  # budgets of real tokens big enough (and fixed micro-batches of 4) that rows hold several
+                policy.batching = MicroBatching(2, 60, 200) if dynamic else MicroBatching(4)
+            policy.packing = "rows" if packed else None
+            if (dynamic or packed) and pp > 1:
                 policy.model.config.variable_seq_lengths = True
         got = _results(actor, reference, config)
         differences[mode] = {key: float((got[key] - padded[key]).abs().max()) for key in padded}
@@ -82,8 +108,8 @@ def _compare_modes(model_dir, tp, pp):
 def _all_cases(rank, world_size, tied_dir, untied_dir):
     from megatron_cpo import platform
 
-    results = {(tp, pp): _compare_modes(tied_dir, tp, pp) for tp, pp in ((1, 1), (2, 1), (1, 2))}
-    results["untied"] = _compare_modes(untied_dir, 2, 1)
+    results = {(tp, pp): _compare_modes(tied_dir, tp, pp, CASES[tp, pp]) for tp, pp in ((1, 1), (2, 1), (1, 2))}
+    results["untied"] = _compare_modes(untied_dir, 2, 1, CASES["untied"])
     platform.destroy_distributed()
     return results
 
@@ -95,6 +121,7 @@ def test_fused_and_dynamic_paths_equal_the_padded_path(tmp_path):
         for case, (padded, differences) in rank_results.items():
             assert padded["actor/grad_norm"] > 0 and padded["actor/kl_loss"] >= 0, case
             assert padded["log_probs"] > 0 and padded["ref_entropy"] > 0 and padded["grads"] > 0, case
+            assert set(differences) == set(CASES[case]), case
             for mode, diff in differences.items():
                 for key, value in diff.items():
                     assert value <= 1e-5, (case, mode, key, value)

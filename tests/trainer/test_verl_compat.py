@@ -23,10 +23,9 @@ EXPECTED_IGNORED = {
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "reward_model.reward_manager",
         "reward_model.reward_kwargs.max_resp_len", "trainer.log_val_generations"},
     "dapo_qwen2.5_32b.txt": {
-        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.actor.fsdp_config.fsdp_size",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.rollout.name",
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
