@@ -6,7 +6,9 @@ Megatron-Core assumes a GPU in three places that matter for running it for real 
 2. its model-parallel RNG tracker saves and restores the CUDA generator's state;
 3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
 When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
-the CPU generator and redirects (3) with a `TorchFunctionMode`. With CUDA present all of this is skipped, so GPU runs
+the CPU generator and redirects (3) with a `TorchFunctionMode`; the attention's causal-mask helpers, which also run
+when activation recompute repeats a forward inside the backward (where that per-thread mode was seen not to be
+active: "Torch not compiled with CUDA enabled"), are replaced by CPU versions. With CUDA present all of this is skipped, so GPU runs
 execute Megatron-Core unchanged. The rest of the package calls `device()`, `backend()` and
 `megatron_config_kwargs()` and never tests for CUDA.
 """
@@ -116,6 +118,18 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = None, graph_safe: 
     torch.set_rng_state(new_state)
 
 
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """Megatron's `get_default_causal_mask` on the CPU: True above the diagonal (hidden)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """Megatron's `get_sliding_window_causal_mask` on the CPU."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(ones, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
 def apply_cpu_adaptations() -> None:
     """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present.
 
@@ -126,8 +140,13 @@ def apply_cpu_adaptations() -> None:
     if has_cuda():
         return
     if not _CPU_ADAPTED:
+        from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mpu_random
+        from megatron.core.transformer import utils as transformer_utils
 
+        for module in (transformer_utils, fused_softmax):  # fused_softmax imported the helpers by name
+            module.get_default_causal_mask = _cpu_causal_mask
+            module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda device=None: None
         mpu_random.CudaRNGStatesTracker = _cpu_rng_tracker_class()
