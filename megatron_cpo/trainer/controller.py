@@ -172,11 +172,14 @@ class RolloutController:
 
     def _top_up(self, step: int, acc: GroupAccumulator, requests: list[_Request],
                 inflight: dict[str, _Request]) -> bool:
-        """Submit prompts until enough are outstanding for the observed keep rate; True when data ran out."""
+        """Submit prompts while fewer than `inflight_cap` are on the engines and the uncommitted ones (running, or
+        finished and waiting for an earlier one to commit) are fewer than the observed keep rate needs; True when
+        data ran out. Counting only running prompts against the cap keeps the engines busy while a long response
+        holds up the commit order; the keep-rate bound keeps the look-ahead to what can still be used."""
         s = self.settings
         keep_rate = self.keep_history.rate(acc.stats.kept, acc.stats.committed)
-        wanted = min(s.inflight_cap, prompts_to_request(s.train_batch_size - len(acc.kept), keep_rate))
-        while len(requests) - acc.next_seq < wanted:
+        wanted = prompts_to_request(s.train_batch_size - len(acc.kept), keep_rate)
+        while len(requests) - acc.next_seq < wanted and len(inflight) < s.inflight_cap:
             if s.prompt_limit is not None and len(requests) >= s.prompt_limit:
                 return False
             item = self.stream.next()
