@@ -141,6 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3, 0.7])
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--batches-per-10pct", type=int, default=1,
+                        help="filled batches per mode and repeat at a 10%% keep rate, in proportion at others "
+                             "(so every keep rate commits about as many prompts per measurement)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--median-tokens", type=float, default=16.0)
@@ -192,22 +195,25 @@ def main() -> None:
             for controller in live.values():  # prime the keep-rate history, as a running trainer's is
                 controller.collect(step=0)
             runs = {mode: [] for mode in modes}
+            batches = max(1, round(args.batches_per_10pct * keep_rate * 10))
             for repeat in range(args.repeats):
-                step = repeat + 1
+                steps = range(repeat * batches + 1, (repeat + 1) * batches + 1)
                 for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
                     stream = PromptStream(dataset, total_epochs=100, seed=7 + repeat, shuffle=True)
                     load = os.getloadavg()[0]
                     start, tokens, cpu = time.perf_counter(), manager.tokens, engine_cpu_seconds(engine)
-                    if mode == "sequential":
-                        seed_for = live["streaming"]._request_seed
-                        live["streaming"].stream = stream  # the seeds the controller would give these prompts
-                        requested = sequential_batch(manager, stream, scorer, keep_varied_groups, args.batch_size,
-                                                     params_for, seed_for, step)
-                    else:
-                        live[mode].stream = stream
-                        requested = int(live[mode].collect(step).metrics["timing/requested_prompts"])
+                    requested = 0
+                    for step in steps:
+                        if mode == "sequential":
+                            seed_for = live["streaming"]._request_seed
+                            live["streaming"].stream = stream  # the seeds the controller would give these prompts
+                            requested += sequential_batch(manager, stream, scorer, keep_varied_groups,
+                                                          args.batch_size, params_for, seed_for, step)
+                        else:
+                            live[mode].stream = stream
+                            requested += int(live[mode].collect(step).metrics["timing/requested_prompts"])
                     end = time.perf_counter()
-                    runs[mode].append({"s": end - start, "engine_cpu_s": engine_cpu_seconds(engine) - cpu,
+                    runs[mode].append({"s": end - start, "batches": batches, "engine_cpu_s": engine_cpu_seconds(engine) - cpu,
                                        "requested_prompts": requested, "load_1min": load,
                                        "returned_tokens": manager.tokens - tokens,
                                        **manager.usage(start, end, slots)})
