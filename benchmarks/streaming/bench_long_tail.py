@@ -16,7 +16,7 @@ Modes, alternating which runs first in each repeat, on one shared engine and the
 
 Engine use is read from when the controller side submits a group and gets it back (see README: "idle" is wall time
 with nothing outstanding on the engine; "slot use" the time-mean of min(outstanding sequences, max_num_seqs) /
-max_num_seqs).
+max_num_seqs), and the engine's work from the CPU seconds of its processes (`engine_cpu_seconds`).
 
     python benchmarks/streaming/bench_long_tail.py --keep-rates 0.1 0.3 0.7 --repeats 4
 """
