@@ -114,6 +114,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-inflight-prompts", type=int, nargs="+", default=[0])
     parser.add_argument("--old-tree", type=Path, default=None)
+    parser.add_argument("--uncommitted-bound", type=int, default=0,
+                        help="what-if: also bound the new controller's uncommitted prompts by this (wraps its "
+                             "prompts_to_request for this process only; 0: as shipped)")
     parser.add_argument("--out", default="benchmarks/streaming/simulated_results.json")
     args = parser.parse_args()
 
@@ -121,6 +124,9 @@ def main() -> None:
     from megatron_cpo.trainer.accumulator import keep_varied_groups
     from megatron_cpo.trainer.prompt_stream import PromptStream
 
+    if args.uncommitted_bound:
+        as_shipped = new_controller.prompts_to_request
+        new_controller.prompts_to_request = lambda needed, rate: min(as_shipped(needed, rate), args.uncommitted_bound)
     modules = {"streaming": new_controller}
     if args.old_tree is not None:
         from benchmarks.trainer.bench_controller_ab import load_old_controller
