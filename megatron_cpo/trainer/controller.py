@@ -3,10 +3,13 @@
 It never waits for a whole generation batch: prompts are submitted ahead, and every group that has finished when
 the controller looks is scored in one call to the grading pool, then committed in request order by a
 `GroupAccumulator` (see accumulator.py for why the order is fixed). How far ahead it requests follows the keep rate
-observed in this and earlier steps: enough uncommitted prompts to fill the batch with about 90% probability, at most
-`inflight_cap` (a prompt requested too late costs a whole response's latency, one requested needlessly only the
-tokens it got before cancellation). When `train_batch_size` prompts are kept, what is still running is cancelled and
-the unused prompts go back to the data stream. `max_num_gen_batches` caps the prompts requested (in units of
+observed in this and earlier steps: enough uncommitted prompts to fill the batch with about 90% probability (a
+prompt requested too late costs a whole response's latency, one requested needlessly only the tokens it got before
+cancellation), with at most `inflight_cap` of them running on the engines. Prompts that finished but wait for an
+earlier one to commit do not count against that cap, so a long response holds up the commit order but not the
+engines (benchmarks/streaming/README.md measures why this matters when response lengths have a long tail). When
+`train_batch_size` prompts are kept, what is still running is cancelled and the unused prompts go back to the data
+stream. `max_num_gen_batches` caps the prompts requested (in units of
 `gen_batch_size`, verl's DAPO generation batch, by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
 Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
 keep-rate history is a speed hint that checkpoints need not hold.
@@ -51,6 +54,7 @@ class ControllerSettings:
 
     @property
     def inflight_cap(self) -> int:
+        """Prompts submitted and not yet finished, at most (finished ones waiting to commit do not count)."""
         return self.max_inflight_prompts or 2 * self.train_batch_size
 
     @property
@@ -173,11 +177,14 @@ class RolloutController:
 
     def _top_up(self, step: int, accumulator: GroupAccumulator, requests: list[_Request],
                 inflight: dict[str, _Request]) -> bool:
-        """Submit prompts until enough are outstanding for the observed keep rate; True when data ran out."""
+        """Submit prompts while fewer than `inflight_cap` are on the engines and the uncommitted ones (running, or
+        finished and waiting for an earlier one to commit) are fewer than the observed keep rate needs; True when
+        data ran out. Counting only running prompts against the cap keeps the engines busy while a long response
+        holds up the commit order; the keep-rate bound keeps the look-ahead to what can still be used."""
         s = self.settings
         keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
-        wanted = min(s.inflight_cap, prompts_to_request(s.train_batch_size - len(accumulator.kept), keep_rate))
-        while len(requests) - accumulator.next_seq < wanted:
+        wanted = prompts_to_request(s.train_batch_size - len(accumulator.kept), keep_rate)
+        while len(requests) - accumulator.next_seq < wanted and len(inflight) < s.inflight_cap:
             if s.prompt_limit is not None and len(requests) >= s.prompt_limit:
                 return False
             item = self.stream.next()

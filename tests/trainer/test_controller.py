@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from megatron_cpo.trainer.accumulator import GroupAccumulator, keep_varied_groups
 from megatron_cpo.trainer.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
 from megatron_cpo.trainer.rank_zero import RankZero
 
@@ -125,3 +126,30 @@ def test_look_ahead_changes_requests_but_never_the_batch(make_config, side_for):
     assert [g.response_token_ids for g in batches[0].groups] == [g.response_token_ids for g in batches[1].groups]
     assert exact.stream.position == eager.stream.position
     assert batches[1].metrics["timing/score_calls"] <= batches[1].metrics["filter/committed_prompts"]
+
+
+def test_only_prompts_on_the_engines_count_against_the_in_flight_cap(make_config, side_for):
+    """A long response at the head of the request order holds up committing (groups commit in request order), not
+    generation: prompts that finished behind it no longer count against `max_inflight_prompts`, so the controller
+    tops the engines up again, up to the uncommitted prompts the keep rate calls for."""
+    side = side_for(make_config("algorithm.filter_groups.enable=true",
+                                "actor_rollout_ref.rollout.max_inflight_prompts=4"))
+    controller = side.controller
+    controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects ~1% kept: wants many prompts
+    accumulator = GroupAccumulator(4, keep_varied_groups)
+    requests, inflight = [], {}
+    try:
+        controller._top_up(1, accumulator, requests, inflight)
+        assert len(requests) == len(inflight) == 4
+        for request_id in list(inflight)[1:]:  # the three later prompts finished; the first still runs
+            del inflight[request_id]
+        controller._top_up(1, accumulator, requests, inflight)
+        assert (len(requests), len(inflight), accumulator.next_seq) == (7, 4, 0)
+        # expecting every group kept, 4 uncommitted prompts fill the batch; 7 are uncommitted, so none is requested
+        controller.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
+        for request_id in list(inflight)[1:]:
+            del inflight[request_id]
+        controller._top_up(1, accumulator, requests, inflight)
+        assert (len(requests), len(inflight)) == (7, 1)
+    finally:
+        side.manager.cancel_all()
