@@ -48,6 +48,7 @@ class VLLMEngine:
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
             enable_chunked_prefill=config.uses_gpu and config.enable_chunked_prefill,
             max_num_batched_tokens=config.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
+            enable_sleep_mode=config.uses_gpu and config.enable_sleep_mode,
         )
         self.engine_index = engine_index
         self.engine = AsyncLLM.from_engine_args(args)

@@ -132,6 +132,7 @@ class RolloutConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None
+    enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):
