@@ -217,6 +217,11 @@ class ValKwargsConfig:
         check(self.top_k == -1 or self.top_k > 0, f"{prefix}top_k={self.top_k} must be -1 (off) or > 0")
 
 
+ROLLOUT_MODES = ("ray", "server", "colocate", "sync", "async")
+"""`rollout.mode`: where the engines run (docs/launch.md). verl's `sync` and `async` mean `ray` here: the controller
+always streams groups from asynchronous engines."""
+
+
 @dataclass
 class RolloutConfig(RolloutFilterConfig):
     """vLLM rollout engines and sampling. `max_inflight_prompts` caps the prompts the controller keeps in flight
@@ -230,7 +235,11 @@ class RolloutConfig(RolloutFilterConfig):
     The `rollout_filter_*` keys are RAGEN's rollout filter (`RolloutFilterConfig`, docs/filters.md); off by default.
     vLLM engine options (GPU engines): `gpu_memory_utilization`, `enable_chunked_prefill`, `max_num_batched_tokens`
     (CPU engines never chunk prefills, see rollout/engine.py). `log_prob_micro_batch_size_per_gpu`: responses per
-    forward when the actor recomputes log-probs (0: `actor.ppo_micro_batch_size_per_gpu`)."""
+    forward when the actor recomputes log-probs (0: `actor.ppo_micro_batch_size_per_gpu`).
+    `mode` (docs/launch.md): `ray` (default; verl's `sync`/`async` are aliases) spawns `num_engines` engines as Ray
+    actors on their own devices; `server` uses running `megatron-cpo rollout` servers at `server_urls` (token in
+    `server_token_file`; `server_timeout_s` bounds health checks and connecting) and never starts Ray; `colocate`
+    starts one engine server per rollout-TP group of the trainer's ranks on their node, sharing their devices."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -247,6 +256,10 @@ class RolloutConfig(RolloutFilterConfig):
     max_num_batched_tokens: int = 8192
     log_prob_micro_batch_size_per_gpu: int = 0
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    mode: str = "ray"
+    server_urls: list[str] = field(default_factory=list)
+    server_timeout_s: float = 30.0
+    server_token_file: str = ""
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."
@@ -265,6 +278,14 @@ class RolloutConfig(RolloutFilterConfig):
         check(self.num_engines >= 1, f"{prefix}num_engines={self.num_engines} must be >= 1")
         check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
                                                ">= 0 (0 means 2 * data.train_batch_size)")
+        check_choice(prefix + "mode", self.mode, ROLLOUT_MODES)
+        check(self.mode == "server" or not self.server_urls, f"{prefix}server_urls={self.server_urls} is only "
+               f"used with {prefix}mode=server (mode={self.mode!r}); drop it or set mode=server")
+        check(self.mode != "server" or bool(self.server_urls), f"{prefix}mode=server needs {prefix}server_urls="
+               "[http://HOST:PORT, ...] (servers started with `megatron-cpo rollout`)")
+        check(self.mode != "server" or bool(self.server_token_file), f"{prefix}mode=server needs "
+               f"{prefix}server_token_file: the file holding the token the servers were started with (--token-file)")
+        check(self.server_timeout_s > 0, f"{prefix}server_timeout_s={self.server_timeout_s} must be > 0")
 
 
 @dataclass

@@ -200,6 +200,12 @@ class _Callers:
 
     def __init__(self) -> None:
         self._callers: dict[str, HttpCaller] = {}
+        atexit.register(self.close_all)  # registered before `_groups`' hook, so it runs after the groups closed
+
+    def close_all(self) -> None:
+        for caller in self._callers.values():
+            caller.close()
+        self._callers.clear()
 
     def get(self, token: str) -> HttpCaller:
         if token not in self._callers:

@@ -209,8 +209,10 @@ async def serve(config: RolloutConfig, data_parallel_size: int, token: str, host
     try:
         await stop.wait()
     finally:
+        logger.info("rollout server on %s stopping", url)
         await runner.cleanup()
         await server.close()
+        logger.info("rollout server on %s stopped", url)
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -22,7 +22,8 @@ from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
 from megatron_cpo.rewards.registry import register_custom_graders
 from megatron_cpo.rewards.sandbox import SandboxSettings
-from megatron_cpo.rollout import RolloutConfig, RolloutManager, SamplingParams, send_from_pipeline_stages
+from megatron_cpo.rollout import RolloutManager, SamplingParams, send_from_pipeline_stages
+from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import ScoredGroup, selection_from_config
 from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
 from megatron_cpo.trainer.prompt_stream import PromptStream
@@ -64,16 +65,7 @@ class RolloutSide:
         self.val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
-        self.manager = manager or RolloutManager(RolloutConfig(
-            model_path=config.actor_rollout_ref.model.path, num_engines=rollout.num_engines,
-            tensor_parallel_size=rollout.tensor_model_parallel_size,
-            dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
-            max_model_len=data.max_prompt_length + data.max_response_length,
-            cpu_kv_cache_gib=max(1, math.ceil(rollout.kv_cache_gib)), seed=config.trainer.seed,
-            ray_address=rollout.ray_address, weight_transport=rollout.weight_transport,
-            weight_sync_timeout_s=rollout.weight_sync_timeout_s, gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enable_chunked_prefill=rollout.enable_chunked_prefill,
-            max_num_batched_tokens=rollout.max_num_batched_tokens))
+        self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
         self.rewards = build_reward_manager(config)
         self.hint_reader = HintReader(data.hint_key)
         groups = config.algorithm.filter_groups
