@@ -224,8 +224,8 @@ class _ServerGroups:
         return self._groups.get(spec)
 
     def open(self, spec: ServerSenderSpec, caller: HttpCaller) -> WeightGroup:
-        """Host a store on this rank, have every server join it, join as rank 0. A server joining closes its older
-        groups, so a previous group of this run (other live servers) is closed here too."""
+        """Host a store on this rank, have every server join it, join as rank 0. A previous group of this spec's
+        run opened by this rank (before a server died) is closed first."""
         for old in [key for key in self._groups if key.session == spec.session]:
             self.close(old)
         host = _address_towards(spec.urls[0])
@@ -235,7 +235,7 @@ class _ServerGroups:
         firsts = [1 + sum(spec.workers[:i]) for i in range(len(spec.urls))]
         joins = [caller.spawn(url, proto.WEIGHTS_JOIN, {"name": name, "host": host, "port": store.port,
                                                          "first_rank": first, "world_size": world_size,
-                                                         "timeout_s": spec.timeout_s}, spec.timeout_s + 30)
+                                                         "timeout_s": spec.timeout_s, "session": spec.session}, spec.timeout_s + 30)
                  for url, first in zip(spec.urls, firsts)]
 
         def failed_join() -> str | None:

@@ -16,6 +16,7 @@ from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingPara
 HEALTH = "/health"
 GENERATE = "/generate"
 CANCEL = "/cancel"
+CHECK_TOKEN = "/check_token"
 WEIGHTS_BEGIN = "/weights/begin"
 WEIGHTS_LOAD_SHM = "/weights/load_shm"
 WEIGHTS_JOIN = "/weights/join"

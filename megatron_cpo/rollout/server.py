@@ -9,8 +9,8 @@ event loop and answers the routes of `http_protocol`:
   processes are alive;
 - weights: `/weights/begin`, then buckets by shared memory (`/weights/load_shm`, the server on the sender's node) or
   by a gloo/NCCL group that the server's engine workers join at the sender's `host:port` (`/weights/join`, then one
-  `/weights/receive` per broadcast bucket), then `/weights/finish`. A server takes weights from one trainer at a
-  time: joining a group closes the groups joined before (a trainer that died never left its group);
+  `/weights/receive` per broadcast bucket), then `/weights/finish`. A server takes weights from one trainer run at a
+  time: a run joining closes the groups of other runs (a trainer that died never left its group);
 - `/sleep` and `/wake_up` (vLLM's sleep mode on GPUs; on CPU they do nothing and say so once in the log).
 Every route but `/health` needs the token given at start (`--token-file`). The server binds to 127.0.0.1 unless
 `--host` says otherwise. `--ready-file` receives the server's URL once the engines are up (with `--port 0` the OS
@@ -42,6 +42,7 @@ class RolloutServer:
         self.engines = [VLLMEngine(config, index) for index in range(data_parallel_size)]
         self._load = [0] * data_parallel_size
         self._said_no_sleep = False
+        self._group_sessions: dict[str, str] = {}  # weight-sync group name -> the trainer run that opened it
 
     def app(self):
         from aiohttp import web
@@ -49,6 +50,7 @@ class RolloutServer:
         app = web.Application(middlewares=[self._check_token], client_max_size=64 * 1024**2)
         app.router.add_get(proto.HEALTH, self.health)
         for route, handler in ((proto.GENERATE, self.generate), (proto.CANCEL, self.cancel),
+                               (proto.CHECK_TOKEN, self.check_token),
                                (proto.WEIGHTS_BEGIN, self.weights_begin), (proto.WEIGHTS_LOAD_SHM, self.load_shm),
                                (proto.WEIGHTS_JOIN, self.join), (proto.WEIGHTS_RECEIVE, self.receive),
                                (proto.WEIGHTS_LEAVE, self.leave), (proto.WEIGHTS_FINISH, self.weights_finish),
@@ -100,6 +102,12 @@ class RolloutServer:
             return web.json_response({"cancelled": True})
         return web.json_response({"group": proto.group_to_wire(group)})
 
+    async def check_token(self, request):
+        """Answers only when the token is right (the middleware refuses it otherwise); changes nothing."""
+        from aiohttp import web
+
+        return web.json_response({"ok": True})
+
     async def cancel(self, request):
         from aiohttp import web
 
@@ -129,11 +137,16 @@ class RolloutServer:
         return web.json_response({"tensors": counts[0]})
 
     async def join(self, request):
-        """Engine i's workers take group ranks first_rank + i * tensor_parallel_size ..; older groups are left."""
+        """Engine i's workers take group ranks first_rank + i * tensor_parallel_size ..; the groups of other runs
+        (sessions) are left first. A run with several sending ranks (pipeline stages) keeps one group per rank."""
         from aiohttp import web
 
         body = await request.json()
-        await self._on_every_engine("leave_weight_group", None)
+        for name, session in list(self._group_sessions.items()):
+            if session != body["session"]:  # an older run's group (it may have died without leaving)
+                await self._on_every_engine("leave_weight_group", name)
+                del self._group_sessions[name]
+        self._group_sessions[body["name"]] = body["session"]
         workers = self.config.tensor_parallel_size
         ranks = await asyncio.gather(*(
             engine.join_weight_group(body["name"], body["host"], int(body["port"]), int(body["first_rank"]) + i * workers,
@@ -152,7 +165,12 @@ class RolloutServer:
     async def leave(self, request):
         from aiohttp import web
 
-        await self._on_every_engine("leave_weight_group", (await request.json()).get("name"))
+        name = (await request.json()).get("name")
+        await self._on_every_engine("leave_weight_group", name)
+        if name is None:
+            self._group_sessions.clear()
+        else:
+            self._group_sessions.pop(name, None)
         return web.json_response({"ok": True})
 
     async def sleep(self, request):
@@ -223,11 +241,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--port", type=int, default=8470, help="port to bind (0: the OS picks one)")
     parser.add_argument("--token-file", required=True,
                         help="file holding the secret every request but /health must carry")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                        help="engine weights' dtype (the trainer's actor.megatron.params_dtype)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + response, in tokens")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                        help="fraction of each GPU vLLM may fill (weights + KV cache)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each CPU engine, GiB")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests' sampling)")
     parser.add_argument("--enable-sleep-mode", action="store_true",
                         help="let /sleep free the engines' GPU memory (vLLM sleep mode; no effect on CPU)")
     parser.add_argument("--ready-file", default=None, help="write the server's URL here once it serves")

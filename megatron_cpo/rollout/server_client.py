@@ -95,7 +95,7 @@ class ServerRolloutManager:
                     f"rollout server {url} serves at most {body.get('max_model_len')} tokens per sequence but this "
                     f"run needs data.max_prompt_length + data.max_response_length = {self.config.min_model_len}; "
                     "restart it with a larger --max-model-len")
-            self._caller.call(url, proto.CANCEL, {}, self.config.timeout_s)  # proves the token: 401 otherwise
+            self._caller.call(url, proto.CHECK_TOKEN, {}, self.config.timeout_s)  # 401 for a wrong token
             workers.append(int(body["engines"]) * int(body["workers_per_engine"]))
         return workers
 
