@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import signal
+import uuid
 from pathlib import Path
 
 from megatron_cpo.rollout import http_protocol as proto
@@ -93,13 +94,16 @@ class RolloutServer:
         body = await request.json()
         index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
         self._load[index] += 1
+        # vLLM request ids must be unique within the engine: two clients may both send "uid-0"
+        engine_request_id = f"{uuid.uuid4().hex[:12]}:{body['request_id']}"
         try:
-            group = await self.engines[index].generate(body["request_id"], body["prompt_token_ids"],
+            group = await self.engines[index].generate(engine_request_id, body["prompt_token_ids"],
                                                        proto.params_from_wire(body["params"]))
         finally:
             self._load[index] -= 1
         if group is None:
             return web.json_response({"cancelled": True})
+        group.request_id = body["request_id"]
         return web.json_response({"group": proto.group_to_wire(group)})
 
     async def check_token(self, request):
