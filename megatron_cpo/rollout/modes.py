@@ -61,9 +61,10 @@ def build_rollout_manager(config: Any):
     raise ValueError(f"actor_rollout_ref.rollout.mode={rollout.mode!r}; use ray, server or colocate")
 
 
-def server_problems(config: Any) -> list[str]:
-    """For `mode=server`: each of `server_urls` answers a healthy `/health` within `server_timeout_s`, and the
-    token file is readable (preflight, before anything starts). Other modes: no problems."""
+def rollout_mode_problems(config: Any) -> list[str]:
+    """Preflight, before anything starts. `mode=server`: each of `server_urls` answers a healthy `/health` within
+    `server_timeout_s`, and the token file is readable. `mode=colocate`: the trainer is on one node and the rollout
+    TP divides its ranks. Other modes: no problems."""
     import json
     import urllib.error
     import urllib.request
@@ -71,6 +72,15 @@ def server_problems(config: Any) -> list[str]:
     from megatron_cpo.rollout.http_protocol import HEALTH, read_token_file
 
     rollout = config.actor_rollout_ref.rollout
+    if rollout.mode == "colocate":
+        from megatron_cpo.rollout.colocate import colocated_engine_count
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            colocated_engine_count(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+                                   rollout.tensor_model_parallel_size)
+        except ValueError as err:
+            return [str(err)]
     if rollout.mode != "server":
         return []
     problems = []

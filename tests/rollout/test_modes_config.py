@@ -45,6 +45,18 @@ def test_colocated_engines_are_one_per_rollout_tp_group_on_one_node():
         colocated_engine_count(8, 8, 3)
 
 
+def test_preflight_refuses_a_colocated_trainer_on_several_nodes(monkeypatch):
+    from megatron_cpo.rollout.modes import rollout_mode_problems
+
+    config = build_config({}, [f"{PREFIX}mode=colocate"])
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    (problem,) = rollout_mode_problems(config)
+    assert "mode=colocate runs on one node, but the trainer has 16 ranks and 8 on this node" in problem
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert rollout_mode_problems(config) == []
+
+
 def test_token_file_and_token_check(tmp_path):
     with pytest.raises(ValueError, match="does not exist; write a secret token"):
         proto.read_token_file(str(tmp_path / "missing"), "--token-file")

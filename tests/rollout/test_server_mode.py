@@ -109,7 +109,7 @@ def test_a_wrong_token_is_refused_and_health_needs_none(servers):
 
 def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_path):
     from megatron_cpo.config import build_config
-    from megatron_cpo.rollout.modes import server_problems
+    from megatron_cpo.rollout.modes import rollout_mode_problems
 
     with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
         silent.bind(("127.0.0.1", 0))
@@ -124,7 +124,7 @@ def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_p
         config = build_config({}, ["actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{url}]",
                                    f"actor_rollout_ref.rollout.server_token_file={token_file}",
                                    "actor_rollout_ref.rollout.server_timeout_s=1.5"])
-        (problem,) = server_problems(config)
+        (problem,) = rollout_mode_problems(config)
     assert f"server_urls: {url} did not answer /health within server_timeout_s=1.5s" in problem
 
 
