@@ -48,7 +48,7 @@ class RolloutServer:
     def app(self):
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._check_token], client_max_size=64 * 1024**2)
+        app = web.Application(middlewares=[self._token_middleware()], client_max_size=64 * 1024**2)
         app.router.add_get(proto.HEALTH, self.health)
         for route, handler in ((proto.GENERATE, self.generate), (proto.CANCEL, self.cancel),
                                (proto.CHECK_TOKEN, self.check_token),
@@ -59,16 +59,20 @@ class RolloutServer:
             app.router.add_post(route, handler)
         return app
 
-    async def _check_token(self, app, handler):
+    def _token_middleware(self):
+        """Refuse every route but /health without the token (401); turn an engine error into a 500 answer."""
         from aiohttp import web
 
-        async def checked(request):
+        @web.middleware
+        async def checked(request, handler):
             if request.path not in proto.OPEN_ROUTES and not proto.token_matches(
                     request.headers.get("Authorization"), self.token):
                 return web.json_response({"error": f"{request.path} needs this server's token (Authorization: "
                                                    "Bearer <token>); the given one is missing or wrong"}, status=401)
             try:
                 return await handler(request)
+            except web.HTTPException:
+                raise
             except Exception as err:  # noqa: BLE001 - an engine error is the caller's answer, not the server's end
                 logger.warning("%s failed: %s", request.path, err)
                 return web.json_response({"error": f"{type(err).__name__}: {err}"}, status=500)
