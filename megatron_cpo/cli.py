@@ -16,6 +16,7 @@ from megatron_cpo.eval import add_eval_arguments, run_eval_command
 from megatron_cpo.models.conversion_commands import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
                                             run_mcore_to_hf)
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
+from megatron_cpo.rollout.server import add_rollout_arguments, run_rollout_command
 from megatron_cpo.trainer.command import add_train_arguments, run_train
 
 # Megatron-Core announces its pure-PyTorch fallbacks on import; without Apex/Transformer Engine they are expected.
@@ -42,6 +43,8 @@ COMMANDS: dict[str, Command] = {
                         add_generate_arguments, run_generate),
     "eval": Command("sample a model on parquet prompts with vLLM and report pass@k / mean@k per data source",
                     add_eval_arguments, run_eval_command),
+    "rollout": Command("serve vLLM rollout engines over HTTP for trainers with actor_rollout_ref.rollout.mode=server",
+                       add_rollout_arguments, run_rollout_command),
 }
 
 # Errors that mean bad input, not a bug: reported as one line instead of a traceback.

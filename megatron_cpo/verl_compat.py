@@ -44,8 +44,6 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             "Megatron trainer splits the model with TP/PP"),
     NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _REF_OFFLOAD),
     NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
-    NoOpKey("actor_rollout_ref.rollout.mode", "the controller always streams groups from asynchronous engines",
-            ("async", "sync")),
     NoOpKey("data.return_raw_chat", "records always keep their chat messages"),
     NoOpKey("reward_model.reward_manager", "responses are graded per data source like verl's naive/dapo "
             "managers; DAPO's overlong penalty is reward.overlong_buffer", ("naive", "dapo")),

@@ -183,6 +183,11 @@ class ValKwargsConfig:
         check(self.top_k == -1 or self.top_k > 0, f"{prefix}top_k={self.top_k} must be -1 (off) or > 0")
 
 
+ROLLOUT_MODES = ("ray", "server", "colocate", "sync", "async")
+"""`rollout.mode`: where the engines run (docs/launch.md). verl's `sync` and `async` mean `ray` here: the controller
+always streams groups from asynchronous engines."""
+
+
 @dataclass
 class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     """`actor_rollout_ref.rollout`: the engines' settings (`RolloutEngineConfig` of rollout/types.py: count, layout,
@@ -196,7 +201,11 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     `free_cache_engine` (verl's name; `enable_sleep_mode` is accepted for it) puts colocated engines to sleep while
     the actor trains (`rollout.mode=colocate`, GPU engines only) and wakes them before rollout: `sleep_level` 1 frees
     the KV cache and moves the weights to host memory, 2 discards the weights too (new ones are pushed before the
-    next rollout anyway, so 2 saves the copy and the host memory)."""
+    next rollout anyway, so 2 saves the copy and the host memory).
+    `mode` (docs/launch.md): `ray` (default; verl's `sync`/`async` are aliases) spawns `num_engines` engines as Ray
+    actors on their own devices; `server` uses running `megatron-cpo rollout` servers at `server_urls` (token in
+    `server_token_file`; `server_timeout_s` bounds health checks and connecting) and never starts Ray; `colocate`
+    starts one engine server per rollout-TP group of the trainer's ranks on their node, sharing their devices."""
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -206,6 +215,10 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     free_cache_engine: bool = True
     sleep_level: int = 1
+    mode: str = "ray"
+    server_urls: list[str] = field(default_factory=list)
+    server_timeout_s: float = 30.0
+    server_token_file: str = ""
 
     def __post_init__(self) -> None:
         RolloutEngineConfig.__post_init__(self)
@@ -220,6 +233,14 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
         check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
         check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
                                                ">= 0 (0 means 2 * data.train_batch_size)")
+        check_choice(prefix + "mode", self.mode, ROLLOUT_MODES)
+        check(self.mode == "server" or not self.server_urls, f"{prefix}server_urls={self.server_urls} is only "
+               f"used with {prefix}mode=server (mode={self.mode!r}); drop it or set mode=server")
+        check(self.mode != "server" or bool(self.server_urls), f"{prefix}mode=server needs {prefix}server_urls="
+               "[http://HOST:PORT, ...] (servers started with `megatron-cpo rollout`)")
+        check(self.mode != "server" or bool(self.server_token_file), f"{prefix}mode=server needs "
+               f"{prefix}server_token_file: the file holding the token the servers were started with (--token-file)")
+        check(self.server_timeout_s > 0, f"{prefix}server_timeout_s={self.server_timeout_s} must be > 0")
 
 
 @dataclass

@@ -15,6 +15,10 @@ rank 0 calls `finish_weight_sync()` (see `weight_sync`; `send_from_pipeline_stag
 the stages for the collective transport). `rollout.weight_transport` picks how bytes travel: /dev/shm files
 ("shm", engines on the sender's node) or a gloo/NCCL group between each sending rank and every engine worker
 ("collective", engines on any node); "auto" chooses.
+
+`rollout.mode` picks where engines run (`modes.build_rollout_manager`): Ray actors (above), running
+`megatron-cpo rollout` HTTP servers (`server.py`, client `server_client.ServerRolloutManager`), or engine servers
+colocated on the trainer's devices (`colocate.py`); all three share the manager interface shown here.
 """
 from megatron_cpo.rollout.manager import RolloutManager
 from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineConfig, RolloutEngineStartError,

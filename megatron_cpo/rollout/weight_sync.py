@@ -254,10 +254,11 @@ def resolve_weight_transport(choice: str) -> str:
     return "collective" if ray_nodes > 1 or trainer_nodes_multi else "shm"
 
 
-def send_from_pipeline_stages(spec: WeightSenderSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
+def send_from_pipeline_stages(spec, named_tensors: Iterable[tuple[str, torch.Tensor]],
                               stage: int, num_stages: int) -> dict[str, float]:
     """Collective over the default process group: every trainer rank calls it with its own export stream (which its
     TP group iterates in step). Ranks whose stream yields tensors send them; returns this rank's send metrics.
+    `spec` is a `WeightSenderSpec` (Ray engines) or a spec with `make_sender()` (HTTP servers, `server_client`).
 
     With shared memory all stages send at once. With the collective transport the stages take turns (a barrier
     between turns): an engine worker runs one RPC at a time, so two senders broadcasting at once could each wait on
@@ -270,7 +271,8 @@ def send_from_pipeline_stages(spec: WeightSenderSpec, named_tensors: Iterable[tu
             tensors = iter(named_tensors)
             first = next(tensors, None)
             if first is not None:
-                sent = WeightSender(spec).send(itertools.chain([first], tensors))
+                sender = WeightSender(spec) if isinstance(spec, WeightSenderSpec) else spec.make_sender()
+                sent = sender.send(itertools.chain([first], tensors))
         if spec.transport == "collective" and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
     return sent

@@ -46,6 +46,13 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def barrier() -> None:
+    """Every rank waits here until all arrive (e.g. the other ranks while rank 0 validates with their actors
+    offloaded)."""
+    if _distributed():
+        dist.barrier()
+
+
 def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The batch as named tensors (ragged rows as `<field>.values` / `<field>.offsets`) and its other fields."""
     tensors, other = {}, {}

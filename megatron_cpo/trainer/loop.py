@@ -24,8 +24,9 @@ import torch.distributed as dist
 from megatron_cpo import platform
 from megatron_cpo.config import Config
 from megatron_cpo.trainer.checkpointing import CheckpointManager
-from megatron_cpo.trainer.collectives import any_rank, broadcast_batch, broadcast_object, push_weights
+from megatron_cpo.trainer.collectives import any_rank, barrier, broadcast_batch, broadcast_object, push_weights
 from megatron_cpo.trainer.errors import RunAbortedError
+from megatron_cpo.trainer.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.policies import build_policies
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
 from megatron_cpo.trainer.step import compute_advantages, compute_log_probs, update_policy
@@ -93,6 +94,8 @@ class Trainer:
         updates = (self.total_steps * actor_cfg.ppo_epochs
                    * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
         self.actor, self.reference = build_policies(config, self.pad_token_id, updates)
+        # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
+        self.offload = colocated_offload(self.actor, actor_cfg.megatron, config.actor_rollout_ref.rollout.mode)
         monitor = self.lead.monitor if self.lead else None
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
                                              self.lead.stream if self.lead else None,
@@ -117,9 +120,10 @@ class Trainer:
             return {}
         self.push_weights_or_abort(start_step)
         last: dict[str, float] = {}
-        if lead and self.config.trainer.val_before_train and start_step == 0:
-            logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
-            last = lead.validate()
+        if self.config.trainer.val_before_train and start_step == 0:
+            if lead:
+                logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
+            last = self.validate()
             lead.metric_logger.log(last, 0)
         step = start_step
         while step < total:
@@ -146,7 +150,8 @@ class Trainer:
     def step(self, step: int, stop: StopSignal) -> StepOutcome | None:
         """One RL step (ARCHITECTURE.md, "One training step"); None when no batch could be formed (data ran out)."""
         lead, started = self.lead, time.perf_counter()
-        collected = self.collect(step)                                                              # 1-3
+        with offloaded_during(self.offload):
+            collected = self.collect(step)                                                          # 1-3
         batch = broadcast_batch(lead.make_batch(collected) if lead else None)
         if batch is None:
             return None
@@ -158,9 +163,10 @@ class Trainer:
         self.sync_reference(step)
         early_stopped = self.observe_early_stop(collected, metrics)
         stopping = any_rank(stop.received)
+        due = not lost and self._validation_due(step, last=step == self.total_steps or early_stopped)
+        validation = self.validate() if due else {}  # the last step's row carries the final validation
         if lead:
-            validate = not lost and lead.validation_due(step, step == self.total_steps or early_stopped)
-            metrics = lead.log_step(step, metrics, collected, time.perf_counter() - started, validate)
+            metrics = lead.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)
         if lost is not None:
             self.abort_engines_lost(step)
         # metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
@@ -234,16 +240,29 @@ class Trainer:
         engines = self.lead.engines() if self.lead else (0, 0)
         raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
 
+    def validate(self) -> dict[str, float]:
+        """Rank 0 validates on the engines (metrics on rank 0, {} elsewhere); colocated, every rank's actor stays
+        offloaded until rank 0 is done, since the engines generate on the trainer's devices."""
+        with offloaded_during(self.offload):
+            metrics = self.lead.validate() if self.lead else {}
+            if self.offload is not None:
+                barrier()
+        return metrics
+
+    def _validation_due(self, step: int, last: bool) -> bool:
+        freq = self.config.trainer.test_freq
+        return last or (freq > 0 and step % freq == 0)
+
     def _save_due(self, step: int) -> bool:
         freq = self.config.trainer.save_freq
         return freq > 0 and step % freq == 0 and step < self.total_steps
 
     def _validate_after_exhaustion(self, step: int, start_step: int) -> dict[str, float]:
         """Rank 0's final validation when the data ran out (otherwise the last step's row has it)."""
-        if not self.lead or step <= start_step:
+        if step <= start_step:
             return {}
-        final = self.lead.validate()
-        if final:
+        final = self.validate()
+        if self.lead and final:
             self.lead.metric_logger.log(final, step)
         return final
 

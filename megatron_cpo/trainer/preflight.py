@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.loggers import sink_package_problems
 from megatron_cpo.trainer.run_guards import mixing_problem
 
@@ -238,6 +239,7 @@ def preflight(config: Config, planning: bool = False) -> Layout:
     problems += layout_problems(config, world_size, world_source, planning)
     found, train_rows = data_problems(config) if planning or os.environ.get("RANK", "0") == "0" else ([], None)
     problems += found + output_problems(config) + sink_package_problems(config.trainer.logger)
+    problems += rollout_mode_problems(config) if planning or os.environ.get("RANK", "0") == "0" else []
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

@@ -20,8 +20,8 @@ from megatron_cpo.trainer.controller import CollectedBatch, ControllerSettings, 
 from megatron_cpo.trainer.grading import Grader
 from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.prompt_stream import PromptStream
-from megatron_cpo.trainer.rollout_side import (HintContextBuilder, build_rollout_manager, load_dataset,
-                                               training_sampling_params)
+from megatron_cpo.rollout.modes import build_rollout_manager
+from megatron_cpo.trainer.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
 from megatron_cpo.trainer.step import StepBatch, make_step_batch
 from megatron_cpo.trainer.validation import Validator
 
@@ -40,7 +40,7 @@ class RankZero:
         val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
-        self.manager = manager or build_rollout_manager(config)
+        self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
         self.grader = Grader(config, tokenizer)
         eos = tokenizer.eos_token_id
         self.validator = Validator(config, val_data, self.manager, self.grader,
@@ -107,20 +107,14 @@ class RankZero:
             logger.warning("validation skipped: %s", err)
             return {}
 
-    def validation_due(self, step: int, last: bool) -> bool:
-        freq = self.config.trainer.test_freq
-        return last or (freq > 0 and step % freq == 0)
-
-    def log_step(self, step: int, metrics: dict[str, float], collected: CollectedBatch, seconds: float,
-                 validate: bool) -> dict[str, float]:
-        """Add rank 0's metrics (rollout, rewards, timing, validation when `validate`) and write the step's row."""
+    def log_step(self, step: int, metrics: dict[str, float], collected: CollectedBatch, seconds: float
+                 ) -> dict[str, float]:
+        """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
                    **self.grader.remote_reward_metrics()}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
-        if validate:  # the last step's row carries the final validation, so every step is one row of metrics.jsonl
-            metrics.update(self.validate())
         self.metric_logger.log(metrics, step)
         self._log_completions(collected.groups, step)
         return metrics

@@ -1,4 +1,5 @@
-"""What rank 0 builds from the config for rollout: the data sets, the engines, sampling parameters, hint contexts."""
+"""What rank 0 builds from the config for rollout: the data sets, sampling parameters, hint contexts (the engines:
+`rollout/modes.py`'s `build_rollout_manager`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,7 +7,7 @@ from typing import Any
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
 from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
-from megatron_cpo.rollout import EngineLaunchConfig, RolloutManager, SamplingParams
+from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.trainer.accumulator import ScoredGroup
 
 
@@ -17,15 +18,6 @@ def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool
                                        truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
                                        prompt_key=data.prompt_key, seed=config.trainer.seed,
                                        check_graders=not config.reward_function_spec), tokenizer)
-
-
-def build_rollout_manager(config: Config) -> RolloutManager:
-    """The engines of `actor_rollout_ref.rollout` (started here) behind one submit / completed interface."""
-    data, rollout = config.data, config.actor_rollout_ref.rollout
-    return RolloutManager(EngineLaunchConfig(
-        model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
-        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed))
 
 
 def training_sampling_params(config: Config, eos_token_id: int, seed: int | None, greedy: bool = False

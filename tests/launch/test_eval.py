@@ -100,7 +100,7 @@ def test_lengths_beyond_the_models_positions_fail_before_any_engine_starts(tmp_p
     assert "Traceback" not in done.stderr and "Ray" not in done.stderr
 
 
-@pytest.mark.parametrize("command", ["eval", "generate"])
+@pytest.mark.parametrize("command", ["eval", "generate", "rollout"])
 def test_every_flag_has_help(command):
     parser = build_parser()
     subparser = next(action for action in parser._subparsers._group_actions).choices[command]

@@ -1,0 +1,306 @@
+"""`RolloutManager`'s interface over rollout servers reached by HTTP (`rollout.mode=server`; also `colocate`).
+
+Each server (`megatron-cpo rollout`, see `server.py`) counts as one engine of the manager: `engines` are the
+servers' URLs, `engine_index` of a group is the server's position in `rollout.server_urls`. A prompt goes to the
+least-loaded live server as one long-poll request; when a request fails and its server no longer answers its health
+check, the server is marked dead (logged once) and the prompts it held are sent to the others, exactly as
+`RolloutManager` does for a dead engine; with none left, `RolloutEnginesLostError` names the URLs and the prompts.
+Ray is never started. Every server must answer `/health` within `server_timeout_s` when the manager is built, so a
+wrong URL or a port that never answers is one clear error naming it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from megatron_cpo.rollout import http_protocol as proto
+from megatron_cpo.rollout.http_client import (HttpCaller, HttpWeightSender, RolloutServerAuthError,
+                                              RolloutServerError, ServerSenderSpec, close_server_groups,
+                                              health_problem, wait_all)
+from megatron_cpo.rollout.types import RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerClientConfig:
+    """Where the servers are and how to talk to them; the weight-sync settings of `RolloutConfig`."""
+
+    urls: tuple[str, ...]
+    token: str
+    timeout_s: float = 30.0  # health checks and short calls; also the connect timeout of generation requests
+    weight_transport: str = "collective"  # "shm" (servers on the sending ranks' node) or "collective"
+    weight_sync_bucket_bytes: int = 256 * 1024**2
+    weight_sync_timeout_s: float = 300.0
+    min_model_len: int = 0  # the longest prompt + response the run needs; a server with less is refused
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("actor_rollout_ref.rollout.server_urls is empty; give the URL of at least one "
+                             "`megatron-cpo rollout` server, e.g. [http://127.0.0.1:8470]")
+        bad = [url for url in self.urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"actor_rollout_ref.rollout.server_urls holds {bad[0]!r}; write each as "
+                             "http://HOST:PORT")
+        if self.weight_transport not in ("shm", "collective"):
+            raise ValueError(f"rollout weight_transport={self.weight_transport!r} for servers; use shm or collective")
+        self.urls = tuple(url.rstrip("/") for url in self.urls)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_index: int
+
+
+class ServerRolloutManager:
+    """Rollout servers behind `RolloutManager`'s submit / completed / weight-sync interface."""
+
+    def __init__(self, config: ServerClientConfig) -> None:
+        self.config = config
+        self.engines = list(config.urls)
+        self.engine_names = tuple(config.urls)
+        self.weight_transport = config.weight_transport
+        self.last_engine_failure: str | None = None
+        self._session = uuid.uuid4().hex
+        self._caller = HttpCaller(config.token)
+        self._alive = [True] * len(self.engines)
+        self._pending: dict[str, tuple[_Request, concurrent.futures.Future]] = {}
+        self._done: queue.Queue = queue.Queue()
+        self._closed = False
+        try:
+            self._workers = self._check_servers()
+        except BaseException:
+            self._caller.close()
+            raise
+
+    def _check_servers(self) -> list[int]:
+        """Every server answers /health in time and is healthy, serves long enough sequences and takes our token."""
+        workers = []
+        for url in self.engines:
+            problem, body = health_problem(self._caller, url, self.config.timeout_s)
+            if problem is not None:
+                raise RolloutEngineStartError(problem)
+            if body.get("max_model_len", 0) < self.config.min_model_len:
+                raise RolloutEngineStartError(
+                    f"rollout server {url} serves at most {body.get('max_model_len')} tokens per sequence but this "
+                    f"run needs data.max_prompt_length + data.max_response_length = {self.config.min_model_len}; "
+                    "restart it with a larger --max-model-len")
+            self._caller.call(url, proto.CHECK_TOKEN, {}, self.config.timeout_s)  # 401 for a wrong token
+            workers.append(int(body["engines"]) * int(body["workers_per_engine"]))
+        return workers
+
+    # --- generation -----------------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one prompt for `params.n` samples on the least-loaded live server."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
+        self._dispatch(_Request(request_id, list(prompt_token_ids), params, -1))
+
+    def num_outstanding(self) -> int:
+        return len(self._pending)
+
+    def num_outstanding_per_engine(self) -> list[int]:
+        counts = [0] * len(self.engines)
+        for request, _ in self._pending.values():
+            counts[request.engine_index] += 1
+        return counts
+
+    def outstanding_requests(self) -> dict[str, int]:
+        return {request.request_id: request.engine_index for request, _ in self._pending.values()}
+
+    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
+        """Yield groups as they finish until nothing is outstanding (`timeout` bounds each wait)."""
+        while self._pending:
+            group = self._take(self._wait_one(timeout))
+            if group is not None:
+                yield group
+
+    def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
+        """Wait for one group, then return it with every other group already finished; [] when none outstanding."""
+        while self._pending:
+            keys = [self._wait_one(timeout)]
+            while True:
+                try:
+                    keys.append(self._done.get_nowait())
+                except queue.Empty:
+                    break
+            groups = [group for group in map(self._take, keys) if group is not None]
+            if groups:
+                return groups
+        return []
+
+    def cancel_all(self) -> int:
+        """Abort everything outstanding on every live server; returns how many groups were dropped."""
+        dropped = [future for _, future in self._pending.values()]
+        self._pending.clear()
+        cancels = [self._caller.spawn(url, proto.CANCEL, {}, self.config.timeout_s) for url in self._live_urls()]
+        concurrent.futures.wait(cancels + dropped, timeout=self.config.timeout_s)
+        return len(dropped)
+
+    def health(self) -> list[bool]:
+        return [self._alive[i] and self._health_problem(i) is None for i in range(len(self.engines))]
+
+    def num_engines_alive(self) -> int:
+        return sum(self._alive)
+
+    def check_engines(self) -> int:
+        """Health-check every live server, mark the ones that fail as dead (logged once); returns how many live."""
+        for index in self._live_indices():
+            problem = self._health_problem(index)
+            if problem is not None:
+                self._mark_dead(index, problem)
+        return self.num_engines_alive()
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def sender_spec(self, transport: str | None = None) -> ServerSenderSpec:
+        live = self._live_indices()
+        return ServerSenderSpec(urls=tuple(self.engines[i] for i in live), token=self.config.token,
+                                workers=tuple(self._workers[i] for i in live),
+                                bucket_bytes=self.config.weight_sync_bucket_bytes,
+                                transport=transport or self.weight_transport,
+                                timeout_s=self.config.weight_sync_timeout_s, session=self._session)
+
+    def begin_weight_sync(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
+                               "between rounds: drain completed() or call cancel_all() first")
+        self._call_live_servers(proto.WEIGHTS_BEGIN)
+
+    def finish_weight_sync(self) -> None:
+        self._call_live_servers(proto.WEIGHTS_FINISH)
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
+                     ) -> dict[str, float]:
+        """Load HF-named full tensors (all of them from this rank) into every live server."""
+        start = time.perf_counter()
+        self.begin_weight_sync()
+        metrics = HttpWeightSender(self.sender_spec(transport)).send(named_tensors)
+        self.finish_weight_sync()
+        metrics["seconds"] = time.perf_counter() - start
+        return metrics
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode on every live server (free KV cache; level 1 offloads, 2 discards the weights)."""
+        wait_all([self._caller.spawn(url, proto.SLEEP, {"level": level}, self.config.weight_sync_timeout_s)
+                  for url in self._live_urls()])
+
+    def wake_up(self) -> None:
+        wait_all([self._caller.spawn(url, proto.WAKE_UP, {}, self.config.weight_sync_timeout_s)
+                  for url in self._live_urls()])
+
+    def _call_live_servers(self, route: str) -> None:
+        """Call `route` on every live server; one that fails and is unhealthy is marked dead (an error of a healthy
+        one is raised); `RolloutEnginesLostError` when none is left."""
+        live = self._live_indices()
+        calls = [self._caller.spawn(self.engines[i], route, {}, self.config.weight_sync_timeout_s) for i in live]
+        concurrent.futures.wait(calls)
+        for index, call in zip(live, calls):
+            err = call.exception()
+            if err is None:
+                continue
+            if isinstance(err, RolloutServerAuthError) or self._health_problem(index) is None:
+                raise err
+            self._mark_dead(index, str(err))
+        if not self._live_indices():
+            raise RolloutEnginesLostError(self._lost_message("weights cannot be synced"))
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Drop what is outstanding and close this run's weight groups; the servers keep running. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._pending and self._live_indices():
+                self.cancel_all()
+            close_server_groups(self._session)
+        finally:
+            self._pending.clear()
+            self._caller.close()
+
+    def __enter__(self) -> "ServerRolloutManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _live_indices(self) -> list[int]:
+        return [i for i, alive in enumerate(self._alive) if alive]
+
+    def _live_urls(self) -> list[str]:
+        return [self.engines[i] for i in self._live_indices()]
+
+    def _lost_message(self, consequence: str) -> str:
+        return (f"all {len(self.engines)} rollout servers are dead ({', '.join(self.engines)}; last failure: "
+                f"{self.last_engine_failure}); {consequence}. Restart them (megatron-cpo rollout) and resume the run")
+
+    def _dispatch(self, request: _Request) -> None:
+        live = self._live_indices()
+        if not live:
+            lost = sorted({request.request_id, *(r.request_id for r, _ in self._pending.values())})
+            raise RolloutEnginesLostError(self._lost_message(
+                f"{len(lost)} requests could not be served: {lost[:20]}{' ...' if len(lost) > 20 else ''}"))
+        load = {i: 0 for i in live}
+        for pending, _ in self._pending.values():
+            if pending.engine_index in load:
+                load[pending.engine_index] += 1
+        request.engine_index = min(live, key=lambda i: (load[i], i))
+        payload = {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
+                   "params": proto.params_to_wire(request.params)}
+        key = uuid.uuid4().hex
+        future = self._caller.spawn(self.engines[request.engine_index], proto.GENERATE, payload, None,
+                                    connect_timeout_s=self.config.timeout_s)
+        self._pending[key] = (request, future)
+        future.add_done_callback(lambda _: self._done.put(key))
+
+    def _wait_one(self, timeout: float | None) -> str:
+        """The key of a finished outstanding request; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                key = self._done.get(timeout=remaining)
+            except queue.Empty:
+                raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} requests "
+                                   "outstanding (raise the timeout or check health())") from None
+            if key in self._pending:  # keys of cancelled requests are skipped
+                return key
+
+    def _take(self, key: str) -> RolloutGroup | None:
+        """A finished request's group; None when cancelled or when its server died (then it is re-dispatched)."""
+        if key not in self._pending:
+            return None
+        request, future = self._pending.pop(key)
+        try:
+            body = future.result()
+        except RolloutServerError as err:
+            index = request.engine_index
+            if isinstance(err, RolloutServerAuthError) or (self._alive[index] and self._health_problem(index) is None):
+                raise
+            self._mark_dead(index, str(err))
+            self._dispatch(request)
+            return None
+        if body.get("cancelled"):
+            return None
+        return proto.group_from_wire(body["group"], request.engine_index)
+
+    def _health_problem(self, index: int) -> str | None:
+        return health_problem(self._caller, self.engines[index], self.config.timeout_s)[0]
+
+    def _mark_dead(self, index: int, cause: str) -> None:
+        if self._alive[index]:
+            self._alive[index] = False
+            self.last_engine_failure = f"server {index} ({self.engines[index]}): {cause}"
+            logger.warning("rollout server %d (%s) died; %d of %d servers left (rollout/engines_alive): %s", index,
+                           self.engines[index], self.num_engines_alive(), len(self.engines), cause)

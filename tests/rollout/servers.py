@@ -1,0 +1,80 @@
+"""Helpers of the server- and colocate-mode tests: start a `megatron-cpo rollout` process, end it, and check that
+engines generate exactly what transformers computes for a model directory."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+PROMPTS = [[1, 40, 41, 42], [1, 60, 70, 80, 90], [1, 33, 3]]
+
+
+def start_server(model_dir, work_dir: Path, name: str, token_file: Path) -> subprocess.Popen:
+    """A rollout server in its own session (so the test can kill its whole process tree)."""
+    log = open(work_dir / f"{name}.log", "wb")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    process = subprocess.Popen([sys.executable, "-m", "megatron_cpo.cli", "rollout", "--model", str(model_dir),
+                                "--dtype", "float32", "--max-model-len", "512", "--port", "0",
+                                "--token-file", str(token_file), "--ready-file", str(work_dir / f"{name}.url")],
+                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return process
+
+
+def wait_url(process: subprocess.Popen, work_dir: Path, name: str, timeout_s: float = 600) -> str:
+    ready = work_dir / f"{name}.url"
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert process.poll() is None, (work_dir / f"{name}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"server {name} did not start in {timeout_s}s"
+        time.sleep(0.2)
+    return ready.read_text().strip()
+
+
+def end_server(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60) -> None:
+    """Send `sig` to the server (SIGKILL: to its whole process tree at once, a crash), then kill whatever of its
+    process tree outlives `timeout_s`."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    for proc in tree if sig == signal.SIGKILL else tree[:1]:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def greedy_matches_transformers(manager, model_dir) -> float:
+    """Greedy tokens of every prompt equal transformers' argmax for `model_dir`; returns the largest log-prob gap."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.rollout import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for index, prompt in enumerate(PROMPTS):
+        manager.submit(f"check-{index}", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    worst = 0.0
+    groups = list(manager.completed(timeout=120))
+    assert len(groups) == len(PROMPTS)
+    for group in groups:
+        sample = group.samples[0]
+        tokens = torch.tensor([group.prompt_token_ids + sample.token_ids])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
+        positions = torch.arange(len(group.prompt_token_ids) - 1, tokens.shape[1] - 1)
+        assert log_probs[positions].argmax(-1).tolist() == sample.token_ids
+        gap = (log_probs[positions, torch.tensor(sample.token_ids)] - torch.tensor(sample.logprobs)).abs().max()
+        worst = max(worst, gap.item())
+    assert worst < 1e-4
+    return worst

@@ -1,0 +1,71 @@
+"""`rollout.mode` settings and the pieces of the server protocol that need no engine: bad values are one clear
+line naming the key and the fix, verl's `sync` / `async` mean `ray`, and the token check."""
+import pytest
+
+from megatron_cpo.config import ConfigError, build_config
+from megatron_cpo.rollout import http_protocol as proto
+from megatron_cpo.rollout.colocate import colocated_engine_count
+from megatron_cpo.rollout.server_client import ServerClientConfig
+
+PREFIX = "actor_rollout_ref.rollout."
+
+
+def test_mode_values_and_verl_aliases():
+    assert build_config({}, []).actor_rollout_ref.rollout.mode == "ray"
+    for verl_value in ("sync", "async"):  # verl's names: the controller always streams, so both are `ray`
+        assert build_config({}, [f"{PREFIX}mode={verl_value}"]).actor_rollout_ref.rollout.mode == verl_value
+    with pytest.raises(ConfigError, match=r"mode='fleet' is not supported; choose one of 'ray', 'server'"):
+        build_config({}, [f"{PREFIX}mode=fleet"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{PREFIX}mode=server"], r"mode=server needs actor_rollout_ref.rollout.server_urls="),
+    ([f"{PREFIX}mode=server", f"{PREFIX}server_urls=[http://h:1]"], r"mode=server needs .*server_token_file"),
+    ([f"{PREFIX}server_urls=[http://h:1]"], r"server_urls=\['http://h:1'\] is only used with .*mode=server"),
+    ([f"{PREFIX}server_timeout_s=0"], r"server_timeout_s=0.0 must be > 0"),
+])
+def test_server_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, overrides)
+
+
+def test_server_client_settings_name_the_bad_url():
+    with pytest.raises(ValueError, match="server_urls is empty"):
+        ServerClientConfig(urls=(), token="t")
+    with pytest.raises(ValueError, match=r"holds '127.0.0.1:8470'; write each as http://HOST:PORT"):
+        ServerClientConfig(urls=("127.0.0.1:8470",), token="t")
+    assert ServerClientConfig(urls=("http://h:1/",), token="t").urls == ("http://h:1",)
+
+
+def test_colocated_engines_are_one_per_rollout_tp_group_on_one_node():
+    assert colocated_engine_count(8, 8, 2) == 4 and colocated_engine_count(1, 1, 1) == 1
+    with pytest.raises(ValueError, match="mode=colocate runs on one node, but the trainer has 16 ranks and 8"):
+        colocated_engine_count(16, 8, 1)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide the trainer's 8 ranks"):
+        colocated_engine_count(8, 8, 3)
+
+
+def test_preflight_refuses_a_colocated_trainer_on_several_nodes(monkeypatch):
+    from megatron_cpo.rollout.modes import rollout_mode_problems
+
+    config = build_config({}, [f"{PREFIX}mode=colocate"])
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    (problem,) = rollout_mode_problems(config)
+    assert "mode=colocate runs on one node, but the trainer has 16 ranks and 8 on this node" in problem
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert rollout_mode_problems(config) == []
+
+
+def test_token_file_and_token_check(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; write a secret token"):
+        proto.read_token_file(str(tmp_path / "missing"), "--token-file")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        proto.read_token_file(str(tmp_path / "empty"), "--token-file")
+    (tmp_path / "token").write_text("  s3cret\n")
+    token = proto.read_token_file(str(tmp_path / "token"), "--token-file")
+    assert token == "s3cret"
+    assert proto.token_matches("Bearer s3cret", token)
+    assert not proto.token_matches("Bearer s3cre", token) and not proto.token_matches("s3cret", token)
+    assert not proto.token_matches(None, token)

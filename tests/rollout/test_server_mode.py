@@ -1,0 +1,154 @@
+"""`rollout.mode=server`: real `megatron-cpo rollout` processes (vLLM on CPU) serving trainers over HTTP.
+
+Two servers start once for the module (each its own process tree, started together). Two trainers (the quickstart's
+GRPO and CPO configs, shortened) run one after the other against the first server and push their weights over the
+gloo collective the server's engine joins; afterwards the server generates transformers' greedy tokens for each
+run's exported weights. A server killed while holding prompts has them served by the other, a wrong token is
+refused, and a port that accepts connections but never answers is an error naming its URL within the timeout.
+"""
+import json
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from megatron_cpo.rollout import RolloutEnginesLostError, SamplingParams
+from megatron_cpo.rollout.http_client import RolloutServerAuthError
+from megatron_cpo.rollout.server_client import ServerClientConfig, ServerRolloutManager
+from megatron_cpo.rollout.types import RolloutEngineStartError
+from tests.rollout.servers import end_server, greedy_matches_transformers, start_server, wait_url
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny"
+TOKEN = "test-token-0123456789"
+
+
+@pytest.fixture
+def restore_environment():
+    """run_training records its one-process rendezvous in os.environ; the next run gets a fresh one."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two servers of the quickstart's tiny model, started together; the token file they were given."""
+    work = tmp_path_factory.mktemp("servers")
+    token_file = work / "token"
+    token_file.write_text(TOKEN + "\n")
+    processes = {name: start_server(TINY / "model", work, name, token_file) for name in ("a", "b")}
+    try:
+        urls = {name: wait_url(process, work, name) for name, process in processes.items()}
+        yield {"urls": urls, "processes": processes, "token_file": token_file}
+    finally:
+        for process in processes.values():
+            end_server(process)
+
+
+def _example_config(name, servers, data, out_dir):
+    from megatron_cpo.config import load_config
+
+    return load_config(TINY / name, [
+        f"data.train_files={data['train']}", f"data.val_files={data['test']}", "data.train_batch_size=4",
+        "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={TINY / 'model'}",
+        "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
+        f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
+        "actor_rollout_ref.rollout.weight_transport=auto", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+        "algorithm.filter_groups.enable=false",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]"])
+
+
+def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves_their_weights(servers, tmp_path,
+                                                                                              restore_environment):
+    import ray
+
+    from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
+    from megatron_cpo.trainer.loop import run_training
+
+    data = {k: str(v) for k, v in write_arith_parquet(tmp_path / "data", ArithConfig(num_train=32, num_test=4)).items()}
+    ray_was_running = ray.is_initialized()
+    for name in ("grpo_arith.yaml", "cpo_arith.yaml"):
+        out = tmp_path / name.split(".")[0]
+        started = time.perf_counter()
+        metrics = run_training(_example_config(name, servers, data, out))
+        print(f"{name} against the server: {time.perf_counter() - started:.1f}s, weight push "
+              f"{metrics['timing/weight_sync_s']:.3f}s")
+        assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
+        steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps[-1] == 2
+        with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["a"],), token=TOKEN)) as client:
+            gap = greedy_matches_transformers(client, out / "checkpoints" / "step_000002" / "huggingface")
+        print(f"{name}: the server reproduces the run's exported weights (max log-prob gap {gap:.1e})")
+    assert ray.is_initialized() == ray_was_running, "server mode must not start Ray"
+
+
+def test_a_wrong_token_is_refused_and_health_needs_none(servers):
+    url = servers["urls"]["a"]
+    with pytest.raises(RolloutServerAuthError, match=f"rollout server {url} refused the token"):
+        ServerRolloutManager(ServerClientConfig(urls=(url,), token="not-the-token"))
+    request = urllib.request.Request(url + "/weights/begin", data=b"{}", method="POST",
+                                     headers={"Authorization": "Bearer not-the-token"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 401
+    with urllib.request.urlopen(url + "/health", timeout=30) as response:
+        assert json.loads(response.read())["ok"] is True
+
+
+def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_path):
+    from megatron_cpo.config import build_config
+    from megatron_cpo.rollout.modes import rollout_mode_problems
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.perf_counter()
+        with pytest.raises(RolloutEngineStartError, match=f"rollout server {url} did not answer /health within 1.5s"):
+            ServerRolloutManager(ServerClientConfig(urls=(url,), token=TOKEN, timeout_s=1.5))
+        assert time.perf_counter() - started < 10
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN)
+        config = build_config({}, ["actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{url}]",
+                                   f"actor_rollout_ref.rollout.server_token_file={token_file}",
+                                   "actor_rollout_ref.rollout.server_timeout_s=1.5"])
+        (problem,) = rollout_mode_problems(config)
+    assert f"server_urls: {url} did not answer /health within server_timeout_s=1.5s" in problem
+
+
+def test_a_killed_servers_prompts_are_served_by_the_other_and_none_left_names_the_urls(servers):
+    """Server b is frozen (SIGSTOP) so that it surely holds prompts, then killed with its engine."""
+    urls, process_b = servers["urls"], servers["processes"]["b"]
+    both = ServerRolloutManager(ServerClientConfig(urls=(urls["a"], urls["b"]), token=TOKEN, timeout_s=5))
+    only_b = ServerRolloutManager(ServerClientConfig(urls=(urls["b"],), token=TOKEN, timeout_s=5))
+    try:
+        process_b.send_signal(signal.SIGSTOP)
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
+        for index in range(6):
+            both.submit(f"p{index}", [1, 40 + index, 41, 42], params)
+        only_b.submit("lonely", [1, 40, 41, 42], params)
+        held_by_b = sorted(r for r, engine in both.outstanding_requests().items() if engine == 1)
+        assert len(held_by_b) == 3
+        end_server(process_b, signal.SIGKILL)
+        groups = list(both.completed(timeout=120))
+        assert sorted(g.request_id for g in groups) == [f"p{i}" for i in range(6)]
+        assert all(g.engine_index == 0 and len(g.samples) == 2 for g in groups)
+        assert both.num_engines_alive() == 1 and urls["b"] in both.last_engine_failure
+        with pytest.raises(RolloutEnginesLostError, match=f"all 1 rollout servers are dead \\({urls['b']};") as lost:
+            list(only_b.completed(timeout=120))
+        assert "'lonely'" in str(lost.value)
+    finally:
+        both.shutdown()
+        only_b.shutdown()
