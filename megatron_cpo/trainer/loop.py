@@ -332,6 +332,9 @@ def _announce_engines(config: Config, given: bool) -> None:
     rollout = config.actor_rollout_ref.rollout
     if given:
         logger.info("loading data; using the rollout engines passed in")
+    elif rollout.mode == "server":
+        logger.info("loading data; connecting to the rollout servers %s", ", ".join(rollout.server_urls))
     else:
-        logger.info("loading data and starting %d vLLM engine(s) for %s (tens of seconds)",
-                    rollout.num_engines, config.actor_rollout_ref.model.path)
+        where = "colocated on the trainer's devices" if rollout.mode == "colocate" else "as Ray actors"
+        logger.info("loading data and starting vLLM engine(s) %s for %s (tens of seconds)", where,
+                    config.actor_rollout_ref.model.path)

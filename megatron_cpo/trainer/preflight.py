@@ -35,6 +35,7 @@ class Layout:
     data_parallel: int
     num_engines: int
     engine_tensor_parallel: int
+    rollout_mode: str
     responses_per_step: int
     mini_batches_per_step: int
     micro_batches_per_rank: int
@@ -48,14 +49,22 @@ class Layout:
         return "\n".join([
             f"trainer: {self.world_size} process(es) ({self.world_source}) = TP {self.tensor_parallel} x "
             f"PP {self.pipeline_parallel} x DP {self.data_parallel}",
-            f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} "
-            f"({self.num_engines * self.engine_tensor_parallel} GPU(s) on GPU machines, besides the trainer's)",
+            self._rollout_line(),
             f"per step: {self.responses_per_step} responses in {self.mini_batches_per_step} optimizer step(s), "
             f"{self.micro_batches_per_rank} micro-batch(es) per DP rank per optimizer step",
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
         ])
+
+    def _rollout_line(self) -> str:
+        if self.rollout_mode == "server":
+            return f"rollout: {self.num_engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"
+        if self.rollout_mode == "colocate":
+            return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} colocated on the "
+                    "trainer's devices (mode=colocate; they generate while the actor waits)")
+        return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} "
+                f"({self.num_engines * self.engine_tensor_parallel} GPU(s) on GPU machines, besides the trainer's)")
 
 
 def trainer_world_size(config: Config, planning: bool) -> tuple[int, str]:
@@ -248,6 +257,15 @@ def preflight(config: Config, planning: bool = False) -> Layout:
     return _layout(config, world_size, world_source, train_rows)
 
 
+def _engine_count(rollout, world_size: int) -> int:
+    """Engines the mode starts or uses: `num_engines` (ray), one per server URL, one per rollout-TP group (colocate)."""
+    if rollout.mode == "server":
+        return len(rollout.server_urls)
+    if rollout.mode == "colocate":
+        return max(1, world_size // rollout.tensor_model_parallel_size)
+    return rollout.num_engines
+
+
 def _layout(config: Config, world_size: int, world_source: str, train_rows: int | None) -> Layout:
     megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
     rollout, data, trainer = config.actor_rollout_ref.rollout, config.data, config.trainer
@@ -259,7 +277,8 @@ def _layout(config: Config, world_size: int, world_source: str, train_rows: int 
     return Layout(world_size=world_size, world_source=world_source,
                   tensor_parallel=megatron.tensor_model_parallel_size,
                   pipeline_parallel=megatron.pipeline_model_parallel_size, data_parallel=dp,
-                  num_engines=rollout.num_engines, engine_tensor_parallel=rollout.tensor_model_parallel_size,
+                  num_engines=_engine_count(rollout, world_size),
+                  engine_tensor_parallel=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
                   responses_per_step=data.train_batch_size * rollout.n,
                   mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
                   micro_batches_per_rank=math.ceil(per_mini / dp / actor.ppo_micro_batch_size_per_gpu),
