@@ -124,7 +124,8 @@ class Trainer:
             if lead:
                 logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
             last = self.validate()
-            lead.metric_logger.log(last, 0)
+            if lead:
+                lead.metric_logger.log(last, 0)
         step = start_step
         while step < total:
             outcome = self.step(step + 1, stop)
