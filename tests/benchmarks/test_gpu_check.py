@@ -92,8 +92,8 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
         assert f"## {name}" in markdown
     assert markdown.count("| triton-interpreted |") == 8
     assert markdown.count("| padded |") == sum(r["mode"] == "padded" for r in actor) == 2
-    # the trainer's other modes are picked up from the config as they land (token budgets, fused lm-head)
-    assert {r["mode"] for r in actor} == {"padded", "token_budget", "fused_lm_head"}
+    # the trainer's other modes are picked up from the config as they land (token budgets, packing, fused lm-head)
+    assert {r["mode"] for r in actor} == {"padded", "token_budget", "packed", "fused_lm_head"}
 
 
 def math_finite(value) -> bool:
