@@ -126,7 +126,8 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
                      f"{fmt(s.mean, sign=True)} | {fmt(s.std)} | {interval(s)} | {fmt(unseen, sign=True)} | "
                      f"{cpu:.0f} |")
     lines += ["", "Paired by seed (difference of changes, points):", "",
-              "| comparison | seeds | mean difference | std | 95% interval | reading |", "| --- | --- | --- | --- | --- | --- |"]
+              "| comparison | seeds | mean difference | std | 95% interval | reading |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for name, other in COMPARISONS[table]:
         if name not in changes or other not in changes or not set(changes[name]) & set(changes[other]):
             lines.append(f"| {algo_name(name)} - {algo_name(other)} | - | - | - | - | not enough runs |")
@@ -192,10 +193,11 @@ def generated_section(results: list[RunResult]) -> str:
     cpu = sum(r.record["cpu_s"] for r in results)
     wall = sum(r.record["wall_s"] for r in results)
     loads = [r.record["loadavg_1min"] for r in results]
+    load_range = f"{min(x['min'] for x in loads):.1f}-{max(x['max'] for x in loads):.1f}" if loads else "-"
+    load_mean = sum(x["mean"] for x in loads) / max(1, len(loads))
     lines = [START, "", f"{len(results)} finished runs; total CPU time {cpu:.0f} s ({cpu / 3600:.2f} h), total wall "
-             f"time {wall:.0f} s ({wall / 3600:.2f} h); 1-minute load average during the runs {min(l['min'] for l in loads):.1f}-"
-             f"{max(l['max'] for l in loads):.1f} (mean of run means "
-             f"{sum(l['mean'] for l in loads) / len(loads):.1f}) on 2 cores." if results else "No finished run.", ""]
+             f"time {wall:.0f} s ({wall / 3600:.2f} h); 1-minute load average during the runs {load_range} (mean of "
+             f"run means {load_mean:.1f}) on 2 cores." if results else "No finished run.", ""]
     for table in TABLES:
         lines += table_markdown(table, results)
     pngs = curves(results) if results else []
