@@ -4,8 +4,8 @@
     python benchmarks/learning/run_table.py --only a              # table (a) only; --only a:cpo:2 one run
     python benchmarks/learning/run_table.py --list                # the commands, without running them
 
-Tables (priority order): (a) GRPO, DAPO, CPO (`negonly_mi3`) on the shipped task; (b) GRPO and CPO on the harder
-variant; (c) the CPO rule ablation on the shipped task. Within a table the seeds go round-robin over the algorithms
+Tables (priority order): (a) GRPO, DAPO, CPO (`negonly_mi3`) on the shipped task; (b) GRPO, CPO and DAPO on the
+harder variant (DAPO separates CPO's shaping from the filter-groups it inherits from DAPO); (c) the CPO rule ablation on the shipped task. Within a table the seeds go round-robin over the algorithms
 (seed 1 of every algorithm, then seed 2, ...) so a table cut short stays balanced. A run whose `run.json` says it
 finished is skipped, so re-running continues the table; `--rerun` runs it again.
 
@@ -59,7 +59,7 @@ ALGOS = {
 # table -> (task, algorithms); priority order.
 TABLES = {
     "a": ("arith12", ("grpo", "dapo", "cpo")),
-    "b": ("arith123", ("grpo", "cpo")),
+    "b": ("arith123", ("grpo", "cpo", "dapo")),
     "c": ("arith12", ("cpo_naive", "cpo_mi3", "cpo_mi_clamp_unify_difficulty", "cpo_tok_kl")),
 }
 

@@ -25,7 +25,8 @@ from stats import binomial_se, paired_difference, summarize, verdict  # noqa: E4
 
 START, END = "<!-- generated:start (summarize.py) -->", "<!-- generated:end -->"
 NEVER_SEEN = "val/megatron_cpo/arith/acc"
-COMPARISONS = {"a": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")], "b": [("cpo", "grpo")],
+COMPARISONS = {"a": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
+               "b": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
                "c": [(rule, "cpo") for rule in TABLES["c"][1]] + [(rule, "grpo") for rule in TABLES["c"][1]]}
 TABLE_TITLES = {"a": "(a) the shipped task (levels 1-2), 400 held-out questions",
                 "b": "(b) the harder variant (levels 1-3), 595 held-out questions",
@@ -42,6 +43,11 @@ class RunResult:
     val: dict[int, float]          # step -> val/acc
     never_seen: dict[int, float]   # step -> val/acc on the questions the warm start never saw
     count: int
+    sources: dict[str, tuple[float, float]]  # held-out data source -> (first, last) val acc
+
+    def sources_text(self) -> str:
+        return "; ".join(f"{source.split('/')[-1]} {100 * first:.1f} -> {100 * last:.1f}"
+                         for source, (first, last) in sorted(self.sources.items()))
 
     @property
     def before(self) -> float:
@@ -70,16 +76,20 @@ def load(run_dir: Path) -> RunResult | None:
     if not record_path.is_file() or not metrics_path.is_file():
         return None
     record = json.loads(record_path.read_text())
-    val, never_seen, count = {}, {}, 0
+    val, never_seen, count, by_source = {}, {}, 0, {}
     for line in metrics_path.read_text().splitlines():
         row = json.loads(line)
+        for key, value in row.items():
+            if key.startswith("val/") and key.endswith("/acc") and key != "val/acc":
+                by_source.setdefault(key[4:-4], []).append(float(value))
         if "val/acc" in row:
             val[int(row["step"])] = float(row["val/acc"])
             never_seen[int(row["step"])] = float(row.get(NEVER_SEEN, math.nan))
             count = int(row.get("val/count", count))
     if record.get("returncode") != 0 or len(val) < 2:
         return None
-    return RunResult(record["task"], record["algo"], int(record["seed"]), record, val, never_seen, count)
+    sources = {source: (values[0], values[-1]) for source, values in by_source.items()}
+    return RunResult(record["task"], record["algo"], int(record["seed"]), record, val, never_seen, count, sources)
 
 
 def collect(root: Path = HERE / "runs") -> list[RunResult]:
@@ -110,8 +120,8 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
     lines += [f"Held-out: {count} questions, greedy; before training every run scores {fmt(before)}% (one standard "
               f"error of a single evaluation there: {100 * binomial_se(before / 100, count):.1f} points). Changes "
               "are in points of `val/acc` (last step minus before training).", "",
-              "| algorithm | seeds | after (mean) | change: mean | std | 95% interval | change on never-seen subset "
-              "(mean) | CPU s / run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| algorithm | seeds | after (mean) | change: mean | std | 95% interval | change on the 282 never-seen "
+              "level-1/2 questions (mean) | CPU s / run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     changes = {}
     for algo, runs in by_algo.items():
         if not runs:
@@ -137,14 +147,13 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
                      f"{fmt(d.mean, sign=True)} | {fmt(d.std)} | {interval(d)} | "
                      f"{verdict(d, algo_name(name), algo_name(other))} |")
     lines += ["", "<details><summary>Per run</summary>", "",
-              "| algorithm | seed | before | after | change | never-seen before -> after | wall s | CPU s | load avg "
-              "(mean, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| algorithm | seed | before | after | change | per held-out source, before -> after (%) | wall s | CPU s "
+              "| load avg (mean, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for algo, runs in by_algo.items():
         for seed, r in sorted(runs.items()):
             load_avg = r.record["loadavg_1min"]
             lines.append(f"| {algo_name(algo)} | {seed} | {fmt(r.before)}% | {fmt(r.after)}% | "
-                         f"{fmt(r.change, sign=True)} | {fmt(100 * r.never_seen[min(r.never_seen)])}% -> "
-                         f"{fmt(100 * r.never_seen[max(r.never_seen)])}% | {r.record['wall_s']:.0f} | "
+                         f"{fmt(r.change, sign=True)} | {r.sources_text()} | {r.record['wall_s']:.0f} | "
                          f"{r.record['cpu_s']:.0f} | {load_avg['mean']:.1f}, {load_avg['max']:.1f} |")
     lines += ["", "</details>", ""]
     return lines
