@@ -5,7 +5,8 @@
     python benchmarks/learning/run_table.py --list                # the commands, without running them
 
 Tables (priority order): (a) GRPO, DAPO, CPO (`negonly_mi3`) on the shipped task; (b) GRPO, CPO and DAPO on the
-harder variant (DAPO separates CPO's shaping from the filter-groups it inherits from DAPO); (c) the CPO rule ablation on the shipped task. Within a table the seeds go round-robin over the algorithms
+harder variant (DAPO separates CPO's shaping from the filter-groups it inherits from DAPO); (c) the CPO rule
+ablation on the shipped task. Within a table the seeds go round-robin over the algorithms
 (seed 1 of every algorithm, then seed 2, ...) so a table cut short stays balanced. A run whose `run.json` says it
 finished is skipped, so re-running continues the table; `--rerun` runs it again.
 

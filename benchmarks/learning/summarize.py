@@ -147,8 +147,8 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
                      f"{fmt(d.mean, sign=True)} | {fmt(d.std)} | {interval(d)} | "
                      f"{verdict(d, algo_name(name), algo_name(other))} |")
     lines += ["", "<details><summary>Per run</summary>", "",
-              "| algorithm | seed | before | after | change | per held-out source, before -> after (%) | wall s | CPU s "
-              "| load avg (mean, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| algorithm | seed | before | after | change | per held-out source, before -> after (%) | wall s "
+              "| CPU s | load avg (mean, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for algo, runs in by_algo.items():
         for seed, r in sorted(runs.items()):
             load_avg = r.record["loadavg_1min"]
