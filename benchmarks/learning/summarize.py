@@ -138,6 +138,9 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
     lines += ["", "Paired by seed (difference of changes, points):", "",
               "| comparison | seeds | mean difference | std | 95% interval | reading |",
               "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:  # comparisons may name an algorithm of another table on the same task (GRPO in (c))
+        if r.task == task and r.algo not in by_algo:
+            changes.setdefault(r.algo, {})[r.seed] = r.change
     for name, other in COMPARISONS[table]:
         if name not in changes or other not in changes or not set(changes[name]) & set(changes[other]):
             lines.append(f"| {algo_name(name)} - {algo_name(other)} | - | - | - | - | not enough runs |")
