@@ -16,6 +16,12 @@ filled the batch; `kept_ratio` is kept / judged groups, which also counts the gr
 full (they go back to the data stream, but their filter outcome is still a sample of the keep rate, and it is what
 `filter_loss_scaling` scales by). The legend says which denominator each uses.
 
+Several seeds per algorithm (`--group`): files with the same label form one group, drawn as the mean across its runs
+with a band (`--band minmax`, the default, or `std`: mean +- one sample standard deviation) over the steps every run
+of the group logged; the default label of a file is then its grandparent folder (`<algo>/seed<k>/metrics.jsonl`):
+
+    python tools/plot_metrics.py runs/*/seed*/metrics.jsonl --group --out curves.png
+
 Needs matplotlib (`pip install -e '.[tools]'`, which `scripts/setup_env.sh` installs by default).
 """
 from __future__ import annotations
@@ -106,6 +112,94 @@ def smooth(values: np.ndarray, weight: float) -> np.ndarray:
     return smoothed
 
 
+def group_runs(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]) \
+        -> dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]]:
+    """Runs grouped by label, groups in the order their label first appears."""
+    if len(runs) != len(labels):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs; give one label per run")
+    groups: dict[str, list] = {}
+    for run, label in zip(runs, labels):
+        groups.setdefault(label, []).append(run)
+    return groups
+
+
+def band_across_runs(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], metric: str, band: str = "minmax") \
+        -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """(steps, mean, low, high) of `metric` over the steps every run that logged it has; `band` "minmax" gives the
+    smallest and largest value at each step, "std" the mean -+ the sample standard deviation (0 for one run). None
+    when no run logged it or the runs share no step."""
+    if band not in ("minmax", "std"):
+        raise ValueError(f"band={band!r}; choose 'minmax' or 'std'")
+    series = [run[metric] for run in runs if metric in run]
+    if not series:
+        return None
+    steps = series[0][0]
+    for other_steps, _ in series[1:]:
+        steps = np.intersect1d(steps, other_steps)
+    if len(steps) == 0:
+        return None
+    values = np.stack([vals[np.searchsorted(st, steps)] for st, vals in series])
+    mean = values.mean(axis=0)
+    if band == "minmax":
+        return steps, mean, values.min(axis=0), values.max(axis=0)
+    std = values.std(axis=0, ddof=1) if len(series) > 1 else np.zeros_like(mean)
+    return steps, mean, mean - std, mean + std
+
+
+def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]], out: str | Path,
+                panels: tuple[Panel, ...] = PANELS, band: str = "minmax", smoothing: float = 0.0,
+                title: str = "") -> list[str]:
+    """One PNG at `out`: per panel and metric, each group's mean across its runs as a line and its band shaded.
+    Dense series are smoothed (after averaging) like `plot`; sparse ones (val/acc) are drawn raw with markers."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ModuleNotFoundError(MATPLOTLIB_MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    everything = [run for runs in groups.values() for run in runs]
+    shown = [panel for panel in panels if any(metric in run for run in everything for metric in panel.metrics)]
+    if not shown:
+        logged = sorted({key for run in everything for key in run})
+        raise ValueError(f"none of the plotted metrics were logged; the files have: {', '.join(logged) or 'nothing'}")
+    columns = min(2, len(shown))
+    rows = math.ceil(len(shown) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.0 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    for axis, panel in zip(axes.flat, shown):
+        for group_index, (label, runs) in enumerate(groups.items()):
+            color = colors[group_index % len(colors)]
+            for metric_index, metric in enumerate(m for m in panel.metrics if any(m in run for run in runs)):
+                drawn = band_across_runs(runs, metric, band)
+                if drawn is None:
+                    continue
+                steps, mean, low, high = drawn
+                weight = min(smoothing_for(run, metric, smoothing) for run in runs if metric in run)
+                name = label if len(panel.metrics) == 1 else f"{label}: {metric}"
+                axis.fill_between(steps, smooth(low, weight), smooth(high, weight), color=color, alpha=0.18,
+                                  linewidth=0)
+                axis.plot(steps, smooth(mean, weight), color=color, label=name, linewidth=1.6,
+                          linestyle=styles[metric_index % len(styles)], marker="o" if len(steps) < 30 else None,
+                          markersize=3)
+        axis.set_title(panel.title)
+        axis.set_xlabel("step")
+        axis.set_ylabel(panel.ylabel)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(shown):]:
+        axis.set_visible(False)
+    if title:
+        figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return [panel.title for panel in shown]
+
+
 def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str], out: str | Path,
          smoothing: float = 0.0, panels: tuple[Panel, ...] = PANELS, title: str = "") -> list[str]:
     """Draw the panels that have data into one PNG at `out`; returns the titles of the panels drawn."""
@@ -164,14 +258,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1), e.g. 0.6; sparse series "
                         "such as val/acc are drawn raw")
     parser.add_argument("--title", default="", help="figure title")
+    parser.add_argument("--group", action="store_true", help="files with the same label are one group (e.g. the "
+                        "seeds of one algorithm): mean line and a band across them")
+    parser.add_argument("--band", default="minmax", choices=("minmax", "std"),
+                        help="with --group: min-max across runs, or mean +- one standard deviation")
     args = parser.parse_args(argv)
-    labels = args.labels or [Path(path).parent.name or Path(path).stem for path in args.files]
+    default_label = (lambda path: Path(path).parent.parent.name) if args.group else \
+        (lambda path: Path(path).parent.name or Path(path).stem)
+    labels = args.labels or [default_label(path) for path in args.files]
     try:
         if len(labels) != len(args.files):
             raise ValueError(f"--labels gave {len(labels)} labels for {len(args.files)} files; give one per file")
         if not 0 <= args.smooth < 1:
             raise ValueError(f"--smooth={args.smooth} must be in [0, 1)")
-        drawn = plot([read_metrics(path) for path in args.files], labels, args.out, args.smooth, title=args.title)
+        runs = [read_metrics(path) for path in args.files]
+        if args.group:
+            drawn = plot_groups(group_runs(runs, labels), args.out, band=args.band, smoothing=args.smooth,
+                                title=args.title)
+        else:
+            drawn = plot(runs, labels, args.out, args.smooth, title=args.title)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,112 @@
+"""The tasks of the learning table: train and held-out parquet files, generated deterministically at run time.
+
+Both come from `megatron_cpo.data.synthetic` (seed 0, the generation the shipped tiny model was warm-started on).
+
+`arith12` (the shipped task, levels 1-2): only 100 distinct level-1 questions (`a+b`, one digit each) and 729 level-2
+questions (`a+b+c`, digits 1-9) exist, and the warm start saw 66 and 481 of them, so just 282 level-1/2 questions
+(34 + 248) were never seen by the model. The held-out set is those 282 (`data_source` `megatron_cpo/arith`) plus 118
+level-2 questions the warm start saw, chosen by a fixed shuffle and removed from the RL train file
+(`megatron_cpo/arith_sftseen`, graded by the same math grader through `reward.custom_graders`): 400 questions,
+disjoint from the RL train file, none of them trained on by RL. `val/acc` is over all 400;
+`val/megatron_cpo/arith/acc` over the 282 never seen at all.
+
+`arith123` (the harder variant): the same plus level 3 (`ab+cd`, solved by columns), which the warm start never saw.
+Train: the level-1/2 train rows of `arith12` and the 800 level-3 train rows; held-out: the 400 of `arith12` plus the
+distinct level-3 questions of a 1000-question test draw (195 of its 200; `megatron_cpo/arith_level3`, same grader),
+595 in all.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from megatron_cpo.data.synthetic import ArithConfig, generate_arith, make_problem, make_row, write_parquet
+
+ARITH_SOURCE = "megatron_cpo/arith"
+SFT_SEEN_SOURCE = "megatron_cpo/arith_sftseen"
+LEVEL3_SOURCE = "megatron_cpo/arith_level3"
+MATH_GRADER = "megatron_cpo.rewards.math_grader:compute_math_score"
+HELD_OUT_SIZE = 400
+TASKS = ("arith12", "arith123")
+
+
+def _expression(row: dict) -> str:
+    return row["prompt"][1]["content"]
+
+
+def _never_seen(level: int, seen: set[str], index_start: int) -> list[dict]:
+    """Every question of `level` not in `seen`, in a fixed order (enumerated, not sampled: the space is small)."""
+    if level == 1:
+        operands = [(a, b) for a in range(10) for b in range(10)]
+    else:
+        operands = [(a, b, c) for a in range(1, 10) for b in range(1, 10) for c in range(1, 10)]
+    rows = []
+    for values in operands:
+        problem = make_problem(level, _Fixed(values))
+        row = make_row(problem, level, "test", index_start + len(rows))
+        if _expression(row) not in seen:
+            rows.append(row)
+    return rows
+
+
+class _Fixed(random.Random):
+    """A `random.Random` whose `randint` returns given values in order, so `make_problem` builds a chosen question
+    with the generator's own wording and gold solution."""
+
+    def __init__(self, values: tuple[int, ...]) -> None:
+        super().__init__(0)
+        self._values = list(values)
+
+    def randint(self, a: int, b: int) -> int:  # noqa: D102 - same contract, fixed values
+        value = self._values.pop(0)
+        if not a <= value <= b:
+            raise ValueError(f"fixed operand {value} outside [{a}, {b}]")
+        return value
+
+
+def arith12_rows() -> dict[str, list[dict]]:
+    """{"train": RL train rows, "test": the 400 held-out rows} of the shipped task (see the module docstring)."""
+    splits = generate_arith(ArithConfig())
+    train = [row for row in splits["train"] if row["extra_info"]["level"] in (1, 2)]
+    seen = {_expression(row) for row in train}
+    test = _never_seen(1, seen, 0) + _never_seen(2, seen, 1000)
+    seen_level2 = sorted({_expression(row) for row in train if row["extra_info"]["level"] == 2})
+    random.Random(0).shuffle(seen_level2)
+    moved = set(seen_level2[:HELD_OUT_SIZE - len(test)])
+    moved_rows = {}
+    for row in train:
+        if _expression(row) in moved and _expression(row) not in moved_rows:
+            moved_rows[_expression(row)] = {**row, "data_source": SFT_SEEN_SOURCE,
+                                            "extra_info": {**row["extra_info"], "split": "test"}}
+    test += [moved_rows[expression] for expression in sorted(moved_rows)]
+    train = [row for row in train if _expression(row) not in moved]
+    return {"train": train, "test": test}
+
+
+def arith123_rows() -> dict[str, list[dict]]:
+    """The harder variant: `arith12` plus level 3 in train and held-out (see the module docstring)."""
+    base = arith12_rows()
+    wide = generate_arith(ArithConfig(num_test=1000))
+    level3_test, held_out = [], set()
+    for row in wide["test"]:
+        if row["extra_info"]["level"] == 3 and _expression(row) not in held_out:
+            level3_test.append({**row, "data_source": LEVEL3_SOURCE})
+            held_out.add(_expression(row))
+    level3_train = [row for row in generate_arith(ArithConfig())["train"]
+                    if row["extra_info"]["level"] == 3 and _expression(row) not in held_out]
+    return {"train": base["train"] + level3_train, "test": base["test"] + level3_test}
+
+
+def write_task(task: str, out_dir: str | Path) -> dict[str, Path]:
+    """Write `train.parquet` and `test.parquet` of `task` under `out_dir`; returns their paths."""
+    builders = {"arith12": arith12_rows, "arith123": arith123_rows}
+    if task not in builders:
+        raise ValueError(f"unknown task {task!r}; choose from {sorted(builders)}")
+    rows = builders[task]()
+    return {name: write_parquet(split, Path(out_dir) / f"{name}.parquet") for name, split in rows.items()}
+
+
+def task_overrides(task: str) -> list[str]:
+    """Trainer overrides every run of `task` needs: the extra held-out sources graded like the arithmetic task."""
+    sources = [SFT_SEEN_SOURCE] + ([LEVEL3_SOURCE] if task == "arith123" else [])
+    return [f"reward.custom_graders.{source}={MATH_GRADER}" for source in sources]
