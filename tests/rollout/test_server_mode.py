@@ -1,7 +1,7 @@
 """`rollout.mode=server`: real `megatron-cpo rollout` processes (vLLM on CPU) serving trainers over HTTP.
 
-Two servers start once for the module (each its own process tree, started together). Two trainers (the quickstart's
-GRPO and CPO configs, shortened) run one after the other against the first server and push their weights over the
+Two servers start once for the module (each its own process tree, started together). Three trainers (the quickstart's
+GRPO, CPO and DAPO configs, shortened) run one after the other against the first server and push their weights over the
 gloo collective the server's engine joins; afterwards the server generates transformers' greedy tokens for each
 run's exported weights. A server killed while holding prompts has them served by the other, a wrong token is
 refused, and a port that accepts connections but never answers is an error naming its URL within the timeout.
@@ -65,7 +65,7 @@ def _example_config(name, servers, data, out_dir):
         "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
         f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
         "actor_rollout_ref.rollout.weight_transport=auto", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "algorithm.filter_groups.enable=false",
+        "algorithm.filter_groups.enable=false", "reward.overlong_buffer.len=4",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]"])
 
@@ -79,7 +79,7 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
 
     data = {k: str(v) for k, v in write_arith_parquet(tmp_path / "data", ArithConfig(num_train=32, num_test=4)).items()}
     ray_was_running = ray.is_initialized()
-    for name in ("grpo_arith.yaml", "cpo_arith.yaml"):
+    for name in ("grpo_arith.yaml", "cpo_arith.yaml", "dapo_arith.yaml"):  # the quickstart's three configs
         out = tmp_path / name.split(".")[0]
         started = time.perf_counter()
         metrics = run_training(_example_config(name, servers, data, out))

@@ -1,7 +1,8 @@
 """`rollout.mode=colocate` end to end on CPU: the quickstart's DAPO config (shortened, filter off) trains with its
 engine started on the trainer's node by `build_rollout_manager` (its own process tree, loopback, a random token,
 no Ray), weights pushed over shared memory; after each run's last push the engine generates transformers' greedy
-tokens for that step's exported weights, and a resumed run continues from the checkpoint on the same engine."""
+tokens for that step's exported weights, and a resumed run continues from the checkpoint on the same engine; the
+quickstart's GRPO and CPO configs then train one step each on it."""
 import json
 from pathlib import Path
 
@@ -15,10 +16,10 @@ pytestmark = pytest.mark.usefixtures("restore_environment")
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 
 
-def _config(arith_data, out_dir, steps, *extra):
+def _config(arith_data, out_dir, steps, *extra, example="dapo_arith.yaml"):
     from megatron_cpo.config import load_config
 
-    return load_config(TINY / "dapo_arith.yaml", [
+    return load_config(TINY / example, [
         f"data.train_files={arith_data['train']}", f"data.val_files={arith_data['test']}", "data.train_batch_size=4",
         "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={TINY / 'model'}",
@@ -51,6 +52,11 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
         steps = sorted({json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()})
         assert steps == [0, 1, 2, 3]
         greedy_matches_transformers(manager, out / "checkpoints" / "step_000003" / "huggingface")
+        for example in ("grpo_arith.yaml", "cpo_arith.yaml"):  # the quickstart's other two configs, one step each
+            other = tmp_path / example.split(".")[0]
+            metrics = run_training(_config(arith_data, other, 1, example=example), manager)
+            assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
+            greedy_matches_transformers(manager, other / "checkpoints" / "step_000001" / "huggingface")
     finally:
         manager.shutdown()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
