@@ -151,8 +151,7 @@ class Trainer:
     def step(self, step: int, stop: StopSignal) -> StepOutcome | None:
         """One RL step (ARCHITECTURE.md, "One training step"); None when no batch could be formed (data ran out)."""
         lead, started = self.lead, time.perf_counter()
-        with offloaded_during(self.offload):
-            collected = self.collect(step)                                                          # 1-3
+        collected = self.collect(step)                                                              # 1-3
         batch = broadcast_batch(lead.make_batch(collected) if lead else None)
         if batch is None:
             return None
@@ -178,10 +177,13 @@ class Trainer:
 
     # --- the step's parts ------------------------------------------------------------------------------------
     def collect(self, step: int) -> Any:
-        """Rank 0's kept groups for this step (None elsewhere); when no engine is left, every rank checkpoints the
-        steps trained so far and the run is aborted."""
-        collected, lost = self.lead.collect(step) if self.lead else (None, None)
-        if broadcast_object(lost is not None):
+        """Rank 0's kept groups for this step (None elsewhere); colocated, every rank's actor is offloaded meanwhile.
+        When no engine is left, every rank checkpoints the steps trained so far (with the actor back in place) and
+        the run is aborted."""
+        with offloaded_during(self.offload):
+            collected, lost = self.lead.collect(step) if self.lead else (None, None)
+            lost = broadcast_object(lost is not None)
+        if lost:
             self.abort_engines_lost(step - 1)
         return collected
 
