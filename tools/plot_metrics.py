@@ -32,6 +32,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -146,11 +147,8 @@ def band_across_runs(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], metri
     return steps, mean, mean - std, mean + std
 
 
-def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]], out: str | Path,
-                panels: tuple[Panel, ...] = PANELS, band: str = "minmax", smoothing: float = 0.0,
-                title: str = "") -> list[str]:
-    """One PNG at `out`: per panel and metric, each group's mean across its runs as a line and its band shaded.
-    Dense series are smoothed (after averaging) like `plot`; sparse ones (val/acc) are drawn raw with markers."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or the install line when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -158,11 +156,39 @@ def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    everything = [run for runs in groups.values() for run in runs]
-    shown = [panel for panel in panels if any(metric in run for run in everything for metric in panel.metrics)]
+    return plt
+
+
+def _panels_with_data(panels: tuple[Panel, ...], runs: list[dict]) -> list[Panel]:
+    """The panels with at least one logged metric; a clear error naming what was logged when there is none."""
+    shown = [panel for panel in panels if any(metric in run for run in runs for metric in panel.metrics)]
     if not shown:
-        logged = sorted({key for run in everything for key in run})
+        logged = sorted({key for run in runs for key in run})
         raise ValueError(f"none of the plotted metrics were logged; the files have: {', '.join(logged) or 'nothing'}")
+    return shown
+
+
+def _save(plt: Any, figure: Any, axes: Any, shown: list[Panel], out: str | Path, title: str,
+          title_size: float | None = None) -> None:
+    """Hide the unused axes, title the figure and write it to `out` (folders made as needed)."""
+    for axis in list(axes.flat)[len(shown):]:
+        axis.set_visible(False)
+    if title:
+        figure.suptitle(title, fontsize=title_size)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]], out: str | Path,
+                panels: tuple[Panel, ...] = PANELS, band: str = "minmax", smoothing: float = 0.0,
+                title: str = "") -> list[str]:
+    """One PNG at `out`: per panel and metric, each group's mean across its runs as a line and its band shaded.
+    Dense series are smoothed (after averaging) like `plot`; sparse ones (val/acc) are drawn raw with markers."""
+    plt = _pyplot()
+    shown = _panels_with_data(panels, [run for runs in groups.values() for run in runs])
     columns = min(2, len(shown))
     rows = math.ceil(len(shown) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.0 * rows), squeeze=False)
@@ -188,32 +214,15 @@ def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]
         axis.set_ylabel(panel.ylabel)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(shown):]:
-        axis.set_visible(False)
-    if title:
-        figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
+    _save(plt, figure, axes, shown, out, title, title_size=10)
     return [panel.title for panel in shown]
 
 
 def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str], out: str | Path,
          smoothing: float = 0.0, panels: tuple[Panel, ...] = PANELS, title: str = "") -> list[str]:
     """Draw the panels that have data into one PNG at `out`; returns the titles of the panels drawn."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ModuleNotFoundError(MATPLOTLIB_MISSING) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [panel for panel in panels if any(metric in run for run in runs for metric in panel.metrics)]
-    if not shown:
-        logged = sorted({key for run in runs for key in run})
-        raise ValueError(f"none of the plotted metrics were logged; the file has: {', '.join(logged) or 'nothing'}")
+    plt = _pyplot()
+    shown = _panels_with_data(panels, runs)
     columns = min(3, len(shown))
     rows = math.ceil(len(shown) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
@@ -238,15 +247,7 @@ def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]
         axis.set_ylabel(panel.ylabel)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    for axis in list(axes.flat)[len(shown):]:
-        axis.set_visible(False)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
+    _save(plt, figure, axes, shown, out, title)
     return [panel.title for panel in shown]
 
 
