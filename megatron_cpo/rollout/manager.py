@@ -20,28 +20,20 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
+from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
 from megatron_cpo.rollout.engine import VLLMEngine
 from megatron_cpo.rollout.processes import end_processes, engine_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
 from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineStartError, RolloutEnginesLostError,
-                                        RolloutGroup, SamplingParams)
+                                        RolloutGroup)
 from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
                                               resolve_weight_transport)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    engine_index: int
 
 
 def _connect_ray(config: EngineLaunchConfig) -> bool:
@@ -57,7 +49,7 @@ def _connect_ray(config: EngineLaunchConfig) -> bool:
             signal.signal(signal.SIGTERM, previous)
 
 
-class RolloutManager:
+class RolloutManager(RequestBook):
     """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
 
     def __init__(self, config: EngineLaunchConfig) -> None:
@@ -71,7 +63,7 @@ class RolloutManager:
         self._alive: list[bool] = []
         self._ready: list[bool] = []
         self._pid_dir = Path(tempfile.mkdtemp(prefix="rollout-engine-pids-"))
-        self._pending: dict = {}  # Ray ObjectRef -> _Request
+        self._pending: dict = {}  # Ray ObjectRef -> EngineRequest
         self._closed = False
         self.last_engine_failure: str | None = None
         atexit.register(self.shutdown)
@@ -110,33 +102,6 @@ class RolloutManager:
                     f"{_root_cause(err)}") from err
 
     # --- generation -----------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one prompt for `params.n` samples on the least-loaded live engine."""
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
-        self._dispatch(_Request(request_id, list(prompt_token_ids), params, -1))
-
-    def num_outstanding(self) -> int:
-        return len(self._pending)
-
-    def num_outstanding_per_engine(self) -> list[int]:
-        counts = [0] * len(self.engines)
-        for request in self._pending.values():
-            counts[request.engine_index] += 1
-        return counts
-
-    def outstanding_requests(self) -> dict[str, int]:
-        """Outstanding request ids and the engine each one is on."""
-        return {request.request_id: request.engine_index for request in self._pending.values()}
-
-    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
-        """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
-        group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
-        while self._pending:
-            group = self._take(self._wait_one(timeout))
-            if group is not None:
-                yield group
-
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         """Wait (at most `timeout` per group, as `completed`) until a group finishes, then return it with every
         other group already finished, so a caller can score them together; [] when nothing is outstanding."""
@@ -166,10 +131,6 @@ class RolloutManager:
     def health(self) -> list[bool]:
         """Whether each engine answers a health check within `health_timeout_s` (dead engines stay False)."""
         return [self._alive[i] and self._engine_is_healthy(i) for i in range(len(self.engines))]
-
-    def num_engines_alive(self) -> int:
-        """Engines not known to be dead (a death is noticed by a failed request, weight sync or `check_engines`)."""
-        return sum(self._alive)
 
     def check_engines(self) -> int:
         """Health-check every live engine, mark the ones that fail as dead (logged once); returns how many live."""
@@ -260,17 +221,11 @@ class RolloutManager:
         end_processes(children, self.config.health_timeout_s)
         shutil.rmtree(self._pid_dir, ignore_errors=True)
 
-    def __enter__(self) -> "RolloutManager":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
     # --- internals ------------------------------------------------------------------------------------------
-    def _live_indices(self) -> list[int]:
-        return [i for i, alive in enumerate(self._alive) if alive]
+    def _requests(self) -> list[EngineRequest]:
+        return list(self._pending.values())
 
-    def _dispatch(self, request: _Request) -> None:
+    def _dispatch(self, request: EngineRequest) -> None:
         live = self._live_indices()
         if not live:
             lost = sorted({request.request_id, *(r.request_id for r in self._pending.values())})

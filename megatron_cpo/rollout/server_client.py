@@ -16,7 +16,7 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -24,7 +24,8 @@ from megatron_cpo.rollout import http_protocol as proto
 from megatron_cpo.rollout.http_client import (HttpCaller, HttpWeightSender, RolloutServerAuthError,
                                               RolloutServerError, ServerSenderSpec, close_server_groups,
                                               health_problem, wait_all)
-from megatron_cpo.rollout.types import RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup, SamplingParams
+from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
+from megatron_cpo.rollout.types import RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +55,7 @@ class ServerClientConfig:
         self.urls = tuple(url.rstrip("/") for url in self.urls)
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    engine_index: int
-
-
-class ServerRolloutManager:
+class ServerRolloutManager(RequestBook):
     """Rollout servers behind `RolloutManager`'s submit / completed / weight-sync interface."""
 
     def __init__(self, config: ServerClientConfig) -> None:
@@ -74,7 +67,7 @@ class ServerRolloutManager:
         self._session = uuid.uuid4().hex
         self._caller = HttpCaller(config.token)
         self._alive = [True] * len(self.engines)
-        self._pending: dict[str, tuple[_Request, concurrent.futures.Future]] = {}
+        self._pending: dict[str, tuple[EngineRequest, concurrent.futures.Future]] = {}
         self._done: queue.Queue = queue.Queue()
         self._closed = False
         try:
@@ -100,31 +93,6 @@ class ServerRolloutManager:
         return workers
 
     # --- generation -----------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one prompt for `params.n` samples on the least-loaded live server."""
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
-        self._dispatch(_Request(request_id, list(prompt_token_ids), params, -1))
-
-    def num_outstanding(self) -> int:
-        return len(self._pending)
-
-    def num_outstanding_per_engine(self) -> list[int]:
-        counts = [0] * len(self.engines)
-        for request, _ in self._pending.values():
-            counts[request.engine_index] += 1
-        return counts
-
-    def outstanding_requests(self) -> dict[str, int]:
-        return {request.request_id: request.engine_index for request, _ in self._pending.values()}
-
-    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
-        """Yield groups as they finish until nothing is outstanding (`timeout` bounds each wait)."""
-        while self._pending:
-            group = self._take(self._wait_one(timeout))
-            if group is not None:
-                yield group
-
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         """Wait for one group, then return it with every other group already finished; [] when none outstanding."""
         while self._pending:
@@ -149,9 +117,6 @@ class ServerRolloutManager:
 
     def health(self) -> list[bool]:
         return [self._alive[i] and self._health_problem(i) is None for i in range(len(self.engines))]
-
-    def num_engines_alive(self) -> int:
-        return sum(self._alive)
 
     def check_engines(self) -> int:
         """Health-check every live server, mark the ones that fail as dead (logged once); returns how many live."""
@@ -228,15 +193,9 @@ class ServerRolloutManager:
             self._pending.clear()
             self._caller.close()
 
-    def __enter__(self) -> "ServerRolloutManager":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
     # --- internals ------------------------------------------------------------------------------------------
-    def _live_indices(self) -> list[int]:
-        return [i for i, alive in enumerate(self._alive) if alive]
+    def _requests(self) -> list[EngineRequest]:
+        return [request for request, _ in self._pending.values()]
 
     def _live_urls(self) -> list[str]:
         return [self.engines[i] for i in self._live_indices()]
@@ -245,7 +204,7 @@ class ServerRolloutManager:
         return (f"all {len(self.engines)} rollout servers are dead ({', '.join(self.engines)}; last failure: "
                 f"{self.last_engine_failure}); {consequence}. Restart them (megatron-cpo rollout) and resume the run")
 
-    def _dispatch(self, request: _Request) -> None:
+    def _dispatch(self, request: EngineRequest) -> None:
         live = self._live_indices()
         if not live:
             lost = sorted({request.request_id, *(r.request_id for r, _ in self._pending.values())})

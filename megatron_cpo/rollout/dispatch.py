@@ -1,0 +1,70 @@
+"""The request bookkeeping every rollout manager shares (Ray engines, rollout servers): which prompts are
+outstanding on which engine, which engines are alive, and the generator over finished groups.
+
+A subclass keeps `engines`, `_alive` and `_pending` (its own handle -> request entries), and provides `_requests()`
+(the outstanding `EngineRequest`s), `_dispatch` (send one to the least-loaded live engine), `_wait_one` and `_take`
+(the next finished handle, and its group or None when it was re-dispatched) and `shutdown`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One prompt in flight: `params.n` samples on engine `engine_index` (-1 before dispatch)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_index: int
+
+
+class RequestBook:
+    """Submit, outstanding counts, liveness and the finished-group generator on top of a subclass's transport."""
+
+    engines: list
+    _alive: list[bool]
+    _pending: dict
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one prompt for `params.n` samples on the least-loaded live engine."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
+        self._dispatch(EngineRequest(request_id, list(prompt_token_ids), params, -1))
+
+    def num_outstanding(self) -> int:
+        return len(self._pending)
+
+    def num_outstanding_per_engine(self) -> list[int]:
+        counts = [0] * len(self.engines)
+        for request in self._requests():
+            counts[request.engine_index] += 1
+        return counts
+
+    def outstanding_requests(self) -> dict[str, int]:
+        """Outstanding request ids and the engine each one is on."""
+        return {request.request_id: request.engine_index for request in self._requests()}
+
+    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
+        """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
+        group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
+        while self._pending:
+            group = self._take(self._wait_one(timeout))
+            if group is not None:
+                yield group
+
+    def num_engines_alive(self) -> int:
+        """Engines not known to be dead (a death is noticed by a failed request, weight sync or `check_engines`)."""
+        return sum(self._alive)
+
+    def _live_indices(self) -> list[int]:
+        return [i for i, alive in enumerate(self._alive) if alive]
+
+    def __enter__(self) -> "RequestBook":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
