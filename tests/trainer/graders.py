@@ -17,10 +17,11 @@ def never_correct(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def even_first_character_pausing(data_source, solution_str, ground_truth, extra_info=None):
-    """`even_first_character`, but a cue point for tests that must act while a run is generating: once the run's
-    metrics.jsonl ($PAUSE_RUN_DIR) holds step $PAUSE_AFTER_STEP, the first grading call writes $PAUSE_DIR/paused
-    and waits (at most 120 s) for $PAUSE_DIR/go; later calls grade at once. So the test acts during the rollout of
-    step $PAUSE_AFTER_STEP + 1, with requests possibly still in flight."""
+    """`even_first_character`, but with cue points for tests that must act while a run is generating: for each step
+    S in $PAUSE_AFTER_STEPS (comma-separated), once the run's metrics.jsonl ($PAUSE_RUN_DIR) holds step S, the first
+    grading call writes $PAUSE_DIR/paused_S and waits (at most 120 s) for $PAUSE_DIR/go_S; later calls grade at
+    once. So the test acts during the rollout of step S + 1, with requests possibly still in flight, and the run
+    cannot get past that rollout before the test lets it."""
     import json
     import os
     import time
@@ -28,16 +29,18 @@ def even_first_character_pausing(data_source, solution_str, ground_truth, extra_
 
     pause_dir = Path(os.environ["PAUSE_DIR"])
     metrics = Path(os.environ["PAUSE_RUN_DIR"]) / "metrics.jsonl"
-    if not (pause_dir / "paused").exists() and metrics.is_file():
+    pending = [step for step in map(int, os.environ["PAUSE_AFTER_STEPS"].split(","))
+               if not (pause_dir / f"paused_{step}").exists()]
+    if pending and metrics.is_file():
         steps = set()
         for line in metrics.read_text().splitlines():
             try:
                 steps.add(json.loads(line)["step"])
             except ValueError:
                 pass
-        if int(os.environ["PAUSE_AFTER_STEP"]) in steps:
-            (pause_dir / "paused").touch()
+        for step in (step for step in pending if step in steps):
+            (pause_dir / f"paused_{step}").touch()
             deadline = time.monotonic() + 120
-            while not (pause_dir / "go").exists() and time.monotonic() < deadline:
+            while not (pause_dir / f"go_{step}").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
     return even_first_character(data_source, solution_str, ground_truth, extra_info)

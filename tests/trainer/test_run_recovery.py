@@ -68,18 +68,20 @@ class TrainProcess:
         self.seen: dict[int, psutil.Process] = {}
 
     @classmethod
-    def pausing(cls, overrides: list[str], log_dir: Path, run_dir: Path, after_step: int) -> "TrainProcess":
-        """A run whose grader waits for `resume_rollout()` during the rollout of step `after_step` + 1
-        (tests/trainer/graders.py: even_first_character_pausing)."""
+    def pausing(cls, overrides: list[str], log_dir: Path, run_dir: Path, after_steps: tuple[int, ...]
+                ) -> "TrainProcess":
+        """A run whose grader waits for `resume_rollout(S)` during the rollout of step S + 1, for each S in
+        `after_steps` (tests/trainer/graders.py: even_first_character_pausing)."""
         grader = "reward.custom_reward_function=tests.trainer.graders:even_first_character_pausing"
         return cls([*overrides, grader, "reward.timeout_s=150"], log_dir,
-                   {"PAUSE_DIR": str(log_dir), "PAUSE_RUN_DIR": str(run_dir), "PAUSE_AFTER_STEP": str(after_step)})
+                   {"PAUSE_DIR": str(log_dir), "PAUSE_RUN_DIR": str(run_dir),
+                    "PAUSE_AFTER_STEPS": ",".join(map(str, after_steps))})
 
-    def wait_until_paused(self) -> None:
-        self.wait_for((self.log_dir / "paused").exists, "the rollout's pause")
+    def wait_until_paused(self, after_step: int) -> None:
+        self.wait_for((self.log_dir / f"paused_{after_step}").exists, f"the pause after step {after_step}")
 
-    def resume_rollout(self) -> None:
-        (self.log_dir / "go").touch()
+    def resume_rollout(self, after_step: int) -> None:
+        (self.log_dir / f"go_{after_step}").touch()
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -138,8 +140,8 @@ class TrainProcess:
 def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides, rollout_manager, tmp_path):
     """Three attempts at one 5-step run (save_freq=2), as the issue's repros:
     1. two engines: one engine's worker is killed during step 2's rollout (the run goes on with the other: logged
-       once, counted in rollout/engines_alive), then the whole job is killed with -9 after step 3 (the checkpoint
-       is step 2's);
+       once, counted in rollout/engines_alive), then the whole job is killed with -9 during step 4's rollout, held
+       there so that the kill cannot race step 4's checkpoint (the checkpoint is step 2's);
     2. resume=auto with one engine: step 3 is redone (its first row is dropped), then the engine's worker is killed
        during step 4's rollout: the run checkpoints what it trained (step 3, or 4 when the death is noticed only at
        the weight sync after step 4's update) and exits with one line naming the engine and the fix, leaving no
@@ -152,30 +154,30 @@ def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides
     subprocess_run = [*run, "actor_rollout_ref.rollout.ray_address=local"]
 
     first = TrainProcess.pausing([*subprocess_run, "actor_rollout_ref.rollout.num_engines=2"], tmp_path / "first",
-                                 run_dir, after_step=1)
+                                 run_dir, after_steps=(1, 3))
     try:
-        first.wait_until_paused()
+        first.wait_until_paused(after_step=1)
         workers = first.engine_workers()
         assert len(workers) == 2, workers
         workers[0].kill()
-        first.resume_rollout()
-        first.wait_for(lambda: 3 in logged_steps(run_dir), "step 3")
+        first.resume_rollout(after_step=1)
+        first.wait_until_paused(after_step=3)
     finally:
         first.kill_all()
-    assert logged_steps(run_dir)[:4] == [0, 1, 2, 3]
+    assert logged_steps(run_dir) == [0, 1, 2, 3]
     assert [rows(run_dir)[step]["rollout/engines_alive"] for step in (1, 2, 3)] == [2.0, 1.0, 1.0]
     assert first.stderr.read_text().count("died; 1 of 2 engines left") == 1
     assert latest(run_dir) == "step_000002"
 
     second = TrainProcess.pausing([*subprocess_run, "trainer.resume=auto"], tmp_path / "second", run_dir,
-                                  after_step=3)
+                                  after_steps=(3,))
     try:
-        second.wait_until_paused()
+        second.wait_until_paused(after_step=3)
         assert logged_steps(run_dir) == [0, 1, 2, 3]  # step 3's row of the killed attempt was dropped and redone
         workers = second.engine_workers()
         assert len(workers) == 1, workers
         workers[0].kill()
-        second.resume_rollout()
+        second.resume_rollout(after_step=3)
         returncode = second.wait_exit()
         stray = second.still_running(grace_s=30)
     finally:
