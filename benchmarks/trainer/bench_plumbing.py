@@ -3,7 +3,9 @@
 A synthetic DAPO-like step (issue 14): `--prompts` prompts x `--n` samples, `--prompt-len`-token prompts, log-normal
 response lengths (mean about `--mean-response` tokens, capped at `--max-response`), engine log-probs per token. Two
 gloo processes on loopback play rank 0 and one receiving rank; rank 0 times `make_step_batch`, `broadcast_batch` and
-`prepare_sequences` (the length checks every rank does before the log-prob passes) and prints one JSON line. Each
+`prepare_sequences` (the length checks every rank does before the log-prob passes) for `--repeats` steps of the same
+batch and prints one JSON line with every step's times, their median and their maximum (a step whose fresh buffers
+are first touched pays ~0.4 s of page faults, one that reuses freed memory does not). Each
 group's lists are first converted to tensors as the accumulator does when the group arrives (`ScoredGroup.ragged`,
 while generation still runs); that time is reported apart (`on_arrival_s`, the sum over all groups). Wall times and
 rank 0's CPU time (`cpu_*`, process time: what the step costs without the other jobs of a shared machine) are both
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,20 +62,26 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> No
     for group in groups or []:
         group.ragged()
     on_arrival = time.perf_counter() - arrival
-    dist.barrier()
-    cpu_start = time.process_time()
-    start = time.perf_counter()
-    batch = step.make_step_batch(groups, 1.0) if rank == 0 else None
-    built, cpu_built = time.perf_counter(), time.process_time()
-    batch = collectives.broadcast_batch(batch)
-    sent, cpu_sent = time.perf_counter(), time.process_time()
-    seqs, rollout_log_probs = step.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
-    packed, cpu_packed = time.perf_counter(), time.process_time()
+    timings = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        batch = step.make_step_batch(groups, 1.0) if rank == 0 else None
+        built, cpu_built = time.perf_counter(), time.process_time()
+        batch = collectives.broadcast_batch(batch)
+        sent, cpu_sent = time.perf_counter(), time.process_time()
+        seqs, rollout_log_probs = step.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
+        packed, cpu_packed = time.perf_counter(), time.process_time()
+        timings.append({"make_step_batch_s": built - start, "broadcast_s": sent - built, "pack_s": packed - sent,
+                        "total_s": packed - start, "cpu_make_step_batch_s": cpu_built - cpu_start,
+                        "cpu_broadcast_s": cpu_sent - cpu_built, "cpu_total_s": cpu_packed - cpu_start})
+        del batch, rollout_log_probs
     if rank == 0:
         tokens = int(seqs.lengths().sum())
-        queue.put({"on_arrival_s": on_arrival, "make_step_batch_s": built - start, "broadcast_s": sent - built, "pack_s": packed - sent,
-                   "total_s": packed - start, "cpu_make_step_batch_s": cpu_built - cpu_start,
-                   "cpu_broadcast_s": cpu_sent - cpu_built, "cpu_total_s": cpu_packed - cpu_start, "rows": seqs.rows, "real_tokens": tokens,
+        totals = [t["total_s"] for t in timings]
+        queue.put({"on_arrival_s": on_arrival, "total_s_median": statistics.median(totals), "total_s_max": max(totals),
+                   "steps": timings, "rows": seqs.rows, "real_tokens": tokens,
                    "real_over_padded": tokens / (seqs.rows * int(seqs.lengths().max()))})
     dist.barrier()
     dist.destroy_process_group()
@@ -85,6 +94,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--mean-response", type=int, default=2600)
     parser.add_argument("--max-response", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=5, help="steps timed, one after another in one process")
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -97,7 +107,13 @@ def main() -> None:
     result = queue.get()
     for proc in procs:
         proc.join()
-    print(json.dumps({**vars(args), **{k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}}))
+    def rounded(value):
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return round(value, 3) if isinstance(value, float) else value
+    print(json.dumps({**vars(args), **rounded(result)}))
 
 
 if __name__ == "__main__":

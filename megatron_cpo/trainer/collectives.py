@@ -69,8 +69,10 @@ def _batch_tensors(batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def _wire_dtype(tensor: torch.Tensor) -> torch.dtype:
     """int32 for int64 values that fit in it (token ids), else the tensor's own dtype."""
-    if tensor.dtype == torch.long and tensor.numel() and int(tensor.abs().max()) < 2**31:
-        return torch.int32
+    if tensor.dtype == torch.long and tensor.numel():
+        low, high = torch.aminmax(tensor)  # no temporary the size of the tensor (abs() would be one)
+        if int(low) >= -2**31 and int(high) < 2**31:
+            return torch.int32
     return tensor.dtype
 
 
@@ -90,10 +92,11 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     specs, other = header[0]
     received = {}
     for name, (shape, dtype, wire_dtype) in specs.items():
-        wire = tensors[name].to(wire_dtype) if name in tensors else torch.empty(shape, dtype=wire_dtype)
+        sending = name in tensors
+        wire = tensors[name].to(wire_dtype) if sending else torch.empty(shape, dtype=wire_dtype)
         wire = wire.contiguous().to(platform.device())
         dist.broadcast(wire.view(torch.uint8) if dtype == torch.bool else wire, src=0)
-        received[name] = wire.cpu().to(dtype)
+        received[name] = tensors[name] if sending else wire.cpu().to(dtype)  # rank 0 keeps its own tensor
     kwargs = dict(other)
     for item in fields(StepBatch):
         if f"{item.name}.values" in received:

@@ -52,7 +52,7 @@ def _round_trip(rank, world_size):
     if rank == 0:
         batch = StepBatch([[1, 2], [1, 2], [3]], [[4], [5, 6], []], [[-0.25], [-0.5, -1.5], []],
                           torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]),
-                          torch.tensor([False, True, False]), 0.5, hint_prompt_ids=[[9, 1, 2], [1, 2], [3]],
+                          torch.tensor([False, True, False]), 0.5, hint_prompt_ids=[[2**33, 1, 2], [1, 2], [3]],
                           has_hint=torch.tensor([True, False, False]), hints_truncated=1)
     got = broadcast_batch(batch)
     stop = broadcast_batch(None)
@@ -60,12 +60,15 @@ def _round_trip(rank, world_size):
     return {"prompts": got.prompt_ids.tolist(), "responses": got.response_ids.tolist(),
             "log_probs": got.rollout_log_probs.tolist(), "truncated": got.truncated.tolist(),
             "group": got.group.tolist(), "kept_ratio": got.kept_ratio, "hints": got.hint_prompt_ids.tolist(),
-            "has_hint": got.has_hint.tolist(), "hints_truncated": got.hints_truncated, "stop": stop}
+            "has_hint": got.has_hint.tolist(), "hints_truncated": got.hints_truncated, "stop": stop,
+            "dtypes": {str(got.prompt_ids.values.dtype), str(got.hint_prompt_ids.values.dtype)}}
 
 
 def test_broadcast_batch_sends_tensors_that_rebuild_the_batch():
+    """Token ids travel as int32 when they fit; a value that does not (2**33 here) sends its tensor as int64."""
     for result in run_processes(_round_trip, 2):
         assert result == {"prompts": [[1, 2], [1, 2], [3]], "responses": [[4], [5, 6], []],
                           "log_probs": [[-0.25], [-0.5, -1.5], []], "truncated": [False, True, False],
-                          "group": [0, 0, 1], "kept_ratio": 0.5, "hints": [[9, 1, 2], [1, 2], [3]],
-                          "has_hint": [True, False, False], "hints_truncated": 1, "stop": None}
+                          "group": [0, 0, 1], "kept_ratio": 0.5, "hints": [[2**33, 1, 2], [1, 2], [3]],
+                          "has_hint": [True, False, False], "hints_truncated": 1, "stop": None,
+                          "dtypes": {"torch.int64"}}
