@@ -279,9 +279,13 @@ def close_server_groups(session: str) -> None:
     _groups.close_all(session)
 
 
-def _address_towards(url: str) -> str:
-    """This host's address on the route to `url`'s host (loopback for a loopback server)."""
-    host = urlsplit(url).hostname or "127.0.0.1"
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (loopback for a loopback host); nothing is sent."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), 9))
         return probe.getsockname()[0]
+
+
+def _address_towards(url: str) -> str:
+    """This machine's address on the route to `url`'s host (loopback for a loopback server)."""
+    return address_towards(urlsplit(url).hostname or "127.0.0.1")

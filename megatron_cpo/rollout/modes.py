@@ -5,11 +5,11 @@ check_engines / num_engines_alive / last_engine_failure / sender_spec / begin_we
 shutdown / engines), so the trainer does not know which one it drives:
 - `ray` (and verl's `sync` / `async`): `RolloutManager`, `num_engines` Ray actors on their own devices;
 - `server`: `ServerRolloutManager` over running `megatron-cpo rollout` servers (`server_urls`); no Ray;
-- `colocate`: `ColocatedRolloutManager`, engine servers started on the trainer's own devices; no Ray.
+- `colocate`: `ColocatedRolloutManager`, engine servers started on the trainer's own devices (one process: here;
+  a multi-node trainer: by every node's first rank, `start_colocated`); no Ray.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from megatron_cpo.rollout.types import EngineLaunchConfig
@@ -48,20 +48,35 @@ def build_rollout_manager(config: Any):
             weight_sync_bucket_bytes=engines.weight_sync_bucket_bytes,
             weight_sync_timeout_s=rollout.weight_sync_timeout_s, min_model_len=engines.max_model_len))
     if rollout.mode == "colocate":
-        from megatron_cpo.rollout.colocate import ColocatedRolloutManager, colocated_engine_count
+        from megatron_cpo.rollout.colocate import ColocatedRolloutManager, colocated_layout, torchrun_world
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        count = colocated_engine_count(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
-                                       rollout.tensor_model_parallel_size)
-        return ColocatedRolloutManager(engines, count, rollout.server_timeout_s, engines.max_model_len,
-                                       sleep_level=rollout.sleep_level if rollout.free_cache_engine else 0)
+        _, _, world_size, local_world_size = torchrun_world()
+        nodes, per_node = colocated_layout(world_size, local_world_size, rollout.tensor_model_parallel_size)
+        if nodes > 1:
+            raise ValueError(f"the colocated trainer spans {nodes} nodes: its engines are started on every node by "
+                             "the trainer itself (run_training without a manager), not by build_rollout_manager")
+        return ColocatedRolloutManager.start(engines, per_node, **colocated_client_settings(config))
     raise ValueError(f"actor_rollout_ref.rollout.mode={rollout.mode!r}; use ray, server or colocate")
+
+
+def colocated_client_settings(config: Any) -> dict[str, Any]:
+    """`ColocatedRolloutManager`'s settings from a run's config (besides where the servers are)."""
+    rollout = config.actor_rollout_ref.rollout
+    return {"timeout_s": rollout.server_timeout_s, "min_model_len": engine_config(config).max_model_len,
+            "sleep_level": rollout.sleep_level if rollout.free_cache_engine else 0}
+
+
+def start_colocated(config: Any, exchange: Any) -> tuple[Any, Any]:
+    """`rollout/colocate.py` `start_colocated_engines` for a run's config; every trainer rank calls it together."""
+    from megatron_cpo.rollout.colocate import start_colocated_engines
+
+    return start_colocated_engines(engine_config(config), exchange, colocated_client_settings(config))
 
 
 def rollout_mode_problems(config: Any) -> list[str]:
     """Preflight, before anything starts. `mode=server`: each of `server_urls` answers a healthy `/health` within
-    `server_timeout_s`, and the token file is readable. `mode=colocate`: the trainer is on one node and the rollout
-    TP divides its ranks. Other modes: no problems."""
+    `server_timeout_s`, and the token file is readable. `mode=colocate`: every node runs the same number of ranks,
+    the rollout TP divides them, and the weight transport reaches every node. Other modes: no problems."""
     import json
     import urllib.error
     import urllib.request
@@ -70,12 +85,12 @@ def rollout_mode_problems(config: Any) -> list[str]:
 
     rollout = config.actor_rollout_ref.rollout
     if rollout.mode == "colocate":
-        from megatron_cpo.rollout.colocate import colocated_engine_count
+        from megatron_cpo.rollout.colocate import colocated_layout, colocated_weight_transport, torchrun_world
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        _, _, world_size, local_world_size = torchrun_world()
         try:
-            colocated_engine_count(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
-                                   rollout.tensor_model_parallel_size)
+            nodes, _ = colocated_layout(world_size, local_world_size, rollout.tensor_model_parallel_size)
+            colocated_weight_transport(rollout.weight_transport, nodes)
         except ValueError as err:
             return [str(err)]
     if rollout.mode != "server":

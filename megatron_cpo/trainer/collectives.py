@@ -38,6 +38,15 @@ def broadcast_object(value: Any) -> Any:
     return payload[0]
 
 
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (small Python objects: e.g. each node's engine URLs)."""
+    if not _distributed():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def any_rank(flag: bool) -> bool:
     """Whether `flag` is true on any rank (e.g. a SIGTERM that reached only some of them)."""
     value = torch.tensor([float(flag)], device=platform.device())  # NCCL reduces device tensors only

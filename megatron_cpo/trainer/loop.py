@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.config import Config
+from megatron_cpo.rollout.modes import start_colocated
 from megatron_cpo.trainer.checkpointing import CheckpointManager
-from megatron_cpo.trainer.collectives import any_rank, barrier, broadcast_batch, broadcast_object, push_weights
+from megatron_cpo.trainer.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
+                                              broadcast_object, push_weights)
 from megatron_cpo.trainer.errors import RunAbortedError
 from megatron_cpo.trainer.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.policies import build_policies
@@ -64,10 +66,11 @@ class Trainer:
     def __init__(self, config: Config, manager: Any = None) -> None:
         self.config = config
         self.lead = None
+        self.colocated_engines = None  # what this rank started for mode=colocate (rank 0: the manager), else None
         try:
             self._build(manager)
         except BaseException:
-            self.close()  # what was started (rank 0's engines) is stopped
+            self.close()  # what was started (rank 0's engines, a node's colocated engines) is stopped
             raise
 
     def _build(self, manager: Any) -> None:
@@ -82,9 +85,14 @@ class Trainer:
         prepare_run_directory(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id
+        started = time.perf_counter()
         if dist.get_rank() == 0:
-            started = time.perf_counter()
             _announce_engines(config, manager is not None)
+        if config.actor_rollout_ref.rollout.mode == "colocate" and broadcast_object(manager is None):
+            # every node's first rank starts the engines on its node's devices; rank 0 drives them all
+            manager, servers = start_colocated(config, all_gather_object)
+            self.colocated_engines = manager if manager is not None else servers
+        if dist.get_rank() == 0:
             self.lead = RankZero(config, tokenizer, manager)
             logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
             logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
@@ -270,8 +278,12 @@ class Trainer:
         return final
 
     def close(self) -> None:
-        if self.lead is not None:
-            self.lead.close()
+        try:
+            if self.lead is not None:
+                self.lead.close()
+        finally:
+            if self.colocated_engines is not None:
+                self.colocated_engines.shutdown()
 
 
 def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:

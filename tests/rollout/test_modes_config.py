@@ -4,7 +4,7 @@ import pytest
 
 from megatron_cpo.config import ConfigError, build_config
 from megatron_cpo.rollout import http_protocol as proto
-from megatron_cpo.rollout.colocate import colocated_engine_count
+from megatron_cpo.rollout.colocate import colocated_engine_count, colocated_layout, colocated_weight_transport
 from megatron_cpo.rollout.server_client import ServerClientConfig
 
 PREFIX = "actor_rollout_ref.rollout."
@@ -37,24 +37,32 @@ def test_server_client_settings_name_the_bad_url():
     assert ServerClientConfig(urls=("http://h:1/",), token="t").urls == ("http://h:1",)
 
 
-def test_colocated_engines_are_one_per_rollout_tp_group_on_one_node():
-    assert colocated_engine_count(8, 8, 2) == 4 and colocated_engine_count(1, 1, 1) == 1
-    with pytest.raises(ValueError, match="mode=colocate runs on one node, but the trainer has 16 ranks and 8"):
-        colocated_engine_count(16, 8, 1)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide the trainer's 8 ranks"):
-        colocated_engine_count(8, 8, 3)
+def test_colocated_engines_are_one_per_rollout_tp_group_of_each_node():
+    assert colocated_layout(8, 8, 2) == (1, 4) and colocated_layout(16, 8, 1) == (2, 8)
+    assert colocated_engine_count(16, 8, 4) == 4 and colocated_engine_count(1, 1, 1) == 1
+    with pytest.raises(ValueError, match="12 ranks do not make whole nodes of 8; start every node with the same"):
+        colocated_engine_count(12, 8, 1)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide the 8 trainer ranks of a node"):
+        colocated_engine_count(16, 8, 3)
+    assert colocated_weight_transport("auto", 1) == "shm" and colocated_weight_transport("auto", 2) == "collective"
+    assert colocated_weight_transport("collective", 1) == "collective"
+    with pytest.raises(ValueError, match="weight_transport=shm reaches only engines on the sending rank's node"):
+        colocated_weight_transport("shm", 2)
 
 
-def test_preflight_refuses_a_colocated_trainer_on_several_nodes(monkeypatch):
+def test_preflight_checks_a_colocated_trainer_on_several_nodes(monkeypatch):
     from megatron_cpo.rollout.modes import rollout_mode_problems
 
     config = build_config({}, [f"{PREFIX}mode=colocate"])
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert rollout_mode_problems(config) == []  # two nodes of 8 ranks: weights go over the collective transport
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     (problem,) = rollout_mode_problems(config)
-    assert "mode=colocate runs on one node, but the trainer has 16 ranks and 8 on this node" in problem
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert rollout_mode_problems(config) == []
+    assert "16 ranks do not make whole nodes of 6" in problem
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    (problem,) = rollout_mode_problems(build_config({}, [f"{PREFIX}mode=colocate", f"{PREFIX}weight_transport=shm"]))
+    assert "weight_transport=shm reaches only engines on the sending rank's node" in problem and "2 nodes" in problem
 
 
 def test_token_file_and_token_check(tmp_path):

@@ -2,8 +2,12 @@
 engine started on the trainer's node by `build_rollout_manager` (its own process tree, loopback, a random token,
 no Ray), weights pushed over shared memory; after each run's last push the engine generates transformers' greedy
 tokens for that step's exported weights, and a resumed run continues from the checkpoint on the same engine; the
-quickstart's GRPO and CPO configs then train one step each on it."""
+quickstart's GRPO and CPO configs then train one step each on it. Then a trainer on two emulated nodes (one rank
+each, loopback): each node's rank starts that node's engine, rank 0 drives both, weights go over the collective, and
+both engines' log-probs of their samples equal the trainer's after every push."""
 import json
+import logging
+import os
 from pathlib import Path
 
 import psutil
@@ -42,7 +46,7 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
     assert "vLLM sleep/wake does nothing here" in caplog.text
     assert isinstance(manager, ColocatedRolloutManager) and len(manager.engines) == 1
     assert manager.engines[0].startswith("http://127.0.0.1:") and manager.weight_transport == "shm"
-    engine_pids = [p.pid for p in psutil.Process(manager._processes[0].pid).children(recursive=True)]
+    engine_pids = [p.pid for p in psutil.Process(manager.local_servers.processes[0].pid).children(recursive=True)]
     try:
         first = run_training(_config(arith_data, out, 2), manager)
         assert first["rollout/engines_alive"] == 1.0
@@ -62,3 +66,67 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in engine_pids), "the colocated engine's processes outlive the manager"
     assert ray.is_initialized() == ray_was_running, "colocate mode must not start Ray"
+
+
+def _train_as_the_only_rank_of_its_node(rank, world_size, arith_data, out_dir):
+    """This rank is LOCAL_RANK 0 of LOCAL_WORLD_SIZE 1: node `rank` of a 2-node trainer (PP=2: a stage per node)."""
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    colocate_logger = logging.getLogger("megatron_cpo.rollout.colocate")
+    colocate_logger.addHandler(handler)
+    colocate_logger.setLevel(logging.INFO)
+    metrics = run_training(_config(arith_data, Path(out_dir), 2,
+                                   "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"))
+    return {"metrics": metrics, "log": messages}
+
+
+@pytest.mark.multiprocess
+def test_a_trainer_on_two_nodes_starts_an_engine_on_each_and_pushes_over_the_collective(arith_data, tmp_path):
+    from tests.multiprocess import run_processes
+
+    out = tmp_path / "run"
+    ranks = run_processes(_train_as_the_only_rank_of_its_node, 2, arith_data, str(out))
+    started = {}
+    for node, rank in enumerate(ranks):
+        [line] = [m for m in rank["log"] if m.startswith(f"node {node}: 1 colocated engine server(s) at ")]
+        assert "http://127.0.0.1:" in line, line
+        started[node] = int(line.rsplit("(pids ", 1)[1].rstrip(")"))
+    assert "colocated rollout on 2 node(s): 2 engine(s), weights by collective" in ranks[0]["log"]
+    assert ranks[0]["metrics"]["rollout/engines_alive"] == 2.0 and ranks[1]["metrics"] == {}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "actor/grad_norm" in row]
+    assert [row["step"] for row in trained] == [1, 2]
+    # the engines' log-probs of what they sampled equal the trainer's (fp32): both nodes' engines got each push
+    assert all(row["mismatch/log_probs_diff_max"] < 1e-4 for row in trained), trained
+    assert (out / "checkpoints" / "step_000002" / "huggingface" / "config.json").is_file()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in started.values()), f"a node's engine server outlives the run: {started}"
+
+
+def test_an_engine_that_does_not_start_in_time_fails_every_rank_naming_its_node_and_leaves_no_process(arith_data,
+                                                                                                      tmp_path):
+    """One process stands for every rank (`exchange` returns its own value): the node's engine misses its start
+    timeout, so the call raises naming the node, the engine and its log, after stopping the server it started."""
+    import dataclasses
+
+    from megatron_cpo.rollout.colocate import start_colocated_engines
+    from megatron_cpo.rollout.modes import colocated_client_settings, engine_config
+    from megatron_cpo.rollout.types import RolloutEngineStartError
+
+    config = _config(arith_data, tmp_path / "run", 1)
+    engines = dataclasses.replace(engine_config(config), engine_start_timeout_s=0.5)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RolloutEngineStartError, match=r"^node 0 \(.*\): colocated rollout engine 0 of node 0 did not "
+                                                      r"start within rollout engine_start_timeout_s=0.5s \(log: "):
+        start_colocated_engines(engines, lambda value: [value], colocated_client_settings(config))
+    left = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.pid not in before and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    assert left == [], left
