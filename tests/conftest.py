@@ -33,6 +33,19 @@ SLOW_FIXTURES = frozenset({"ray_cluster"})
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """A private local Ray cluster (never another user's) for every in-process engine of the session (tests/rollout's
+    and tests/trainer's), shut down at the end of the session. One process holds one Ray connection, so whichever
+    directory's tests run first must not start a smaller cluster that the other's engines would not fit in."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, object_store_memory=256 * 1024**2, include_dashboard=False,
+             log_to_driver=False, namespace="megatron_cpo_tests")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The suite's tiny model: random qwen2 weights (seed 0, float32), its character tokenizer and generation config,
     written once per session (megatron_cpo.models.tiny.write_tiny_model). Tests only read it; a test that needs a

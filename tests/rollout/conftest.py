@@ -18,17 +18,6 @@ def tiny_rollout_config(model_dir, num_engines=2):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A private local Ray cluster (never another user's), shut down at the end of the session."""
-    import ray
-
-    ray.init(address="local", num_cpus=4, object_store_memory=256 * 1024**2, include_dashboard=False,
-             log_to_driver=False, namespace="megatron_cpo_rollout")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
 def manager(ray_cluster, tiny_model_dir):
     """Two float32 engines on the tiny model, shared by every test that leaves them idle and healthy."""
     from megatron_cpo.rollout import RolloutManager

@@ -31,8 +31,9 @@ def arith_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def rollout_manager(tiny_model):
-    """One real vLLM engine (Ray actor) for every test of the session; runs reuse it and push their weights."""
+def rollout_manager(ray_cluster, tiny_model):
+    """One real vLLM engine (Ray actor, in the session's private cluster) for every test of the session; runs reuse
+    it and push their weights."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
 
