@@ -168,6 +168,25 @@ def _panels_with_data(panels: tuple[Panel, ...], runs: list[dict]) -> list[Panel
     return shown
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _grid(plt: Any, count: int, max_columns: int, cell: tuple[float, float]) -> tuple[Any, Any]:
+    """A figure with `count` axes in rows of at most `max_columns`, each `cell` (width, height) inches."""
+    columns = min(max_columns, count)
+    rows = math.ceil(count / columns)
+    return plt.subplots(rows, columns, figsize=(cell[0] * columns, cell[1] * rows), squeeze=False)
+
+
+def _label(axis: Any, panel: Panel) -> None:
+    """The panel's title and y label, the step axis, a light grid and the legend."""
+    axis.set_title(panel.title)
+    axis.set_xlabel("step")
+    axis.set_ylabel(panel.ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+
+
 def _save(plt: Any, figure: Any, axes: Any, shown: list[Panel], out: str | Path, title: str,
           title_size: float | None = None) -> None:
     """Hide the unused axes, title the figure and write it to `out` (folders made as needed)."""
@@ -189,11 +208,8 @@ def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]
     Dense series are smoothed (after averaging) like `plot`; sparse ones (val/acc) are drawn raw with markers."""
     plt = _pyplot()
     shown = _panels_with_data(panels, [run for runs in groups.values() for run in runs])
-    columns = min(2, len(shown))
-    rows = math.ceil(len(shown) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.0 * rows), squeeze=False)
+    figure, axes = _grid(plt, len(shown), 2, (6.4, 4.0))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ("-", "--", ":", "-.")
     for axis, panel in zip(axes.flat, shown):
         for group_index, (label, runs) in enumerate(groups.items()):
             color = colors[group_index % len(colors)]
@@ -207,13 +223,9 @@ def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]
                 axis.fill_between(steps, smooth(low, weight), smooth(high, weight), color=color, alpha=0.18,
                                   linewidth=0)
                 axis.plot(steps, smooth(mean, weight), color=color, label=name, linewidth=1.6,
-                          linestyle=styles[metric_index % len(styles)], marker="o" if len(steps) < 30 else None,
+                          linestyle=LINE_STYLES[metric_index % len(LINE_STYLES)], marker="o" if len(steps) < 30 else None,
                           markersize=3)
-        axis.set_title(panel.title)
-        axis.set_xlabel("step")
-        axis.set_ylabel(panel.ylabel)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        _label(axis, panel)
     _save(plt, figure, axes, shown, out, title, title_size=10)
     return [panel.title for panel in shown]
 
@@ -223,11 +235,8 @@ def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]
     """Draw the panels that have data into one PNG at `out`; returns the titles of the panels drawn."""
     plt = _pyplot()
     shown = _panels_with_data(panels, runs)
-    columns = min(3, len(shown))
-    rows = math.ceil(len(shown) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    figure, axes = _grid(plt, len(shown), 3, (5.2, 3.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ("-", "--", ":", "-.")
     for axis, panel in zip(axes.flat, shown):
         for run_index, (run, label) in enumerate(zip(runs, labels)):
             for metric_index, metric in enumerate(m for m in panel.metrics if m in run):
@@ -241,12 +250,8 @@ def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]
                     axis.plot(steps, values, color=color, alpha=0.25, linewidth=1)
                 marker = "o" if len(steps) < 30 else None
                 axis.plot(steps, smooth(values, weight), color=color, label=name, marker=marker, markersize=3,
-                          linestyle="-" if len(runs) == 1 else styles[metric_index % len(styles)], linewidth=1.6)
-        axis.set_title(panel.title)
-        axis.set_xlabel("step")
-        axis.set_ylabel(panel.ylabel)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+                          linestyle="-" if len(runs) == 1 else LINE_STYLES[metric_index % len(LINE_STYLES)], linewidth=1.6)
+        _label(axis, panel)
     _save(plt, figure, axes, shown, out, title)
     return [panel.title for panel in shown]
 

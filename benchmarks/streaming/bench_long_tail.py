@@ -111,6 +111,18 @@ def engine_cpu_seconds(engine) -> float:
     return total
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, max_num_seqs: int | None) -> None:
+    """The long-tail workload's settings, shared with simulate_long_tail.py: batch, samples, the log-normal
+    `max_tokens` per request, and the engine's `max_num_seqs` (None: vLLM's default)."""
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--median-tokens", type=float, default=16.0)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--min-tokens", type=int, default=2)
+    parser.add_argument("--max-tokens-cap", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+
+
 def sequential_batch(manager, stream, scorer, group_filter, batch_size, params_for, seed_for, step) -> int:
     """verl's loop: a generation batch of `batch_size` prompts, wait for all, grade, filter, until enough kept.
     Returns the prompts requested."""
@@ -144,13 +156,7 @@ def main() -> None:
     parser.add_argument("--batches-per-10pct", type=int, default=1,
                         help="filled batches per mode and repeat at a 10%% keep rate, in proportion at others "
                              "(so every keep rate commits about as many prompts per measurement)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--median-tokens", type=float, default=16.0)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--min-tokens", type=int, default=2)
-    parser.add_argument("--max-tokens-cap", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
+    add_workload_arguments(parser, max_num_seqs=None)
     parser.add_argument("--max-inflight-prompts", type=int, default=0)
     parser.add_argument("--old-tree", type=Path, default=None, help="also run the controller of this tree")
     parser.add_argument("--out", default="benchmarks/streaming/long_tail_results.json")

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.streaming.bench_long_tail import long_tail_tokens, sequential_batch  # noqa: E402
+from benchmarks.streaming.bench_long_tail import (  # noqa: E402
+    add_workload_arguments, long_tail_tokens, sequential_batch)
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams  # noqa: E402
 
 
@@ -105,13 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3, 0.7])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--median-tokens", type=float, default=16.0)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--min-tokens", type=int, default=2)
-    parser.add_argument("--max-tokens-cap", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    add_workload_arguments(parser, max_num_seqs=128)
     parser.add_argument("--max-inflight-prompts", type=int, nargs="+", default=[0])
     parser.add_argument("--old-tree", type=Path, default=None)
     parser.add_argument("--uncommitted-bound", type=int, default=0,

@@ -7,6 +7,7 @@ import torch
 
 from megatron_cpo.rollout import SamplingParams, WeightGroupJoinError, WeightSender
 from megatron_cpo.rollout.weight_sync import _open_groups
+from tests.rollout.servers import greedy_log_prob_gap
 
 PROMPTS = [[1, 40, 41, 42], [1, 60, 70, 80, 90], [1, 33, 3], [1, 100, 101, 102, 103, 104]]
 
@@ -37,16 +38,7 @@ def test_collective_sync_reproduces_transformers_greedy_tokens_and_logprobs_and_
         manager.submit(f"collective-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10))
     groups = list(manager.completed(timeout=300))
     assert {g.engine_index for g in groups} == {0, 1}, "both engines must have received the weights"
-    max_diff = 0.0
-    for group in groups:
-        sample = group.samples[0]
-        tokens = torch.tensor([group.prompt_token_ids + sample.token_ids])
-        with torch.no_grad():
-            log_probs = torch.log_softmax(hf_model(tokens).logits[0].float(), dim=-1)
-        positions = torch.arange(len(group.prompt_token_ids) - 1, tokens.shape[1] - 1)
-        assert log_probs[positions].argmax(-1).tolist() == sample.token_ids
-        diff = (log_probs[positions, torch.tensor(sample.token_ids)] - torch.tensor(sample.logprobs)).abs().max()
-        max_diff = max(max_diff, diff.item())
+    max_diff = greedy_log_prob_gap(hf_model, groups)
     print(f"collective sync: max |engine - transformers| log-prob difference {max_diff:.2e}")
     assert max_diff < 1e-4
 
