@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_cpo.rollout.config import RAY_MODES
 from megatron_cpo.rollout.types import EngineLaunchConfig
-
-RAY_MODES = ("ray", "sync", "async")
 
 
 def engine_config(config: Any) -> EngineLaunchConfig:

@@ -1,9 +1,9 @@
 """Everything about a run that can be checked before Ray, torch.distributed and the engines start.
 
-`preflight(config)` reads only small files (the model's config.json, the parquet files' metadata and the columns it
-needs) and reports every problem at once in one `ConfigError`: the model directory, TP/PP against the heads, layers
-and world size, verl's `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, with a prompt column,
-ground truths and a grader for every data source) and the output directory. It returns the `Layout` the config
+`preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
+`ConfigError`: the model directory, TP/PP against the heads, layers and world size, verl's
+`trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
+for every data source) and the output directory. It returns the `Layout` the config
 implies, which `megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second
 instead of after the engines have started.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,55 +166,39 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
 
 
 def data_problems(config: Config) -> tuple[list[str], int | None]:
-    """Every data file exists, is a non-empty parquet file with the prompt column, ground truths and a grader for
-    each data source; returns the problems and the number of training rows (None when unreadable)."""
-    import pyarrow.parquet as pq
-
-    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders, register_custom_graders
+    """Every data file is a readable parquet file whose rows pass the dataset's own check (`data.dataset.read_rows`:
+    rows present, the prompt column, the verl schema, ground truths where the graders need them), and each data
+    source has a grader (`reward.*`); returns the problems and the number of training rows (None when unreadable)."""
+    from megatron_cpo.data.dataset import DataValidationError, read_rows
+    from megatron_cpo.rewards.registry import missing_grader_message
 
     data = config.data
-    problems: list[str] = []
     if not data.train_files:
         return ["data.train_files is empty; set it to one or more parquet files (verl schema, see docs/data.md)"], None
+    problems: list[str] = []
     train_rows: int | None = 0
-    sources: set[str] = set()
+    sources: Counter = Counter()
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for file in files:
-            path = Path(file)
-            if not path.is_file():
-                what = "is a directory" if path.is_dir() else "does not exist"
-                problems.append(f"{key}: {file!r} {what}; give parquet files (tools/prepare_data.py or python -m megatron_cpo.data.synthetic write them)")
-                train_rows = None if key == "data.train_files" else train_rows
-                continue
             try:
-                names = pq.read_schema(path).names
-                table = pq.read_table(path, columns=[c for c in ("data_source", "reward_model") if c in names])
+                rows = read_rows(file, data.prompt_key, config.reward.needs_ground_truth)
+            except (FileNotFoundError, DataValidationError) as err:
+                what = f"{file!r} is a directory" if Path(file).is_dir() else str(err)
+                problems.append(f"{key}: {what}" + ("; give parquet files (tools/prepare_data.py or python -m "
+                                                    "megatron_cpo.data.synthetic write them)"
+                                                    if isinstance(err, FileNotFoundError) else ""))
             except Exception as err:  # noqa: BLE001 - any reader failure means "not a parquet file we can read"
                 problems.append(f"{key}: {file!r} is not a readable parquet file ({type(err).__name__}: {err})")
-                train_rows = None if key == "data.train_files" else train_rows
+            else:
+                sources.update(row["data_source"] for row in rows)
+                if key == "data.train_files" and train_rows is not None:
+                    train_rows += len(rows)
                 continue
-            if table.num_rows == 0:
-                problems.append(f"{key}: {file!r} has no rows; give a file with prompts in it")
-            if data.prompt_key not in names:
-                problems.append(f"data.prompt_key={data.prompt_key!r} is not a column of {file!r} (columns: "
-                                f"{', '.join(names)}); set data.prompt_key to the column holding the chat messages")
-            if "data_source" in names:
-                sources.update(s for s in table.column("data_source").to_pylist() if isinstance(s, str))
-            if "reward_model" in names:
-                truths = [r.get("ground_truth") if isinstance(r, dict) else None
-                          for r in table.column("reward_model").to_pylist()]
-                empty = [i for i, t in enumerate(truths) if t is None or not str(t).strip()]
-                if empty:
-                    problems.append(f"{key}: {file!r} has {len(empty)} of {len(truths)} row(s) with an empty "
-                                    f"reward_model.ground_truth (rows {empty[:5]}); no response can be graded "
-                                    "right against it: fill in the answers or drop those rows")
-            if key == "data.train_files" and train_rows is not None:
-                train_rows += table.num_rows
-    if not config.reward_function_spec:
-        register_custom_graders(dict(config.reward.custom_graders))
-        missing = missing_graders(sources)
-        if missing:
-            problems.append(missing_grader_message(missing))
+            train_rows = None if key == "data.train_files" else train_rows
+    missing = config.reward.sources_without_grader(sources)
+    if missing:
+        counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)
+        problems.append(missing_grader_message(missing, f"data.train_files / data.val_files ({counts})"))
     return problems, train_rows
 
 

@@ -11,16 +11,16 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
-from megatron_cpo.rewards.registry import register_custom_graders
 from megatron_cpo.rollout import RolloutEnginesLostError
+from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import selection_from_config
-from megatron_cpo.trainer.controller import CollectedBatch, ControllerSettings, RolloutController
+from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
+from megatron_cpo.trainer.early_stop import EarlyStopMonitor
 from megatron_cpo.trainer.grading import Grader
 from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.prompt_stream import PromptStream
-from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
 from megatron_cpo.trainer.step import StepBatch, make_step_batch
 from megatron_cpo.trainer.validation import Validator
@@ -32,12 +32,11 @@ class RankZero:
     """Rank 0's side of a run. `collect` fills a batch (steps 1-3), `make_batch` flattens it for the broadcast,
     `log_step` writes the step's metrics; `open_log` starts the metric sinks once the resume step is known."""
 
-    def __init__(self, config: Config, tokenizer: Any, manager: Any = None) -> None:
+    def __init__(self, config: Config, tokenizer: Any, manager: RolloutEngines | None = None) -> None:
         self.config = config
         data = config.data
-        register_custom_graders(config.reward.custom_graders)
-        self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
-        val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
+        self.train_data = load_dataset(data.train_files, tokenizer, config)
+        val_data = load_dataset(data.val_files, tokenizer, config) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
@@ -46,15 +45,9 @@ class RankZero:
         self.validator = Validator(config, val_data, self.manager, self.grader,
                                    training_sampling_params(config, eos, None, greedy=True))
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
-        groups, rollout = config.algorithm.filter_groups, config.actor_rollout_ref.rollout
-        self.controller = RolloutController(
-            self.manager, self.stream, self.grader.score_groups,
-            ControllerSettings(train_batch_size=data.train_batch_size,
-                               max_num_gen_batches=groups.max_num_gen_batches
-                               if groups.enable or rollout.rollout_filter_enabled else 0,
-                               on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
-                               filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
-            selection_from_config(config), lambda seed: training_sampling_params(config, eos, seed))
+        self.controller = RolloutController(self.manager, self.stream, self.grader.score_groups, config,
+                                            selection_from_config(config),
+                                            lambda seed: training_sampling_params(config, eos, seed))
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
 
@@ -78,8 +71,7 @@ class RankZero:
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
-        use_partial = self.config.algorithm.filter_groups.on_limit == "use_partial"
-        if collected is None or not collected.groups or not (collected.full or use_partial):
+        if collected is None or not collected.groups or not collected.trainable:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints)
 

@@ -163,7 +163,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
             engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
             inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                   lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None, engine_log_probs)
-            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, actor_cfg, temperature))
+            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
 
     mask = lp.mask

@@ -8,12 +8,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from gen_config_reference import PAGE, render  # noqa: E402
 
-from megatron_cpo.config import _known_names, Config  # noqa: E402
+from megatron_cpo.config import Config, known_names  # noqa: E402
 
 
 def test_config_reference_is_generated_from_the_current_config():
     assert PAGE.read_text() == render(), "run python tools/gen_config_reference.py"
-    for name in _known_names(Config):
+    for name in known_names(Config):
         assert f"`{name}`" in PAGE.read_text()
 
 

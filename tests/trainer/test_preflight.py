@@ -108,10 +108,11 @@ def test_nnodes_times_gpus_must_be_the_world_but_plans_a_dry_run(make, monkeypat
 
 def test_data_problems_are_named(make, tmp_path):
     empty = write_rows(tmp_path / "empty.parquet", [])
-    assert f"data.train_files: '{empty}' has no rows" in problems_of(make(f"data.train_files={empty}"))
+    assert f"data.train_files: {empty}: has no rows" in problems_of(make(f"data.train_files={empty}"))
     blank = write_rows(tmp_path / "blank.parquet", [_row(truth=""), _row(truth=" "), _row()])
-    assert (f"'{blank}' has 2 of 3 row(s) with an empty reward_model.ground_truth (rows [0, 1])"
-            in problems_of(make(f"data.train_files={blank}")))
+    message = problems_of(make(f"data.train_files={blank}"))  # the dataset's own row check (data/dataset.py)
+    assert f"data.train_files: 2 bad row(s) in {blank}" in message
+    assert "row 1: reward_model.ground_truth is empty: no response can be graded right against it" in message
     unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
     assert "no grader for data_source 'my_task'" in problems_of(make(f"data.val_files={unknown}"))
     assert "data.prompt_key='question' is not a column" in problems_of(make("data.prompt_key=question"))
@@ -120,8 +121,8 @@ def test_data_problems_are_named(make, tmp_path):
     assert "is not a readable parquet file" in problems_of(make(f"data.train_files={tmp_path / 'text.parquet'}"))
 
 
-def test_a_custom_reward_function_grades_any_source(make, tmp_path):
-    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
+def test_a_custom_reward_function_grades_any_source_without_ground_truths(make, tmp_path):
+    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task", truth="")])
     preflight(make(f"data.train_files={unknown}", "reward.custom_reward_function=tests.trainer.graders:never_correct"))
 
 
