@@ -21,6 +21,7 @@ repeat one of ours, are data in `verl_compat.py`. Parsing, coercion and building
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,12 @@ class Config:
               "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         check(model_len <= 1 << 20,
               "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+
+    def total_steps(self, prompts: int) -> int:
+        """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)
+        `trainer.total_epochs` x the batches of `data.train_batch_size` prompts one epoch makes, rounded up."""
+        trainer = self.trainer
+        return trainer.total_training_steps or trainer.total_epochs * math.ceil(prompts / self.data.train_batch_size)
 
     @property
     def needs_reference_model(self) -> bool:

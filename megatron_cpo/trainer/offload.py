@@ -160,13 +160,6 @@ class ActorOffload:
     def is_offloaded(self, part: str) -> bool:
         return any(p.offloaded for p in self._parked[part].values())
 
-    def require_loaded(self, action: str) -> None:
-        """Raise a clear error when `action` (training, a weight push, a checkpoint) would read offloaded state."""
-        out = [part for part in PARTS if self.is_offloaded(part)]
-        if out:
-            raise RuntimeError(f"cannot {action}: the actor's {', '.join(out)} are offloaded to host memory (rollout "
-                               "phase); call reload() first")
-
     def _selected(self, parts: Iterable[str] | None) -> list[_Parked]:
         names = self.parts.names() if parts is None else tuple(parts)
         unknown = [name for name in names if name not in PARTS]

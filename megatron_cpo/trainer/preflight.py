@@ -3,9 +3,9 @@
 `preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
 `ConfigError`: the model directory, TP/PP against the heads, layers and world size, verl's
 `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
-for every data source) and the output directory. It returns the `Layout` the config
-implies, which `megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second
-instead of after the engines have started.
+for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
+trainer/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
+first, so a bad layout fails in a second instead of after the engines have started.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.trainer.layout import Layout
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.loggers import sink_package_problems
 from megatron_cpo.trainer.run_guards import mixing_problem
@@ -27,16 +28,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 @dataclass
-class Layout:
-    """The parallel layout and batch arithmetic a config implies on `world_size` trainer processes."""
-    world_size: int
+class RunPlan:
+    """What a valid config implies: its `Layout`, where the world size came from, and the batch arithmetic of a
+    step (`megatron-cpo train --dry-run` prints it)."""
+    layout: Layout
     world_source: str
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    num_engines: int
-    engine_tensor_parallel: int
-    rollout_mode: str
     responses_per_step: int
     mini_batches_per_step: int
     micro_batches_per_rank: int
@@ -48,24 +44,13 @@ class Layout:
         """Lines for `--dry-run`."""
         steps = "unknown (data not readable)" if self.steps is None else str(self.steps)
         return "\n".join([
-            f"trainer: {self.world_size} process(es) ({self.world_source}) = TP {self.tensor_parallel} x "
-            f"PP {self.pipeline_parallel} x DP {self.data_parallel}",
-            self._rollout_line(),
+            *self.layout.describe_processes(self.world_source),
             f"per step: {self.responses_per_step} responses in {self.mini_batches_per_step} optimizer step(s), "
             f"{self.micro_batches_per_rank} micro-batch(es) per DP rank per optimizer step",
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
         ])
-
-    def _rollout_line(self) -> str:
-        if self.rollout_mode == "server":
-            return f"rollout: {self.num_engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"
-        if self.rollout_mode == "colocate":
-            return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} colocated on the "
-                    "trainer's devices (mode=colocate; they generate while the actor waits)")
-        return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} "
-                f"({self.num_engines * self.engine_tensor_parallel} GPU(s) on GPU machines, besides the trainer's)")
 
 
 def trainer_world_size(config: Config, planning: bool) -> tuple[int, str]:
@@ -144,8 +129,7 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
     """TP x PP (x CP) divides the world; verl's nnodes x n_gpus_per_node, when given, is the world; context
     parallelism has Transformer Engine and padded rows."""
     megatron, trainer = config.actor_rollout_ref.actor.megatron, config.trainer
-    model_parallel = (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-                      * megatron.context_parallel_size)
+    model_parallel = Layout.from_config(config, world_size).model_parallel
     cp_text = (f" x context_parallel_size={megatron.context_parallel_size}"
                if megatron.context_parallel_size > 1 else "")
     problems = context_parallel_problems(config)
@@ -223,7 +207,7 @@ def output_problems(config: Config) -> list[str]:
     return problems + ([mixing] if mixing else [])
 
 
-def preflight(config: Config, planning: bool = False) -> Layout:
+def preflight(config: Config, planning: bool = False) -> RunPlan:
     """Check what can be checked without starting anything; raise one `ConfigError` listing every problem.
 
     `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun.
@@ -239,33 +223,16 @@ def preflight(config: Config, planning: bool = False) -> Layout:
     if problems:
         raise ConfigError(f"{len(problems)} problems found before starting:\n" +
                           "\n".join(f"  - {p}" for p in problems))
-    return _layout(config, world_size, world_source, train_rows)
+    return _plan(config, world_size, world_source, train_rows)
 
 
-def _engine_count(rollout, world_size: int) -> int:
-    """Engines the mode starts or uses: `num_engines` (ray), one per server URL, one per rollout-TP group (colocate)."""
-    if rollout.mode == "server":
-        return len(rollout.server_urls)
-    if rollout.mode == "colocate":
-        return max(1, world_size // rollout.tensor_model_parallel_size)
-    return rollout.num_engines
-
-
-def _layout(config: Config, world_size: int, world_source: str, train_rows: int | None) -> Layout:
-    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
-    rollout, data, trainer = config.actor_rollout_ref.rollout, config.data, config.trainer
-    dp = world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-                        * megatron.context_parallel_size)
-    per_mini = actor.ppo_mini_batch_size * rollout.n
-    steps = trainer.total_training_steps or (
-        trainer.total_epochs * math.ceil(train_rows / data.train_batch_size) if train_rows is not None else None)
-    return Layout(world_size=world_size, world_source=world_source,
-                  tensor_parallel=megatron.tensor_model_parallel_size,
-                  pipeline_parallel=megatron.pipeline_model_parallel_size, data_parallel=dp,
-                  num_engines=_engine_count(rollout, world_size),
-                  engine_tensor_parallel=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
-                  responses_per_step=data.train_batch_size * rollout.n,
-                  mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
-                  micro_batches_per_rank=math.ceil(per_mini / dp / actor.ppo_micro_batch_size_per_gpu),
-                  generation_batch=data.gen_batch_size or data.train_batch_size, train_prompts=train_rows,
-                  steps=steps)
+def _plan(config: Config, world_size: int, world_source: str, train_rows: int | None) -> RunPlan:
+    actor, data = config.actor_rollout_ref.actor, config.data
+    layout = Layout.from_config(config, world_size)
+    per_mini = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    steps = config.total_steps(train_rows) if train_rows is not None else config.trainer.total_training_steps or None
+    return RunPlan(layout=layout, world_source=world_source,
+                   responses_per_step=data.train_batch_size * config.actor_rollout_ref.rollout.n,
+                   mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
+                   micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
+                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)

@@ -18,11 +18,11 @@ from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import selection_from_config
 from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
 from megatron_cpo.trainer.early_stop import EarlyStopMonitor
-from megatron_cpo.trainer.grading import Grader
+from megatron_cpo.trainer.grading import ResponseScorer
 from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.prompt_stream import PromptStream
 from megatron_cpo.trainer.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
-from megatron_cpo.trainer.step import StepBatch, make_step_batch
+from megatron_cpo.trainer.step_batch import StepBatch, make_step_batch
 from megatron_cpo.trainer.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,12 @@ class RankZero:
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
-        self.grader = Grader(config, tokenizer)
+        self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.validator = Validator(config, val_data, self.manager, self.grader,
+        self.validator = Validator(config, val_data, self.manager, self.scorer,
                                    training_sampling_params(config, eos, None, greedy=True))
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
-        self.controller = RolloutController(self.manager, self.stream, self.grader.score_groups, config,
+        self.controller = RolloutController(self.manager, self.stream, self.scorer.score_groups, config,
                                             selection_from_config(config),
                                             lambda seed: training_sampling_params(config, eos, seed))
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
@@ -103,7 +103,7 @@ class RankZero:
                  ) -> dict[str, float]:
         """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
-                   **self.grader.remote_reward_metrics()}
+                   **self.scorer.remote_reward_metrics()}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
@@ -129,7 +129,7 @@ class RankZero:
     def close(self) -> None:
         if self.metric_logger is not None:
             self.metric_logger.close()
-        self.grader.close()
+        self.scorer.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:

@@ -9,7 +9,7 @@ import torch
 
 from megatron_cpo.config import build_config
 from megatron_cpo.trainer.controller import prompt_limit
-from megatron_cpo.trainer.step import scores_with_kl_penalty
+from megatron_cpo.trainer.policy_update import scores_with_kl_penalty
 from megatron_cpo.trainer.verl_metrics import with_verl_names
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
