@@ -2,8 +2,10 @@
 
 One step, in reading order: `loop.py` (`Trainer.step`, the numbered list of docs/architecture.md), `rank_zero.py`
 (rank 0's data, engines, validation and logging), `controller.py` + `accumulator.py` (how a batch is filled from
-streaming rollouts), `collectives.py` (the batch broadcast, the weight push, every other collective), `step.py`
-(log-probs, advantages, CPO shaping, PPO update), `actor.py` (Megatron forward/backward), `checkpointing.py`.
+streaming rollouts), `step_batch.py` (the batch rank 0 broadcasts), `collectives.py` (the batch broadcast, the weight
+push, every other collective), `policy_update.py` (log-probs, advantages, CPO shaping, PPO update), `actor.py`
+(Megatron forward/backward), `checkpointing.py`. `config.py` holds the trainer's sections (`actor.*`, `ref.*`,
+`trainer.*`).
 Entry points: `megatron-cpo train --config ...` and `run_training(config)`.
 
 `Trainer` and `run_training` load on first use, so that the trainer's config sections (`trainer/config.py`) load

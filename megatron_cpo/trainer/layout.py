@@ -67,7 +67,8 @@ class Layout:
     def describe_processes(self, world_source: str) -> list[str]:
         """The trainer's and the engines' lines of `--dry-run` (`world_source`: where the world size came from)."""
         cp = f" x CP {self.context_parallel}" if self.context_parallel > 1 else ""
-        trainer = f"trainer: {self.world_size} process(es) ({world_source}) = TP {self.tp} x PP {self.pp}{cp} x DP {self.dp}"
+        trainer = (f"trainer: {self.world_size} process(es) ({world_source}) = TP {self.tp} x PP {self.pp}{cp} x "
+                   f"DP {self.dp}")
         if self.rollout_mode == "server":
             return [trainer, f"rollout: {self.engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"]
         if self.rollout_mode == "colocate":

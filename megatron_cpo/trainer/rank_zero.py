@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class RankZero:
-    """Rank 0's side of a run. `collect` fills a batch (steps 1-3), `make_batch` flattens it for the broadcast,
-    `log_step` writes the step's metrics; `open_log` starts the metric sinks once the resume step is known."""
+    """Rank 0's side of a run (step numbers of docs/architecture.md, "One RL step"): `collect` fills a batch (1),
+    `make_batch` flattens it for the broadcast (2), `observe_early_stop` feeds the monitor (8), `validate` (9) and
+    `log_step` writes the step's metrics (10); `open_log` starts the metric sinks once the resume step is known."""
 
     def __init__(self, config: Config, tokenizer: Any, manager: RolloutEngines | None = None) -> None:
         self.config = config
@@ -58,7 +59,7 @@ class RankZero:
                                           trainer.log_verl_metric_names,
                                           self.config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=resume_step)
 
-    # --- steps 1-3 ---------------------------------------------------------------------------------------------
+    # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
         """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
         start of the step, so a resumed run collects the same prompts."""
@@ -75,6 +76,7 @@ class RankZero:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints)
 
+    # --- step 8: early stop -----------------------------------------------------------------------------------
     def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:
         """Feed the reward-variance monitor; (stop now?, its metrics)."""
         stopped = self.monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
@@ -89,7 +91,7 @@ class RankZero:
                 f"{cfg.baseline_steps} steps); the rewards no longer separate the responses of a prompt. A checkpoint "
                 "was written; to train on, resume with trainer.early_stop.enable=false")
 
-    # --- step 7: metrics -------------------------------------------------------------------------------------
+    # --- steps 9-10: validation, metrics ----------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's checkpoint
         is still written and the next rollout ends the run with the full message."""
