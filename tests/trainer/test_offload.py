@@ -117,13 +117,13 @@ def test_offload_round_trip_is_bit_identical_and_training_continues_unchanged(ti
 def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer import offload as offload_module
-    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload, offloaded_during
+    from megatron_cpo.trainer.offload import ActorOffload, colocated_offload, configured_parts, offloaded_during
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
                                "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
-    parts = OffloadParts.from_megatron_config(config.actor_rollout_ref.actor.megatron)
-    assert parts.names() == ("params", "optimizer") and parts.any
-    assert not OffloadParts.from_megatron_config(build_config({}, []).actor_rollout_ref.actor.megatron).any
+    parts = configured_parts(config.actor_rollout_ref.actor.megatron)
+    assert parts == ("params", "optimizer")
+    assert configured_parts(build_config({}, []).actor_rollout_ref.actor.megatron) == ()
 
     model = torch.nn.Linear(3, 2)  # a plain module: parameters only, no DDP buffers or optimizer
     policy = SimpleNamespace(model=model, ddp_model=None, optimizer=None)
@@ -137,7 +137,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     caplog.clear()
     assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "colocate").parts == parts
     weight = model.weight.detach().clone()
-    offload = ActorOffload(model, parts=OffloadParts(params=True))
+    offload = ActorOffload(model, parts=("params",))
     offload_module._cpu_notice_logged = False
     with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
         assert offload.offload() == (6 + 2) * 4
