@@ -1,10 +1,11 @@
 """From a YAML file and dotted command-line overrides to a validated, typed config tree.
 
 The loader knows nothing of the run's settings: it walks whatever dataclass tree it is given (`megatron_cpo.config`
-passes `Config`, its alias tables and verl's, see verl_compat.py). It flattens the YAML to dotted names, applies the
-overrides after it, rewrites accepted aliases to their canonical names, sets aside verl keys that do not apply here
-(one warning names them all, with why), coerces every value to its field's declared type (a scalar given for a list
-becomes a one-element list) and builds the dataclasses, whose `__post_init__` validate them.
+passes `Config`, its one alias table and verl_compat.py's data). It flattens the YAML to dotted names, applies the
+overrides after it, rewrites accepted aliases to their canonical names (two names of one setting given different
+values is an error), sets aside verl keys that do not apply here (one warning names them all, with why), coerces every
+value to its field's declared type (a scalar given for a list becomes a one-element list) and builds the
+dataclasses, whose `__post_init__` validate them.
 
 Every problem of a command is reported at once: unknown keys (with a hint that matches the last path components
 first), values of the wrong type, and failed validations, in one `ConfigError`.
