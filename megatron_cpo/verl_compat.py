@@ -1,5 +1,6 @@
-"""verl's configuration names that are not ours: the ones that moved, the ones that cannot apply here, and the ones
-that must agree with another setting. Data only; `config_loader` applies it (docs/index.md, "Coming from verl").
+"""verl's configuration names that are not ours: the ones that cannot apply here, the ones that must agree with another
+setting, and the ones that moved (for hints). Data only; `config_loader` applies it (docs/verl_compat.md). verl's
+spellings of our own settings are aliases, in `megatron_cpo/config.py`'s one table (`ALIASES`).
 
 A key listed in `VERL_NO_OP_KEYS` is accepted, and reported in one warning with the reason it does not apply. It is
 listed only when it changes how fast or where verl computes, never what: a value that would change the algorithm
@@ -9,21 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-# verl spellings that mean one of our settings: accepted, rewritten to the canonical name.
-VERL_ALIASES: dict[str, str] = {
-    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
-    # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
-    # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
-    # vLLM's and TRL's name for verl's free_cache_engine (sleep the colocated engines while the actor trains)
-    "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
-    **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
-       for key in ("enable", "len", "penalty_factor", "log")},
-    # verl passes Megatron's recompute settings through override_transformer_config
-    **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}": f"actor_rollout_ref.actor.megatron.{key}"
-       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
-}
 
 
 @dataclass(frozen=True)

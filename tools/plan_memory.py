@@ -10,7 +10,8 @@ Method (docs/planning.md has the derivation):
   on the first stage and the output layer on the last; the larger stage is reported).
 - Resident state per parameter: the weights in `params_dtype`; fp32 gradients (Megatron DDP reduces in fp32); Adam
   moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer;
-  a frozen reference copy of the weights when the KL loss is on.
+  a frozen reference copy of the weights when the run keeps a reference model (KL loss, KL in the reward or verl's
+  reference sync: `Config.needs_reference_model`, the rule the trainer builds by).
 - Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
   budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
   SwiGLU halves), plus attention scores and probabilities when attention is not fused (CPU, or GPUs without flash
@@ -36,6 +37,10 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from megatron_cpo.trainer.layout import Layout  # noqa: E402  (the layout preflight prints, one class for both)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Datasheet peaks (dense bf16 tensor TFLOP/s, HBM GB/s, GiB): inputs of the estimate, not measurements.
@@ -92,36 +97,6 @@ class ModelShape:
         if pp == 1:
             return layers + embedding * (1 if self.tied_embeddings else 2) + self.hidden_size
         return layers + embedding + self.hidden_size
-
-
-@dataclass
-class Layout:
-    """Parallelism of trainer and engines, and what the run keeps in memory."""
-
-    tp: int = 1
-    pp: int = 1
-    trainer_gpus: int = 1
-    engines: int = 1
-    rollout_tp: int = 1
-    params_dtype: str = "bfloat16"
-    distributed_optimizer: bool = True
-    reference_model: bool = True
-    fused_attention: bool = True
-    sequence_parallel: bool = False
-    context_parallel: int = 1
-    recompute: str = ""           # "", "full" (uniform) or "selective"
-    recompute_num_layers: int = 1
-    remove_padding: bool = False
-    dynamic_bsz: bool = False
-    fused_kernels: bool = False
-
-    @property
-    def dp(self) -> int:
-        model_parallel = self.tp * self.pp * self.context_parallel
-        if self.trainer_gpus % model_parallel:
-            raise ValueError(f"--trainer-gpus={self.trainer_gpus} is not a multiple of TP x PP x CP = "
-                             f"{model_parallel}")
-        return self.trainer_gpus // model_parallel
 
 
 @dataclass
@@ -282,7 +257,7 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     padding_free = layout.remove_padding or layout.dynamic_bsz
     length = batch.prompt_length + (batch.mean_response if padding_free else batch.response_length)
     tokens = responses * length
-    flops_per_s = layout.trainer_gpus * peak_tflops * 1e12 * mfu
+    flops_per_s = layout.world_size * peak_tflops * 1e12 * mfu
     forward_flops = 2 * params * tokens + attention_flops(shape, length) * responses
     forwards = batch.extra_forwards * forward_flops / flops_per_s
     passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
@@ -294,21 +269,12 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     return times
 
 
-def _from_recipe(path: str) -> tuple[dict, Layout, Batch]:
+def _from_recipe(path: str, trainer_gpus: int) -> tuple[dict, Layout, Batch]:
     from megatron_cpo.config import load_config
 
     config = load_config(path)
-    actor, rollout, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
-    megatron = actor.megatron
-    layout = Layout(tp=megatron.tensor_model_parallel_size, pp=megatron.pipeline_model_parallel_size,
-                    engines=rollout.num_engines, rollout_tp=rollout.tensor_model_parallel_size,
-                    params_dtype=megatron.params_dtype,
-                    distributed_optimizer=megatron.use_distributed_optimizer,
-                    reference_model=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
-                    sequence_parallel=megatron.sequence_parallel, context_parallel=megatron.context_parallel_size,
-                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
-                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,
-                    dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels)
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    layout = Layout.from_config(config, trainer_gpus)
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
@@ -362,12 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.recipe:
-            meta, layout, batch = _from_recipe(args.recipe)
-            layout.trainer_gpus = args.trainer_gpus
+            meta, layout, batch = _from_recipe(args.recipe, args.trainer_gpus)
             model = args.model or meta["model"]
         else:
-            layout = Layout(args.tp, args.pp, args.trainer_gpus, args.engines, args.rollout_tp, args.dtype,
-                            reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
+            layout = Layout(args.tp, args.pp, args.trainer_gpus, args.engines, args.rollout_tp,
+                            params_dtype=args.dtype, reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
                             context_parallel=args.cp, recompute=args.recompute,
                             recompute_num_layers=args.recompute_num_layers, remove_padding=args.remove_padding,
                             dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels)

@@ -39,7 +39,7 @@ def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_
                  grader_kwargs: dict[str, dict], memory_limit_mb: int | None,
                  sandbox_settings: SandboxConfig | None = None) -> None:
     """Grade tasks received on ``connection`` until it sends None."""
-    from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_grader
+    from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_custom_graders
     from megatron_cpo.rewards.sandbox import configure_sandbox
 
     if sandbox_settings is not None:  # the code sandbox's backend (the probe of ``auto`` runs on first use)
@@ -47,8 +47,7 @@ def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_
 
     if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    for source, path in custom_graders.items():
-        register_grader(source, path, overwrite=True)
+    register_custom_graders(custom_graders)  # this worker's registry: the one place they are registered
     override = load_callable(custom_reward_function) if custom_reward_function else None
     connection.send("ready")
     while True:

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
+from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)
 from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
-from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
+from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.micro_batches import Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.packing import PackedRows, pack_rows
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
@@ -66,10 +67,15 @@ def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
 
 
 class MegatronPolicy:
-    """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates."""
+    """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates.
 
-    def __init__(self, model: Any, pad_token_id: int, batching: MicroBatching | int, ddp_model: Any = None,
-                 optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
+    `config` (`actor_rollout_ref.actor`, as it is) sets the loss and the micro-batches: `ppo_micro_batch_size_per_gpu`
+    rows, or with `use_dynamic_bsz` the token budgets `ppo_max_token_len_per_gpu` (update) and
+    `log_prob_max_token_len_per_gpu` (scoring). `log_prob_micro_batch_size`: rows of a fixed scoring micro-batch
+    (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`)."""
+
+    def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
+                 ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
                  use_remove_padding: bool = False) -> None:
         from megatron.core import parallel_state
 
@@ -78,14 +84,15 @@ class MegatronPolicy:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.pad_token_id = pad_token_id
-        self.batching = batching if isinstance(batching, MicroBatching) else MicroBatching(batching)
+        self.config = config
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.use_fused_kernels = use_fused_kernels
         # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
         self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
         if self.packing and model.config.context_parallel_size > 1:
             raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
                              "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")
-        if ((self.batching.dynamic or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        if ((config.use_dynamic_bsz or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
             model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
     @property
@@ -158,11 +165,11 @@ class MegatronPolicy:
     def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
               ) -> tuple[PackedSequences, Plan]:
         """`seqs` padded with empty rows as the mode needs, and every DP rank's micro-batches (row indices) of it:
-        `micro_rows` rows each, or cut by `token_budget` when dynamic."""
+        `micro_rows` rows each, or cut by `token_budget` with `use_dynamic_bsz`."""
         from megatron.core import parallel_state
 
         dp_size = parallel_state.get_data_parallel_world_size()
-        if not self.batching.dynamic:
+        if not self.config.use_dynamic_bsz:
             padded = _pad_rows(seqs, dp_size * micro_rows)
             return padded, fixed_plan(padded.rows, dp_size, micro_rows)
         padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
@@ -180,7 +187,7 @@ class MegatronPolicy:
         micro = []
         for index in plan[parallel_state.get_data_parallel_rank()]:
             seqs = padded.select(index)
-            seqs = seqs.trimmed() if self.batching.dynamic else seqs
+            seqs = seqs.trimmed() if self.config.use_dynamic_bsz else seqs
             multiple = self._sequence_multiple()
             batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple))}
             if self.packing:
@@ -212,8 +219,9 @@ class MegatronPolicy:
         from megatron.core import parallel_state
 
         self._module.eval()
-        padded, plan = self._plan(seqs, self.batching.log_prob_token_budget,
-                                  "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu", self.batching.log_prob_rows)
+        padded, plan = self._plan(seqs, self.config.log_prob_max_token_len_per_gpu,
+                                  "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
+                                  self.log_prob_micro_batch_size or self.config.ppo_micro_batch_size_per_gpu)
         outputs = self._run(self._micro_batches(padded, plan), temperature,
                             lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
                                                                (log_probs, entropy)),
@@ -234,9 +242,9 @@ class MegatronPolicy:
             full[:, rows] = piece[:, : len(rows)].cpu()
         return full[0, : seqs.rows], full[1, : seqs.rows]
 
-    def update(self, seqs: PackedSequences, inputs: UpdateInputs, loss_config: PolicyLossConfig, temperature: float
-               ) -> dict[str, float]:
-        """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule.
+    def update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> dict[str, float]:
+        """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule; the
+        loss is `config`'s (`PolicyLossConfig`, which `ActorConfig` extends).
 
         The loss is aggregated over the whole mini-batch (all micro-batches and DP ranks), so the update does not
         depend on how the mini-batch is split (fixed or token-budget micro-batches alike).
@@ -251,8 +259,9 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
-        padded, plan = self._plan(seqs, self.batching.update_token_budget,
-                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", self.batching.micro_batch_size)
+        padded, plan = self._plan(seqs, self.config.ppo_max_token_len_per_gpu,
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                  self.config.ppo_micro_batch_size_per_gpu)
         micro = self._micro_batches(padded, plan, extra)
         # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
@@ -261,7 +270,7 @@ class MegatronPolicy:
             device = log_probs.device
             loss, metrics = policy_loss(
                 log_probs, batch["old_log_probs"].to(device), batch["advantages"].to(device),
-                batch["seqs"].response_mask().to(device), loss_config, entropy=entropy,
+                batch["seqs"].response_mask().to(device), self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs)

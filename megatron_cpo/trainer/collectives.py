@@ -19,8 +19,9 @@ from megatron.core import parallel_state
 from megatron_cpo import platform
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rollout import send_from_pipeline_stages
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.step import StepBatch
+from megatron_cpo.trainer.step_batch import StepBatch
 
 # Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
 RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -115,7 +116,7 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     return StepBatch(**kwargs)
 
 
-def push_weights(actor_model: Any, manager: Any | None) -> dict[str, float]:
+def push_weights(actor_model: Any, manager: RolloutEngines | None) -> dict[str, float]:
     """Stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines over the
     configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
     Returns the sync time and this rank's bytes."""

@@ -29,7 +29,7 @@ def measure_tiny_run(rank: int, world_size: int, model_dir: str) -> dict[str, in
     import torch
 
     from megatron_cpo import platform
-    from megatron_cpo.config import ActorConfig
+    from megatron_cpo.trainer.config import ActorConfig
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
 
@@ -85,7 +85,7 @@ def test_qwen_7b_layout_follows_the_sharding_rules():
     shape = ModelShape(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                        intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
     assert abs(shape.total_params() - 7.62e9) / 7.62e9 < 0.01  # Qwen2.5-7B's published 7.62 B
-    base = dict(tp=4, pp=1, trainer_gpus=16, params_dtype="bfloat16")
+    base = dict(tp=4, pp=1, world_size=16, params_dtype="bfloat16")
     sharded = trainer_memory(shape, Layout(**base), Batch(micro_batch=4, prompt_length=1024, response_length=3072))
     replicated = trainer_memory(shape, Layout(**base, distributed_optimizer=False), Batch())
     assert sharded["optimizer"] * 4 == pytest.approx(replicated["optimizer"])  # DP = 16 / 4
@@ -94,7 +94,7 @@ def test_qwen_7b_layout_follows_the_sharding_rules():
                       "h100-sxm", mfu=0.3)
     assert times["total"] == pytest.approx(sum(v for k, v in times.items() if k != "total"))
     with pytest.raises(ValueError, match="not a multiple of TP x PP"):
-        Layout(tp=3, trainer_gpus=16).dp
+        Layout(tp=3, world_size=16).dp
 
 
 def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
@@ -103,6 +103,19 @@ def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "TP=1 PP=1 DP=8" in out and "time/generation" in out and "activations/logits" in out
     assert main(["--model", str(tiny_dir / "missing")]) == 2
+
+
+def test_a_recipe_keeps_the_reference_by_the_trainers_rule(tiny_dir, capsys, tmp_path):
+    """The trainer builds a reference for the KL loss, KL in the reward or verl's reference sync
+    (`Config.needs_reference_model`); the plan counts its memory by the same rule, through the same `Layout`."""
+    reports = {}
+    for name, ref in (("plain", "false"), ("sync", "true")):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"actor_rollout_ref: {{actor: {{use_kl_loss: false}}, ref: {{sync_ref_model: {ref}}}}}\n")
+        assert main(["--recipe", str(recipe), "--model", str(tiny_dir), "--json"]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+    assert not reports["plain"]["layout"]["reference_model"] and reports["plain"]["memory_gib"]["reference"] == 0
+    assert reports["sync"]["layout"]["reference_model"] and reports["sync"]["memory_gib"]["reference"] > 0
 
 
 def test_colocated_plan_is_the_peak_of_the_two_phases_with_offload_honoured():
@@ -151,7 +164,7 @@ def test_scale_settings_change_memory_and_time_as_derived():
                        intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
     batch = Batch(train_batch_size=1024, n=8, prompt_length=1024, response_length=3072, micro_batch=4,
                   extra_forwards=3, token_budget=16384, mean_response_length=1024)
-    base = dict(tp=4, trainer_gpus=16, engines=8, rollout_tp=2)
+    base = dict(tp=4, world_size=16, engines=8, rollout_tp=2)
     plain = step_time(shape, Layout(**base), batch, "h100-sxm", mfu=0.3)
     # one forward-only pass is a third of forward + backward; the recompute adds a forward to training
     assert plain["log_prob_forwards"] / batch.extra_forwards == pytest.approx(plain["training"] / 3)

@@ -5,10 +5,10 @@ import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.algorithms.filters import RolloutFilterConfig
+from megatron_cpo.algorithms.overlong import OverlongBufferConfig
 from megatron_cpo.trainer.accumulator import (
     GroupAccumulator,
     GroupSelection,
-    OverlongShaping,
     ScoredGroup,
     keep_varied_groups,
 )
@@ -141,8 +141,9 @@ def test_ragen_length_metric_and_options_from_the_config(tokenizer):
 
 def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
     # max 10 tokens, buffer 4: lengths 6 (no penalty), 8 (-0.5) and 10 (-1.0 with factor 1)
-    overlong = OverlongShaping(max_response_length=10, buffer_len=4, penalty_factor=1.0)
-    accumulator = GroupAccumulator(1, GroupSelection(metric_filter=keep_varied_groups, overlong=overlong), "score")
+    overlong = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
+    selection = GroupSelection(metric_filter=keep_varied_groups, overlong=overlong, max_response_length=10)
+    accumulator = GroupAccumulator(1, selection, "score")
     # equal raw scores: only the penalty makes the group varied, so filter-groups on `score` keeps it
     accumulator.add([scored_with(tokenizer, 0, [1.0, 1.0, 1.0], lengths=[6, 8, 10])])
     assert accumulator.full

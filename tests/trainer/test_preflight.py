@@ -56,11 +56,14 @@ def problems_of(config, planning=False) -> str:
 
 
 def test_a_valid_config_gives_its_layout(make):
-    layout = preflight(make("actor_rollout_ref.rollout.n=4", "trainer.total_epochs=3"))
+    plan = preflight(make("actor_rollout_ref.rollout.n=4", "trainer.total_epochs=3"))
     # 2 prompts x n=4 responses; train_batch_size 2 / mini 1 = 2 optimizer steps of 4 responses, micro 8 -> 1 each
-    assert (layout.world_size, layout.data_parallel, layout.responses_per_step) == (1, 1, 8)
-    assert (layout.mini_batches_per_step, layout.micro_batches_per_rank) == (2, 1)
-    assert (layout.train_prompts, layout.steps, layout.generation_batch) == (2, 3, 2)  # 3 epochs of 1 step
+    assert (plan.layout.world_size, plan.layout.dp, plan.responses_per_step) == (1, 1, 8)
+    assert (plan.mini_batches_per_step, plan.micro_batches_per_rank) == (2, 1)
+    assert (plan.train_prompts, plan.steps, plan.generation_batch) == (2, 3, 2)  # 3 epochs of 1 step
+    # one rule for "needs a reference model", the one the trainer builds by (verl's reference sync needs one too)
+    assert not plan.layout.reference_model
+    assert preflight(make("actor_rollout_ref.ref.sync_ref_model=true")).layout.reference_model
 
 
 def test_model_path_missing_or_not_a_model(make, tmp_path):
@@ -100,18 +103,19 @@ def test_nnodes_times_gpus_must_be_the_world_but_plans_a_dry_run(make, monkeypat
                   "tensor_model_parallel_size=2")
     assert ("trainer.nnodes=2 x trainer.n_gpus_per_node=8 = 16 but the trainer runs on 1 process(es)"
             in problems_of(config))
-    layout = preflight(config, planning=True)
-    assert (layout.world_size, layout.tensor_parallel, layout.data_parallel) == (16, 2, 8)
+    layout = preflight(config, planning=True).layout
+    assert (layout.world_size, layout.tp, layout.dp) == (16, 2, 8)
     monkeypatch.setenv("WORLD_SIZE", "16")
-    assert preflight(config).world_size == 16
+    assert preflight(config).layout.world_size == 16
 
 
 def test_data_problems_are_named(make, tmp_path):
     empty = write_rows(tmp_path / "empty.parquet", [])
-    assert f"data.train_files: '{empty}' has no rows" in problems_of(make(f"data.train_files={empty}"))
+    assert f"data.train_files: {empty}: has no rows" in problems_of(make(f"data.train_files={empty}"))
     blank = write_rows(tmp_path / "blank.parquet", [_row(truth=""), _row(truth=" "), _row()])
-    assert (f"'{blank}' has 2 of 3 row(s) with an empty reward_model.ground_truth (rows [0, 1])"
-            in problems_of(make(f"data.train_files={blank}")))
+    message = problems_of(make(f"data.train_files={blank}"))  # the dataset's own row check (data/dataset.py)
+    assert f"data.train_files: 2 bad row(s) in {blank}" in message
+    assert "row 1: reward_model.ground_truth is empty: no response can be graded right against it" in message
     unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
     assert "no grader for data_source 'my_task'" in problems_of(make(f"data.val_files={unknown}"))
     assert "data.prompt_key='question' is not a column" in problems_of(make("data.prompt_key=question"))
@@ -120,8 +124,8 @@ def test_data_problems_are_named(make, tmp_path):
     assert "is not a readable parquet file" in problems_of(make(f"data.train_files={tmp_path / 'text.parquet'}"))
 
 
-def test_a_custom_reward_function_grades_any_source(make, tmp_path):
-    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task")])
+def test_a_custom_reward_function_grades_any_source_without_ground_truths(make, tmp_path):
+    unknown = write_rows(tmp_path / "unknown.parquet", [_row(source="my_task", truth="")])
     preflight(make(f"data.train_files={unknown}", "reward.custom_reward_function=tests.trainer.graders:never_correct"))
 
 

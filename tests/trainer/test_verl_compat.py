@@ -104,9 +104,10 @@ def test_the_scripts_values_reach_the_config():
 
 
 def test_custom_reward_function_keys_load():
-    """verl's custom_reward_function.path / .name are our keys too."""
-    names = known_names(Config)
-    assert "custom_reward_function.path" in names and "custom_reward_function.name" in names
+    """verl's custom_reward_function.path / .name load, as aliases of the reward section's keys."""
+    config = build_config({"custom_reward_function": {"path": "reward.py", "name": "score"}})
+    assert config.reward.reward_function == "reward.py:score"
+    assert "custom_reward_function.path" not in known_names(Config)  # one owner: reward.custom_reward_function
 
 
 @pytest.mark.parametrize("override, expected", [

@@ -1,14 +1,12 @@
-"""Steps 4-6 of ARCHITECTURE.md on a collected batch, as every rank runs them in lockstep.
+"""Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included;
-`collectives.broadcast_batch` sends it), then every rank runs `compute_log_probs` (old log-probs and entropy, the
-reference's, CPO's hinted ones), `compute_advantages` (GRPO by prompt, verl's KL-in-reward, the CPO shaping rule,
-filter loss scaling) and `update_policy` (the PPO epochs over mini-batches).
+`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
+prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling) and `update_policy` (the
+PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -19,56 +17,10 @@ from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
-from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.ragged import RaggedRows
 from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
-
-
-@dataclass
-class StepBatch:
-    """Everything the ranks need for one update; one row per response, responses of a prompt contiguous.
-
-    Token and log-prob rows are `RaggedRows` (one flat tensor + offsets each; Python lists are converted when the batch
-    is built), so the broadcast sends a few buffers instead of pickling every token.
-    """
-    prompt_ids: RaggedRows
-    response_ids: RaggedRows
-    rollout_log_probs: RaggedRows
-    scores: torch.Tensor
-    acc: torch.Tensor
-    group: torch.Tensor
-    truncated: torch.Tensor
-    kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
-    hint_prompt_ids: RaggedRows | None = None
-    has_hint: torch.Tensor | None = None
-    hints_truncated: int = 0
-    hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
-
-    def __post_init__(self) -> None:
-        self.prompt_ids = RaggedRows.of(self.prompt_ids)
-        self.response_ids = RaggedRows.of(self.response_ids)
-        self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
-        if self.hint_prompt_ids is not None:
-            self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
-
-
-def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
-    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
-    hints = {}
-    if hint_builder is not None:
-        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
-        responses = [r for g in groups for r in g.response_token_ids]
-        contexts = hint_builder(groups, prompts, responses)
-        hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
-                 "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
-    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
-    return StepBatch(
-        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).repeat_rows([g.n for g in groups]),
-        response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
-        rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
-        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+from megatron_cpo.trainer.step_batch import StepBatch
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
@@ -163,7 +115,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
             engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
             inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                   lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None, engine_log_probs)
-            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, actor_cfg, temperature))
+            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
 
     mask = lp.mask
@@ -180,13 +132,4 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.ref_log_probs is not None:
         kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
-    return metrics
-
-
-def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
-                   pad_token_id: int) -> dict[str, float]:
-    """Steps 4-6 in one call: log-probs, advantages, PPO update (the trainer calls them one by one)."""
-    log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id)
-    advantages, metrics = compute_advantages(batch, log_probs, config)
-    metrics.update(update_policy(actor, batch, log_probs, advantages, config))
     return metrics
