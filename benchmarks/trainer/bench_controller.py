@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def build_controller(module, manager, stream, scorer, batch_size: int, group_filter, params_for,
                      max_inflight_prompts: int = 0):
     """`module.RolloutController` filling batches of `batch_size` prompts. A controller of an older tree (it took its
-    settings as `ControllerSettings`, before it read the run's config) is built the way it expects, so the A/B
-    benchmarks still compare against commits from before that change."""
+    settings as `ControllerSettings`, before it read the run's config; or it took the engines, before it submitted to a
+    group generator) is built the way it expects, so the A/B benchmarks still compare against commits from before."""
     from megatron_cpo.config import build_config
 
     if hasattr(module, "ControllerSettings"):
@@ -41,6 +41,10 @@ def build_controller(module, manager, stream, scorer, batch_size: int, group_fil
         settings = build_config({}, [f"data.train_batch_size={batch_size}",
                                      f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
                                      f"actor_rollout_ref.rollout.max_inflight_prompts={max_inflight_prompts}"])
+    if hasattr(module, "GroupGenerator"):  # a tree whose controller submits to a group generator
+        from megatron_cpo.rollout.generators import SingleTurnGenerator
+
+        manager = SingleTurnGenerator(manager)
     return module.RolloutController(manager, stream, scorer, settings, group_filter, params_for)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_cpo.config import Config
-from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup
 from megatron_cpo.trainer.prompt_stream import PromptStream, StreamPosition
 
@@ -108,12 +108,12 @@ class _Request:
 
 
 class RolloutController:
-    """Submits prompts to a rollout manager, scores and filters finished groups, returns one batch per call."""
+    """Submits prompts to a group generator, scores and filters finished groups, returns one batch per call."""
 
-    def __init__(self, manager: RolloutEngines, stream: PromptStream, scorer: GroupScorer, config: Config,
+    def __init__(self, generator: GroupGenerator, stream: PromptStream, scorer: GroupScorer, config: Config,
                  group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any],
                  poll_timeout_s: float = 600.0) -> None:
-        self.manager = manager
+        self.generator = generator
         self.stream = stream
         self.scorer = scorer
         self.config = config  # reads data.*, algorithm.filter_groups.*, rollout.max_inflight_prompts
@@ -139,14 +139,14 @@ class RolloutController:
                 break
             waited = time.perf_counter()
             finished = [(inflight.pop(group.request_id), group)
-                        for group in self.manager.finished(timeout=self.poll_timeout_s) if group.request_id in inflight]
+                        for group in self.generator.finished(timeout=self.poll_timeout_s) if group.request_id in inflight]
             scoring = time.perf_counter()
             accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
             logged_gen_batches = self._log_progress(step, accumulator, logged_gen_batches)
         if inflight:
-            self.manager.cancel_all()
+            self.generator.cancel_all()
         if accumulator.next_seq < len(requests):
             self.stream.rewind(requests[accumulator.next_seq].position)
             data_exhausted = False
@@ -192,7 +192,7 @@ class RolloutController:
             request = _Request(len(requests), position, record)
             request_id = f"step{step}-e{position.epoch}-o{position.offset}"
             params = self.sampling_params_for(self._request_seed(step, position))
-            self.manager.submit(request_id, list(record.prompt_ids), params)
+            self.generator.submit(request_id, record, params)
             requests.append(request)
             inflight[request_id] = request
         return False

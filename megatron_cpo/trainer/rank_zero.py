@@ -14,6 +14,7 @@ import torch
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.generators import SingleTurnGenerator
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import selection_from_config
 from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
@@ -41,12 +42,13 @@ class RankZero:
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
+        self.generator = SingleTurnGenerator(self.manager)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.validator = Validator(config, val_data, self.manager, self.scorer,
+        self.validator = Validator(config, val_data, self.generator, self.scorer,
                                    training_sampling_params(config, eos, None, greedy=True))
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
-        self.controller = RolloutController(self.manager, self.stream, self.scorer.score_groups, config,
+        self.controller = RolloutController(self.generator, self.stream, self.scorer.score_groups, config,
                                             selection_from_config(config),
                                             lambda seed: training_sampling_params(config, eos, seed))
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None

@@ -10,18 +10,18 @@ import torch
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.rollout import SamplingParams
-from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.trainer.grading import ResponseScorer
 
 
 class Validator:
     """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it."""
 
-    def __init__(self, config: Config, val_data: PromptDataset | None, manager: RolloutEngines,
+    def __init__(self, config: Config, val_data: PromptDataset | None, generator: GroupGenerator,
                  scorer: ResponseScorer, greedy_params: SamplingParams) -> None:
         self.config = config
         self.val_data = val_data
-        self.manager = manager
+        self.generator = generator
         self.scorer = scorer
         self.greedy_params = greedy_params  # the training sampling's length and stop tokens, greedy
 
@@ -49,8 +49,8 @@ class Validator:
         for index in range(self.size()):
             record = self.val_data[index]
             records[f"val-{index}"] = record
-            self.manager.submit(f"val-{index}", record.prompt_ids, self.params(index))
-        finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
+            self.generator.submit(f"val-{index}", record, self.params(index))
+        finished = {group.request_id: group for group in self.generator.completed(timeout=600)}
         items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
         val_counts: Counter = Counter()
         scored = self.scorer.score_groups(items, val_counts)
