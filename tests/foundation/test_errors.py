@@ -23,9 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 def test_unsupported_architecture():
     from transformers import GPT2Config
 
-    expected = r"unsupported architecture model_type='gpt2'.*supported: \['llama', 'qwen2'\]"
+    expected = r"unsupported architecture model_type='gpt2'.*supported: qwen2 \(Qwen2/Qwen2.5\), llama .*mixtral"
     with pytest.raises(ValueError, match=expected):
         build_gpt_model(GPT2Config())
+
+
+def test_refused_architecture_says_what_is_missing():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3' is not supported: .*multi-latent attention"):
+        build_gpt_model(AutoConfig.for_model("deepseek_v3"))
 
 
 def test_unsupported_activation_and_rope_scaling():
