@@ -15,14 +15,14 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 FAMILIES = ("qwen2", "llama", "qwen3", *MOE_FAMILIES)
 
 
-def switch_layout(tp: int, pp: int, ep: int = 1) -> None:
+def switch_layout(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
 
     parallel_state.destroy_model_parallel()
     platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep)
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
 
 
 def max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float | None:
@@ -43,7 +43,8 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
                   prompt_ids: list[int], max_new_tokens: int) -> dict:
     """All layout checks; returns {layout: {family: results}} plus the converter outputs' paths. At EP=2 (TP=1, two
     data-parallel ranks, two experts each) the MoE families load from HF and from the TP=2 checkpoint, convert HF ->
-    Megatron at EP=2 and back at TP=2, and the TP=2 checkpoint back to HF at EP=2."""
+    Megatron at EP=2 and the TP=2 checkpoint back to HF at EP=2. At TP=2 with EP=2 and ETP=1 (each rank two whole
+    experts) and the alltoall token dispatcher they load the EP=2 checkpoint and convert it back to HF."""
     from megatron_cpo import platform
     from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, load_checkpoint, load_hf_config,
                                      load_hf_weights)
@@ -52,7 +53,7 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     work = Path(work_dir)
     configs = {family: load_hf_config(hf_dirs[family]) for family in FAMILIES}
     hf_logits = torch.load(work / "hf_logits.pt")
-    results: dict = {"tp2": {}, "tp1": {}, "pp2": {}, "ep2": {}, "tp2_again": {}}
+    results: dict = {"tp2": {}, "tp1": {}, "pp2": {}, "ep2": {}, "tp2_ep2": {}}
 
     platform.init_distributed(tensor_model_parallel_size=2)
     for family in FAMILIES:
@@ -115,10 +116,15 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
                                                   hf_dirs[family], ep=2, log=lambda _: None)),
         }
 
-    switch_layout(tp=2, pp=1)
+    switch_layout(tp=2, pp=1, ep=2, etp=1)
     for family in MOE_FAMILIES:
-        results["tp2_again"][family] = {"round_trip": str(convert_mcore_to_hf(
-            work / f"mcore_ep2_{family}", work / f"hf_round_trip_tp2_{family}", hf_dirs[family], tp=2,
-            log=lambda _: None))}
+        model = build_gpt_model(configs[family], moe_token_dispatcher_type="alltoall")
+        load_checkpoint(model, work / f"mcore_ep2_{family}")
+        results["tp2_ep2"][family] = {
+            "hf_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
+            "export": _exported_matches(model, Path(hf_dirs[family])),
+            "round_trip": str(convert_mcore_to_hf(work / f"mcore_ep2_{family}", work / f"hf_round_trip_tp2_{family}",
+                                                  hf_dirs[family], tp=2, ep=2, etp=1, log=lambda _: None)),
+        }
     platform.destroy_distributed()
     return results

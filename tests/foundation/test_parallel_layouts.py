@@ -7,9 +7,10 @@ model of each family (random norms: a swapped or dropped norm shows): Qwen2 (qkv
 gate, no renormalisation, a dense first layer) and Mixtral:
 - logits equal transformers' (float32, max abs diff <= 1e-5);
 - `iter_hf_weights` gives back the HF tensors bit for bit at every layout, on each stage's exporting rank only;
-- a checkpoint written at TP=2 by the HF->Megatron converter loads at TP=1, PP=2 and EP=2 with equal logits;
+- a checkpoint written at TP=2 by the HF->Megatron converter loads at TP=1, PP=2 and EP=2 with equal logits, and one
+  written at EP=2 loads at TP=2 x EP=2 with ETP=1 (whole experts per rank) and the alltoall token dispatcher;
 - the Megatron->HF converter writes a directory transformers loads, bit-identical to the original: from the TP=2
-  checkpoint at PP=2 and at EP=2, and from a checkpoint written at EP=2 back at TP=2;
+  checkpoint at PP=2 and at EP=2, and from the checkpoint written at EP=2 back at TP=2 x EP=2 (ETP=1);
 - greedy generation through Megatron's pipeline matches transformers' greedy tokens.
 """
 from __future__ import annotations
@@ -75,11 +76,11 @@ def _per_rank(run, layout: str, family: str, key: str) -> list:
 
 
 LAYOUTS = [(layout, family) for layout in ("tp1", "tp2", "pp2") for family in FAMILIES]
-LAYOUTS += [("ep2", family) for family in MOE_FAMILIES]
-# (checkpoint-to-HF conversion run, layout it ran at): from the TP=2 checkpoint at PP=2 (every family) and at EP=2,
-# and from the checkpoint written at EP=2 back at TP=2 (MoE families)
+LAYOUTS += [(layout, family) for layout in ("ep2", "tp2_ep2") for family in MOE_FAMILIES]
+# Megatron -> HF conversions, by the layout they ran at: from the TP=2 checkpoint at PP=2 (every family) and at EP=2,
+# and from the checkpoint written at EP=2 back at TP=2 x EP=2 with ETP=1 (MoE families)
 ROUND_TRIPS = [("pp2", family) for family in FAMILIES]
-ROUND_TRIPS += [(layout, family) for layout in ("ep2", "tp2_again") for family in MOE_FAMILIES]
+ROUND_TRIPS += [(layout, family) for layout in ("ep2", "tp2_ep2") for family in MOE_FAMILIES]
 
 
 @pytest.mark.parametrize("layout, family", LAYOUTS)
@@ -104,7 +105,8 @@ def test_exported_weights_are_bit_identical(layout_run, layout, family):
         assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
 
 
-@pytest.mark.parametrize("layout, family", [(layout, family) for layout, family in LAYOUTS if layout != "tp2"])
+@pytest.mark.parametrize("layout, family", [(layout, family) for layout, family in LAYOUTS
+                                            if layout in ("tp1", "pp2", "ep2")])
 def test_tp2_checkpoint_loads_at_other_layouts(layout_run, layout, family):
     diffs = [d for d in _per_rank(layout_run, layout, family, "checkpoint_diff") if d is not None]
     assert diffs and max(diffs) <= TOLERANCE
