@@ -69,15 +69,18 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     except ValueError as error:
         results["tp2"]["one_kv_head_error"] = str(error)
 
-    switch_layout(tp=1, pp=1)
-    for family in FAMILIES:
+    def from_hf_then_tp2_checkpoint(family: str) -> tuple[object, dict]:
+        """The model loaded from HF (logits, export), then from the TP=2 checkpoint (logits)."""
         model = build_gpt_model(configs[family])
         load_hf_weights(model, hf_dirs[family])
-        hf_diff = max_diff(forward_logits(model, input_ids), hf_logits[family])
-        export = _exported_matches(model, Path(hf_dirs[family]))
+        checks = {"hf_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
+                  "export": _exported_matches(model, Path(hf_dirs[family]))}
         load_checkpoint(model, work / f"mcore_tp2_{family}")
-        results["tp1"][family] = {"hf_diff": hf_diff, "export": export,
-                                  "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family])}
+        return model, {**checks, "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family])}
+
+    switch_layout(tp=1, pp=1)
+    for family in FAMILIES:
+        results["tp1"][family] = from_hf_then_tp2_checkpoint(family)[1]
     other = build_gpt_model(configs["llama"])
     try:
         load_checkpoint(other, work / "mcore_tp2_qwen2")
@@ -87,14 +90,9 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
 
     switch_layout(tp=1, pp=2)
     for family in FAMILIES:
-        model = build_gpt_model(configs[family])
-        load_hf_weights(model, hf_dirs[family])
-        hf_diff = max_diff(forward_logits(model, input_ids), hf_logits[family])
-        export = _exported_matches(model, Path(hf_dirs[family]))
-        load_checkpoint(model, work / f"mcore_tp2_{family}")
+        model, checks = from_hf_then_tp2_checkpoint(family)
         results["pp2"][family] = {
-            "hf_diff": hf_diff, "export": export,
-            "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
+            **checks,
             "greedy": greedy_generate(model, prompt_ids, max_new_tokens, eos_token_id=None),
             "round_trip": str(convert_mcore_to_hf(work / f"mcore_tp2_{family}", work / f"hf_round_trip_{family}",
                                                   hf_dirs[family], pp=2, log=lambda _: None)),
@@ -102,14 +100,8 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
 
     switch_layout(tp=1, pp=1, ep=2)
     for family in MOE_FAMILIES:
-        model = build_gpt_model(configs[family])
-        load_hf_weights(model, hf_dirs[family])
-        hf_diff = max_diff(forward_logits(model, input_ids), hf_logits[family])
-        export = _exported_matches(model, Path(hf_dirs[family]))
-        load_checkpoint(model, work / f"mcore_tp2_{family}")
         results["ep2"][family] = {
-            "hf_diff": hf_diff, "export": export,
-            "checkpoint_diff": max_diff(forward_logits(model, input_ids), hf_logits[family]),
+            **from_hf_then_tp2_checkpoint(family)[1],
             "checkpoint": str(convert_hf_to_mcore(hf_dirs[family], work / f"mcore_ep2_{family}", ep=2,
                                                   log=lambda _: None)),
             "round_trip": str(convert_mcore_to_hf(work / f"mcore_tp2_{family}", work / f"hf_round_trip_ep2_{family}",
