@@ -4,10 +4,9 @@ The HF config is the single source of truth for the architecture: RMSNorm, SwiGL
 scaling), grouped-query attention, q/k norms, the family's biases and sliding window, mixtures of experts (with a
 shared expert), tied or untied embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py and
 each family list every one). Tensor, pipeline and expert parallel sizes come from `megatron.core.parallel_state` (call
-`megatron_cpo.platform.init_distributed` first). The vocabulary
-is padded only up to a multiple of the TP size (so each rank holds an equal slice; checkpoints load whatever padding
-they were saved with); the model keeps the real size as `model.hf_vocab_size` so callers can drop the padded logit
-columns.
+`megatron_cpo.platform.init_distributed` first). The vocabulary is padded only up to a multiple of the TP size (so each
+rank holds an equal slice; checkpoints load whatever padding they were saved with); the model keeps the real size as
+`model.hf_vocab_size` so callers can drop the padded logit columns.
 """
 from __future__ import annotations
 
@@ -186,12 +185,12 @@ def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int |
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
-    moe = {"num_experts": num_experts, "moe_grouped_gemm": bool(num_experts) and config.moe_grouped_gemm,
-           "qk_layernorm": config.qk_layernorm}
+    kind = {"num_experts": num_experts, "moe_grouped_gemm": bool(num_experts) and config.moe_grouped_gemm,
+            "qk_layernorm": config.qk_layernorm}
     if uses_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec(**moe)
+        spec = get_gpt_layer_with_transformer_engine_spec(**kind)
     else:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization, **moe)
+        spec = get_gpt_layer_local_spec(normalization=config.normalization, **kind)
         if config.sequence_parallel:
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     if biases is not None and config.add_bias_linear:
