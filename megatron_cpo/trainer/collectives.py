@@ -117,7 +117,7 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
 
 
 def push_weights(actor_model: Any, manager: RolloutEngines | None) -> dict[str, float]:
-    """Stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines over the
+    """Stream the actor's weights (HF names, full tensors) from each stage's exporting rank into the engines over the
     configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
     Returns the sync time and this rank's bytes."""
     start = time.perf_counter()
@@ -128,8 +128,7 @@ def push_weights(actor_model: Any, manager: RolloutEngines | None) -> dict[str, 
     spec, ray_auth = broadcast_object(payload)
     if manager is None:
         os.environ.update(ray_auth)  # a sending rank joins rank 0's Ray cluster with its authentication mode
-    exports = parallel_state.get_data_parallel_rank() == 0
-    tensors = iter_hf_weights(actor_model, actor_model.hf_config) if exports else iter(())
+    tensors = iter_hf_weights(actor_model, actor_model.hf_config)  # every rank: experts are gathered over EP/ETP
     sent = send_from_pipeline_stages(spec, tensors, parallel_state.get_pipeline_model_parallel_rank(),
                                      parallel_state.get_pipeline_model_parallel_world_size())
     if _distributed():

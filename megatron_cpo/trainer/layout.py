@@ -8,13 +8,16 @@ from typing import Any
 
 @dataclass
 class Layout:
-    """The trainer's `world_size` processes (one GPU each on a GPU machine) split TP x PP x CP x DP, the rollout
+    """The trainer's `world_size` processes (one GPU each on a GPU machine) split TP x PP x CP x DP (a mixture of
+    experts' experts EP x ETP within each stage's data-parallel processes), the rollout
     engines (`engines` of `rollout_tp` devices each, where `rollout_mode` puts them) and the switches that change
     what the trainer keeps in memory and how long it computes (docs/planning.md)."""
 
     tp: int = 1
     pp: int = 1
     world_size: int = 1
+    ep: int = 1                   # expert-parallel size (MoE)
+    etp: int | None = None        # expert-tensor-parallel size (None: the same as TP)
     engines: int = 1
     rollout_tp: int = 1
     rollout_mode: str = "ray"
@@ -42,6 +45,16 @@ class Layout:
             raise ValueError(f"the trainer's {self.world_size} processes are not a multiple of TP x PP x CP = "
                              f"{self.model_parallel}")
         return self.world_size // self.model_parallel
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel replicas: the processes of a stage that hold the same experts, world / (PP x EP x
+        ETP)."""
+        expert_parallel = self.pp * self.ep * (self.etp or self.tp)
+        if self.world_size % expert_parallel:
+            raise ValueError(f"the trainer's {self.world_size} processes are not a multiple of PP x EP x ETP = "
+                             f"{expert_parallel}")
+        return self.world_size // expert_parallel
 
     @classmethod
     def from_config(cls, config: Any, world_size: int) -> "Layout":

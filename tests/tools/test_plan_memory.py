@@ -199,3 +199,44 @@ def test_recipes_turn_on_the_scale_settings_and_fit(size, gpus, tmp_path, capsys
     report = json.loads(capsys.readouterr().out)
     assert report["layout"]["remove_padding"] and report["layout"]["fused_kernels"]
     assert report["memory_gib"]["total"] < 0.8 * 80  # an 80 GiB GPU with room to spare
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_parameter_count_of_every_family_equals_transformers(family):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.models.tiny import tiny_config
+
+    overrides = {"attention_bias": True, "mlp_bias": True} if family == "llama" else {}
+    config = tiny_config(family, **overrides)
+    shape = ModelShape.from_hf_config(config.to_dict())
+    model = AutoModelForCausalLM.from_config(config)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    if shape.is_moe:  # every MoE layer of the tiny models has 4 experts and routes to 2
+        assert shape.total_params() - shape.active_params() == shape.moe_layers * 2 * shape.expert_params()
+    else:
+        assert shape.active_params() == shape.total_params()
+
+
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+
+
+def test_moe_counts_total_and_active_parameters_and_shards_experts_over_ep():
+    shape = ModelShape.from_hf_config(QWEN3_30B_A3B)
+    assert abs(shape.total_params() - 30.5e9) / 30.5e9 < 0.01  # Qwen3-30B-A3B's published 30.5 B, 3.3 B active
+    assert abs(shape.active_params() - 3.3e9) / 3.3e9 < 0.02
+    base = dict(tp=4, world_size=16, sequence_parallel=True)
+    ep1, ep8 = (trainer_memory(shape, Layout(**base, ep=ep, etp=1), Batch()) for ep in (1, 8))
+    experts = 48 * 128 * shape.expert_params()  # bf16 weights: 2 bytes each, all on one rank at EP=1 (ETP=1)
+    assert ep1["weights"] - ep8["weights"] == pytest.approx(experts * 2 * 7 / 8)
+    # the experts' Adam state is sharded over the expert-data-parallel ranks: 16 / (EP 8 x ETP 1) = 2
+    assert Layout(**base, ep=8, etp=1).expert_dp == 2
+    times = step_time(shape, Layout(**base, ep=8, etp=1, engines=2, rollout_tp=4), Batch(), "h100-sxm", mfu=0.3)
+    dense_equivalent = step_time(ModelShape(**{**shape.__dict__, "top_k": 128}), Layout(**base, ep=8, etp=1,
+                                 engines=2, rollout_tp=4), Batch(), "h100-sxm", mfu=0.3)
+    assert times["training"] < dense_equivalent["training"] / 5  # FLOPs follow the active parameters
+    with pytest.raises(ValueError, match=r"not a multiple of PP x EP x ETP = 32"):
+        Layout(tp=4, world_size=16, ep=8, etp=4).expert_dp
