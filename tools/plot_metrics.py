@@ -3,7 +3,7 @@
     python tools/plot_metrics.py outputs/run/metrics.jsonl --out curves.png
     python tools/plot_metrics.py grpo/metrics.jsonl cpo/metrics.jsonl --labels GRPO CPO --smooth 0.6 --out cmp.png
 
-One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length), each drawing the
+One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length, turns), each drawing the
 metrics it lists that the run logged; panels with nothing logged are left out. Several files overlay as runs. A resumed
 run appends to the same file, so a step logged twice keeps its last value. `--smooth` is an exponential moving
 average weight (0: raw values); the raw curve stays visible behind the smoothed one. Sparse series (logged at fewer
@@ -53,6 +53,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("Mutual information (CPO)", ("cpo/mi_mean", "cpo/mi_std", "cpo/mi_positive_ratio"), "MI"),
     Panel("Entropy", ("actor/entropy",), "nats / token"),
     Panel("Response length", ("completions/mean_length", "completions/max_length"), "tokens"),
+    Panel("Turns (multi-turn episodes)", ("multi_turn/turns_mean", "val/multi_turn/turns_mean"), "turns / episode"),
 )
 
 

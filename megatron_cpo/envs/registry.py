@@ -28,8 +28,10 @@ BUILTIN_AGENTS: dict[str, type] = {
 
 
 def agent_of(record: Any, default: str) -> str:
-    """The environment name of a row: its `agent_name` (verl's column), else the default."""
-    return getattr(record, "agent_name", "") or default
+    """The environment name of a row (a `PromptRecord` or a parquet row): its `agent_name` (verl's column), else the
+    default."""
+    name = record.get("agent_name") if isinstance(record, dict) else getattr(record, "agent_name", "")
+    return str(name or "") or default
 
 
 class EnvironmentRegistry:
@@ -70,3 +72,38 @@ class EnvironmentRegistry:
     def close(self) -> None:
         self.tool_pool.shutdown(wait=False, cancel_futures=True)
         self.calls.close()
+
+
+def check_rows(config: MultiTurnConfig, rows: list[dict], sandbox: SandboxConfig | None = None
+               ) -> tuple[list[str], set[str]]:
+    """What can be known about multi-turn rows before anything starts: the tool and interaction configs load, every
+    row's environment exists, every interaction a row names is configured. Also returns the data sources whose rows'
+    environments all score themselves (they need no grader)."""
+    try:
+        registry = EnvironmentRegistry(config, sandbox)
+    except (ValueError, TypeError) as err:
+        return [str(err)], set()
+    problems: list[str] = []
+    scoring: dict[str, bool] = {}
+    try:
+        known = set()
+        for agent in sorted({agent_of(row, config.default_agent) for row in rows}):
+            try:
+                registry.environment_class(agent)
+                known.add(agent)
+            except ValueError as err:
+                problems.append(str(err))
+        for row in rows:
+            agent = agent_of(row, config.default_agent)
+            if agent in known:
+                source = row.get("data_source")
+                scoring[source] = scoring.get(source, True) and registry.scores_itself(agent)
+        named = {str(((row.get("extra_info") or {}).get("interaction_kwargs") or {}).get("name") or "")
+                 for row in rows} - {""}
+        unknown = sorted(named - set(registry.interactions)) if registry.interactions else []
+        if unknown:
+            problems.append(f"rows name the interactions {unknown} (extra_info.interaction_kwargs.name), which "
+                            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path does not configure")
+    finally:
+        registry.close()
+    return problems, {source for source, itself in scoring.items() if itself}

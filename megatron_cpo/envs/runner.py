@@ -139,6 +139,11 @@ class EpisodeRunner:
                 return
             yield from groups
 
+    @property
+    def outstanding(self) -> int:
+        """Groups submitted and not yet returned."""
+        return len(self._groups) + len(self._ready)
+
     def cancel_all(self) -> int:
         """Drop every group in flight (their environments are closed once their calls return)."""
         dropped = len(self._groups)

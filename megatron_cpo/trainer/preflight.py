@@ -162,6 +162,7 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
     problems: list[str] = []
     train_rows: int | None = 0
     sources: Counter = Counter()
+    all_rows: list[dict] = []
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for file in files:
             try:
@@ -175,10 +176,18 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
                 problems.append(f"{key}: {file!r} is not a readable parquet file ({type(err).__name__}: {err})")
             else:
                 sources.update(row["data_source"] for row in rows)
+                all_rows += rows
                 if key == "data.train_files" and train_rows is not None:
                     train_rows += len(rows)
                 continue
             train_rows = None if key == "data.train_files" else train_rows
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable:  # rows whose environment scores its episodes itself need no grader
+        from megatron_cpo.envs.registry import check_rows
+
+        found, self_scored = check_rows(multi_turn, all_rows, config.reward.sandbox)
+        problems += found
+        sources = Counter({source: count for source, count in sources.items() if source not in self_scored})
     missing = config.reward.sources_without_grader(sources)
     if missing:
         counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)

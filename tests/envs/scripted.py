@@ -113,3 +113,25 @@ class SlowFirst(TextEnvironment):
 class SpellsEndOfTurn(TextEnvironment):
     def step(self, action_text: str) -> StepResult:
         return StepResult([], done=True)
+
+
+class HeldUntilReleased(TextEnvironment):
+    """One game: the row with `extra_info["held"]` waits in its first step until `release` is set (the test's way of
+    keeping its episodes in flight when the batch fills); every episode ends after its second step."""
+    release = threading.Event()
+
+    def __init__(self) -> None:
+        self.steps, self.held = 0, False
+
+    def reset(self, record, seed):
+        self.held = bool(record.extra_info.get("held"))
+        return super().reset(record, seed)
+
+    def step(self, action_text: str) -> StepResult:
+        self.steps += 1
+        if self.held and self.steps == 1:
+            HeldUntilReleased.release.wait(30)
+        return StepResult([user("again")], done=self.steps >= 2)
+
+    def score(self) -> float:
+        return 0.0

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.envs import EnvironmentRegistry, EpisodeRunner, MultiTurnConfig
@@ -178,3 +179,44 @@ def test_the_sanity_check_excludes_a_differing_episode_only_in_strict_mode(mode,
     sample = run_group(runner).samples[0]
     assert sample.episode.template_check == ("off" if mode == "off" else "differs")
     assert sample.loss_mask == ([0, 0, 0] if excluded else [1, 1, 1])
+
+
+def test_the_controller_cancels_episodes_in_flight_and_the_next_step_regenerates_them_whole():
+    """The batch fills while prompt 3's episodes are mid-way (their first step is held): they are cancelled, the data
+    stream goes back to prompt 3, and the next step runs its episodes from turn 0; no part of them was trained."""
+    from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.controller import RolloutController
+    from megatron_cpo.trainer.prompt_stream import PromptStream
+
+    from tests.envs.scripted import HeldUntilReleased
+
+    HeldUntilReleased.release = threading.Event()
+    rows = [record(f"q{i}") for i in range(6)]
+    for index, row in enumerate(rows):
+        row.index, row.extra_info = index, {"held": index == 3}
+    runner, engines = make_runner(answer("x"), default_agent="tests.envs.scripted:HeldUntilReleased")
+    config = build_config({}, ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                               "actor_rollout_ref.rollout.n=2", "algorithm.filter_groups.enable=true"])
+
+    def scorer(items):  # prompt 1's group is uniform (filtered), the others mixed
+        return [(torch.tensor([1.0 if row.index != 1 else 0.0, 0.0]),) * 2 + (["", ""],) for row, _ in items]
+
+    stream = PromptStream(rows, total_epochs=1, seed=0, shuffle=False)
+    controller = RolloutController(runner, stream, scorer, config, keep_varied_groups,
+                                   lambda seed: SamplingParams(n=2, max_tokens=32, stop_token_ids=(EOS,), seed=seed))
+    controller.keep_history.kept, controller.keep_history.committed = 1.0, 4.0  # a low keep rate: look ahead
+    first = controller.collect(step=1)
+    assert [g.record.index for g in first.groups] == [0, 2] and all(
+        e.turns == 2 for g in first.groups for e in g.episodes)
+    assert stream.position.offset == 3, "the stream goes back to prompt 3, whose episodes were in flight"
+    held = [r.request_id for r in engines.requests if r.request_id.startswith("step1-e0-o3|")]
+    assert held and all(r.endswith("|t0") for r in held), "prompt 3 was cut after its first turn"
+    assert runner.outstanding == 0
+    HeldUntilReleased.release.set()
+    second = controller.collect(step=2)
+    assert [g.record.index for g in second.groups][:1] == [3]
+    regenerated = [r.request_id.split("|", 1)[1] for r in engines.requests if r.request_id.startswith("step2-e0-o3|")]
+    assert sorted(regenerated) == ["e0|t0", "e0|t1", "e1|t0", "e1|t1"]
+    assert all(e.turns == 2 and e.stop_reason == "done" for e in second.groups[0].episodes)
+    runner.close()

@@ -94,6 +94,36 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
     assert ray.is_initialized() == ray_was_running, "server mode must not start Ray"
 
 
+def test_verl_tool_agent_episodes_train_against_a_server_with_the_fixtures_tool_and_interaction_configs(
+        servers, tmp_path, restore_environment):
+    """Multi-turn in server mode: verl's GSM8K-with-tools rows (tests/fixtures/multi_turn, `agent_name: tool_agent`)
+    run as episodes with the fixtures' tool YAML and verl-style interaction, loaded through verl's config keys; the
+    model's answers (no tool call) get the interaction's feedback as the next user turn."""
+    from megatron_cpo.config import load_config
+    from megatron_cpo.trainer.loop import run_training
+
+    fixtures = ROOT / "tests" / "fixtures" / "multi_turn"
+    rows = fixtures / "gsm8k_tool_agent.parquet"
+    out = tmp_path / "tool_agent"
+    config = load_config(TINY / "grpo_arith.yaml", [
+        f"data.train_files={rows}", f"data.val_files={rows}", "data.train_batch_size=2", "data.val_max_samples=2",
+        "data.max_response_length=96", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"actor_rollout_ref.model.path={TINY / 'model'}", "actor_rollout_ref.rollout.mode=server",
+        f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
+        f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={fixtures / 'tool_config.yaml'}",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={fixtures / 'interaction_config.yaml'}",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", f"trainer.default_local_dir={out}",
+        "trainer.logger=[jsonl]"])
+    metrics = run_training(config)
+    assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
+    assert metrics["multi_turn/turns_max"] == 2 and metrics["multi_turn/observations_mean"] > 0
+    assert metrics["multi_turn/template_differs"] == 0
+    assert metrics["val/multi_turn/turns_mean"] >= 1
+
+
 def test_a_wrong_token_is_refused_and_health_needs_none(servers):
     url = servers["urls"]["a"]
     with pytest.raises(RolloutServerAuthError, match=f"rollout server {url} refused the token"):
