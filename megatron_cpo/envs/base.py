@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import yaml
 
 Message = dict[str, Any]
 
@@ -104,3 +107,20 @@ def import_object(path: str, where: str) -> Any:
     if not hasattr(module, name):
         raise ValueError(f"{where}={path!r}: module {module_name!r} has no {name!r}")
     return getattr(module, name)
+
+
+def yaml_entries(path: str | Path, setting: str, key: str, fields: str) -> tuple[str, list[dict]]:
+    """The `key:` list of one of verl's YAML config files (tools, interactions), each entry with a `class_name`; and
+    how errors name the file (`setting=path`). `fields` is the entries' shape, for the error message."""
+    where = f"actor_rollout_ref.rollout.multi_turn.{setting}={str(path)!r}"
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"{where} cannot be read ({err}); point it at verl's YAML file") from None
+    entries = document.get(key) if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where} has no `{key}:` list (verl's format: {key}: [{{{fields}}}])")
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not entry.get("class_name"):
+            raise ValueError(f"{where}: {key}[{index}] has no class_name")
+    return where, entries

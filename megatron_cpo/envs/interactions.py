@@ -22,9 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_cpo.envs.base import Message, import_object
+from megatron_cpo.envs.base import Message, import_object, yaml_entries
 
 
 class AsyncCalls:
@@ -93,19 +91,9 @@ class Interaction:
 def load_interactions(path: str | Path, calls: AsyncCalls) -> dict[str, Interaction]:
     """The interactions of a verl interaction-config YAML file by name (verl's default name: the class name without
     its `Interaction` suffix, lower case)."""
-    where = f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={str(path)!r}"
-    try:
-        document = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise ValueError(f"{where} cannot be read ({err}); point it at an interaction-config YAML file") from None
-    entries = document.get("interaction") if isinstance(document, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{where} has no `interaction:` list (verl's format: interaction: [{{name, class_name, "
-                         "config}}])")
+    where, entries = yaml_entries(path, "interaction_config_path", "interaction", "name, class_name, config")
     interactions: dict[str, Interaction] = {}
     for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not entry.get("class_name"):
-            raise ValueError(f"{where}: interaction[{index}] has no class_name")
         class_name = str(entry["class_name"])
         cls = import_object(class_name, f"{where}: interaction[{index}].class_name")
         simple = class_name.replace(":", ".").rsplit(".", 1)[-1]

@@ -43,7 +43,8 @@ class EnvironmentRegistry:
         self.tools: dict[str, Tool] = load_tools(config.tool_config_path, sandbox) if config.tool_config_path else {}
         self.interactions: dict[str, Interaction] = (load_interactions(config.interaction_config_path, self.calls)
                                                      if config.interaction_config_path else {})
-        self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.env_workers, thread_name_prefix="megatron-cpo-tool")
+        self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.env_workers,
+                                                               thread_name_prefix="megatron-cpo-tool")
         self._classes: dict[str, type] = {}
 
     def environment_class(self, agent: str) -> type:

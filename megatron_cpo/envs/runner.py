@@ -95,7 +95,8 @@ class EpisodeRunner:
         self.config: MultiTurnConfig = registry.config
         self.budget, self.max_prompt_length, self.truncation = max_response_length, max_prompt_length, truncation
         self.poll_s = poll_s
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.config.env_workers, thread_name_prefix="megatron-cpo-env")
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.config.env_workers,
+                                                          thread_name_prefix="megatron-cpo-env")
         self._groups: dict[str, _Group] = {}
         self._turns: dict[str, Episode] = {}  # engine request id -> its episode
         self._calls: dict[concurrent.futures.Future, _Call] = {}

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_cpo.envs.base import import_object
+from megatron_cpo.envs.base import import_object, yaml_entries
 from megatron_cpo.rewards.answer_graders import compute_gsm8k_score
 from megatron_cpo.rewards.sandbox import SandboxConfig, SandboxLimits, configure_sandbox, run_python
 
@@ -128,9 +126,9 @@ class CodeExecutionTool(Tool):
         super().__init__(config, tool_schema)
         if sandbox is not None:
             configure_sandbox(sandbox, resolve=False)
-        timeout = float(self.config.get("timeout_s", self.config.get("default_timeout", 5.0)))
-        self.limits = SandboxLimits(wall_timeout_s=timeout, cpu_time_s=max(1, int(timeout)),
-                                    memory_mb=int(self.config.get("memory_mb", self.config.get("memory_limit_mb", 512))))
+        timeout = float(self.config.get("timeout_s", self.config.get("default_timeout", 5.0)))  # verl: default_timeout
+        memory = int(self.config.get("memory_mb", self.config.get("memory_limit_mb", 512)))  # verl: memory_limit_mb
+        self.limits = SandboxLimits(wall_timeout_s=timeout, cpu_time_s=max(1, int(timeout)), memory_mb=memory)
 
     def default_schema(self) -> dict:
         return function_schema("code_interpreter", "Run Python code and read what it prints.",
@@ -173,18 +171,9 @@ VERL_TOOL_CLASSES: dict[str, type[Tool]] = {
 
 def load_tools(path: str | Path, sandbox: SandboxConfig | None = None) -> dict[str, Tool]:
     """The tools of a verl tool-config YAML file by name; errors name the file, the entry and the fix."""
-    where = f"actor_rollout_ref.rollout.multi_turn.tool_config_path={str(path)!r}"
-    try:
-        document = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise ValueError(f"{where} cannot be read ({err}); point it at a tool-config YAML file") from None
-    entries = document.get("tools") if isinstance(document, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{where} has no `tools:` list (verl's format: tools: [{{class_name, config, tool_schema}}])")
+    where, entries = yaml_entries(path, "tool_config_path", "tools", "class_name, config, tool_schema")
     tools: dict[str, Tool] = {}
     for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not entry.get("class_name"):
-            raise ValueError(f"{where}: tools[{index}] has no class_name")
         class_name = entry["class_name"]
         cls = VERL_TOOL_CLASSES.get(class_name) or import_object(class_name, f"{where}: tools[{index}].class_name")
         if not (isinstance(cls, type) and issubclass(cls, Tool)):

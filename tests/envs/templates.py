@@ -9,7 +9,8 @@ from megatron_cpo.models.tiny import build_char_tokenizer
 QWEN_STYLE = (
     "{%- if tools %}"
     "{{ '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}{{ 'You are a helpful assistant.' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{%- else %}{{ 'You are a helpful assistant.' }}"
     "{%- endif %}"
     "{{ '\\n\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{ '\\n</tools><|im_end|>\\n' }}"

@@ -102,7 +102,8 @@ def test_same_text_other_ids_is_a_retokenization_not_a_template_difference():
 @pytest.mark.parametrize("mode, expected", [(False, "differs"), (True, "same-or-retokenized")])
 def test_whitespace_only_differences_pass_when_strippable_whitespace_is_ignored(mode, expected):
     template = ChatTemplate(tokenizer_with())
-    ids = template.prompt_ids([{"role": "user", "content": "q"}], None) + sampled(template.tokenizer, "a ", "<|im_end|>")
+    ids = template.prompt_ids([{"role": "user", "content": "q"}], None)
+    ids += sampled(template.tokenizer, "a ", "<|im_end|>")
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     result = template.check_conversation(ids, conversation, None, ignore_whitespace=mode)
     assert result == expected if expected == "differs" else result in ("same", "retokenized")

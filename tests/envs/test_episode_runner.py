@@ -26,7 +26,8 @@ def ids(text: str) -> list[int]:
 
 def record(text: str = "go", agent: str = "", ground_truth: str = "5") -> PromptRecord:
     messages = [{"role": "user", "content": text}]
-    return PromptRecord(uid="", index=0, messages=messages, prompt_ids=ChatTemplate(TOKENIZER).prompt_ids(messages, None),
+    return PromptRecord(uid="", index=0, messages=messages,
+                        prompt_ids=ChatTemplate(TOKENIZER).prompt_ids(messages, None),
                         data_source="megatron_cpo/arith", ground_truth=ground_truth, agent_name=agent)
 
 
@@ -61,8 +62,9 @@ def test_three_turns_align_mask_and_log_probs_and_each_turn_extends_the_last():
     assert sample.loss_mask == [1] * 3 + [0] * len(ids(observations[0])) + [1] * 3 + \
            [0] * len(ids(observations[1])) + [1] * 3
     engine_log_probs = [[-(turn + 1) - k / 100 for k in range(3)] for turn in range(3)]
-    assert sample.logprobs == pytest.approx(engine_log_probs[0] + [0.0] * len(ids(observations[0])) +
-                                            engine_log_probs[1] + [0.0] * len(ids(observations[1])) + engine_log_probs[2])
+    zeros = [[0.0] * len(ids(text)) for text in observations]
+    assert sample.logprobs == pytest.approx(engine_log_probs[0] + zeros[0] + engine_log_probs[1] + zeros[1] +
+                                            engine_log_probs[2])
     # the prefix property: every turn's prompt is the previous prompt + what was sampled + the observation
     prompts = [request.prompt_ids for request in engines.requests]
     assert prompts[0] == group.prompt_token_ids

@@ -44,7 +44,8 @@ def test_tool_outputs_are_cut_as_verl_cuts_them():
 
 
 def test_the_calculator_evaluates_arithmetic_only():
-    assert evaluate_arithmetic("17*3+4") == 55 and evaluate_arithmetic("7/2") == 3.5 and evaluate_arithmetic("-(2**3)") == -8
+    assert evaluate_arithmetic("17*3+4") == 55 and evaluate_arithmetic("7/2") == 3.5
+    assert evaluate_arithmetic("-(2**3)") == -8
     for bad in ("__import__('os')", "2**1000", "x+1", "[1]"):
         with pytest.raises((ValueError, SyntaxError)):
             evaluate_arithmetic(bad)

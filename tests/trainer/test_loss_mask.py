@@ -45,8 +45,9 @@ def test_the_loss_has_no_gradient_on_observation_tokens():
     seqs = pack_sequences([[1, 2]] * 2, [s.token_ids for s in EPISODES], 0, 5,
                           RaggedRows.from_lists([s.loss_mask for s in EPISODES]))
     mask = seqs.response_mask()
+    torch.manual_seed(0)
     log_probs, entropy = torch.randn(2, 5, requires_grad=True), torch.rand(2, 5, requires_grad=True)
-    old = torch.randn(2, 5)
+    old = log_probs.detach() + 0.01 * torch.randn(2, 5)  # inside the clip range: every sampled token has a gradient
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         config = PolicyLossConfig(loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
                                   tis_imp_ratio_cap=2.0)

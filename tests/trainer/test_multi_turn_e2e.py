@@ -38,7 +38,8 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
     config = make_config(
         f"actor_rollout_ref.model.path={WARM_MODEL}", f"data.train_files={data['train']}",
         f"data.val_files={data['test']}", "reward.custom_reward_function=", "data.max_response_length=128",
-        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "trainer.total_training_steps=3",
         "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient on every sampled token, whatever the rewards
         "trainer.val_before_train=false", "trainer.test_freq=3", f"trainer.default_local_dir={run_dir}")
