@@ -7,7 +7,6 @@ arguments its constructor gets. One registry serves a run: tools and interaction
 """
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any, Callable
 
 from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
@@ -15,6 +14,7 @@ from megatron_cpo.envs.base import SingleTurnEnvironment, import_object, scores_
 from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.frozen_lake import FrozenLakeEnvironment
 from megatron_cpo.envs.interactions import AsyncCalls, Interaction, load_interactions
+from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.envs.tool_agent import ToolAgentEnvironment
 from megatron_cpo.envs.tools import Tool, load_tools
 from megatron_cpo.rewards.sandbox import SandboxConfig
@@ -43,8 +43,7 @@ class EnvironmentRegistry:
         self.tools: dict[str, Tool] = load_tools(config.tool_config_path, sandbox) if config.tool_config_path else {}
         self.interactions: dict[str, Interaction] = (load_interactions(config.interaction_config_path, self.calls)
                                                      if config.interaction_config_path else {})
-        self.tool_pool = concurrent.futures.ThreadPoolExecutor(config.env_workers,
-                                                               thread_name_prefix="megatron-cpo-tool")
+        self.tool_pool = DaemonThreads(config.env_workers, "megatron-cpo-tool")
         self._classes: dict[str, type] = {}
 
     def environment_class(self, agent: str) -> type:
@@ -71,7 +70,7 @@ class EnvironmentRegistry:
         return scores_itself(self.environment_class(agent))
 
     def close(self) -> None:
-        self.tool_pool.shutdown(wait=False, cancel_futures=True)
+        self.tool_pool.shutdown()
         self.calls.close()
 
 

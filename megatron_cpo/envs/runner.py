@@ -27,6 +27,7 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.episode import Episode, turn_seed
 from megatron_cpo.envs.registry import EnvironmentRegistry, agent_of
 from megatron_cpo.envs.templates import ChatTemplate
+from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams, derive_sample_seeds
 
@@ -46,7 +47,6 @@ class _Group:
 class _Call:
     episode: Episode
     kind: str  # reset, step or finish
-    deadline: float
 
 
 def _timed(function: Callable, *args: Any) -> tuple[Any, float]:
@@ -95,8 +95,7 @@ class EpisodeRunner:
         self.config: MultiTurnConfig = registry.config
         self.budget, self.max_prompt_length, self.truncation = max_response_length, max_prompt_length, truncation
         self.poll_s = poll_s
-        self.pool = concurrent.futures.ThreadPoolExecutor(self.config.env_workers,
-                                                          thread_name_prefix="megatron-cpo-env")
+        self.pool = DaemonThreads(self.config.env_workers, "megatron-cpo-env")
         self._groups: dict[str, _Group] = {}
         self._turns: dict[str, Episode] = {}  # engine request id -> its episode
         self._calls: dict[concurrent.futures.Future, _Call] = {}
@@ -162,14 +161,14 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.cancel_all()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         self.registry.close()
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _advance(self) -> bool:
         """Handle what has finished (environment calls, timeouts, turns); True when something did."""
         now = time.monotonic()
-        done = [future for future, call in self._calls.items() if future.done() or now > call.deadline]
+        done = [future for future in self._calls if future.done() or self._late(future, now)]
         for future in done:
             self._handle_call(future, self._calls.pop(future))
         if done:
@@ -188,14 +187,18 @@ class EpisodeRunner:
                     self._handle_turn(episode, group)
             return True
         if self._calls:
-            first_deadline = min(call.deadline for call in self._calls.values())
-            concurrent.futures.wait(list(self._calls), timeout=max(0.0, first_deadline - now) + 1e-3,
+            running = [future.started for future in self._calls if future.started is not None]
+            wait = min(running) + self.config.call_timeout_s - now if running else self.config.call_timeout_s
+            concurrent.futures.wait(list(self._calls), timeout=max(0.0, wait) + 1e-3,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         return False
 
+    def _late(self, future: concurrent.futures.Future, now: float) -> bool:
+        """A call past its timeout (counted from when it started running)."""
+        return future.started is not None and now - future.started > self.config.call_timeout_s
+
     def _call(self, episode: Episode, kind: str, function: Callable, *args: Any) -> None:
-        future = self.pool.submit(_timed, function, *args)
-        self._calls[future] = _Call(episode, kind, time.monotonic() + self.config.call_timeout_s)
+        self._calls[self.pool.submit(_timed, function, *args)] = _Call(episode, kind)
 
     def _handle_call(self, future: concurrent.futures.Future, call: _Call) -> None:
         episode = call.episode

@@ -8,6 +8,7 @@ counted by kind in `info["tool_failures"]` (`<tool>/<kind>`); the episode goes o
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from megatron_cpo.envs.base import Message, StepResult, TextEnvironment
 from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.interactions import Interaction
+from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.envs.tool_calls import ToolCall, parse_hermes_tool_calls, truncate_tool_response
 from megatron_cpo.envs.tools import Tool, ToolContext, ToolOutput
 
@@ -46,7 +48,7 @@ class ToolAgentEnvironment(TextEnvironment):
     error_role = "tool"
 
     def __init__(self, tools: dict[str, Tool], interactions: dict[str, Interaction], config: MultiTurnConfig,
-                 tool_pool: concurrent.futures.Executor) -> None:
+                 tool_pool: DaemonThreads) -> None:
         self.tools, self.interactions, self.config, self.tool_pool = tools, interactions, config, tool_pool
         self.tool_schemas = [tool.schema for tool in tools.values()]
         self.instance_id = uuid.uuid4().hex
@@ -99,9 +101,10 @@ class ToolAgentEnvironment(TextEnvironment):
             futures[len(answers)] = (call, self.tool_pool.submit(self.tools[call.name].call, call.arguments,
                                                                  self.contexts[call.name]))
             answers.append("")
+        deadline = time.monotonic() + self.config.call_timeout_s  # the calls run in parallel: one deadline for all
         for slot, (call, future) in futures.items():
             try:
-                output = future.result(timeout=self.config.call_timeout_s)
+                output = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 failures[f"{call.name}/timeout"] += 1
                 answers[slot] = f"Error: tool {call.name} did not answer within {self.config.call_timeout_s:g} s"

@@ -137,6 +137,8 @@ def test_a_raising_step_is_an_error_observation_and_a_hanging_one_ends_its_episo
     sample = run_group(runner).samples[0]
     assert time.monotonic() - started < 4, "the runner waited for the hanging step"
     assert (sample.episode.env_timeouts, sample.episode.stop_reason, sample.episode.turns) == (1, "env_timeout", 2)
+    hung = [t for t in threading.enumerate() if t.name.startswith("megatron-cpo-env") and t.is_alive()]
+    assert hung and all(t.daemon for t in hung)  # the hung step keeps a thread, never the process from exiting
 
 
 def test_episodes_advance_independently():

@@ -1,7 +1,6 @@
 """Tools (hermes tool calls, verl's tool YAML, the calculator, the code sandbox, verl's GSM8K tool), verl-style
 interactions without verl, and the tool agent's error observations: malformed calls, unknown tools, missing
 arguments, exceptions and timeouts (each answered and counted, the episode goes on)."""
-import concurrent.futures
 import re
 import threading
 from pathlib import Path
@@ -12,6 +11,7 @@ from megatron_cpo.data.config import DataConfig
 from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.envs import EnvironmentRegistry, MultiTurnConfig, Tool, ToolContext
 from megatron_cpo.envs.interactions import AsyncCalls, load_interactions
+from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.envs.tool_agent import ToolAgentEnvironment
 from megatron_cpo.envs.tool_calls import parse_hermes_tool_calls, truncate_tool_response
 from megatron_cpo.envs.tools import AnswerCheckTool, CalculatorTool, CodeExecutionTool, evaluate_arithmetic, load_tools
@@ -115,7 +115,7 @@ class Broken(Tool):
 def test_the_tool_agent_answers_every_bad_call_with_an_error_and_counts_it_by_kind():
     tools = {"calculator": CalculatorTool(), "slow": Slow(), "broken": Broken()}
     config = MultiTurnConfig(enable=True, max_parallel_calls=4, call_timeout_s=0.2, max_tool_response_length=200)
-    pool = concurrent.futures.ThreadPoolExecutor(4)
+    pool = DaemonThreads(4, "test-tools")
     env = ToolAgentEnvironment(tools, {}, config, pool)
     row = type("Row", (), {"messages": [{"role": "user", "content": "q"}], "extra_info": {}})()
     env.reset(row, 0)
@@ -134,7 +134,7 @@ def test_the_tool_agent_answers_every_bad_call_with_an_error_and_counts_it_by_ki
                                             "calculator/over_limit": 1}
     assert result.info["tool_calls"] == {"calculator": 3, "slow": 1, "broken": 1, "nope": 1}
     assert env.step("\\boxed{42}").done  # no tool call and no interaction: the episode ends
-    pool.shutdown(wait=False)
+    pool.shutdown()
 
 
 def test_rows_pick_their_environment_and_verl_rows_load(tmp_path):
