@@ -82,8 +82,7 @@ class EpisodeInfo:
     turn_rewards: list[float]
     final_score: float | None
     final_answer: str
-    stop_reason: str  # done, max_assistant_turns, max_user_turns, response_length, turn_length, observation_length,
-    # env_timeout
+    stop_reason: str  # done, a turn limit, a length limit, env_timeout, reset_error (envs/episode.py: STOP_REASONS)
     observation_tokens: int = 0
     tool_calls: dict[str, int] = field(default_factory=dict)  # by tool name
     tool_failures: dict[str, int] = field(default_factory=dict)  # by kind: malformed, unknown_tool, error, timeout
