@@ -6,14 +6,11 @@ import pytest
 
 from megatron_cpo.config import load_config
 from megatron_cpo.rewards import RewardConfig, RewardManager, compute_score
-from megatron_cpo.rewards.sandbox import (
-    SandboxLimits,
-    SandboxConfig,
-    configure_sandbox,
-    namespaces_unavailable_reason,
-    run_python,
-)
-from megatron_cpo.rewards.sandbox_fusion import FusionCompatibleServer, RemoteSandboxError
+from megatron_cpo.rewards.sandbox import configure_sandbox, run_python
+from megatron_cpo.rewards.sandbox_fusion import RemoteSandboxError
+from megatron_cpo.rewards.sandbox_fusion_server import FusionCompatibleServer
+from megatron_cpo.rewards.sandbox_namespaces import namespaces_unavailable_reason
+from megatron_cpo.rewards.sandbox_types import SandboxConfig, SandboxLimits
 
 BACKEND = "namespaces" if namespaces_unavailable_reason() is None else "process"
 FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256)
