@@ -27,8 +27,9 @@ from megatron_cpo.rewards.sandbox import run_python
 from megatron_cpo.rewards.sandbox_namespaces import launcher_server, namespaces_unavailable_reason
 from megatron_cpo.rewards.sandbox_types import SandboxLimits
 
-pytestmark = pytest.mark.skipif(namespaces_unavailable_reason() is not None,
-                                reason=f"namespaces refused here: {namespaces_unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(namespaces_unavailable_reason() is not None,
+                                 reason=f"namespaces refused here: {namespaces_unavailable_reason()}"),
+              pytest.mark.slow]  # programs run in jails, bombs run into their limits: seconds each
 FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, output_limit_bytes=64 * 1024)
 SANDBOX_UID_BASE = 1_000_000
 

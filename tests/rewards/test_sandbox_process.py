@@ -19,7 +19,8 @@ from megatron_cpo.rewards.sandbox import configure_sandbox, run_python
 from megatron_cpo.rewards.sandbox_types import SandboxConfig, SandboxLimits
 
 SYSTEM_PYTHON = "/usr/bin/python3"
-pytestmark = pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here")
+pytestmark = [pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here"),
+              pytest.mark.slow]  # sandboxed interpreters, the backend probe
 LIMITS = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, python_executable=SYSTEM_PYTHON)
 
 
