@@ -180,8 +180,9 @@ class RouterReplayConfig:
     """verl's `actor_rollout_ref.actor.router_replay`: make the update route every token of a mixture of experts as
     an earlier pass did (trainer/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
     replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same experts
-    (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM returns routed experts only
-    on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is refused."""
+    (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
+    returns routed experts only on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is
+    refused."""
     mode: str = "disabled"
 
     def __post_init__(self) -> None:

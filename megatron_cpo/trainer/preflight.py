@@ -1,7 +1,8 @@
 """Everything about a run that can be checked before Ray, torch.distributed and the engines start.
 
 `preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
-`ConfigError`: the model directory, TP/PP against the heads, layers and world size, verl's
+`ConfigError`: the model directory, TP/PP against the heads, layers and world size, EP/ETP against the experts and
+the world size (and the model family's own checks, `models.builder.check_hf_config`), verl's
 `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
 for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
 trainer/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it

@@ -51,3 +51,9 @@ def test_qwen3_moe_at_ep2_trains_with_the_engine_in_step(arith_data, tmp_path):
         assert row["moe/topk_changed_fraction"] == 0  # R2: the update routed as the old-log-prob pass
         assert row["moe/expert_load_max_over_mean"] >= 1 and row["moe/router_entropy"] > 0
         assert {"moe/expert_load_max_over_mean/layer_1", "moe/expert_load_max_over_mean/layer_3"} <= set(row)
+    # the last step's checkpoint holds the actor as a Hugging Face model, every expert gathered from both ranks
+    from safetensors import safe_open
+
+    exported = tmp_path / "run" / "checkpoints" / f"step_{STEPS:06d}" / "huggingface"
+    names = [name for file in exported.glob("*.safetensors") for name in safe_open(file, "pt").keys()]
+    assert sum(".mlp.experts." in name for name in names) == 2 * 4 * 3  # 2 MoE layers x 4 experts x 3 matrices

@@ -73,6 +73,8 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
     platform.init_distributed(tp, 1, seed=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     actor, _ = build_policies(config, pad_token_id=0, total_updates=10)
     routers_before = [router.weight.detach().clone() for router in moe_routers(actor.model)]
+    local_experts = sum(name.startswith("decoder.layers.1.mlp.experts.local_experts.") and "linear_fc1" in name
+                        for name, _ in actor.model.named_parameters())  # this rank's experts of MoE layer 1
     batch = _batch(torch.tensor(scores))
     log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
     if perturb_routers:  # the same change on every rank: the update would route many tokens elsewhere
@@ -87,7 +89,7 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
                      for before, router in zip(routers_before, moe_routers(actor.model))]
     parallel_state.destroy_model_parallel()
     return {"log_probs": log_probs.old_log_probs, "metrics": metrics, "exported": exported,
-            "routers_moved": routers_moved}
+            "routers_moved": routers_moved, "local_experts": local_experts}
 
 
 def all_cases(rank, world_size, model_dir):
@@ -161,6 +163,7 @@ def test_expert_parallel_training_equals_ep1(results, dispatcher):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "moe/expert_load_max_over_mean",
                     "moe/router_entropy"):
             assert split["metrics"][key] == pytest.approx(single["metrics"][key], rel=TOLERANCE, abs=TOLERANCE), key
+        assert (single["local_experts"], split["local_experts"]) == (4, 2)  # EP=2: two experts per rank
         assert any("experts.3." in name for name in split["exported"])  # rank 1's experts, gathered
         # Adam's first steps are about lr x sign(gradient): float noise in tiny gradients moves a weight by a
         # fraction of a step; a sharding error of the optimizer would move it by whole steps (lr = 1e-2)
