@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.envs.registry import check_rows
 from megatron_cpo.trainer.layout import Layout
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.loggers import sink_package_problems
@@ -246,8 +247,6 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
             train_rows = None if key == "data.train_files" else train_rows
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
     if multi_turn.enable:  # rows whose environment scores its episodes itself need no grader
-        from megatron_cpo.envs.registry import check_rows
-
         found, self_scored = check_rows(multi_turn, all_rows, config.reward.sandbox)
         problems += found
         sources = Counter({source: count for source, count in sources.items() if source not in self_scored})
