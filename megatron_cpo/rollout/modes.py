@@ -1,8 +1,9 @@
 """`build_rollout_manager`: the rollout manager of `actor_rollout_ref.rollout.mode` for a run's config.
 
 Every mode returns an object with `RolloutManager`'s interface (submit / completed / finished / cancel_all /
-check_engines / num_engines_alive / last_engine_failure / sender_spec / begin_weight_sync / finish_weight_sync /
-shutdown / engines), so the trainer does not know which one it drives:
+check_engines / num_engines_alive / last_engine_failure / sender_spec / begin_weight_sync / finish_weight_sync (the
+engines' reload reports) / sync_probe (rollout/sync_check.py) / shutdown / engines), so the trainer does not know which
+one it drives:
 - `ray` (and verl's `sync` / `async`): `RolloutManager`, `num_engines` Ray actors on their own devices;
 - `server`: `ServerRolloutManager` over running `megatron-cpo rollout` servers (`server_urls`); no Ray;
 - `colocate`: `ColocatedRolloutManager`, engine servers started on the trainer's own devices (one process: here;
