@@ -180,10 +180,11 @@ class VLLMEngine:
 
     async def finish_weight_reload(self) -> list[dict]:
         """Close the reload on every worker and drop the prefix cache (its keys and values were computed with the
-        old weights); returns each worker's reload report (`worker_extension.ReloadLedger.report`)."""
+        old weights); returns each worker's reload report (`worker_extension.ReloadLedger.report`), with
+        `prefix_cache_reset`: whether vLLM dropped the cache (it refuses while requests hold cached blocks)."""
         reports = await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
-        await self.engine.reset_prefix_cache()
-        return reports
+        reset = bool(await self.engine.reset_prefix_cache())
+        return [{**report, "prefix_cache_reset": reset} for report in reports]
 
     async def shutdown(self) -> None:
         """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""

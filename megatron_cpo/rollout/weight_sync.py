@@ -241,10 +241,15 @@ def close_weight_groups(engine_names: Iterable[str] | None = None) -> None:
 
 def reload_problem(reports: dict[str, list[dict]]) -> str | None:
     """One sentence naming what a push got wrong, from the engines' reload reports (`finish_weight_sync`): model
-    parameters that no received tensor filled (a sender left them out) or tensor names that arrived more than once
-    (two senders exported the same tensor); None when every engine received each parameter exactly once."""
+    parameters that no received tensor filled (a sender left them out), tensor names that arrived more than once
+    (two senders exported the same tensor), or a prefix cache vLLM did not drop (it would serve keys and values of
+    the old weights); None when every engine received each parameter exactly once and dropped its cache."""
     for engine, worker_reports in reports.items():
         for report in worker_reports:
+            if report.get("prefix_cache_reset") is False:
+                return (f"rollout {engine} kept its prefix cache after the push (vLLM resets it only when no request "
+                        "holds cached blocks): its cached prompts would be served with keys and values of the old "
+                        "weights; push weights only while the engines are idle")
             for key, what in (("missing", "received nothing for"), ("repeated", "received more than once")):
                 names = report.get(key) or []
                 if names:

@@ -2,8 +2,7 @@
 
 `SyncProbe.after_push` is collective, like the step's log-probs: rank 0 reads the engines' reload reports (a
 parameter nothing filled, a tensor sent twice) and, when the push is due for the probe, has every live engine
-continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`; one more prompt, the others' tokens
-repeated, fills a whole KV-cache block so a stale prefix cache shows too); it broadcasts both, every rank scores the
+continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`); it broadcasts both, every rank scores the
 engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank afterwards) and
 every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
 naming the push and the difference; the loop logs the step, checkpoints and stops.
@@ -28,9 +27,6 @@ from megatron_cpo.trainer.sequences import pack_sequences
 logger = logging.getLogger(__name__)
 
 JUMP_FACTOR = 10.0  # mismatch/log_probs_diff_mean growing this much from one step to the next is a jump
-# One probe sequence spans this many prompt tokens (the others' tokens, repeated): a whole block of vLLM's KV cache
-# (128 tokens on CPU, 16 on GPUs), so that a prefix cache still holding the previous push's keys shows.
-PREFIX_CACHE_SPAN = 129
 
 
 class EngineOutOfSyncError(RuntimeError):
@@ -56,9 +52,6 @@ class SyncProbe:
         self.prompts = [ids for ids in encode_texts(tokenizer, texts) if ids]
         longest = max((len(ids) for ids in self.prompts), default=0)
         limit = config.data.max_prompt_length + config.data.max_response_length
-        if self.prompts and PREFIX_CACHE_SPAN + self.settings.max_tokens <= limit:
-            joined = [token for ids in self.prompts for token in ids]
-            self.prompts.append((joined * (PREFIX_CACHE_SPAN // len(joined) + 1))[:PREFIX_CACHE_SPAN])
         if self.settings.enable and longest + self.settings.max_tokens > limit:
             raise ValueError(f"the longest sync-check probe prompt has {longest} tokens; with actor_rollout_ref."
                              f"rollout.sync_check.max_tokens={self.settings.max_tokens} it exceeds the engines' "
@@ -97,8 +90,9 @@ class SyncProbe:
                 f"log-prob difference on the sync probe is {gap.max_abs_diff:.3g} ({gap.worst}), above the "
                 f"tolerance {self.tolerance:g} for {self.dtype} (actor_rollout_ref.rollout.sync_check.tolerance)",
                 metrics)
-        logger.debug("sync check of the %s: max |engine - trainer| log-prob difference %.3g (%s)", where,
-                     gap.max_abs_diff, gap.worst)
+        logger.log(logging.INFO if push == 0 else logging.DEBUG, "sync check of the %s: engines and trainer agree "
+                   "(max |engine - trainer| log-prob difference %.3g, tolerance %g)", where, gap.max_abs_diff,
+                   self.tolerance)
         return metrics
 
     def _probe(self, manager: Any) -> list[tuple[str, list[int], list[int], list[float]]]:

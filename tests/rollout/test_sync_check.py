@@ -53,10 +53,12 @@ def test_the_engines_report_a_push_that_missed_or_repeated_a_tensor(manager, tie
         reports = manager.finish_weight_sync()
     assert set(reports) == {"engine 0", "engine 1"}
     for (report,) in reports.values():  # one worker per engine
-        assert report == {"tensors": len(pushed), "missing": ["model.norm.weight"], "repeated": [repeated]}
+        assert report == {"tensors": len(pushed), "missing": ["model.norm.weight"], "repeated": [repeated],
+                          "prefix_cache_reset": True}
     assert reload_problem(reports).startswith("rollout engine 0 received nothing for 1 weight(s) in this push: "
                                               "['model.norm.weight']")
     assert "received more than once" in reload_problem({"engine 0": [{**report, "missing": []}]})
+    assert "kept its prefix cache" in reload_problem({"engine 0": [{"prefix_cache_reset": False}]})
     manager.sync_weights(state.items())  # the shared engines serve the model again
 
 

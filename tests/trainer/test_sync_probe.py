@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from megatron_cpo.trainer.sync_probe import PREFIX_CACHE_SPAN, SyncProbe
+from megatron_cpo.trainer.sync_probe import SyncProbe
 
 
 @pytest.fixture
@@ -24,11 +24,8 @@ def test_probe_prompts_are_the_chat_templated_texts_and_must_fit_the_engines(mak
     probe = make("actor_rollout_ref.rollout.sync_check.prompts=[Compute 1 + 2.,Say hi.]")
     texts = ["<|im_start|>user\nCompute 1 + 2.<|im_end|>\n<|im_start|>assistant\n",
              "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"]
-    assert [tokenizer.decode(ids) for ids in probe.prompts[:2]] == texts
-    # and one a whole CPU KV-cache block long (a stale prefix cache would serve it): the others' tokens repeated
-    assert len(probe.prompts) == 3 and len(probe.prompts[2]) == PREFIX_CACHE_SPAN
-    assert tokenizer.decode(probe.prompts[2]).startswith("".join(texts) + texts[0][:10])
-    assert probe.tolerance == 1e-3 and make("actor_rollout_ref.rollout.sync_check.tolerance=0.05").tolerance == 0.05
+    assert [tokenizer.decode(ids) for ids in probe.prompts] == texts
+    assert probe.tolerance == 1e-4 and make("actor_rollout_ref.rollout.sync_check.tolerance=0.05").tolerance == 0.05
     with pytest.raises(ValueError, match=r"the longest sync-check probe prompt has \d+ tokens; with actor_rollout_ref."
                                          r"rollout.sync_check.max_tokens=390 it exceeds the engines' 396 tokens"):
         make("actor_rollout_ref.rollout.sync_check.max_tokens=390")
@@ -42,11 +39,11 @@ def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
 
     with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.sync_probe"):
         observe(1, 1e-7, 7e-7)
-        observe(2, 5e-6, 9e-4)  # 50x, but within float32 noise of the tolerance: no warning
+        observe(2, 5e-6, 9e-5)  # 50x, but below the tolerance: no warning
         observe(3, 0.2, 0.99)
         observe(4, 5.0, 7.5)  # jumps again: already said
     (record,) = caplog.records
     assert record.getMessage().startswith(
         "mismatch/log_probs_diff_mean jumped from 5e-06 at step 2 to 0.2 at step 3 (max 0.99, above the float32 "
-        "sync-check tolerance 0.001): step 3 sampled right after the weight push of step 2, so the engines most "
+        "sync-check tolerance 0.0001): step 3 sampled right after the weight push of step 2, so the engines most "
         "likely do not serve the pushed weights (a layer their reload did not update, e.g. a tied output head")
