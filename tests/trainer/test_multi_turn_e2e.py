@@ -1,10 +1,12 @@
 """Multi-turn training end to end on CPU: FrozenLake (3x3 boards, one move digit per turn) for 3 steps of up to 3
-turns, real Megatron, the session's real vLLM engine (Ray mode) serving the quickstart's warm-started weights, real
-grading pool. The loss is spied on (the real function is called; the spy only records): every token whose loss mask
-is 0 (an observation) has zero gradient, observation tokens sit between sampled ones, the engine's log-prob of an
-observation token is 0, and the trainer's log-probs of the sampled tokens equal the engine's (alignment across
-turns)."""
+turns, real Megatron, a real vLLM engine (Ray mode, in the session's cluster) serving the quickstart's warm-started
+model (a random model never ends a turn, so no episode would reach a second one), real grading pool. The loss is spied
+on (the real function is called; the spy only records): every token whose loss mask is 0 (an observation) has zero
+gradient, observation tokens sit between sampled ones, the engine's log-prob of an observation token is 0, and the
+trainer's log-probs of the sampled tokens equal the engine's (alignment across turns)."""
 from pathlib import Path
+
+import os
 
 import pytest
 import torch
@@ -18,7 +20,19 @@ pytestmark = pytest.mark.usefixtures("restore_environment")
 WARM_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 
 
-def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(make_config, rollout_manager, tmp_path,
+@pytest.fixture(scope="module")
+def warm_engine(ray_cluster):
+    """One engine of the warm-started model (the session's engines serve random models of other families)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
+
+    manager = RolloutManager(EngineLaunchConfig(model_path=str(WARM_MODEL), dtype="float32", max_model_len=512, seed=1,
+                                                engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local")))
+    yield manager
+    manager.shutdown()
+
+
+def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(make_config, warm_engine, tmp_path,
                                                                              monkeypatch):
     data = write_frozen_lake_parquet(tmp_path / "lake", num_train=12, num_test=4)
     calls = []
@@ -43,7 +57,7 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
         "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "trainer.total_training_steps=3",
         "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient on every sampled token, whatever the rewards
         "trainer.val_before_train=false", "trainer.test_freq=3", f"trainer.default_local_dir={run_dir}")
-    last = run_training(config, rollout_manager)
+    last = run_training(config, warm_engine)
     metrics = read_metrics(run_dir)
     assert sorted(step for step in metrics if step > 0) == [1, 2, 3]
     assert max(metrics[step]["multi_turn/turns_max"] for step in (1, 2, 3)) == 3
