@@ -27,7 +27,7 @@ def test_probe_requests_are_neither_returned_by_finished_nor_aborted_by_cancel_a
         wait_until(lambda: _unfinished(manager.engines[0]) >= 1 + len(PROMPTS), 120, "the probe to run on engine 0")
         assert manager.cancel_all() == 1
         groups = probe.result(timeout=300)
-    assert manager.finished(timeout=30) == [] and manager.num_outstanding() == 0
+    assert manager.finished(timeout=30) == [] and not manager._pending  # nothing outstanding
     assert [g.request_id for g in groups] == [f"engine {e}, prompt {p}" for e in (0, 1) for p in range(len(PROMPTS))]
     assert all(len(g.samples[0].token_ids) == 200 for g in groups), "a probe request was cut short"
     for prompt in range(len(PROMPTS)):  # both engines serve the same weights: same greedy tokens, same log-probs
