@@ -104,7 +104,7 @@ def test_multi_turn_episodes_train_against_a_server(servers, tmp_path, restore_e
     """Multi-turn in server mode: verl's GSM8K-with-tools rows (tests/fixtures/multi_turn, `agent_name: tool_agent`)
     run as episodes with the fixtures' tool YAML and verl-style interaction, on the server's random model (its turns
     rarely end before the per-turn cap, which ends the episode; the warm-started model's two-turn episodes with the
-    same fixtures run in colocate mode, tests/trainer/test_colocate.py)."""
+    same fixtures run in Ray mode, tests/trainer/test_multi_turn_e2e.py)."""
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.loop import run_training
 

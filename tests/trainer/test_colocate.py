@@ -2,11 +2,12 @@
 engine started on the trainer's node by `build_rollout_manager` (its own process tree, loopback, a random token, no
 Ray), weights pushed over shared memory; after each run's last push the engine generates transformers' greedy tokens
 for that step's exported weights, and a resumed run continues from the checkpoint on the same engine; the quickstart's
-GRPO and CPO configs then train one step each on it, and so do multi-turn episodes (verl's tool agent with the tool
-and interaction YAML of tests/fixtures/multi_turn). Then a trainer on two emulated nodes (one rank each, loopback;
-PP=2, a stage per node) trains a tiny Llama with tied embeddings at learning rate 3e-2: each node's rank starts that
-node's engine, rank 0 drives both, weights go over the collective, and both engines' log-probs, of their samples and
-of the sync probe, equal the trainer's after every push."""
+GRPO and CPO configs then train one step each on it, and so do multi-turn episodes (two-try arithmetic,
+examples/tiny/arith_retry.yaml; the engine's context, set by the first config, fits their prompts and budget). Then a
+trainer on two emulated nodes (one rank each, loopback; PP=2, a stage per node) trains a tiny Llama with tied
+embeddings at learning rate 3e-2: each node's rank starts that node's engine, rank 0 drives both, weights go over the
+collective, and both engines' log-probs, of their samples and of the sync probe, equal the trainer's after every
+push."""
 import json
 import logging
 import os
@@ -33,20 +34,6 @@ def _config(arith_data, out_dir, steps, *extra, example="dapo_arith.yaml"):
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]", "trainer.save_freq=1",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]",
         *extra])
-
-
-def _tool_agent(fixtures):
-    """verl's GSM8K-with-tools rows (`agent_name: tool_agent`) with the fixtures' tool YAML and verl-style interaction,
-    loaded through verl's config keys; the model's answers (no tool call) get the interaction's feedback as the next
-    user turn."""
-    rows = fixtures / "gsm8k_tool_agent.parquet"
-    return [f"data.train_files={rows}", f"data.val_files={rows}", "data.train_batch_size=2", "data.val_max_samples=2",
-            "data.max_response_length=96", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.rollout.multi_turn.enable=true",
-            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-            "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32",
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={fixtures / 'tool_config.yaml'}",
-            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={fixtures / 'interaction_config.yaml'}"]
 
 
 def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, tmp_path, caplog):
@@ -78,11 +65,11 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
             metrics = run_training(_config(arith_data, other, 1, example=example), manager)
             assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
             greedy_matches_transformers(manager, other / "checkpoints" / "step_000001" / "huggingface")
-        fixtures = TINY.parents[1] / "tests" / "fixtures" / "multi_turn"  # verl's tool agent: multi-turn episodes
-        episodes = run_training(_config(arith_data, tmp_path / "tool_agent", 1, *_tool_agent(fixtures),
-                                        example="grpo_arith.yaml"), manager)
-        assert episodes["multi_turn/turns_max"] == 2 and episodes["multi_turn/observations_mean"] > 0
-        assert episodes["multi_turn/template_differs"] == 0 and episodes["val/multi_turn/turns_mean"] >= 1
+        episodes = run_training(_config(arith_data, tmp_path / "arith_retry", 1, "data.max_response_length=128",
+                                        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=40",
+                                        example="arith_retry.yaml"), manager)  # multi-turn episodes, colocated
+        assert episodes["multi_turn/turns_max"] == 2 and episodes["multi_turn/observation_tokens_mean"] > 0
+        assert episodes["multi_turn/template_differs"] == 0 and "val/multi_turn/turns_mean" in episodes
     finally:
         manager.shutdown()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

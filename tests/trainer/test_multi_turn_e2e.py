@@ -3,10 +3,10 @@ turns, real Megatron, a real vLLM engine (Ray mode, in the session's cluster) se
 model (a random model never ends a turn, so no episode would reach a second one), real grading pool. The loss is spied
 on (the real function is called; the spy only records): every token whose loss mask is 0 (an observation) has zero
 gradient, observation tokens sit between sampled ones, the engine's log-prob of an observation token is 0, and the
-trainer's log-probs of the sampled tokens equal the engine's (alignment across turns)."""
-from pathlib import Path
-
+trainer's log-probs of the sampled tokens equal the engine's (alignment across turns). Then verl's tool agent with
+the tool and interaction YAML of tests/fixtures/multi_turn trains a step on the same engine."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +78,24 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
         later_sampled = torch.cummax(mask.flip(1), 1).values.flip(1) > 0  # a sampled token follows
         observations_between_turns += int(((mask == 0) & later_sampled & (torch.cumsum(mask, 1) > 0)).sum())
     assert observations_between_turns > 0, "no episode had an observation between two sampled turns"
+
+
+def test_verl_tool_agent_rows_with_the_fixtures_tool_and_interaction_yaml(make_config, warm_engine, tmp_path):
+    """verl's GSM8K-with-tools rows (tests/fixtures/multi_turn, `agent_name: tool_agent`) run as episodes with the
+    fixtures' tool YAML and verl-style interaction, loaded through verl's config keys: the model's answers (no tool
+    call) get the interaction's feedback as the next user turn."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "multi_turn"
+    rows = fixtures / "gsm8k_tool_agent.parquet"
+    config = make_config(
+        f"actor_rollout_ref.model.path={WARM_MODEL}", f"data.train_files={rows}", f"data.val_files={rows}",
+        "data.train_batch_size=2", "data.val_max_samples=2", "data.max_response_length=96",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "reward.custom_reward_function=",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={fixtures / 'tool_config.yaml'}",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={fixtures / 'interaction_config.yaml'}",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path / 'run'}")
+    metrics = run_training(config, warm_engine)
+    assert metrics["multi_turn/turns_max"] == 2 and metrics["multi_turn/observations_mean"] > 0
+    assert metrics["multi_turn/template_differs"] == 0 and metrics["val/multi_turn/turns_mean"] >= 1
