@@ -10,7 +10,8 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
 - `algorithm.*`: `algorithms/config.py` (`AlgorithmConfig`);
 - `reward.*`: `rewards/manager.py` (`RewardConfig`);
 - `actor_rollout_ref.model.*`: `models/config.py`; `.actor.*`, `.ref.*` and `trainer.*`: `trainer/config.py`;
-  `.rollout.*`: `rollout/config.py`.
+  `.rollout.*`: `rollout/config.py`, its `multi_turn.*`: `envs/config.py` (joined to the rollout section here, since
+  `envs` sits above `rollout`).
 
 Each section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
 Every error names the offending value and says how to fix it. Accepted spellings (the seeds' names and verl's) are
@@ -29,6 +30,7 @@ from megatron_cpo.algorithms.config import AlgorithmConfig
 from megatron_cpo.config_checks import ConfigError, check  # noqa: F401  (ConfigError: importable from the root)
 from megatron_cpo.config_loader import ConfigLoader, Resolved, known_names, parse_override  # noqa: F401
 from megatron_cpo.data.config import DataConfig
+from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.manager import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
@@ -37,11 +39,18 @@ from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_
 
 
 @dataclass
+class RolloutSection(RolloutConfig):
+    """`multi_turn` (`MultiTurnConfig`, envs/config.py: multi-turn episodes) is joined to the rollout section here,
+    since `envs` sits above `rollout`."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+
+@dataclass
 class ActorRolloutRefConfig:
     """verl's `actor_rollout_ref`: the model, the actor, the rollout engines and the reference."""
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     ref: RefConfig = field(default_factory=RefConfig)
 
 
@@ -82,6 +91,9 @@ class Config:
               "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         check(model_len <= 1 << 20,
               "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+        check(not (rollout.multi_turn.enable and algo.shaper.needs_hint_contexts),
+              f"algorithm.adv_estimator={algo.adv_estimator} puts a hint before one sampled answer, which a multi-turn "
+              "episode does not have; use grpo with actor_rollout_ref.rollout.multi_turn.enable=true, or turn it off")
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)
@@ -118,6 +130,8 @@ ALIASES: dict[str, str] = {
     # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
     # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
+    # verl's agent-loop default (rows without an agent_name column)
+    "actor_rollout_ref.rollout.agent.default_agent_loop": "actor_rollout_ref.rollout.multi_turn.default_agent",
     # vLLM's and TRL's name for verl's free_cache_engine (sleep the colocated engines while the actor trains)
     "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"

@@ -37,6 +37,12 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             (0,)),
     NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
             "training ones)"),
+    NoOpKey("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "episodes are trained on the ids "
+            "the model sampled (token in, token out), never on a re-rendered conversation", (False,)),
+    NoOpKey("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "each of rollout.n samples is its own "
+            "episode", (None,)),
+    NoOpKey("actor_rollout_ref.rollout.agent.num_workers", "episodes run on rank 0's threads "
+            "(actor_rollout_ref.rollout.multi_turn.env_workers)"),
     *(NoOpKey(f"actor_rollout_ref.*.megatron.override_transformer_config.{key}",
               "kernel fusions are chosen by the platform (Transformer Engine's when importable)")
       for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",

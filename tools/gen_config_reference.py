@@ -37,9 +37,17 @@ def _default(field: dataclasses.Field) -> str:
     return "`" + repr(value).replace("|", "\\|") + "`"
 
 
+def _owner(cls: type) -> type:
+    """The class that owns a section: `cls`, or for a section the root config joins from two owners (a class of
+    megatron_cpo/config.py extending a component's section) that component's class."""
+    if cls.__module__ == "megatron_cpo.config" and dataclasses.is_dataclass(cls.__mro__[1]):
+        return cls.__mro__[1]
+    return cls
+
+
 def _owner_file(cls: type) -> str:
     """The repository path of the module that declares `cls` (the section's owner)."""
-    return Path(inspect.getfile(cls)).resolve().relative_to(ROOT).as_posix()
+    return Path(inspect.getfile(_owner(cls))).resolve().relative_to(ROOT).as_posix()
 
 
 def sections(cls: type, prefix: str = "") -> list[str]:
@@ -51,12 +59,13 @@ def sections(cls: type, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(tp):
             nested.append((tp, f"{prefix}{field.name}."))
         else:
-            rows.append(f"| `{prefix}{field.name}` | `{_type_name(tp)}` | {_default(field)} |")
+            type_name = _type_name(tp).replace("|", "\\|")  # a union's bar would end the table cell
+            rows.append(f"| `{prefix}{field.name}` | `{type_name}` | {_default(field)} |")
     out = []
     if rows:
         title = prefix.rstrip(".") or "(top level)"
-        doc = inspect.cleandoc(cls.__doc__ or "")
-        owner = f"*{cls.__name__}* (`{_owner_file(cls)}`)"
+        doc = "\n".join(inspect.cleandoc(c.__doc__ or "") for c in dict.fromkeys((_owner(cls), cls))).strip()
+        owner = f"*{_owner(cls).__name__}* (`{_owner_file(cls)}`)"
         out += [f"## `{title}`", "", f"{owner}: {doc}" if doc else owner, "",
                 "| name | type | default |", "|---|---|---|", *rows, ""]
     for tp, child_prefix in nested:

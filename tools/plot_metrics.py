@@ -3,9 +3,9 @@
     python tools/plot_metrics.py outputs/run/metrics.jsonl --out curves.png
     python tools/plot_metrics.py grpo/metrics.jsonl cpo/metrics.jsonl --labels GRPO CPO --smooth 0.6 --out cmp.png
 
-One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length), each drawing the
-metrics it lists that the run logged; panels with nothing logged are left out. Several files overlay as runs. A resumed
-run appends to the same file, so a step logged twice keeps its last value. `--smooth` is an exponential moving
+One panel per quantity in `PANELS` (reward, accuracy, filter rate, MI, entropy, response length, turns), each drawing
+the metrics it lists that the run logged; panels with nothing logged are left out. Several files overlay as runs. A
+resumed run appends to the same file, so a step logged twice keeps its last value. `--smooth` is an exponential moving
 average weight (0: raw values); the raw curve stays visible behind the smoothed one. Sparse series (logged at fewer
 than half the steps of the run's densest one, e.g. `val/acc` every `test_freq` steps) are never smoothed: an EMA over
 five evaluations mixes the final accuracy with the first (0.70 drawn as 0.63).
@@ -53,6 +53,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("Mutual information (CPO)", ("cpo/mi_mean", "cpo/mi_std", "cpo/mi_positive_ratio"), "MI"),
     Panel("Entropy", ("actor/entropy",), "nats / token"),
     Panel("Response length", ("completions/mean_length", "completions/max_length"), "tokens"),
+    Panel("Turns (multi-turn episodes)", ("multi_turn/turns_mean", "val/multi_turn/turns_mean"), "turns / episode"),
 )
 
 

@@ -5,6 +5,8 @@
     python tools/prepare_data.py --kind verl --input ~/data/gsm8k/train.parquet --output data/gsm8k_checked.parquet
     python tools/prepare_data.py --kind verl --input ~/data/math/train.parquet --output data/math_hints.parquet \
         --attach-solutions MATH/train.jsonl --solutions-kind math
+    python tools/prepare_data.py --kind gsm8k --input gsm8k/train.jsonl --output data/gsm8k_tool.parquet \
+        --agent-name tool_agent --tool-ground-truth calc_gsm8k_reward --interaction gsm8k --system-prompt "..."
 
 Input files are read in their usual release formats: JSON lines, a JSON list (or {"data": [...]}), CSV (GPQA) and
 parquet. Every output row holds `prompt` (one user message: the question and the dataset's instruction),
@@ -15,6 +17,11 @@ Rows already in verl's schema (`data_source`, `prompt`, `reward_model`: what ver
 are validated and passed through unchanged, whatever `--kind` says (`--kind verl` accepts only such rows); with
 `--attach-solutions` the gold solutions of a raw release are added to them as `extra_info.solution` (see
 `verl_rows.py`), so CPO's hint is a worked solution rather than the bare answer.
+
+Multi-turn rows (docs/multi_turn.md) in the shape of verl's `gsm8k_multiturn_w_tool.py` / `_w_interaction.py`:
+`--agent-name` sets the `agent_name` column, `--tool-ground-truth TOOL` gives the tool the row's answer
+(`extra_info.tools_kwargs.TOOL.create_kwargs.ground_truth`), `--interaction NAME` adds
+`extra_info.interaction_kwargs` (`name`, `query`, `ground_truth`), `--system-prompt` puts a system message first.
 
 Bad rows are never dropped silently: every one is named (file, row number, what is wrong). By default any bad row
 stops the run before anything is written; `--skip-bad-rows` writes the good rows and still lists the bad ones.
@@ -153,6 +160,24 @@ def add_solutions(result: PrepareResult, raw_inputs: list[str | Path], kind: str
                             f" raw records (rows {shown}); their hint stays what data.hint_key finds")
 
 
+def add_multi_turn_fields(rows: list[dict[str, Any]], agent_name: str = "", tools: list[str] | None = None,
+                          interaction: str = "", system_prompt: str = "") -> None:
+    """Give rows verl's multi-turn fields (in place): the agent, the tools' and the interaction's kwargs, a system
+    message."""
+    for row in rows:
+        info, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        question = info.get("question", row["prompt"][-1]["content"])
+        if agent_name:
+            row["agent_name"] = agent_name
+        if tools:
+            info["need_tools_kwargs"] = True
+            info["tools_kwargs"] = {tool: {"create_kwargs": {"ground_truth": truth}} for tool in tools}
+        if interaction:
+            info["interaction_kwargs"] = {"name": interaction, "query": question, "ground_truth": truth}
+        if system_prompt and row["prompt"][0]["role"] != "system":
+            row["prompt"] = [{"role": "system", "content": system_prompt}, *row["prompt"]]
+
+
 def _uniform_extra_info(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Give every row the same extra_info keys (None where absent) so parquet stores one struct type."""
     keys = sorted({key for row in rows for key in row["extra_info"]})
@@ -183,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="format of the --attach-solutions files (default: --kind)")
     parser.add_argument("--overwrite-solutions", action="store_true",
                         help="replace an extra_info.solution a row already has")
+    parser.add_argument("--agent-name", default="", help="multi-turn: the rows' agent_name (e.g. tool_agent)")
+    parser.add_argument("--tool-ground-truth", nargs="+", default=None, metavar="TOOL",
+                        help="multi-turn: tools given the row's answer (extra_info.tools_kwargs.TOOL.create_kwargs)")
+    parser.add_argument("--interaction", default="", help="multi-turn: extra_info.interaction_kwargs.name")
+    parser.add_argument("--system-prompt", default="", help="a system message before each prompt")
     parser.add_argument("--skip-bad-rows", action="store_true",
                         help="write the good rows even when some are bad (bad ones are still listed)")
     return parser
@@ -195,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         result = prepare(args.input, args.kind, args.split, args.data_source, args.instruction, args.limit)
         if args.attach_solutions:
             add_solutions(result, args.attach_solutions, args.solutions_kind or args.kind, args.overwrite_solutions)
+        add_multi_turn_fields(result.rows, args.agent_name, args.tool_ground_truth, args.interaction,
+                              args.system_prompt)
         missing = missing_graders(row["data_source"] for row in result.rows)
         if missing:
             result.notes.append(f"no built-in grader for data_source {', '.join(map(repr, missing))}; training "

@@ -44,6 +44,7 @@ class PromptRecord:
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
     reward_model: dict[str, Any] = field(default_factory=dict)
+    agent_name: str = ""  # verl's `agent_name` column: the environment of a multi-turn episode ("" for the default)
 
 
 def _message_problems(messages: Any) -> list[str]:
@@ -212,6 +213,7 @@ class PromptDataset:
                 ground_truth=_ground_truth(reward_model.get("ground_truth")),
                 extra_info=dict(row.get("extra_info") or {}),
                 reward_model=reward_model,
+                agent_name=str(row.get("agent_name") or ""),
             ))
         if not self.records:
             raise ValueError(f"no prompts left in {self.files} after filtering {self.num_filtered} overlong ones; "

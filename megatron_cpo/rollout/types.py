@@ -70,13 +70,46 @@ class SamplingParams:
 
 
 @dataclass
+class EpisodeInfo:
+    """How a multi-turn episode went (megatron_cpo/envs/): its turns, rewards, why it stopped and what its
+    environment and tools did. The trajectory reward is `env_reward` (the per-turn rewards summed) plus
+    `final_score` (the environment's own final score) or, when that is None, the data source's grader applied to
+    `final_answer` (the last assistant message)."""
+
+    agent: str
+    turns: int  # assistant turns
+    observations: int  # observation turns appended (user / tool messages)
+    turn_rewards: list[float]
+    final_score: float | None
+    final_answer: str
+    stop_reason: str  # done, a turn limit, a length limit, env_timeout, reset_error (envs/episode.py: STOP_REASONS)
+    observation_tokens: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)  # by tool name
+    tool_failures: dict[str, int] = field(default_factory=dict)  # by kind: malformed, unknown_tool, error, timeout
+    env_errors: int = 0
+    env_timeouts: int = 0
+    env_seconds: float = 0.0
+    template_check: str = "off"  # off, same, retokenized (same text, other ids), differs (other text)
+
+    @property
+    def env_reward(self) -> float:
+        return float(sum(self.turn_rewards))
+
+
+@dataclass
 class RolloutSample:
-    """One completion: generated token ids, the engine's log-prob of each of them, why it stopped."""
+    """One completion: generated token ids, the engine's log-prob of each of them, why it stopped.
+
+    A multi-turn episode is one sample too: `token_ids` are every turn's sampled ids and the observations between
+    them, `loss_mask` is 1 on the sampled ids and 0 on the observations (None: every token was sampled), the
+    log-prob of an observation token is 0, and `episode` says how the episode went (None for a single answer)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
-    truncated: bool  # True when generation hit max_tokens or the model's max length
+    truncated: bool  # True when generation hit max_tokens or the model's max length (an episode: a length limit)
+    loss_mask: list[int] | None = None
+    episode: EpisodeInfo | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.overlong import OverlongBufferConfig, overlong_reward_penalty
 from megatron_cpo.config import Config
+from megatron_cpo.rollout.types import EpisodeInfo, RolloutSample
 from megatron_cpo.trainer.ragged import RaggedRows
 
 MetricFilter = Callable[[torch.Tensor], torch.Tensor]
@@ -46,9 +47,8 @@ class GroupSelection:
         if self.overlong is not None and self.max_response_length < 1:
             raise ValueError("the overlong penalty needs max_response_length (data.max_response_length)")
 
-    def overlong_penalty(self, response_token_ids: list[list[int]]) -> torch.Tensor:
-        """DAPO's penalty (<= 0) of each response of a group, by its length."""
-        lengths = torch.tensor([len(r) for r in response_token_ids])
+    def overlong_penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        """DAPO's penalty (<= 0) of each response of a group, by its length (`ScoredGroup.response_lengths`)."""
         return overlong_reward_penalty(lengths, self.max_response_length, self.overlong.len,
                                        self.overlong.penalty_factor)
 
@@ -79,7 +79,8 @@ GroupFilter = GroupSelection | MetricFilter
 @dataclass
 class ScoredGroup:
     """The n responses to one prompt, scored. `seq` is the prompt's position in this step's request order.
-    `overlong_penalty` is what the overlong shaping added to `scores` (None when it is off)."""
+    `overlong_penalty` is what the overlong shaping added to `scores` (None when it is off). Multi-turn episodes
+    carry `loss_mask` (1 on sampled, 0 on observation tokens) and `episodes` (how each went); None otherwise."""
     seq: int
     record: Any
     prompt_token_ids: list[int]
@@ -90,6 +91,8 @@ class ScoredGroup:
     acc: torch.Tensor
     response_texts: list[str] = field(default_factory=list)
     overlong_penalty: torch.Tensor | None = None
+    loss_mask: RaggedRows | None = None
+    episodes: list[EpisodeInfo] | None = None
     _ragged: tuple[RaggedRows, RaggedRows] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -105,6 +108,14 @@ class ScoredGroup:
                             RaggedRows.from_lists(self.rollout_log_probs, torch.float32))
         return self._ragged
 
+    def response_lengths(self) -> torch.Tensor:
+        """[n] the tokens of each response the policy sampled (an episode's observation tokens do not count): the
+        length DAPO's overlong penalty and RAGEN's `length` score read."""
+        if self.loss_mask is not None:
+            running = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(self.loss_mask.values.long(), 0)])
+            return running[self.loss_mask.offsets[1:]] - running[self.loss_mask.offsets[:-1]]
+        return torch.tensor([len(r) for r in self.response_token_ids], dtype=torch.long)
+
     def metric(self, name: str) -> torch.Tensor:
         """Per-response value of a filter metric: `acc`, `score`, or `seq_reward` (the sparse reward's sum)."""
         if name == "acc":
@@ -112,6 +123,14 @@ class ScoredGroup:
         if name in ("score", "seq_reward"):
             return self.scores.float()
         raise KeyError(f"unknown group metric {name!r}; use 'acc', 'score' or 'seq_reward'")
+
+
+def episode_fields(samples: list[RolloutSample]) -> dict[str, Any]:
+    """A group's `loss_mask` and `episodes` for its `ScoredGroup` (None each for single answers)."""
+    masks = [s.loss_mask if s.loss_mask is not None else [1] * len(s.token_ids) for s in samples]
+    has_mask = any(s.loss_mask is not None for s in samples)
+    return {"loss_mask": RaggedRows.from_lists(masks) if has_mask else None,
+            "episodes": [s.episode for s in samples] if any(s.episode is not None for s in samples) else None}
 
 
 @dataclass
@@ -169,7 +188,7 @@ class GroupAccumulator:
             if group.seq < self.next_seq or group.seq in self._pending:
                 raise ValueError(f"group seq={group.seq} was already added; each request finishes once")
             if self.selection.overlong is not None:
-                group.overlong_penalty = self.selection.overlong_penalty(group.response_token_ids)
+                group.overlong_penalty = self.selection.overlong_penalty(group.response_lengths())
                 group.scores = group.scores.float() + group.overlong_penalty
             group.ragged()  # the list -> tensor conversion, now rather than on the step's critical path
             self._pending[group.seq] = group
@@ -185,7 +204,7 @@ class GroupAccumulator:
         ready, self._window = self._window, []
         metric = torch.stack([g.metric(self.metric) for g in ready])
         scores = torch.stack([g.scores.float() for g in ready])
-        lengths = torch.tensor([[len(r) for r in g.response_token_ids] for g in ready], dtype=torch.float32)
+        lengths = torch.stack([g.response_lengths() for g in ready]).float()
         keep = self.selection.keep(metric, scores, lengths)
         needed = self.target_prompts - len(self.kept)
         kept_so_far = torch.cumsum(keep.long(), 0)

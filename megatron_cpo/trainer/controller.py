@@ -26,13 +26,14 @@ import torch
 
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.generators import GroupGenerator
-from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup
+from megatron_cpo.rollout.types import RolloutSample
+from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
 from megatron_cpo.trainer.prompt_stream import PromptStream, StreamPosition
 
 logger = logging.getLogger(__name__)
 
-GroupScorer = Callable[[list[tuple[Any, list[list[int]]]]], list[tuple[torch.Tensor, torch.Tensor, list[str]]]]
-"""Scores finished groups: [(record, response token ids)] -> [(scores [n], acc [n], response texts)]."""
+GroupScorer = Callable[[list[tuple[Any, list[RolloutSample]]]], list[tuple[torch.Tensor, torch.Tensor, list[str]]]]
+"""Scores finished groups: [(record, samples)] -> [(scores [n], acc [n], response texts)]."""
 
 
 class GenerationLimitError(RuntimeError):
@@ -219,15 +220,14 @@ class RolloutController:
         if not finished:
             return []
         responses = [[sample.token_ids for sample in group.samples] for _, group in finished]
-        scored = self.scorer([(request.record, group_responses)
-                              for (request, _), group_responses in zip(finished, responses)])
+        scored = self.scorer([(request.record, group.samples) for request, group in finished])
         timing["timing/score_calls"] += 1
         timing["timing/generated_tokens"] += sum(len(r) for group_responses in responses for r in group_responses)
         return [ScoredGroup(seq=request.seq, record=request.record, prompt_token_ids=list(group.prompt_token_ids),
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                            scores=scores, acc=accs, response_texts=texts)
+                            scores=scores, acc=accs, response_texts=texts, **episode_fields(group.samples))
                 for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:

@@ -12,41 +12,76 @@ from typing import Any
 import torch
 
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rollout.types import RolloutSample
 
 
 class ResponseScorer:
-    """Scores groups of responses: [(record, response token ids)] -> [(scores [n], acc [n], response texts)], with
-    the grading pool (and the remote reward model) of `reward.*`."""
+    """Scores groups of responses: [(record, samples)] -> [(scores [n], acc [n], response texts)], with the grading
+    pool (and the remote reward model) of `reward.*`."""
 
     def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.rewards = RewardManager(config)
         self.remote_counts: Counter = Counter()  # the remote reward model's numbers since they were last logged
 
-    def score_groups(self, items: list[tuple[Any, list[list[int]]]], remote_counts: Counter | None = None
-                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+    def score_groups(self, items: list[tuple[Any, list[RolloutSample] | list[list[int]]]],
+                     remote_counts: Counter | None = None) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         """Decode and grade every response of the given groups in one call to the grading pool; the remote reward
-        model's numbers are added to `remote_counts` (default: the training step's, see `remote_reward_metrics`)."""
-        texts = [[self.tokenizer.decode(r, skip_special_tokens=True) for r in responses] for _, responses in items]
-        flat_records = [record for (record, responses) in items for _ in responses]
-        prompts = None
-        if self.rewards.remote is not None:  # the reward model reads the prompt as the policy saw it (chat template)
-            prompts = [self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False)
-                       for record, responses in items for _ in responses]
-        result = self.rewards.score([r.data_source for r in flat_records], [t for ts in texts for t in ts],
-                                    [r.ground_truth for r in flat_records], [r.extra_info for r in flat_records],
-                                    prompts)
-        if "reward/remote/failed" in result.metrics:
-            counts = self.remote_counts if remote_counts is None else remote_counts
-            counts.update({"samples": len(flat_records), "failed": result.metrics["reward/remote/failed"],
-                           "seconds": result.metrics["reward/remote/seconds"],
-                           "score_sum": result.metrics["reward/remote/score_mean"] * len(flat_records)})
+        model's numbers are added to `remote_counts` (default: the training step's, see `remote_reward_metrics`).
+
+        Responses are samples (or bare token ids). A multi-turn episode's score is its trajectory reward: the
+        environment's per-turn rewards summed plus its final score, or, when the environment gives none, the data
+        source's grader on the last assistant message; its `acc` is the grader's, or `score > 0` when the environment
+        scored it. Its text is the whole transcript, observations included."""
+        samples = [[r if isinstance(r, RolloutSample) else None for r in responses] for _, responses in items]
+        ids = [[r.token_ids if isinstance(r, RolloutSample) else r for r in responses] for _, responses in items]
+        texts = [[self._text(token_ids, sample) for token_ids, sample in zip(group_ids, group_samples)]
+                 for group_ids, group_samples in zip(ids, samples)]
+        flat = [(record, sample, text) for (record, _), group_samples, group_texts in zip(items, samples, texts)
+                for sample, text in zip(group_samples, group_texts)]
+        graded = [i for i, (_, sample, _) in enumerate(flat) if sample is None or sample.episode is None
+                  or sample.episode.final_score is None]
+        grading = self._grade([flat[i][0] for i in graded], [self._graded_text(*flat[i][1:]) for i in graded],
+                              remote_counts)
+        scores, acc = torch.zeros(len(flat)), torch.zeros(len(flat))
+        if graded:
+            scores[graded], acc[graded] = grading.scores.float(), grading.acc.float()
+        episodes = [i for i, (_, sample, _) in enumerate(flat) if sample is not None and sample.episode is not None]
+        for i in episodes:
+            episode = flat[i][1].episode
+            scores[i] += episode.env_reward + (episode.final_score or 0.0)
+            if episode.final_score is not None:
+                acc[i] = float(scores[i] > 0)
         out, start = [], 0
         for group_texts in texts:
             stop = start + len(group_texts)
-            out.append((result.scores[start:stop], result.acc[start:stop].float(), group_texts))
+            out.append((scores[start:stop], acc[start:stop], group_texts))
             start = stop
         return out
+
+    def _text(self, token_ids: list[int], sample: RolloutSample | None) -> str:
+        """A response as text: a single answer without special tokens, an episode's whole transcript with them."""
+        episode = sample is not None and sample.episode is not None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=not episode)
+
+    @staticmethod
+    def _graded_text(sample: RolloutSample | None, text: str) -> str:
+        """What the grader reads: the response, or an episode's last assistant message."""
+        return sample.episode.final_answer if sample is not None and sample.episode is not None else text
+
+    def _grade(self, records: list[Any], texts: list[str], remote_counts: Counter | None) -> Any:
+        """One call to the grading pool (and the remote reward model) for these responses."""
+        prompts = None
+        if self.rewards.remote is not None:  # the reward model reads the prompt as the policy saw it (chat template)
+            prompts = [self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False) for record in records]
+        result = self.rewards.score([r.data_source for r in records], texts, [r.ground_truth for r in records],
+                                    [r.extra_info for r in records], prompts)
+        if "reward/remote/failed" in result.metrics:
+            counts = self.remote_counts if remote_counts is None else remote_counts
+            counts.update({"samples": len(records), "failed": result.metrics["reward/remote/failed"],
+                           "seconds": result.metrics["reward/remote/seconds"],
+                           "score_sum": result.metrics["reward/remote/score_mean"] * len(records)})
+        return result
 
     def remote_reward_metrics(self, counts: Counter | None = None, prefix: str = "reward/remote") -> dict[str, float]:
         """`reward/remote/{score_mean,failed,seconds}` since the last call (empty without `reward.remote`)."""

@@ -25,9 +25,10 @@ from megatron_cpo.trainer.step_batch import StepBatch
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
-    """The batch's prompt + response sequences and the engine's log-probs (ragged: each mini-batch pads its own rows
-    to [rows, width] when it trains)."""
-    return pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width), batch.rollout_log_probs
+    """The batch's prompt + response sequences (with the episodes' loss mask, when any) and the engine's log-probs
+    (ragged: each mini-batch pads its own rows to [rows, width] when it trains)."""
+    return (pack_sequences(batch.prompt_ids, batch.response_ids, pad_token_id, width, batch.loss_mask),
+            batch.rollout_log_probs)
 
 
 def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.envs.registry import check_rows
 from megatron_cpo.trainer.layout import Layout
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.loggers import sink_package_problems
@@ -225,6 +226,7 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
     problems: list[str] = []
     train_rows: int | None = 0
     sources: Counter = Counter()
+    all_rows: list[dict] = []
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for file in files:
             try:
@@ -238,10 +240,16 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
                 problems.append(f"{key}: {file!r} is not a readable parquet file ({type(err).__name__}: {err})")
             else:
                 sources.update(row["data_source"] for row in rows)
+                all_rows += rows
                 if key == "data.train_files" and train_rows is not None:
                     train_rows += len(rows)
                 continue
             train_rows = None if key == "data.train_files" else train_rows
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.enable:  # rows whose environment scores its episodes itself need no grader
+        found, self_scored = check_rows(multi_turn, all_rows, config.reward.sandbox)
+        problems += found
+        sources = Counter({source: count for source, count in sources.items() if source not in self_scored})
     missing = config.reward.sources_without_grader(sources)
     if missing:
         counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from megatron_cpo.config import Config, config_to_dict
+from megatron_cpo.envs import EnvironmentRegistry, EpisodeRunner
+from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.rollout.generators import SingleTurnGenerator
+from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import selection_from_config
 from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
@@ -42,7 +44,7 @@ class RankZero:
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
-        self.generator = SingleTurnGenerator(self.manager)
+        self.generator = make_generator(config, self.manager, tokenizer)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
         self.validator = Validator(config, val_data, self.generator, self.scorer,
@@ -107,7 +109,8 @@ class RankZero:
                  ) -> dict[str, float]:
         """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
-                   **self.scorer.remote_reward_metrics()}
+                   **self.scorer.remote_reward_metrics(),
+                   **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
@@ -134,10 +137,22 @@ class RankZero:
         if self.metric_logger is not None:
             self.metric_logger.close()
         self.scorer.close()
+        if isinstance(self.generator, EpisodeRunner):
+            self.generator.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:
             self.manager.cancel_all()
+
+
+def make_generator(config: Config, engines: RolloutEngines, tokenizer: Any) -> GroupGenerator:
+    """The run's group generator: episodes of each row's environment with `rollout.multi_turn.enable`, else one
+    sampled answer per sample."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return SingleTurnGenerator(engines)
+    return EpisodeRunner(engines, tokenizer, EnvironmentRegistry(multi_turn, config.reward.sandbox),
+                         config.data.max_response_length, config.data.max_prompt_length, config.data.truncation)
 
 
 def batch_reward_metrics(groups: list) -> dict[str, float]:

@@ -8,6 +8,10 @@ response-aligned `[rows, max_response_length]` layout the algorithms use.
 
 The rows are kept ragged (flat tensors + offsets) and the padded `tokens` / `targets` are built on demand, so only a
 micro-batch is ever padded, never the whole step batch.
+
+`response_mask` is the one place every masked quantity takes its mask from (losses, entropy, KL, mismatch / TIS,
+advantages, the loss's token counts): 1 on real response tokens, times the episode's `loss_mask` when there is one
+(multi-turn episodes: 0 on observation tokens, which the model did not sample).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class PackedSequences:
     length: int            # L, the padded length of `tokens` / `targets`
     response_width: int    # R, the response-aligned width
     pad_token_id: int = 0
+    loss_mask: RaggedRows | None = None  # per response token: 1 sampled, 0 observation (None: all sampled)
 
     @property
     def rows(self) -> int:
@@ -63,7 +68,9 @@ class PackedSequences:
         return self.rows, self.length
 
     def response_mask(self) -> torch.Tensor:
-        """[rows, R] float, 1 on real response tokens."""
+        """[rows, R] float, 1 on real response tokens the policy sampled (0 on padding and observation tokens)."""
+        if self.loss_mask is not None:
+            return self.loss_mask.padded(self.response_width, 0).float()
         steps = torch.arange(self.response_width)
         return (steps[None, :] < self.response_lengths[:, None]).float()
 
@@ -82,13 +89,14 @@ class PackedSequences:
     def trimmed(self) -> "PackedSequences":
         """The same rows padded only to their own longest row (a micro-batch padded only as far as it needs)."""
         return PackedSequences(self.prompts, self.responses, int(self.lengths().max()), self.response_width,
-                               self.pad_token_id)
+                               self.pad_token_id, self.loss_mask)
 
     def select(self, rows: torch.Tensor | slice) -> "PackedSequences":
         """The given rows (index tensor or slice), at the same padded length."""
         index = torch.arange(self.rows)[rows] if isinstance(rows, slice) else rows
         return PackedSequences(self.prompts.select(index), self.responses.select(index), self.length,
-                               self.response_width, self.pad_token_id)
+                               self.response_width, self.pad_token_id,
+                               self.loss_mask.select(index) if self.loss_mask is not None else None)
 
     def with_empty_rows(self, extra: int) -> "PackedSequences":
         """`extra` rows appended with a one-token (padding) prompt and no response: they add nothing to any loss."""
@@ -96,18 +104,22 @@ class PackedSequences:
                              torch.cat([self.prompts.offsets, self.prompts.offsets[-1] + torch.arange(1, extra + 1)]))
         responses = RaggedRows(self.responses.values,
                                torch.cat([self.responses.offsets, self.responses.offsets[-1].repeat(extra)]))
-        return PackedSequences(prompts, responses, self.length, self.response_width, self.pad_token_id)
+        loss_mask = (RaggedRows(self.loss_mask.values, responses.offsets) if self.loss_mask is not None else None)
+        return PackedSequences(prompts, responses, self.length, self.response_width, self.pad_token_id, loss_mask)
 
 
 def pack_sequences(prompts: RaggedRows | list[list[int]], responses: RaggedRows | list[list[int]], pad_token_id: int,
-                   response_width: int) -> PackedSequences:
-    """Prompt/response token rows (same count; ragged tensors or lists) as sequences padded to the longest row.
+                   response_width: int, loss_mask: RaggedRows | None = None) -> PackedSequences:
+    """Prompt/response token rows (same count; ragged tensors or lists) as sequences padded to the longest row;
+    `loss_mask` (one value per response token) marks the tokens the losses count.
 
     Only the lengths are checked here; the padded tensors are built per micro-batch (`tokens`, `targets`).
     """
     prompts, responses = RaggedRows.of(prompts), RaggedRows.of(responses)
     if prompts.rows != responses.rows:
         raise ValueError(f"{prompts.rows} prompts but {responses.rows} responses; pass one prompt per response")
+    if loss_mask is not None and not torch.equal(loss_mask.offsets, responses.offsets):
+        raise ValueError("the loss mask's rows do not match the responses' (one mask value per response token)")
     prompt_lengths, response_lengths = prompts.lengths(), responses.lengths()
     if int(prompt_lengths.min()) < 1:
         raise ValueError("an empty prompt cannot predict its first response token; every prompt needs >= 1 token")
@@ -115,4 +127,4 @@ def pack_sequences(prompts: RaggedRows | list[list[int]], responses: RaggedRows 
         raise ValueError(f"a response has {int(response_lengths.max())} tokens, more than the response width "
                          f"{response_width} (data.max_response_length); the rollout must cap max_tokens at it")
     return PackedSequences(prompts, responses, int((prompt_lengths + response_lengths).max()), response_width,
-                           pad_token_id)
+                           pad_token_id, loss_mask)

@@ -30,6 +30,7 @@ class StepBatch:
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
     hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
+    loss_mask: RaggedRows | None = None  # multi-turn: 1 on sampled, 0 on observation tokens (None: all sampled)
 
     def __post_init__(self) -> None:
         self.prompt_ids = RaggedRows.of(self.prompt_ids)
@@ -37,6 +38,8 @@ class StepBatch:
         self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
         if self.hint_prompt_ids is not None:
             self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
+        if self.loss_mask is not None:
+            self.loss_mask = RaggedRows.of(self.loss_mask)
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
@@ -54,4 +57,13 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
         rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio,
+        loss_mask=batch_loss_mask(groups), **hints)
+
+
+def batch_loss_mask(groups: list[ScoredGroup]) -> RaggedRows | None:
+    """The kept groups' loss masks as one ragged tensor (a group without one: all 1); None when no group has one."""
+    if all(g.loss_mask is None for g in groups):
+        return None
+    return RaggedRows.cat([g.loss_mask if g.loss_mask is not None else
+                           RaggedRows(torch.ones_like(g.ragged()[0].values), g.ragged()[0].offsets) for g in groups])

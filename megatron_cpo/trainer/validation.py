@@ -9,6 +9,7 @@ import torch
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
+from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.trainer.grading import ResponseScorer
@@ -51,7 +52,7 @@ class Validator:
             records[f"val-{index}"] = record
             self.generator.submit(f"val-{index}", record, self.params(index))
         finished = {group.request_id: group for group in self.generator.completed(timeout=600)}
-        items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
+        items = [(records[rid], finished[rid].samples) for rid in records]
         val_counts: Counter = Counter()
         scored = self.scorer.score_groups(items, val_counts)
         metrics = {"val/count": float(len(records)), **self.scorer.remote_reward_metrics(val_counts, "val/remote")}
@@ -61,5 +62,7 @@ class Validator:
             prefix = "val" if source is None else f"val/{source}"
             metrics[f"{prefix}/acc"] = float(torch.cat([scored[i][1] for i in chosen]).mean())
             metrics[f"{prefix}/score"] = float(torch.cat([scored[i][0].float() for i in chosen]).mean())
+        metrics.update(episode_metrics([sample.episode for _, samples in items for sample in samples
+                                        if sample.episode is not None], prefix="val/multi_turn"))
         metrics["timing/val_s"] = time.perf_counter() - start
         return metrics

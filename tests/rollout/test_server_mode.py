@@ -1,11 +1,12 @@
 """`rollout.mode=server`: real `megatron-cpo rollout` processes (vLLM on CPU) serving trainers over HTTP.
 
 Two servers of a tiny Llama with tied embeddings start once for the module (each its own process tree, started
-together). Three trainers (the quickstart's GRPO, CPO and DAPO configs, shortened, at learning rate 3e-2) run one after
-the other against the first server and push their weights over the gloo collective the server's engine joins; after
-every push the engine's log-probs, of its samples and of the sync probe, equal the trainer's, and afterwards the
-server generates transformers' greedy tokens for each run's exported weights. A server killed while holding prompts has them served by the other, a wrong token is
-refused, and a port that accepts connections but never answers is an error naming its URL within the timeout.
+together). Three trainers (the quickstart's GRPO, CPO and DAPO configs, shortened, at learning rate 3e-2) run one
+after the other against the first server and push their weights over the gloo collective the server's engine joins;
+after every push the engine's log-probs, of its samples and of the sync probe, equal the trainer's, and afterwards the
+server generates transformers' greedy tokens for each run's exported weights. Multi-turn episodes (verl's tool agent)
+train against a server. A server killed while holding prompts has them served by the other, a wrong token is refused,
+and a port that accepts connections but never answers is an error naming its URL within the timeout.
 """
 import json
 import signal
@@ -97,6 +98,36 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
         print(f"{name}: the server reproduces the run's exported weights (max log-prob gap {gap:.1e})")
     assert any(changed), "no run changed the weights (every group's rewards were equal)"
     assert ray.is_initialized() == ray_was_running, "server mode must not start Ray"
+
+
+def test_multi_turn_episodes_train_against_a_server(servers, tmp_path, restore_environment):
+    """Multi-turn in server mode: verl's GSM8K-with-tools rows (tests/fixtures/multi_turn, `agent_name: tool_agent`)
+    run as episodes with the fixtures' tool YAML and verl-style interaction, on the server's random model (its turns
+    rarely end before the per-turn cap, which ends the episode; the warm-started model's two-turn episodes with the
+    same fixtures run in Ray mode, tests/trainer/test_multi_turn_e2e.py)."""
+    from megatron_cpo.config import load_config
+    from megatron_cpo.trainer.loop import run_training
+
+    fixtures = ROOT / "tests" / "fixtures" / "multi_turn"
+    rows = fixtures / "gsm8k_tool_agent.parquet"
+    out = tmp_path / "tool_agent"
+    config = load_config(TINY / "grpo_arith.yaml", [
+        f"data.train_files={rows}", f"data.val_files={rows}", "data.train_batch_size=2", "data.val_max_samples=2",
+        "data.max_response_length=96", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"actor_rollout_ref.model.path={servers['model']}", "actor_rollout_ref.rollout.mode=server",
+        f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
+        f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=32",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={fixtures / 'tool_config.yaml'}",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={fixtures / 'interaction_config.yaml'}",
+        "trainer.total_training_steps=1", "trainer.test_freq=-1", f"trainer.default_local_dir={out}",
+        "trainer.logger=[jsonl]"])
+    metrics = run_training(config)
+    assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
+    assert sum(value for key, value in metrics.items() if key.startswith("multi_turn/stop/")) == 4  # 2 prompts x 2
+    assert metrics["multi_turn/turns_mean"] >= 1 and metrics["val/multi_turn/turns_mean"] >= 1
 
 
 def test_a_wrong_token_is_refused_and_health_needs_none(servers):
