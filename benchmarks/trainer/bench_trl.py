@@ -2,10 +2,10 @@
 
 Runs in its own environment (TRL is not a dependency of megatron-cpo), e.g.
 
-    python -m venv /work/trl-venv
-    /work/trl-venv/bin/pip install torch==2.13.0 trl math-verify==0.9.0   # torch: the CPU build
+    python -m venv ../trl-venv
+    ../trl-venv/bin/pip install torch==2.13.0 trl math-verify==0.9.0   # torch: the CPU build
     python -m megatron_cpo.data.synthetic --out DIR --keep-levels 1 2
-    PYTHONPATH=$PWD /work/trl-venv/bin/python benchmarks/trainer/bench_trl.py --data DIR/train.parquet --steps 12
+    PYTHONPATH=$PWD ../trl-venv/bin/python benchmarks/trainer/bench_trl.py --data DIR/train.parquet --steps 12
 
 The setting matches examples/tiny/grpo_arith.yaml: 8 prompts x 8 samples per step (one optimizer step per generation
 batch), at most 48 new tokens, temperature 1, lr 1e-4 with 2 warm-up steps, clip 0.2/0.2, token-mean loss (TRL's
