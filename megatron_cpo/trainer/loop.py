@@ -165,7 +165,7 @@ class Trainer:
             return None
         log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 4
         advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 5
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config))        # 6
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config)[0])     # 6
         pushed, lost = self.push_weights()                                                          # 7
         metrics.update(pushed)
         self.sync_reference(step)
