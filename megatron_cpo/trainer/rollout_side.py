@@ -36,7 +36,8 @@ class HintContextBuilder:
         self.tokenizer = tokenizer
         self.gold_as_hint = config.algorithm.cpo.gold_as_hint
         self.reader = HintReader(config.data.hint_key)
-        self.hint_config = HintConfig(max_prompt_length=config.data.max_prompt_length)
+        self.hint_config = HintConfig(max_prompt_length=config.data.max_prompt_length,
+                                      instruction=config.data.hint_instruction)
 
     def __call__(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         records = [g.record for g in groups for _ in range(g.n)]
