@@ -6,8 +6,13 @@
 # to a Megatron torch_dist checkpoint at TP=2 (two gloo processes under torchrun) and back to Hugging Face, checked to
 # be bit-identical, and asked a held-out question greedily, its answer printed beside the expected one.
 # Usage: bash scripts/quickstart.sh [cpo|grpo|dapo]   (outputs under runs/quickstart; MEGATRON_CPO_RUN_DIR overrides)
+#        bash scripts/quickstart.sh smollm2 [grpo|dapo|cpo]   the real model instead (scripts/quickstart_smollm2.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = smollm2 ]; then
+  shift
+  exec bash scripts/quickstart_smollm2.sh "$@"
+fi
 start=$(date +%s)
 bash scripts/setup_env.sh cpu,tools
 venv="${MEGATRON_CPO_VENV:-.venv}"
