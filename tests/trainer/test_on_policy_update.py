@@ -1,9 +1,10 @@
 """The on-policy update takes its old log-probs from its own forward (`step.old_log_probs_from_update`): the same
 update as a separate scoring pass first, one forward cheaper; and a bf16 actor trains with fp32 master weights.
 
-Real Megatron on gloo (one spawned rank), the suite's tiny model. Two identically built fp32 actors train on the same
-batch, one through the separate old-log-prob pass, one through `update_on_policy`: their weights after the update,
-the loss terms and the old log-probs / entropy the step reports must agree to float32 rounding.
+Real Megatron on gloo (two spawned ranks: DP=2, then PP=2), the suite's tiny model. In each layout two identically
+built fp32 actors train on the same batch, one through the separate old-log-prob pass, one through
+`update_on_policy`: their weights after the update, the loss terms and the old log-probs / entropy the step reports
+(gathered over DP, broadcast from the last pipeline stage) must agree.
 """
 import pytest
 import torch
@@ -23,6 +24,14 @@ def _batch():
 
 
 def _train(rank, world_size, model_dir):
+    from megatron_cpo import platform
+
+    results = {"dp2": _compare(model_dir, pp=1), "pp2": _compare(model_dir, pp=2)}
+    platform.destroy_distributed()
+    return results
+
+
+def _compare(model_dir, pp):
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -32,10 +41,11 @@ def _train(rank, world_size, model_dir):
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
-                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01"]
+                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
     config = build_config({}, overrides)
     assert step.old_log_probs_from_update(config)
-    platform.init_distributed(1, 1, seed=1)
+    platform.init_distributed(1, pp, seed=1)
     batch, results = _batch(), {}
     for mode in ("separate_pass", "from_update"):
         actor, _ = build_policies(config, pad_token_id=0, total_updates=4)
@@ -51,44 +61,53 @@ def _train(rank, world_size, model_dir):
         results[mode] = {"params": torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()]),
                          "old_log_probs": lp.old_log_probs, "entropy": lp.entropy, "metrics": metrics}
 
-    bf16_config = build_config({}, overrides + ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16"])
+    parameters = torch.cat([p.detach().reshape(-1) for p in actor.model.parameters()])  # this stage's
+    if pp == 1:  # the bf16 actor, at DP=2
+        bf16 = build_config({}, overrides + ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16"])
+        results["bf16"] = _bf16_update(bf16, batch)
+    parallel_state.destroy_model_parallel()
+    separate, from_update = results.pop("separate_pass"), results.pop("from_update")  # plain numbers cross the queue
+    results["differences"] = {key: float((from_update[key] - separate[key]).abs().max())
+                              for key in ("params", "old_log_probs", "entropy")}
+    results["params_scale"] = float(parameters.abs().max())
+    results["metric_differences"] = {key: abs(from_update["metrics"][key] - separate["metrics"][key]) for key in (
+        "actor/pg_loss", "actor/entropy", "actor/grad_norm", "entropy/mean", "completions/mean_length")}
+    results["update_seconds"] = from_update["metrics"]["timing/update_actor_s"]
+    return results
+
+
+def _bf16_update(bf16_config, batch):
+    from megatron_cpo.trainer import step
+    from megatron_cpo.trainer.policies import build_policies
+
     actor, _ = build_policies(bf16_config, pad_token_id=0, total_updates=4)
     before = [p.detach().float().clone() for p in actor.model.parameters()]
     lp = step.compute_log_probs(batch, actor, None, bf16_config, pad_token_id=0)
     metrics, lp = step.update_policy(actor, batch, lp, step.compute_advantages(batch, lp, bf16_config)[0], bf16_config)
+    # what Adam updates: the main parameters (with the distributed optimizer, this rank's shard of them)
     masters = [p for member in actor.optimizer.chained_optimizers for group in member.optimizer.param_groups
-               for p in group["params"]]  # what Adam updates: the main parameters
-    results["bf16"] = {"param_dtypes": {p.dtype for p in actor.model.parameters()},
-                       "master_dtypes": {p.dtype for p in masters}, "master_numel": sum(p.numel() for p in masters),
-                       "numel": sum(p.numel() for p in actor.model.parameters()),
-                       "moved": max(float((p.float() - b).abs().max()) for p, b in zip(actor.model.parameters(), before)),
-                       "pg_loss": metrics["actor/pg_loss"], "old_log_probs_finite": bool(torch.isfinite(
-                           lp.old_log_probs).all())}
-    parallel_state.destroy_model_parallel()
-    platform.destroy_distributed()
-    separate, from_update = results.pop("separate_pass"), results.pop("from_update")  # plain numbers cross the queue
-    results["differences"] = {key: float((from_update[key] - separate[key]).abs().max())
-                              for key in ("params", "old_log_probs", "entropy")}
-    results["params_scale"] = float(separate["params"].abs().max())
-    results["metric_differences"] = {key: abs(from_update["metrics"][key] - separate["metrics"][key]) for key in (
-        "actor/pg_loss", "actor/entropy", "actor/grad_norm", "entropy/mean", "completions/mean_length")}
-    results["update_seconds"] = from_update["metrics"]["timing/update_actor_s"]
-    results["bf16"]["param_dtypes"] = sorted(map(str, results["bf16"]["param_dtypes"]))
-    results["bf16"]["master_dtypes"] = sorted(map(str, results["bf16"]["master_dtypes"]))
-    return results
+               for p in group["params"]]
+    return {"param_dtypes": sorted({str(p.dtype) for p in actor.model.parameters()}),
+            "master_dtypes": sorted({str(p.dtype) for p in masters}), "master_numel": sum(p.numel() for p in masters),
+            "numel": sum(p.numel() for p in actor.model.parameters()),
+            "moved": max(float((p.float() - b).abs().max()) for p, b in zip(actor.model.parameters(), before)),
+            "old_log_probs_finite": bool(torch.isfinite(lp.old_log_probs).all())}
 
 
-@pytest.mark.slow
 def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(tiny_model_dir):
-    results = run_processes(_train, 1, str(tiny_model_dir))[0]
-    assert results["differences"]["old_log_probs"] < 1e-5 and results["differences"]["entropy"] < 1e-5
-    assert results["differences"]["params"] < 1e-6 and results["params_scale"] > 0
-    assert all(value < 1e-5 for value in results["metric_differences"].values()), results["metric_differences"]
-    assert results["update_seconds"] > 0
-
-    bf16 = results["bf16"]
-    assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["master_dtypes"] == ["torch.float32"]
-    assert bf16["master_numel"] == bf16["numel"] and bf16["moved"] > 0 and bf16["old_log_probs_finite"]
+    ranks = run_processes(_train, 2, str(tiny_model_dir))
+    for rank_results in ranks:
+        for layout in ("dp2", "pp2"):
+            results = rank_results[layout]
+            assert results["differences"]["old_log_probs"] < 1e-5 and results["differences"]["entropy"] < 1e-5
+            assert results["differences"]["params"] < 1e-6 and results["params_scale"] > 0, layout
+            assert all(value < 1e-5 for value in results["metric_differences"].values()), (layout, results)
+            assert results["update_seconds"] > 0
+        bf16 = rank_results["dp2"]["bf16"]
+        assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["master_dtypes"] == ["torch.float32"]
+        assert bf16["moved"] > 0 and bf16["old_log_probs_finite"]
+    # the distributed optimizer's fp32 main weights: each DP rank holds a shard, together all of them
+    assert sum(rank_results["dp2"]["bf16"]["master_numel"] for rank_results in ranks) == ranks[0]["dp2"]["bf16"]["numel"]
 
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
