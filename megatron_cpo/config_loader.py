@@ -1,10 +1,11 @@
 """From a YAML file and dotted command-line overrides to a validated, typed config tree.
 
 The loader knows nothing of the run's settings: it walks whatever dataclass tree it is given (`megatron_cpo.config`
-passes `Config`, its alias tables and verl's, see verl_compat.py). It flattens the YAML to dotted names, applies the
-overrides after it, rewrites accepted aliases to their canonical names, sets aside verl keys that do not apply here
-(one warning names them all, with why), coerces every value to its field's declared type (a scalar given for a list
-becomes a one-element list) and builds the dataclasses, whose `__post_init__` validate them.
+passes `Config`, its one alias table and verl_compat.py's data). It flattens the YAML to dotted names, applies the
+overrides after it, rewrites accepted aliases to their canonical names (two names of one setting given different
+values is an error), sets aside verl keys that do not apply here (one warning names them all, with why), coerces every
+value to its field's declared type (a scalar given for a list becomes a one-element list) and builds the
+dataclasses, whose `__post_init__` validate them.
 
 Every problem of a command is reported at once: unknown keys (with a hint that matches the last path components
 first), values of the wrong type, and failed validations, in one `ConfigError`.
@@ -22,14 +23,11 @@ from typing import Any
 
 import yaml
 
+from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.verl_compat import NoOpKey
 
 logger = logging.getLogger(__name__)
 REFERENCE_PAGE = "docs/config_reference.md"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which value and how to fix it."""
 
 
 def _flatten(tree: dict, prefix: str = "", mappings: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -244,23 +242,30 @@ class ConfigLoader:
                 repeated[name] = flat.pop(name)
         return ignored, repeated
 
-    def _canonical(self, flat: dict[str, Any], given_before: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`flat` with aliases rewritten (the canonical spelling wins when both are given) and implied values set
-        unless given here or in `given_before`."""
+    def _canonical(self, flat: dict[str, Any], errors: list[str], given_before: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+        """`flat` with aliases rewritten and implied values set unless given here or in `given_before`. Two names
+        of one setting given different values (an alias and its canonical name, or two aliases) is an error."""
         for alias, implied in self.alias_implies.items():
             if alias in flat and implied[0] not in flat and implied[0] not in (given_before or {}):
                 flat[implied[0]] = implied[1]
+        given_as = {name: name for name in flat}
         for alias, canonical in self.aliases.items():
-            if alias in flat:
-                value = flat.pop(alias)
-                flat.setdefault(canonical, value)
+            if alias not in flat:
+                continue
+            value = flat.pop(alias)
+            if canonical in flat and flat[canonical] != value:
+                errors.append(f"{alias}={value!r} and {given_as[canonical]}={flat[canonical]!r} set the same "
+                              f"setting ({canonical}) to different values; keep one")
+            flat.setdefault(canonical, value)
+            given_as.setdefault(canonical, alias)
         return flat
 
     def resolve(self, tree: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Resolved:
         """Build and validate the config from a nested dict (a parsed YAML file) and dotted overrides after it;
         raise one `ConfigError` listing every problem."""
         errors: list[str] = []
-        flat = self._canonical(_flatten(tree or {}, mappings=frozenset(mapping_fields(self.root))))
+        flat = self._canonical(_flatten(tree or {}, mappings=frozenset(mapping_fields(self.root))), errors)
         given = {}
         for text in overrides:
             try:
@@ -269,7 +274,7 @@ class ConfigLoader:
                 errors.append(str(err))
                 continue
             given[name] = value
-        flat.update(self._canonical(given, flat))  # an override wins over the file under whichever name either used
+        flat.update(self._canonical(given, errors, flat))  # an override wins over the file under either name
         fold_mappings(flat, mapping_fields(self.root), errors)
         ignored, repeated = self._set_aside(flat, errors)
         known = known_names(self.root)

@@ -110,15 +110,19 @@ def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.nd
     """Sample every prompt n times and grade each sample; returns (data sources, correct, scores, sample records)."""
     from transformers import AutoTokenizer
 
-    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+    from megatron_cpo.data import DataConfig, PromptDataset
     from megatron_cpo.rewards import compute_score
+    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders
     from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager, SamplingParams
 
     check_lengths(config)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    dataset = PromptDataset(DatasetConfig(files=config.data_files, max_prompt_length=config.max_prompt_length,
-                                          truncation="left", shuffle=False), tokenizer)
+    dataset = PromptDataset(config.data_files, tokenizer,
+                            DataConfig(max_prompt_length=config.max_prompt_length, truncation="left"))
     records = dataset.records[:config.max_prompts] if config.max_prompts else dataset.records
+    missing = missing_graders(record.data_source for record in records)
+    if missing:  # before the engines start
+        raise ValueError(missing_grader_message(missing, ", ".join(config.data_files)))
     rollout = EngineLaunchConfig(model_path=config.model_path, engines=RolloutEngineConfig(
         num_engines=config.num_engines, tensor_model_parallel_size=config.tensor_model_parallel_size,
         ray_address=config.ray_address), dtype=config.dtype,

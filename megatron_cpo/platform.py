@@ -9,7 +9,8 @@ When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) 
 the CPU generator and redirects (3) with a `TorchFunctionMode`; the attention's causal-mask helpers, which also run
 when activation recompute repeats a forward inside the backward (where that per-thread mode was seen not to be
 active: "Torch not compiled with CUDA enabled"), are replaced by CPU versions. With CUDA present all of this is skipped, so GPU runs
-execute Megatron-Core unchanged. The rest of the package calls `device()`, `backend()` and
+execute Megatron-Core unchanged. `apply_moe_adaptations` does the same for mixture-of-experts layers (no Transformer
+Engine; the alltoall dispatcher on the CPU). The rest of the package calls `device()`, `backend()` and
 `megatron_config_kwargs()` and never tests for CUDA.
 """
 from __future__ import annotations
@@ -47,11 +48,12 @@ def device() -> torch.device:
 
 
 def megatron_config_kwargs() -> dict:
-    """`TransformerConfig` settings this platform needs: on CPU, build weights on the CPU and send pipeline
-    activations with plain isend/irecv (gloo has no batched point-to-point); nothing on a GPU."""
+    """`TransformerConfig` settings this platform needs: on CPU, build weights on the CPU, send pipeline activations
+    with plain isend/irecv (gloo has no batched point-to-point) and run experts one by one (grouped GEMMs need a GPU);
+    nothing on a GPU."""
     if has_cuda():
         return {}
-    return {"use_cpu_initialization": True, "batch_p2p_comm": False}
+    return {"use_cpu_initialization": True, "batch_p2p_comm": False, "moe_grouped_gemm": False}
 
 
 def _is_cuda(value: Any) -> bool:
@@ -130,6 +132,41 @@ def _cpu_sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) ->
     return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
 
 
+def _split_counts_on_cpu(tensor: Any) -> Any:
+    """The alltoall dispatcher's split counts as the numpy array its GPU path copies them into."""
+    return tensor.numpy() if torch.is_tensor(tensor) else tensor
+
+
+def _cpu_alltoall_split_counts(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` on the CPU: the counts are already on the host, so no
+    side stream and no event; the split sizes become numpy arrays, as the GPU path makes them."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _split_counts_on_cpu(self.input_splits)
+        self.output_splits = _split_counts_on_cpu(self.output_splits)
+        self.output_splits_tp = _split_counts_on_cpu(self.output_splits_tp)
+    return tokens_per_expert
+
+
+def apply_moe_adaptations() -> None:
+    """Let Megatron-Core's mixture-of-experts layers run without Transformer Engine and, on the CPU, the alltoall token
+    dispatcher; idempotent.
+
+    Without TE, `moe_utils` never defines `te_general_gemm`, which the router's gating reads (a NameError): it is set
+    to None, the plain-torch path. On the CPU, the alltoall dispatcher would create a CUDA stream at construction and
+    copy its split counts to the host on it: a placeholder stream is registered and the counts are converted in place.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if has_cuda():
+        return
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if dispatcher.cuda_dtoh_stream is None:
+        dispatcher.cuda_dtoh_stream = "cpu"  # read only by the method replaced below
+    dispatcher._maybe_dtoh_and_synchronize = _cpu_alltoall_split_counts
+
+
 def apply_cpu_adaptations() -> None:
     """Make Megatron-Core run on the CPU (see the module docstring); idempotent, and a no-op when CUDA is present.
 
@@ -194,8 +231,10 @@ def apply_cpu_optimizer_adaptation() -> None:
 
 
 def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                     seed: int = 1234, context_parallel_size: int = 1) -> None:
-    """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP groups.
+                     seed: int = 1234, context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None) -> None:
+    """Join the process group torchrun describes (or a one-process group), then set up Megatron's TP/PP/CP groups and
+    its expert groups (EP experts per rank group, each expert split over ETP ranks; ETP None = TP).
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK as torchrun sets them; without WORLD_SIZE the
     process runs alone on a free loopback port. Seeds Megatron's model-parallel RNG streams with `seed`. Calling it
@@ -204,13 +243,19 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_adaptations()
+    apply_moe_adaptations()
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    wanted = (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, etp)
     if parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if (tp, pp) != (tensor_model_parallel_size, pipeline_model_parallel_size):
-            raise RuntimeError(f"model parallelism is already initialised with TP={tp}, PP={pp}; call "
-                               f"destroy_distributed() before initialising TP={tensor_model_parallel_size}, "
-                               f"PP={pipeline_model_parallel_size}")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+        if have != wanted:
+            names = ("TP", "PP", "EP", "ETP")
+            raise RuntimeError(f"model parallelism is already initialised with "
+                               f"{', '.join(f'{n}={v}' for n, v in zip(names, have))}; call destroy_distributed() "
+                               f"before initialising {', '.join(f'{n}={v}' for n, v in zip(names, wanted))}")
         return
     if not dist.is_initialized():
         if has_cuda():
@@ -227,9 +272,16 @@ def init_distributed(tensor_model_parallel_size: int = 1, pipeline_model_paralle
         raise ValueError(f"world size {world_size} is not divisible by TP={tensor_model_parallel_size} x "
                          f"PP={pipeline_model_parallel_size} x CP={context_parallel_size} = {model_parallel}; launch a "
                          f"multiple of {model_parallel} processes (torchrun --nproc-per-node) or change --tp/--pp/--cp")
+    expert_parallel = etp * expert_model_parallel_size * pipeline_model_parallel_size
+    if world_size % expert_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by ETP={etp} x EP={expert_model_parallel_size} x "
+                         f"PP={pipeline_model_parallel_size} = {expert_parallel}; choose expert sizes whose product "
+                         f"with PP divides the number of processes")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                              pipeline_model_parallel_size=pipeline_model_parallel_size,
-                                             context_parallel_size=context_parallel_size)
+                                             context_parallel_size=context_parallel_size,
+                                             expert_model_parallel_size=expert_model_parallel_size,
+                                             expert_tensor_parallel_size=etp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -1,5 +1,6 @@
-"""verl's configuration names that are not ours: the ones that moved, the ones that cannot apply here, and the ones
-that must agree with another setting. Data only; `config_loader` applies it (docs/index.md, "Coming from verl").
+"""verl's configuration names that are not ours: the ones that cannot apply here, the ones that must agree with another
+setting, and the ones that moved (for hints). Data only; `config_loader` applies it (docs/verl_compat.md). verl's
+spellings of our own settings are aliases, in `megatron_cpo/config.py`'s one table (`ALIASES`).
 
 A key listed in `VERL_NO_OP_KEYS` is accepted, and reported in one warning with the reason it does not apply. It is
 listed only when it changes how fast or where verl computes, never what: a value that would change the algorithm
@@ -9,21 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-# verl spellings that mean one of our settings: accepted, rewritten to the canonical name.
-VERL_ALIASES: dict[str, str] = {
-    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
-    # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
-    # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
-    # vLLM's and TRL's name for verl's free_cache_engine (sleep the colocated engines while the actor trains)
-    "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
-    **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
-       for key in ("enable", "len", "penalty_factor", "log")},
-    # verl passes Megatron's recompute settings through override_transformer_config
-    **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}": f"actor_rollout_ref.actor.megatron.{key}"
-       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
-}
 
 
 @dataclass(frozen=True)
@@ -51,6 +37,13 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             (0,)),
     NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
             "training ones)"),
+    *(NoOpKey(f"actor_rollout_ref.*.megatron.override_transformer_config.{key}",
+              "kernel fusions are chosen by the platform (Transformer Engine's when importable)")
+      for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                  "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs",
+                  "moe_grouped_gemm", "moe_permute_fusion")),
+    NoOpKey("actor_rollout_ref.*.megatron.override_transformer_config.moe_enable_deepep", "DeepEP's dispatcher "
+            "(moe_token_dispatcher_type=flex) is not offered; alltoall or allgather dispatch the tokens", (False,)),
 )
 
 # verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).
@@ -66,6 +59,9 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "the reference runs in the actor's layout"),
     "actor_rollout_ref.ref.megatron.sequence_parallel": (
         "actor_rollout_ref.actor.megatron.sequence_parallel", "the reference runs in the actor's layout"),
+    **{f"actor_rollout_ref.ref.megatron.{key}": (f"actor_rollout_ref.actor.megatron.{key}",
+                                                  "the reference runs in the actor's layout")
+       for key in ("expert_model_parallel_size", "expert_tensor_parallel_size")},
     "reward_model.reward_kwargs.max_resp_len": (
         "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
 }

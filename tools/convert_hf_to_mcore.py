@@ -1,12 +1,15 @@
-"""Convert a Hugging Face Qwen2/Llama model to a Megatron-Core torch_dist checkpoint that loads at any TP/PP.
+"""Convert a Hugging Face model to a Megatron-Core torch_dist checkpoint that loads at any TP/PP/EP.
+
+Any family of megatron_cpo/models/families/ (docs/conversion.md lists them).
 
     torchrun --nproc-per-node N*M tools/convert_hf_to_mcore.py --hf DIR --out DIR --tp N --pp M [--force]
+    torchrun --nproc-per-node 8 tools/convert_hf_to_mcore.py --hf DIR --out DIR --ep 8   # a mixture of experts
 """
 from __future__ import annotations
 
 import argparse
 
-from megatron_cpo.cli import run_reporting_errors
+from megatron_cpo.console import run_reporting_errors
 from megatron_cpo.models.conversion_commands import add_hf_to_mcore_arguments, run_hf_to_mcore
 
 

@@ -5,22 +5,28 @@
     python tools/plan_memory.py --recipe examples/qwen2.5-math-7b/cpo.yaml --trainer-gpus 16 --gpu h100-sxm
 
 Method (docs/planning.md has the derivation):
-- Parameters are counted from the HF config (embedding, per-layer attention with GQA and biases, SwiGLU MLP, norms,
-  untied output layer). A GPU holds 1/TP of the sharded matrices of its pipeline stage (layers/PP, plus the embedding
-  on the first stage and the output layer on the last; the larger stage is reported).
+- Parameters are counted from the HF config through the model family registry (tools/model_shape.py: embedding,
+  per-layer attention with GQA, biases and q/k norms, SwiGLU MLP or router + experts + shared expert, norms, untied
+  output layer). A GPU holds 1/TP of the sharded matrices of its pipeline stage (layers/PP, plus the embedding on the
+  first stage and the output layer on the last; the larger stage is reported) and 1/(EP x ETP) of its routed experts.
+  A mixture of experts is reported with its total and its active parameters per token (top-k experts per MoE layer).
 - Resident state per parameter: the weights in `params_dtype`; fp32 gradients (Megatron DDP reduces in fp32); Adam
-  moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer;
-  a frozen reference copy of the weights when the KL loss is on.
+  moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer
+  (the experts' by the expert-data-parallel size, trainer GPUs / (PP x EP x ETP)); a frozen reference copy of the
+  weights when the run keeps a reference model (KL loss, KL in the reward or verl's reference sync:
+  `Config.needs_reference_model`, the rule the trainer builds by).
 - Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
   budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
-  SwiGLU halves), plus attention scores and probabilities when attention is not fused (CPU, or GPUs without flash
+  SwiGLU halves; in a MoE layer the router's scores and, per routed copy of a token, its dispatched input and the
+  expert's SwiGLU activations), plus attention scores and probabilities when attention is not fused (CPU, or GPUs without flash
   attention), plus the fp32 logits and their gradient for the log-prob kernel (only per-token statistics with
   `--fused-kernels`). Pipeline parallelism keeps up to PP micro-batches in flight on the first stage. Sequence
   parallelism divides the norm/residual activations by TP too; context parallelism divides the tokens by CP; full
   recompute (`--recompute full`, uniform, `--recompute-num-layers` N) keeps only every N-th layer input, plus one
   group of N layers' activations while it is recomputed; selective recompute drops the unfused attention scores.
 - Step time = generation + log-prob forwards + training + weight sync. Generation is memory-bandwidth bound: a
-  decode step of an engine reads its weights once. A forward-only log-prob pass costs 2 x params x tokens FLOPs plus
+  decode step of an engine reads its weights once (all experts of a MoE: a batch of sequences touches them all). A
+  forward-only log-prob pass costs 2 x (active) params x tokens FLOPs plus
   the attention's 2 x layers x heads x head_dim x L^2 per sequence (causal), about 1/3 of a training pass (6 x and
   3 x those); full recompute adds one forward to training (8 x). There is one log-prob pass for the old log-probs,
   one for the reference (KL loss) and one for CPO's hinted contexts. Tokens are padded rows (prompt + response
@@ -37,6 +43,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
+
+from megatron_cpo.trainer.layout import Layout  # noqa: E402  (the layout preflight prints, one class for both)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shape import ModelShape  # noqa: E402  (tools/ is not a package)
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Datasheet peaks (dense bf16 tensor TFLOP/s, HBM GB/s, GiB): inputs of the estimate, not measurements.
 GPUS = {"h100-sxm": (989.0, 3350.0, 80), "h200": (989.0, 4800.0, 141), "a100-80g": (312.0, 2039.0, 80)}
@@ -44,84 +56,6 @@ GIB = 1024 ** 3
 
 
 @dataclass
-class ModelShape:
-    """The dimensions that decide memory and FLOPs."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tied_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelShape":
-        """From an HF `config.json` dict (Qwen2 / Llama families)."""
-        heads = config["num_attention_heads"]
-        return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                   num_layers=config["num_hidden_layers"], num_heads=heads,
-                   num_kv_heads=config.get("num_key_value_heads", heads),
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                   intermediate_size=config["intermediate_size"],
-                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)))
-
-    @property
-    def qkv_width(self) -> int:
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-
-    def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one transformer layer on one TP rank (norms are replicated)."""
-        attention = self.hidden_size * self.qkv_width + self.num_heads * self.head_dim * self.hidden_size
-        bias = self.qkv_width if self.qkv_bias else 0
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return (attention + bias + mlp) / tp + 2 * self.hidden_size
-
-    def total_params(self) -> int:
-        """All parameters of the model (one copy of a tied embedding)."""
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return int(self.num_layers * self.layer_params() + embeddings + self.hidden_size)
-
-    def stage_params(self, tp: int, pp: int, padded_vocab: int) -> float:
-        """Parameters on the GPU of the largest pipeline stage."""
-        layers = math.ceil(self.num_layers / pp) * self.layer_params(tp)
-        embedding = padded_vocab * self.hidden_size / tp
-        if pp == 1:
-            return layers + embedding * (1 if self.tied_embeddings else 2) + self.hidden_size
-        return layers + embedding + self.hidden_size
-
-
-@dataclass
-class Layout:
-    """Parallelism of trainer and engines, and what the run keeps in memory."""
-
-    tp: int = 1
-    pp: int = 1
-    trainer_gpus: int = 1
-    engines: int = 1
-    rollout_tp: int = 1
-    params_dtype: str = "bfloat16"
-    distributed_optimizer: bool = True
-    reference_model: bool = True
-    fused_attention: bool = True
-    sequence_parallel: bool = False
-    context_parallel: int = 1
-    recompute: str = ""           # "", "full" (uniform) or "selective"
-    recompute_num_layers: int = 1
-    remove_padding: bool = False
-    dynamic_bsz: bool = False
-    fused_kernels: bool = False
-
-    @property
-    def dp(self) -> int:
-        model_parallel = self.tp * self.pp * self.context_parallel
-        if self.trainer_gpus % model_parallel:
-            raise ValueError(f"--trainer-gpus={self.trainer_gpus} is not a multiple of TP x PP x CP = "
-                             f"{model_parallel}")
-        return self.trainer_gpus // model_parallel
 
 
 @dataclass
@@ -157,12 +91,17 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: 
     tokens = tokens / layout.context_parallel  # each CP rank holds 1/CP of every row
     attention_width = shape.num_heads * shape.head_dim
     replicated = 4 * h / (tp if layout.sequence_parallel else 1)  # norm inputs and residuals: split by SP
-    per_token = replicated + (shape.qkv_width + attention_width + 3 * shape.intermediate_size) / tp + 2 * (
-        attention_width / tp)
+    per_token = replicated + (shape.qkv_width + attention_width) / tp + 2 * (attention_width / tp)
     unfused = not layout.fused_attention and layout.recompute != "selective"
     if unfused:  # unfused attention also keeps the rotated q/k and k/v repeated to every query head (GQA)
         per_token += ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + 2 * attention_width) / tp
-    layers = math.ceil(shape.num_layers / layout.pp)
+    dense_layers, moe_layers = shape.stage_layers(layout.pp)
+    layers = dense_layers + moe_layers
+    # per token and layer, averaged over the stage's layers: SwiGLU inputs and halves (3 x width), or the router's
+    # scores plus, per routed copy (top-k), the dispatched input and output and the expert's SwiGLU activations
+    routed = shape.num_experts + shape.top_k * (2 * h + 3 * shape.expert_ffn / (layout.etp or tp))
+    per_token += (dense_layers * 3 * shape.intermediate_size / tp
+                  + moe_layers * (routed + 3 * shape.shared_expert_ffn / tp)) / layers
     in_flight = layout.pp
     scores_per_layer = 2 * shape.num_heads / tp * length * length * sequences / layout.context_parallel * act
     if layout.recompute == "full":  # every N-th layer's input stays; one group of N layers is live at a time
@@ -184,12 +123,14 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: 
 
 def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str, float]:
     """Bytes per trainer GPU by component, and their total."""
-    params = shape.stage_params(layout.tp, layout.pp, padded_vocab(shape.vocab_size, layout.tp))
+    stage = shape.stage_params(layout.tp, layout.pp, padded_vocab(shape.vocab_size, layout.tp), layout.ep, layout.etp)
+    params = stage["dense"] + stage["experts"]
     weight_bytes = DTYPE_BYTES[layout.params_dtype]
     optimizer_per_param = 8 + (4 if weight_bytes < 4 else 0)
-    shards = layout.dp if layout.distributed_optimizer else 1
+    sharded = (stage["dense"] / layout.dp + stage["experts"] / layout.expert_dp if layout.distributed_optimizer
+               else params)
     memory = {"weights": params * weight_bytes, "gradients": params * 4,
-              "optimizer": params * optimizer_per_param / shards,
+              "optimizer": sharded * optimizer_per_param,
               "reference": params * weight_bytes if layout.reference_model else 0.0}
     length = batch.prompt_length + batch.response_length
     tokens = batch.micro_batch * length
@@ -250,8 +191,8 @@ def _colocate_report(args: argparse.Namespace, shape: ModelShape, layout: Layout
             offload = {name for name in OFFLOADABLE if getattr(megatron, f"{name}_offload")}
         sleep_level = rollout.sleep_level if rollout.free_cache_engine else 0
         utilization = rollout.gpu_memory_utilization
-    engine_weights = (shape.stage_params(layout.rollout_tp, 1, padded_vocab(shape.vocab_size, layout.rollout_tp, 64))
-                      * DTYPE_BYTES[layout.params_dtype])
+    engine_params = shape.stage_params(layout.rollout_tp, 1, padded_vocab(shape.vocab_size, layout.rollout_tp, 64))
+    engine_weights = (engine_params["dense"] + engine_params["experts"]) * DTYPE_BYTES[layout.params_dtype]
     if args.kv_cache_gib is not None:
         kv_cache = args.kv_cache_gib * GIB
     elif args.gpu:
@@ -274,7 +215,7 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     """Seconds per step by phase for `gpu` (a `GPUS` key), at `mfu` of peak FLOPs and `decode_efficiency` of HBM
     bandwidth while decoding."""
     peak_tflops, bandwidth_gbs, _ = GPUS[gpu]
-    params = shape.total_params()
+    params, active = shape.total_params(), shape.active_params()
     responses = batch.train_batch_size * batch.n
     prompts_per_engine = math.ceil(batch.train_batch_size / layout.engines)
     decode_step_s = params * 2 / layout.rollout_tp / (bandwidth_gbs * 1e9 * decode_efficiency)
@@ -282,8 +223,8 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     padding_free = layout.remove_padding or layout.dynamic_bsz
     length = batch.prompt_length + (batch.mean_response if padding_free else batch.response_length)
     tokens = responses * length
-    flops_per_s = layout.trainer_gpus * peak_tflops * 1e12 * mfu
-    forward_flops = 2 * params * tokens + attention_flops(shape, length) * responses
+    flops_per_s = layout.world_size * peak_tflops * 1e12 * mfu
+    forward_flops = 2 * active * tokens + attention_flops(shape, length) * responses
     forwards = batch.extra_forwards * forward_flops / flops_per_s
     passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
     training = batch.ppo_epochs * passes * forward_flops / flops_per_s
@@ -294,21 +235,12 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     return times
 
 
-def _from_recipe(path: str) -> tuple[dict, Layout, Batch]:
+def _from_recipe(path: str, trainer_gpus: int) -> tuple[dict, Layout, Batch]:
     from megatron_cpo.config import load_config
 
     config = load_config(path)
-    actor, rollout, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
-    megatron = actor.megatron
-    layout = Layout(tp=megatron.tensor_model_parallel_size, pp=megatron.pipeline_model_parallel_size,
-                    engines=rollout.num_engines, rollout_tp=rollout.tensor_model_parallel_size,
-                    params_dtype=megatron.params_dtype,
-                    distributed_optimizer=megatron.use_distributed_optimizer,
-                    reference_model=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
-                    sequence_parallel=megatron.sequence_parallel, context_parallel=megatron.context_parallel_size,
-                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
-                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,
-                    dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels)
+    actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+    layout = Layout.from_config(config, trainer_gpus)
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
@@ -323,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", help="a recipe YAML: layout and batch sizes come from it")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (MoE; default 1 or the recipe's)")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (MoE; default: TP)")
     parser.add_argument("--trainer-gpus", type=int, default=1)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--rollout-tp", type=int, default=1)
@@ -362,12 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.recipe:
-            meta, layout, batch = _from_recipe(args.recipe)
-            layout.trainer_gpus = args.trainer_gpus
+            meta, layout, batch = _from_recipe(args.recipe, args.trainer_gpus)
             model = args.model or meta["model"]
         else:
-            layout = Layout(args.tp, args.pp, args.trainer_gpus, args.engines, args.rollout_tp, args.dtype,
-                            reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
+            layout = Layout(args.tp, args.pp, args.trainer_gpus, engines=args.engines, rollout_tp=args.rollout_tp,
+                            params_dtype=args.dtype, reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
                             context_parallel=args.cp, recompute=args.recompute,
                             recompute_num_layers=args.recompute_num_layers, remove_padding=args.remove_padding,
                             dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels)
@@ -376,12 +309,16 @@ def main(argv: list[str] | None = None) -> int:
             model = args.model
         batch.mean_response_length = args.mean_response_length
         layout.fused_attention = not args.unfused_attention
+        layout.ep = args.ep or layout.ep
+        layout.etp = args.etp or layout.etp
         config_path = Path(model or "") / "config.json" if not str(model).endswith(".json") else Path(model)
         if not config_path.is_file():
             raise ValueError(f"no HF config at {config_path}; pass --model with a local model directory")
         shape = ModelShape.from_hf_config(json.loads(config_path.read_text()))
+        if shape.is_moe and shape.num_experts % layout.ep:
+            raise ValueError(f"EP={layout.ep} does not divide the model's {shape.num_experts} experts")
         trainer = trainer_memory(shape, layout, batch)
-        report = {"params": shape.total_params(), "dp": layout.dp,
+        report = {"params": shape.total_params(), "active_params": shape.active_params(), "dp": layout.dp,
                   "memory_gib": {k: v / GIB for k, v in trainer.items()}}
         if args.colocate:
             report["colocated_gib"] = {k: v / GIB for k, v in _colocate_report(args, shape, layout, trainer).items()}
@@ -395,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"layout": asdict(layout), "batch": asdict(batch), **report}, indent=1))
         return 0
     on = {True: "on", False: "off"}
-    print(f"{report['params'] / 1e9:.3f} B parameters; TP={layout.tp} PP={layout.pp} DP={layout.dp}"
-          + (f" CP={layout.context_parallel}" if layout.context_parallel > 1 else ""))
+    active = f" ({report['active_params'] / 1e9:.3f} B active per token)" if shape.is_moe else ""
+    experts = (f" EP={layout.ep} ETP={layout.etp or layout.tp} EDP={layout.expert_dp}" if shape.is_moe else "")
+    print(f"{report['params'] / 1e9:.3f} B parameters{active}; TP={layout.tp} PP={layout.pp} DP={layout.dp}"
+          + (f" CP={layout.context_parallel}" if layout.context_parallel > 1 else "") + experts)
     print(f"  SP {on[layout.sequence_parallel]}, recompute {layout.recompute or 'off'}, remove_padding "
           f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, fused_kernels {on[layout.fused_kernels]}; "
           f"{batch.extra_forwards} log-prob pass(es) per step")

@@ -1,7 +1,7 @@
 """The Megatron actor on the device: log-prob pass and one update on a length-skewed batch, through the trainer's code.
 
 A randomly initialised model of Qwen2.5-1.5B's shape (`--layers` fewer to fit a time budget) is written as an HF
-checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's `train_on_batch` (step.py) on a
+checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's steps 3-5 (`trainer/policy_update.py`) on a
 `StepBatch` of prompts x samples with log-normal response lengths (the long tail of RL responses), with the actor's
 `log_probs` and `update` timed in place (the instance's methods are wrapped; nothing else changes). The first step
 warms up (kernel compilation, allocator); the next one is measured.
@@ -120,7 +120,7 @@ def lengths(shape: BatchShape, seed: int) -> tuple[list[int], list[int]]:
 
 def length_skewed_batch(shape: BatchShape, vocab: int, seed: int = 0):
     """A `StepBatch` of random tokens (ids >= 1; 0 pads) with log-normal lengths and mixed 0/1 scores per group."""
-    from megatron_cpo.trainer.step import StepBatch
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     prompt_lengths, response_lengths = lengths(shape, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -215,8 +215,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     """Build the actor for one mode, run two trainer steps (warm-up, measured) and return the measured phases."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.step import train_on_batch
     from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, model["vocab_size"])
     totals = (batch.prompt_ids.lengths() + batch.response_ids.lengths()).tolist()
@@ -238,11 +238,14 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     actor, reference = build_policies(config, pad_token_id=0, total_updates=4)
     device = platform.device()
     timer = PhaseTimer(device)
-    actor.log_probs = timer.wrap("log_probs", actor.log_probs)
+    actor.log_probs = timer.wrap("log_probs", actor.log_probs)  # CPO's hinted pass
+    actor.log_probs_and_routing = timer.wrap("log_probs", actor.log_probs_and_routing)  # the old log-probs
     actor.update = timer.wrap("update", actor.update)
     for _ in range(2):
         timer.calls.clear()
-        metrics = train_on_batch(batch, actor, reference, config, pad_token_id=0)
+        log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)  # steps 3-5 of Trainer.step
+        advantages, metrics = compute_advantages(batch, log_probs, config)
+        metrics.update(update_policy(actor, batch, log_probs, advantages, config))
     real_tokens = sum(totals)
     flops_real = forward_flops(model, totals)
     flops_padded = forward_flops(model, [padded_length] * len(totals))

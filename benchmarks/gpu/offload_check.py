@@ -2,7 +2,7 @@
 
 A randomly initialised model of Qwen2.5-1.5B's shape (8 of its layers by default, `--layers`) is written as an HF
 checkpoint and built twice by the trainer's `build_policies` (bf16, distributed Adam); both take one
-`train_on_batch` step, then one is offloaded with `trainer/offload.py` (all three parts, as
+trainer step (log-probs, advantages, update), then one is offloaded with `trainer/offload.py` (all three parts, as
 `actor.megatron.{param,grad,optimizer}_offload=true` in `rollout.mode=colocate`) and reloaded. Recorded: the bytes
 of each part, the allocator's allocated memory before, while offloaded and after reload (the offloaded bytes must
 really leave the device and come back), the copy times and bandwidths, whether every parameter, gradient and
@@ -45,8 +45,8 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.step import train_on_batch
     from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, vocab)
     config = build_config({}, [
@@ -61,8 +61,14 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     offloaded, _ = build_policies(config, pad_token_id=0, total_updates=4)
     plain, _ = build_policies(config, pad_token_id=0, total_updates=4)
     offload = colocated_offload(offloaded, config.actor_rollout_ref.actor.megatron, "colocate")
+
+    def train(actor):  # steps 3-5 of Trainer.step, without a reference
+        log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, config)
+        return {**metrics, **update_policy(actor, batch, log_probs, advantages, config)}
+
     for actor in (offloaded, plain):
-        train_on_batch(batch, actor, None, config, pad_token_id=0)
+        train(actor)
     tensors = actor_tensors(offloaded.model, offloaded.ddp_model, offloaded.optimizer)
     before = {part: [t.detach().cpu().clone() for t in group] for part, group in tensors.items()}
 
@@ -78,7 +84,7 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     reloaded_bytes = _allocated(device)
     identical = {part: all(torch.equal(a.cpu(), b) for a, b in zip(tensors[part], before[part])) for part in PARTS}
 
-    after = [train_on_batch(batch, actor, None, config, pad_token_id=0) for actor in (offloaded, plain)]
+    after = [train(actor) for actor in (offloaded, plain)]
     same_step = after[0] == after[1] and all(
         torch.equal(a, b) for a, b in zip(offloaded.model.parameters(), plain.model.parameters()))
     platform.destroy_distributed()

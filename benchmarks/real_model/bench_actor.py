@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 # The issue's starting point, overridden by each setting: fp32, micro-batches of 16 padded rows, the logits path, and
 # a separate old-log-prob pass (`+old_log_probs=from_update` lets the on-policy update compute them instead, as the
-# trainer does when `step.old_log_probs_from_update` holds; `+threads=N` sets torch's intra-op threads).
+# trainer does when `policy_update.old_log_probs_from_update` holds; `+threads=N` sets torch's intra-op threads).
 BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.megatron.params_dtype=float32",
         "actor_rollout_ref.model.use_fused_kernels=false", "actor_rollout_ref.actor.use_dynamic_bsz=false",
         "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
@@ -75,7 +75,7 @@ def make_batch(prompts: int, n: int, prompt_len: int, seed: int):
     """A StepBatch of random tokens with the example's shape; response lengths spread evenly over 24..128."""
     import torch
 
-    from megatron_cpo.trainer.step import StepBatch
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(seed)
     rows = prompts * n
@@ -99,12 +99,13 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
         torch.set_num_threads(int(options["threads"]))
     from megatron_cpo import platform
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer import step
+    from megatron_cpo.trainer import policy_update
     from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.step import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 
     if options.get("old_log_probs") != "from_update":
-        step.old_log_probs_from_update = lambda config: False  # the separate pass, as before the predicate existed
+        # the separate pass, as before the predicate existed
+        policy_update.old_log_probs_from_update = lambda config: False
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     config = load_config(str(CONFIG), [f"actor_rollout_ref.model.path={MODEL}", *BASE, *overrides])
@@ -120,7 +121,7 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
                 log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=2)
                 advantages, _ = compute_advantages(batch, log_probs, config)
             else:
-                metrics, _ = update_policy(actor, batch, log_probs, advantages, config)
+                metrics = update_policy(actor, batch, log_probs, advantages, config)
             start_wall, start_cpu = times[part]
             times[part] = (time.perf_counter() - start_wall, _cpu_seconds() - start_cpu)
         if index:

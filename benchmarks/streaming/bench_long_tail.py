@@ -163,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from benchmarks.trainer.bench_controller import group_scorer, untrained_setup
+    from benchmarks.trainer.bench_controller import build_controller, group_scorer, untrained_setup
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
     from megatron_cpo.trainer import controller as new_controller
@@ -193,11 +193,9 @@ def main() -> None:
                 num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
                 grader_kwargs={dataset[0].data_source: {"keep_rate": keep_rate}}))
             scorer = group_scorer(rewards, tokenizer)
-            live = {name: module.RolloutController(
-                manager, PromptStream(dataset, 100, 1000), scorer,
-                module.ControllerSettings(train_batch_size=args.batch_size,
-                                          max_inflight_prompts=args.max_inflight_prompts),
-                keep_varied_groups, params_for) for name, module in controllers.items()}
+            live = {name: build_controller(module, manager, PromptStream(dataset, 100, 1000), scorer,
+                                           args.batch_size, keep_varied_groups, params_for, args.max_inflight_prompts)
+                    for name, module in controllers.items()}
             for controller in live.values():  # prime the keep-rate history, as a running trainer's is
                 controller.collect(step=0)
             runs = {mode: [] for mode in modes}

@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/streaming/simulated_results.json")
     args = parser.parse_args()
 
+    from benchmarks.trainer.bench_controller import build_controller
     from megatron_cpo.trainer import controller as new_controller
     from megatron_cpo.trainer.accumulator import keep_varied_groups
     from megatron_cpo.trainer.prompt_stream import PromptStream
@@ -136,10 +137,9 @@ def main() -> None:
     for keep_rate in args.keep_rates:
         for cap in args.max_inflight_prompts:
             engine = SteppedEngine(args.max_num_seqs)
-            settings = dict(train_batch_size=args.batch_size, max_inflight_prompts=cap)
-            live = {name: module.RolloutController(engine, PromptStream(records, 100, 1000), scorer_for(keep_rate),
-                                                   module.ControllerSettings(**settings), keep_varied_groups,
-                                                   params_for) for name, module in modules.items()}
+            live = {name: build_controller(module, engine, PromptStream(records, 100, 1000), scorer_for(keep_rate),
+                                           args.batch_size, keep_varied_groups, params_for, cap)
+                    for name, module in modules.items()}
             for controller in live.values():
                 controller.collect(step=0)
             runs = {mode: [] for mode in ("sequential", *live)}

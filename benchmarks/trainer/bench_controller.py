@@ -28,6 +28,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+def build_controller(module, manager, stream, scorer, batch_size: int, group_filter, params_for,
+                     max_inflight_prompts: int = 0):
+    """`module.RolloutController` filling batches of `batch_size` prompts. A controller of an older tree (it took its
+    settings as `ControllerSettings`, before it read the run's config; or it took the engines, before it submitted to a
+    group generator) is built the way it expects, so the A/B benchmarks still compare against commits from before."""
+    from megatron_cpo.config import build_config
+
+    if hasattr(module, "ControllerSettings"):
+        settings = module.ControllerSettings(train_batch_size=batch_size, max_inflight_prompts=max_inflight_prompts)
+    else:
+        settings = build_config({}, [f"data.train_batch_size={batch_size}",
+                                     f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+                                     f"actor_rollout_ref.rollout.max_inflight_prompts={max_inflight_prompts}"])
+    if hasattr(module, "GroupGenerator"):  # a tree whose controller submits to a group generator
+        from megatron_cpo.rollout.generators import SingleTurnGenerator
+
+        manager = SingleTurnGenerator(manager)
+    return module.RolloutController(manager, stream, scorer, settings, group_filter, params_for)
+
+
 def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, step):
     """verl's loop: generate train_batch_size prompts at a time, wait for all, filter, accumulate, truncate."""
     from megatron_cpo.trainer.accumulator import keep_varied_groups
@@ -70,7 +90,7 @@ def untrained_setup(prefix: str, max_num_seqs: int | None = None):
     """An untrained tiny model, 4000 arithmetic prompts and one engine serving it: (tokenizer, dataset, manager)."""
     from transformers import AutoTokenizer
 
-    from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+    from megatron_cpo.data import DataConfig, PromptDataset
     from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
     from megatron_cpo.models.tiny import write_tiny_model
     from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
@@ -79,7 +99,7 @@ def untrained_setup(prefix: str, max_num_seqs: int | None = None):
     model = write_tiny_model(work / "model")
     data = write_arith_parquet(work / "data", ArithConfig(num_train=4000, num_test=1))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    dataset = PromptDataset(DatasetConfig(files=[str(data["train"])], max_prompt_length=256), tokenizer)
+    dataset = PromptDataset(data["train"], tokenizer, DataConfig(max_prompt_length=256))
     manager = RolloutManager(EngineLaunchConfig(model_path=str(model), dtype="float32", max_model_len=512, seed=1,
                                                 engines=RolloutEngineConfig(ray_address="local"),
                                                 max_num_seqs=max_num_seqs))
@@ -105,7 +125,7 @@ def main() -> None:
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
     from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.controller import ControllerSettings, RolloutController
+    from megatron_cpo.trainer import controller as controller_module
     from megatron_cpo.trainer.prompt_stream import PromptStream
 
     tokenizer, dataset, manager = untrained_setup("bench_controller_", max_num_seqs=args.max_num_seqs)
@@ -123,10 +143,9 @@ def main() -> None:
             rewards = RewardManager(RewardConfig(
                 num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
                 grader_kwargs={source: {"keep_rate": keep_rate}}))
-            controller = RolloutController(manager, PromptStream(dataset, 1, 7), group_scorer(rewards, tokenizer),
-                                           ControllerSettings(train_batch_size=args.batch_size,
-                                                              max_inflight_prompts=args.max_inflight_prompts),
-                                           keep_varied_groups, params)
+            controller = build_controller(controller_module, manager, PromptStream(dataset, 1, 7),
+                                          group_scorer(rewards, tokenizer), args.batch_size, keep_varied_groups,
+                                          params, args.max_inflight_prompts)
             runs = {"sequential": [], "streaming": []}
             load = [os.getloadavg()[0]]
             for repeat in range(args.repeats):

@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from benchmarks.trainer.bench_controller import group_scorer, sequential_batch, untrained_setup
+    from benchmarks.trainer.bench_controller import build_controller, group_scorer, sequential_batch, untrained_setup
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
     from megatron_cpo.trainer import controller as new_controller
@@ -61,10 +61,9 @@ def main() -> None:
             rewards = RewardManager(RewardConfig(
                 num_workers=1, custom_reward_function="benchmarks.trainer.graders:informative_fraction",
                 grader_kwargs={dataset[0].data_source: {"keep_rate": keep_rate}}))
-            controllers = {name: module.RolloutController(
-                manager, PromptStream(dataset, 1, 7), group_scorer(rewards, tokenizer),
-                module.ControllerSettings(train_batch_size=8), keep_varied_groups, params)
-                for name, module in (("old", old_controller), ("new", new_controller))}
+            controllers = {name: build_controller(module, manager, PromptStream(dataset, 1, 7),
+                                                  group_scorer(rewards, tokenizer), 8, keep_varied_groups, params)
+                           for name, module in (("old", old_controller), ("new", new_controller))}
             runs, loads = {mode: [] for mode in MODES}, []
             for repeat in range(args.repeats):
                 for mode in MODES[repeat % 3:] + MODES[:repeat % 3]:

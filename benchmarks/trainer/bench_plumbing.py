@@ -53,7 +53,7 @@ def synthetic_groups(args: argparse.Namespace) -> list:
 
 
 def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from megatron_cpo.trainer import collectives, step
+    from megatron_cpo.trainer import collectives, policy_update, step_batch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -67,11 +67,11 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> No
         dist.barrier()
         cpu_start = time.process_time()
         start = time.perf_counter()
-        batch = step.make_step_batch(groups, 1.0) if rank == 0 else None
+        batch = step_batch.make_step_batch(groups, 1.0) if rank == 0 else None
         built, cpu_built = time.perf_counter(), time.process_time()
         batch = collectives.broadcast_batch(batch)
         sent, cpu_sent = time.perf_counter(), time.process_time()
-        seqs, rollout_log_probs = step.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
+        seqs, rollout_log_probs = policy_update.prepare_sequences(batch, pad_token_id=0, width=args.max_response)
         packed, cpu_packed = time.perf_counter(), time.process_time()
         timings.append({"make_step_batch_s": built - start, "broadcast_s": sent - built, "pack_s": packed - sent,
                         "total_s": packed - start, "cpu_make_step_batch_s": cpu_built - cpu_start,

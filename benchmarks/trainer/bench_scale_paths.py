@@ -57,12 +57,12 @@ def memory_mode(args: argparse.Namespace) -> dict:
 
 
 def throughput_mode(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
     from megatron_cpo import platform
-    from megatron_cpo.algorithms.losses import PolicyLossConfig
     from megatron_cpo.config import build_config
     from megatron_cpo.models.tiny import write_tiny_model
     from megatron_cpo.trainer.actor import UpdateInputs
-    from megatron_cpo.trainer.micro_batches import MicroBatching
     from megatron_cpo.trainer.sequences import pack_sequences
     from megatron_cpo.trainer.policies import build_policies
 
@@ -84,14 +84,15 @@ def throughput_mode(args: argparse.Namespace) -> dict:
     mask = seqs.response_mask()
     results = {"rows": args.rows, "real_tokens": real, "longest": seqs.length,
                "real_over_padded": round(real / (seqs.rows * seqs.length), 3)}
-    fixed, budget = MicroBatching(args.micro_batch_size), MicroBatching(args.micro_batch_size, args.token_budget,
-                                                                        args.token_budget)
+    fixed = replace(actor.config, ppo_micro_batch_size_per_gpu=args.micro_batch_size, use_dynamic_bsz=False)
+    budget = replace(fixed, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.token_budget,
+                     log_prob_max_token_len_per_gpu=args.token_budget)
     modes = {"padded": (fixed, None, False), "dynamic": (budget, None, False), "packed": (fixed, "rows", False),
              "packed_dynamic": (budget, "rows", False), "packed_dynamic_recompute": (budget, "rows", True)}
     timings: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     actor.log_probs(seqs.select(slice(0, 2)), temperature=1.0)  # warm-up: first-call costs stay out of the timings
     for name, (batching, packing, recompute) in [*modes.items()] * args.repeats:
-        actor.batching, actor.packing = batching, packing
+        actor.config, actor.packing = batching, packing
         # Megatron reads these at every forward: full recompute of each layer, as enable_gradient_checkpointing sets
         actor.model.config.recompute_granularity = "full" if recompute else None
         actor.model.config.recompute_method = "uniform" if recompute else None
@@ -101,7 +102,7 @@ def throughput_mode(args: argparse.Namespace) -> dict:
         forward = time.perf_counter() - start
         inputs = UpdateInputs(mask * 0.1, log_probs, None, None)
         start = time.perf_counter()
-        actor.update(seqs, inputs, PolicyLossConfig(), temperature=1.0)
+        actor.update(seqs, inputs, temperature=1.0)
         update = time.perf_counter() - start
         timings[name].append((forward, update))
     for name, runs in timings.items():

@@ -10,6 +10,7 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
   mismatch metrics and TIS, re-exported by losses.py).
 - cpo.py: difficulty mask, the shaping-rule table.
 - shapers.py: the advantage shaper `algorithm.adv_estimator` selects (GRPO as is, CPO's rule) and CPO's config.
-- filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling, early-stop monitor.
+- filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling.
 - overlong.py: DAPO overlong reward shaping.
+- config.py: the `algorithm.*` section (estimator, filter-groups, KL in the reward, CPO's settings).
 """

@@ -1,54 +1,35 @@
 """Prompt datasets in verl's parquet schema (the trainer walks them with `trainer.prompt_stream.PromptStream`).
 
 A row holds `prompt` (chat messages), `data_source`, `reward_model.ground_truth` and optional `extra_info`, as in
-verl's RLHFDataset. Rows are validated once when the files are read (every bad row is named with what is wrong, so a
-user fixes the file in one pass) and tokenized once with the tokenizer's chat template and the assistant generation
-prompt. Prompts longer than `max_prompt_length` follow verl's policy: drop them (`filter_overlong_prompts`), or
+verl's RLHFDataset. `read_rows` is the one place rows are checked: the trainer's pre-start check (preflight.py) and
+`PromptDataset` both read through it, so they cannot disagree. Every bad row is named with what is wrong, so a user
+fixes the file in one pass. Rows are tokenized once with the tokenizer's chat template and the assistant generation
+prompt; prompts longer than `data.max_prompt_length` follow verl's policy: drop them (`filter_overlong_prompts`), or
 `truncation="error" | "left" | "right"`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from megatron_cpo.data.config import DataConfig
 
-TRUNCATION_MODES = ("error", "left", "right")
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataValidationError(ValueError):
-    """Rows of a dataset file that do not follow the verl schema; `problems` lists one line per bad row."""
+    """A dataset file that does not follow the verl schema; `problems` lists one line per bad row (or the one
+    problem of the whole file: no rows, no prompt column)."""
 
-    def __init__(self, source: str, problems: list[str]):
+    def __init__(self, source: str, problems: list[str], rows: bool = True):
         self.problems = problems
+        if not rows:
+            super().__init__(f"{source}: {problems[0]}")
+            return
         shown = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
         super().__init__(f"{len(problems)} bad row(s) in {source}:\n  {shown}{more}")
-
-
-@dataclass
-class DatasetConfig:
-    """Which parquet files to read and how to fit prompts into `max_prompt_length` tokens (verl's `data.*` keys)."""
-
-    files: list[str]
-    max_prompt_length: int = 512
-    truncation: Literal["error", "left", "right"] = "error"
-    filter_overlong_prompts: bool = False
-    prompt_key: str = "prompt"
-    shuffle: bool = True
-    seed: int = 0
-    check_graders: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.files, (str, Path)):
-            self.files = [str(self.files)]
-        if not self.files:
-            raise ValueError("data files list is empty; set data.train_files to one or more parquet files")
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"truncation={self.truncation!r} is not supported; choose one of {TRUNCATION_MODES}")
-        if self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1")
 
 
 @dataclass
@@ -87,8 +68,30 @@ def _message_problems(messages: Any) -> list[str]:
     return problems
 
 
-def row_problems(row: dict[str, Any], prompt_key: str = "prompt") -> list[str]:
-    """What is wrong with one row of the verl schema (empty list when it is valid)."""
+def _ground_truth_problem(reward_model: Any, needs_ground_truth: bool) -> str | None:
+    if reward_model is None:
+        return "missing field 'reward_model'"
+    if not isinstance(reward_model, dict):
+        return f"reward_model must be a dict, got {type(reward_model).__name__}"
+    truth = reward_model.get("ground_truth")
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+        if not needs_ground_truth:
+            return None
+        return ("missing field 'reward_model.ground_truth'" if truth is None else
+                "reward_model.ground_truth is empty: no response can be graded right against it; fill in the answer "
+                "or drop the row (or grade every response with reward.custom_reward_function)")
+    if not isinstance(truth, (str, int, float, dict, list)) or isinstance(truth, bool):
+        return (f"reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's "
+                f"{{'target': [...]}}), got {type(truth).__name__}")
+    return None
+
+
+def row_problems(row: dict[str, Any], prompt_key: str = "prompt", needs_ground_truth: bool = True) -> list[str]:
+    """What is wrong with one row of the verl schema (empty list when it is valid).
+
+    `needs_ground_truth`: the data source's grader compares every response with `reward_model.ground_truth`, so a
+    missing or blank one is refused; False when one `reward.custom_reward_function` grades every response (it may
+    not read the ground truth, e.g. verl's reward-model data sets keep it empty)."""
     problems = []
     if prompt_key not in row or row[prompt_key] is None:
         problems.append(f"missing field '{prompt_key}'")
@@ -99,28 +102,21 @@ def row_problems(row: dict[str, Any], prompt_key: str = "prompt") -> list[str]:
         problems.append("missing field 'data_source'")
     elif not isinstance(source, str) or not source:
         problems.append(f"data_source must be a non-empty string, got {source!r}")
-    reward_model = row.get("reward_model")
-    if reward_model is None:
-        problems.append("missing field 'reward_model'")
-    elif not isinstance(reward_model, dict):
-        problems.append(f"reward_model must be a dict, got {type(reward_model).__name__}")
-    elif reward_model.get("ground_truth") is None:
-        problems.append("missing field 'reward_model.ground_truth'")
-    elif not isinstance(reward_model["ground_truth"], (str, int, float, dict, list)) or isinstance(
-            reward_model["ground_truth"], bool):
-        problems.append(f"reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's "
-                        f"{{'target': [...]}}), got {type(reward_model['ground_truth']).__name__}")
+    truth_problem = _ground_truth_problem(row.get("reward_model"), needs_ground_truth)
+    if truth_problem:
+        problems.append(truth_problem)
     extra_info = row.get("extra_info")
     if extra_info is not None and not isinstance(extra_info, dict):
         problems.append(f"extra_info must be a dict, got {type(extra_info).__name__}")
     return problems
 
 
-def validate_rows(rows: list[dict[str, Any]], source: str, prompt_key: str = "prompt") -> None:
+def validate_rows(rows: list[dict[str, Any]], source: str, prompt_key: str = "prompt",
+                  needs_ground_truth: bool = True) -> None:
     """Raise DataValidationError naming every bad row (`source` row index: problem; ...)."""
     problems = []
     for i, row in enumerate(rows):
-        found = row_problems(row, prompt_key)
+        found = row_problems(row, prompt_key, needs_ground_truth)
         if found:
             problems.append(f"row {i}: " + "; ".join(found))
     if problems:
@@ -135,6 +131,20 @@ def read_parquet_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist; check data.train_files / data.val_files")
     return pq.read_table(path).to_pylist()
+
+
+def read_rows(path: str | Path, prompt_key: str = "prompt", needs_ground_truth: bool = True) -> list[dict[str, Any]]:
+    """All rows of one verl-schema parquet file, checked: `FileNotFoundError` when it is missing, else
+    `DataValidationError` when it has no rows, no `prompt_key` column, or bad rows (every one named)."""
+    rows = read_parquet_rows(path)
+    if not rows:
+        raise DataValidationError(str(path), ["has no rows; give a file with prompts in it"], rows=False)
+    if prompt_key not in rows[0]:
+        raise DataValidationError(str(path), [
+            f"data.prompt_key={prompt_key!r} is not a column (columns: {', '.join(rows[0])}); set data.prompt_key to "
+            "the column holding the chat messages"], rows=False)
+    validate_rows(rows, str(path), prompt_key, needs_ground_truth)
+    return rows
 
 
 def render_prompts(tokenizer, conversations: list[list[dict[str, str]]]) -> list[str]:
@@ -162,39 +172,28 @@ def fit_prompt(ids: list[int], max_length: int, truncation: str, where: str) -> 
                      f"data.max_prompt_length, set data.truncation=left|right, or data.filter_overlong_prompts=true")
 
 
-def check_graders(rows: list[dict[str, Any]], where: str) -> None:
-    """Raise ValueError naming every data_source of ``rows`` that has no grader in this process (register custom
-    graders before calling), so an unknown source stops the run at data load, before Ray and the engines start."""
-    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders
-
-    missing = missing_graders(row["data_source"] for row in rows)
-    if missing:
-        counts = ", ".join(f"{source}: {sum(row['data_source'] == source for row in rows)} rows" for source in missing)
-        raise ValueError(missing_grader_message(missing, f"{where} ({counts})"))
-
-
 def _ground_truth(value: Any) -> Any:
     """Scalars as text (verl's graders compare strings); structured truths (Search-R1's {'target': [...]},
-    code tests as a dict) unchanged."""
-    return value if isinstance(value, (dict, list)) else str(value)
+    code tests as a dict) and a missing one (None) unchanged."""
+    return value if value is None or isinstance(value, (dict, list)) else str(value)
 
 
 class PromptDataset:
-    """Validated, tokenized prompt records from one or more verl-schema parquet files.
+    """Checked (`read_rows`), tokenized prompt records from one or more verl-schema parquet files, fitted to
+    `data.max_prompt_length` as `data.truncation` / `data.filter_overlong_prompts` say (`config`, default
+    `DataConfig()`). `needs_ground_truth`: see `row_problems`."""
 
-    With ``check_graders`` (the default) every ``data_source`` must have a grader (``missing_graders``); turn it off
-    only when one custom reward function grades every source."""
-
-    def __init__(self, config: DatasetConfig, tokenizer):
-        self.config = config
+    def __init__(self, files: str | Path | list[str], tokenizer: Any, config: DataConfig | None = None,
+                 needs_ground_truth: bool = True) -> None:
+        self.config = config = config or DataConfig()
+        self.files = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
+        if not self.files:
+            raise ValueError("data files list is empty; set data.train_files to one or more parquet files")
         rows, where = [], []
-        for path in config.files:
-            file_rows = read_parquet_rows(path)
-            validate_rows(file_rows, str(path), config.prompt_key)
+        for path in self.files:
+            file_rows = read_rows(path, config.prompt_key, needs_ground_truth)
             rows += file_rows
             where += [f"{path} row {i}" for i in range(len(file_rows))]
-        if config.check_graders:
-            check_graders(rows, ", ".join(map(str, config.files)))
         conversations = [[dict(role=m["role"], content=m["content"]) for m in row[config.prompt_key]] for row in rows]
         token_ids = encode_texts(tokenizer, render_prompts(tokenizer, conversations))
         self.num_filtered = 0
@@ -210,14 +209,12 @@ class PromptDataset:
                 messages=messages,
                 prompt_ids=fit_prompt(ids, config.max_prompt_length, config.truncation, row_where),
                 data_source=row["data_source"],
-                ground_truth=_ground_truth(reward_model["ground_truth"]),
+                ground_truth=_ground_truth(reward_model.get("ground_truth")),
                 extra_info=dict(row.get("extra_info") or {}),
                 reward_model=reward_model,
             ))
-        if not self.records and not self.num_filtered:
-            raise ValueError(f"no rows in {config.files}; give data files with prompts in them")
         if not self.records:
-            raise ValueError(f"no prompts left in {config.files} after filtering {self.num_filtered} overlong ones; "
+            raise ValueError(f"no prompts left in {self.files} after filtering {self.num_filtered} overlong ones; "
                              f"raise data.max_prompt_length={config.max_prompt_length}")
 
     def __len__(self) -> int:
@@ -225,4 +222,3 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> PromptRecord:
         return self.records[index]
-

@@ -22,25 +22,22 @@ from typing import Any
 
 import torch
 
+from megatron_cpo.data.config import DEFAULT_INSTRUCTION
 from megatron_cpo.data.dataset import encode_texts
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INSTRUCTION = (
-    "Please refer to the above solution to derive your answer, reason step by step, and put your final answer "
-    "within \\boxed{}."
-)
 HINT_SOURCES = DEFAULT_HINT_KEYS
 _SLOT = "\u2063HINT\u2063"  # invisible separator: marks where the template placed the hint text
 
 
 @dataclass
-class HintConfig:
-    """How the hint context reads: the hint text (`{solution}` is the gold solution), the second user turn
-    (`{question}`, `{instruction}`) and the prompt budget the hinted prompt must fit."""
+class HintTemplate:
+    """How the hint context reads: the hint text (`{solution}` is the gold solution) and the second user turn
+    (`{question}`, `{instruction}`). The texts are the seeds' wording, fixed; only the instruction is a setting of the
+    run (`data.hint_instruction`), for a task graded on another answer format than `\\boxed{}`."""
 
-    max_prompt_length: int = 1024
     hint_template: str = "{solution}"
     second_turn_template: str = "{question}\n{instruction}"
     instruction: str = DEFAULT_INSTRUCTION
@@ -50,8 +47,6 @@ class HintConfig:
             raise ValueError(f"hint_template={self.hint_template!r} must contain '{{solution}}'")
         if "{question}" not in self.second_turn_template:
             raise ValueError(f"second_turn_template={self.second_turn_template!r} must contain '{{question}}'")
-        if self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be >= 1")
 
 
 @dataclass
@@ -128,8 +123,10 @@ def _split_at_slot(text: str) -> tuple[str, str]:
 
 
 def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hints: list[str | None],
-                        plain_prompt_ids: list[list[int]], config: HintConfig) -> HintContexts:
-    """Hinted prompt ids for a batch: conversation + assistant(hint) + user(question, instruction) + generation prompt.
+                        plain_prompt_ids: list[list[int]], max_prompt_length: int,
+                        template: HintTemplate = HintTemplate()) -> HintContexts:
+    """Hinted prompt ids for a batch: conversation + assistant(hint) + user(question, instruction) + generation prompt,
+    at most `max_prompt_length` (`data.max_prompt_length`) tokens: a longer hint loses its start.
 
     `plain_prompt_ids` are used unchanged for rows whose hint is None. Text before and after the hint is tokenized
     in one batched call each; the hint is tokenized on its own so its tokens can be cut from the left exactly.
@@ -141,21 +138,21 @@ def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hi
     texts = []
     for i in hinted:
         question = _last_user_question(conversations[i])
-        second_turn = config.second_turn_template.format(question=question, instruction=config.instruction)
+        second_turn = template.second_turn_template.format(question=question, instruction=template.instruction)
         messages = [*conversations[i], {"role": "assistant", "content": _SLOT}, {"role": "user", "content": second_turn}]
         texts.append(_split_at_slot(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                   tokenize=False)))
     before = encode_texts(tokenizer, [t[0] for t in texts])
     after = encode_texts(tokenizer, [t[1] for t in texts])
-    hint_ids = encode_texts(tokenizer, [config.hint_template.format(solution=hints[i]) for i in hinted])
+    hint_ids = encode_texts(tokenizer, [template.hint_template.format(solution=hints[i]) for i in hinted])
 
     prompt_ids = [list(ids) for ids in plain_prompt_ids]
     truncated = torch.zeros(len(hints), dtype=torch.long)
     for row, head, tail, hint in zip(hinted, before, after, hint_ids):
-        excess = len(head) + len(hint) + len(tail) - config.max_prompt_length
+        excess = len(head) + len(hint) + len(tail) - max_prompt_length
         if excess > len(hint):
             raise ValueError(f"row {row}: the hint context needs {len(head) + len(tail)} tokens without any hint, more "
-                             f"than max_prompt_length={config.max_prompt_length}; raise the hint prompt length")
+                             f"than data.max_prompt_length={max_prompt_length}; raise data.max_prompt_length")
         cut = max(excess, 0)
         prompt_ids[row] = head + hint[cut:] + tail
         truncated[row] = cut

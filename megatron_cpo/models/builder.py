@@ -1,17 +1,16 @@
-"""Megatron-Core `GPTModel` built from a Hugging Face config of the Qwen2 or Llama family.
+"""Megatron-Core `GPTModel` built from a Hugging Face config of a registered family (models/families/).
 
 The HF config is the single source of truth for the architecture: RMSNorm, SwiGLU, RoPE (theta, Llama-3 or linear
-scaling), grouped-query attention, Qwen2's qkv bias and sliding window, Llama's attention/MLP biases, tied or untied
-embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py lists every one). Tensor and pipeline
-sizes come from `megatron.core.parallel_state` (call `megatron_cpo.platform.init_distributed` first). The vocabulary
-is padded only up to a multiple of the TP size (so each rank holds an equal slice; checkpoints load whatever padding
-they were saved with); the model keeps the real size as `model.hf_vocab_size` so callers can drop the padded logit
-columns.
+scaling), grouped-query attention, q/k norms, the family's biases and sliding window, mixtures of experts (with a
+shared expert), tied or untied embeddings; options Megatron cannot reproduce exactly are refused (hf_options.py and
+each family list every one). Tensor, pipeline and expert parallel sizes come from `megatron.core.parallel_state` (call
+`megatron_cpo.platform.init_distributed` first). The vocabulary is padded only up to a multiple of the TP size (so each
+rank holds an equal slice; checkpoints load whatever padding they were saved with); the model keeps the real size as
+`model.hf_vocab_size` so callers can drop the padded logit columns.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_cpo import platform
+from megatron_cpo.models.families import LinearBiases, family_of
 from megatron_cpo.models.hf_options import (check_supported_options, rope_settings,  # noqa: F401 (re-exported)
                                             sliding_window_settings)
-
-
-@dataclass(frozen=True)
-class Family:
-    """What distinguishes one supported HF architecture from another, as far as the Megatron model is concerned."""
-
-    name: str
-    always_qkv_bias: bool = False  # Qwen2: q/k/v always biased, nothing else; Llama: the config's bias flags decide
-
-
-FAMILIES = {
-    "qwen2": Family("qwen2", always_qkv_bias=True),
-    "llama": Family("llama"),
-}
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:
@@ -48,36 +34,14 @@ def load_hf_config(hf_dir: str | Path) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def family_of(hf_config: Any) -> Family:
-    """The supported family of an HF config, or a clear error naming the architecture."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(f"unsupported architecture model_type={model_type!r} "
-                         f"(architectures={getattr(hf_config, 'architectures', None)}); supported: "
-                         f"{sorted(FAMILIES)} (Qwen2/Qwen2.5 and Llama families)")
-    return FAMILIES[model_type]
-
-
 def head_dim_of(hf_config: Any) -> int:
     """Per-head width: the config's `head_dim` when set (Qwen3-style configs), else hidden_size / heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-@dataclass(frozen=True)
-class LinearBiases:
-    """Which projections carry a bias: q/k/v, the attention output (o_proj) and the MLP (gate/up and down)."""
-
-    qkv: bool
-    attention_output: bool
-    mlp: bool
-
-
 def linear_biases(hf_config: Any) -> LinearBiases:
-    """Qwen2: q/k/v only. Llama: `attention_bias` for q/k/v and o_proj, `mlp_bias` for gate/up/down."""
-    if family_of(hf_config).always_qkv_bias:
-        return LinearBiases(qkv=True, attention_output=False, mlp=False)
-    attention = bool(getattr(hf_config, "attention_bias", False))
-    return LinearBiases(qkv=attention, attention_output=attention, mlp=bool(getattr(hf_config, "mlp_bias", False)))
+    """Which projections of the config's family carry a bias."""
+    return family_of(hf_config).biases(hf_config)
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
@@ -85,32 +49,60 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     return math.ceil(vocab_size / tensor_model_parallel_size) * tensor_model_parallel_size
 
 
-def check_parallel_sizes(hf_config: Any, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
-    """Raise a clear error when the heads, KV heads or layers cannot be split over TP/PP."""
+def check_parallel_sizes(hf_config: Any, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                         expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None) -> None:
+    """Raise a clear error when the heads, KV heads, layers or experts cannot be split over TP/PP/EP/ETP."""
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     layers = hf_config.num_hidden_layers
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    etp = expert_tensor_parallel_size or tp
     if heads % tp:
         raise ValueError(f"TP={tp} does not divide num_attention_heads={heads}; choose a TP size that divides it")
     if kv_heads % tp:
         raise ValueError(f"TP={tp} does not divide num_key_value_heads={kv_heads}; choose a TP size that divides it")
     if layers % pp:
         raise ValueError(f"PP={pp} does not divide num_hidden_layers={layers}; choose a PP size that divides it")
+    moe = family_of(hf_config).moe(hf_config)
+    if moe is None:
+        if ep > 1 or etp != tp:
+            raise ValueError(f"EP={ep}, ETP={etp} split experts, but model_type={hf_config.model_type!r} is dense; "
+                             f"set expert_model_parallel_size=1 and expert_tensor_parallel_size=null")
+        return
+    if moe.num_experts % ep:
+        raise ValueError(f"EP={ep} does not divide the {moe.num_experts} experts; choose an expert-parallel size "
+                         f"(expert_model_parallel_size, --ep) that divides it")
+    if moe.expert_ffn_size % etp:
+        raise ValueError(f"ETP={etp} does not divide the expert width moe_intermediate_size={moe.expert_ffn_size}; "
+                         f"choose an expert_tensor_parallel_size that divides it")
 
 
-def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32, **options: Any):
-    """Megatron `TransformerConfig` equivalent to the HF config, for the current TP/PP sizes; `options` are further
-    `TransformerConfig` fields that change how, not what, it computes (sequence parallelism, activation recompute)."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-
-    family_of(hf_config)
+def check_hf_config(hf_config: Any, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                    expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None) -> None:
+    """Every check that needs no process group: the family is supported, no option it cannot reproduce is set, and
+    the model splits over the layout (one-line errors naming the value and the fix)."""
+    family = family_of(hf_config)
     check_supported_options(hf_config)
-    biases = linear_biases(hf_config)
+    family.check(hf_config)
+    check_parallel_sizes(hf_config, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         expert_model_parallel_size, expert_tensor_parallel_size)
+
+
+def transformer_settings(hf_config: Any, params_dtype: torch.dtype = torch.float32) -> dict:
+    """The `TransformerConfig` fields that make Megatron compute what transformers computes for `hf_config`, for the
+    current TP/PP/EP/ETP sizes (no platform or run settings)."""
+    from megatron.core import parallel_state
+
+    family = family_of(hf_config)  # these three fail before any process group is needed
+    check_supported_options(hf_config)
+    family.check(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    check_parallel_sizes(hf_config, tp, pp)
-    return TransformerConfig(
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    check_parallel_sizes(hf_config, tp, pp, ep, etp)
+    biases = family.biases(hf_config)
+    moe = family.moe(hf_config)
+    settings = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -123,27 +115,44 @@ def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32
         activation_func=F.silu,
         add_bias_linear=biases.attention_output or biases.mlp,
         add_qkv_bias=biases.qkv,
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        perform_initialization=True,
-        cuda_graph_scope=[],
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         **sliding_window_settings(hf_config),
+    )
+    if moe is not None:
+        settings.update(moe.transformer_settings(), moe_grouped_gemm=uses_transformer_engine())
+    return settings
+
+
+def transformer_config(hf_config: Any, params_dtype: torch.dtype = torch.float32, **options: Any):
+    """Megatron `TransformerConfig` equivalent to the HF config, for the current TP/PP/EP sizes; `options` are further
+    `TransformerConfig` fields that change how, not what, it computes (sequence parallelism, activation recompute,
+    the MoE token dispatcher, a load-balancing loss); they override the defaults of `transformer_settings`."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**{
+        **transformer_settings(hf_config, params_dtype),
+        "perform_initialization": True,
+        "cuda_graph_scope": [],
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
         **platform.megatron_config_kwargs(),
         **options,
-    )
+    })
 
 
 def _without_bias(linear_class: type) -> type:
@@ -171,39 +180,57 @@ class SequenceParallelRMSNorm:
         return norm
 
 
-def layer_spec(config: Any, biases: LinearBiases | None = None):
-    """Transformer Engine layer spec when TE is importable (GPU), Megatron-Core's local spec otherwise.
-
-    Megatron's `add_bias_linear` covers the attention and the MLP linears together; when it is on for only one of them
-    (Llama's `mlp_bias` without `attention_bias`, or the reverse), the other's linears are swapped for bias-free
-    versions, so the model has exactly the HF biases.
-    """
+def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int | None):
+    """The spec of one dense (`num_experts` None) or MoE layer: Transformer Engine's when TE is importable (GPU),
+    Megatron-Core's local one otherwise, with exactly the HF biases (see `layer_spec`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
+    kind = {"num_experts": num_experts, "moe_grouped_gemm": bool(num_experts) and config.moe_grouped_gemm,
+            "qk_layernorm": config.qk_layernorm}
     if uses_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(**kind)
     else:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(normalization=config.normalization, **kind)
         if config.sequence_parallel:
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if config.qk_layernorm:  # per-head norms: Megatron sums their gradients over TP by name
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     if biases is not None and config.add_bias_linear:
         attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         if not biases.qkv:  # Megatron gives linear_qkv a bias when add_bias_linear or add_qkv_bias is on
             attention.linear_qkv = _without_bias(attention.linear_qkv)
         if not biases.attention_output:
             attention.linear_proj = _without_bias(attention.linear_proj)
-        if not biases.mlp:
+        if not biases.mlp:  # MoE families refuse biased linears (the router would get one too)
             mlp.linear_fc1, mlp.linear_fc2 = _without_bias(mlp.linear_fc1), _without_bias(mlp.linear_fc2)
-    if config.sequence_parallel and not uses_transformer_engine():  # the final norm too: a block spec names it
-        from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
-                                                                 get_num_layers_to_build)
-
-        layers = [spec] * get_num_layers_to_build(config)
-        return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-            layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
     return spec
+
+
+def layer_spec(config: Any, biases: LinearBiases | None = None):
+    """The decoder spec: one layer spec when every layer is the same, else a block spec listing this stage's layers
+    (dense and MoE layers per `config.moe_layer_freq`).
+
+    Megatron's `add_bias_linear` covers the attention and the MLP linears together; when it is on for only one of them
+    (Llama's `mlp_bias` without `attention_bias`, or the reverse), the other's linears are swapped for bias-free
+    versions, so the model has exactly the HF biases. With sequence parallelism and no Transformer Engine every norm,
+    the final one included, marks its weight (SequenceParallelRMSNorm).
+    """
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    routed = list(config.moe_layer_freq) if config.num_moe_experts else [0] * config.num_layers
+    sequence_parallel_norms = config.sequence_parallel and not uses_transformer_engine()
+    if not any(routed) and not sequence_parallel_norms:
+        return _one_layer_spec(config, biases, None)
+    specs = {kind: _one_layer_spec(config, biases, config.num_moe_experts if kind else None) for kind in set(routed)}
+    offset = get_transformer_layer_offset(config)
+    layers = [specs[kind] for kind in routed[offset:offset + transformer_block.get_num_layers_to_build(config)]]
+    final_norm = SequenceParallelRMSNorm if sequence_parallel_norms else transformer_block.LayerNormImpl
+    return ModuleSpec(module=transformer_block.TransformerBlock, submodules=transformer_block.TransformerBlockSubmodules(
+        layer_specs=layers, layer_norm=final_norm))
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, **options: Any):
@@ -221,7 +248,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
     vocab = padded_vocab_size(hf_config.vocab_size, tp)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, linear_biases(hf_config)),
+        transformer_layer_spec=layer_spec(config, family_of(hf_config).biases(hf_config)),
         vocab_size=vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -7,8 +7,10 @@ keeps the real rows, so any padding loads at any TP/PP that divides the model.
 
 Beside the shards, a small JSON file records what the model was built from (including its padded vocabulary), so a
 mismatch is reported plainly. The file is optional: a plain Megatron-Core checkpoint (as Megatron-LM or verl's Megatron
-backend write one for a Qwen2/Llama GPTModel, also a Megatron-LM directory with `latest_checkpointed_iteration.txt`)
-loads when its tensor names and shapes match the model; any difference is an error naming the tensors.
+backend write one for a GPTModel of a supported family, also a Megatron-LM directory with
+`latest_checkpointed_iteration.txt`) loads when its tensor names and shapes match the model; any difference is an
+error naming the tensors. Experts are stored with their global index, so a checkpoint saved at one EP/ETP loads at
+any other.
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -41,12 +43,41 @@ def check_output_dir(out_dir: str | Path, force: bool) -> Path:
     return out
 
 
-def _init_model_parallel(tp: int, pp: int) -> None:
-    """Join the torchrun group at exactly TP x PP processes (replicas would write the same files twice)."""
-    platform.init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if dist.get_world_size() != tp * pp:
-        raise ValueError(f"conversion runs at exactly TP x PP = {tp * pp} process(es) but torchrun started "
-                         f"{dist.get_world_size()}; use torchrun --nproc-per-node {tp * pp}")
+@dataclass(frozen=True)
+class ConversionLayout:
+    """The parallel layout a conversion runs at: TP x PP, and for mixture-of-experts models EP (experts per rank
+    group) and ETP (each expert split over ETP ranks; None = TP)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The fewest processes that hold the layout: PP x lcm(TP, EP x ETP) (the dense layers replicate over the
+        ranks EP needs beyond TP)."""
+        return self.pp * math.lcm(self.tp, self.ep * (self.etp or self.tp))
+
+    def describe(self) -> str:
+        experts = f" EP={self.ep} ETP={self.etp or self.tp}" if self.ep > 1 or self.etp not in (None, self.tp) else ""
+        return f"TP={self.tp} PP={self.pp}{experts}"
+
+    def check(self, hf_config) -> None:
+        """The model splits over this layout (a clear error before any process group starts)."""
+        from megatron_cpo.models.builder import check_hf_config
+
+        check_hf_config(hf_config, self.tp, self.pp, self.ep, self.etp)
+
+
+def _init_model_parallel(layout: ConversionLayout) -> None:
+    """Join the torchrun group at exactly `layout.world_size` processes (more replicas would only repeat work)."""
+    platform.init_distributed(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                              expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"conversion at {layout.describe()} runs at exactly {layout.world_size} process(es) but "
+                         f"torchrun started {dist.get_world_size()}; use torchrun --nproc-per-node "
+                         f"{layout.world_size}")
 
 
 def _rank0_log(log: Callable[[str], None]) -> Callable[[str], None]:
@@ -73,28 +104,29 @@ def _publish(staging: Path, out: Path) -> None:
     dist.barrier()
 
 
-def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                        dtype: str | None = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Write the HF model in `hf_dir` as a torch_dist Megatron checkpoint (loadable at any TP/PP) to `out_dir`.
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                        etp: int | None = None, dtype: str | None = None, force: bool = False,
+                        log: Callable[[str], None] = print) -> Path:
+    """Write the HF model in `hf_dir` as a torch_dist Megatron checkpoint (loadable at any TP/PP/EP) to `out_dir`.
 
     Parameters are stored in `dtype` (default: the HF config's dtype, e.g. bfloat16, else float32). Config options the
-    Megatron model cannot reproduce are refused before any process group starts (see models/hf_options.py).
+    Megatron model cannot reproduce are refused before any process group starts (see models/hf_options.py and
+    models/families/).
     """
-    from megatron_cpo.models.builder import build_gpt_model, family_of, load_hf_config
+    from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.models.checkpoint import save_checkpoint
     from megatron_cpo.models.weight_mapping import load_hf_weights
-    from megatron_cpo.models.hf_options import check_supported_options
 
     out = check_output_dir(out_dir, force)
     hf_config = load_hf_config(hf_dir)
-    family_of(hf_config)
-    check_supported_options(hf_config)
+    layout = ConversionLayout(tp, pp, ep, etp)
+    layout.check(hf_config)
     dtype = dtype or config_dtype(hf_config)
-    _init_model_parallel(tp, pp)
+    _init_model_parallel(layout)
     say = _rank0_log(log)
     start = time.perf_counter()
-    say(f"[1/3] building {hf_config.model_type} GPTModel ({hf_config.num_hidden_layers} layers) at TP={tp} PP={pp}, "
-        f"{dist.get_world_size()} process(es), {platform.backend()}, {dtype}")
+    say(f"[1/3] building {hf_config.model_type} GPTModel ({hf_config.num_hidden_layers} layers) at "
+        f"{layout.describe()}, {dist.get_world_size()} process(es), {platform.backend()}, {dtype}")
     model = build_gpt_model(hf_config, params_dtype=DTYPES[dtype])
     say(f"[2/3] loading HF weights from {hf_dir}")
     load_hf_weights(model, hf_dir)
@@ -162,13 +194,13 @@ def _name_shards(staging: Path, files: list[dict]) -> None:
 
 
 def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_dir: str | Path, *, tp: int = 1,
-                        pp: int = 1, dtype: str | None = None, force: bool = False, max_shard_gb: float = 5.0,
-                        log: Callable[[str], None] = print) -> Path:
+                        pp: int = 1, ep: int = 1, etp: int | None = None, dtype: str | None = None,
+                        force: bool = False, max_shard_gb: float = 5.0, log: Callable[[str], None] = print) -> Path:
     """Write the torch_dist checkpoint in `mcore_dir` as an HF model directory (weights, config, tokenizer).
 
     `hf_config_dir` is the HF directory the checkpoint came from: its config and tokenizer files are copied. Tensors
     are saved in `dtype` (default: the config's dtype, else float32). `mcore_dir` may be a plain Megatron-Core
-    checkpoint (Megatron-LM, verl) whose tensors match the config; the checkpoint may be saved at any TP/PP.
+    checkpoint (Megatron-LM, verl) whose tensors match the config; the checkpoint may be saved at any TP/PP/EP.
     """
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.models.checkpoint import load_checkpoint, read_checkpoint_info
@@ -176,11 +208,13 @@ def convert_mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, hf_config_di
     out = check_output_dir(out_dir, force)
     hf_config = load_hf_config(hf_config_dir)
     read_checkpoint_info(mcore_dir)
+    layout = ConversionLayout(tp, pp, ep, etp)
+    layout.check(hf_config)
     save_dtype = DTYPES[dtype or config_dtype(hf_config)]
-    _init_model_parallel(tp, pp)
+    _init_model_parallel(layout)
     say = _rank0_log(log)
     start = time.perf_counter()
-    say(f"[1/3] loading torch_dist checkpoint {mcore_dir} at TP={tp} PP={pp}")
+    say(f"[1/3] loading torch_dist checkpoint {mcore_dir} at {layout.describe()}")
     model = build_gpt_model(hf_config)
     load_checkpoint(model, mcore_dir)
     say(f"[2/3] writing HF tensors ({save_dtype}) to {out}")
@@ -195,16 +229,14 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
                     say: Callable[[str], None] = lambda message: None) -> Path:
     """Collective over every rank: write a (TP/PP-sharded, DP-replicated) Megatron model as an HF model directory.
 
-    Each pipeline stage's TP leader of the first data-parallel replica streams its layers into safetensors files
-    (other replicas hold the same weights and write nothing); rank 0 names and indexes them and copies config and
-    tokenizer files from `hf_source_dir`. Written into `<out_dir>.partial` and moved into place when complete.
+    Each pipeline stage's exporting rank (`iter_hf_weights`: TP rank 0 of the first data-parallel replica, with the
+    experts gathered from every EP/ETP rank) streams its layers into safetensors files; rank 0 names and indexes
+    them and copies config and tokenizer files from `hf_source_dir`. Written into `<out_dir>.partial` and moved into
+    place when complete.
     """
-    from megatron.core import parallel_state
-
     out = Path(out_dir)
     staging = _staging_dir(out)
-    writes = parallel_state.get_data_parallel_rank() == 0
-    files = _write_stage_shards(model, hf_config, staging, dtype, max_shard_bytes, say) if writes else []
+    files = _write_stage_shards(model, hf_config, staging, dtype, max_shard_bytes, say)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, files)
     if dist.get_rank() == 0:
@@ -215,12 +247,20 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
     return out
 
 
+def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ep / --etp of both conversion commands (mixture-of-experts models)."""
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size used while converting (MoE models)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert-tensor-parallel size used while converting (default: --tp)")
+
+
 def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of the HF -> Megatron command (shared by the tool and the CLI)."""
     parser.add_argument("--hf", required=True, help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, help="output directory for the torch_dist checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
+    add_expert_arguments(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parameter dtype of the checkpoint (default: the HF config's dtype, else float32)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -236,6 +276,7 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
                         help="HF directory the checkpoint came from (its config and tokenizer are copied)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
+    add_expert_arguments(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the written tensors (default: the config's dtype)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file to write")
@@ -246,7 +287,8 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
 def run_hf_to_mcore(args: argparse.Namespace) -> None:
     """Entry for `tools/convert_hf_to_mcore.py` and `megatron-cpo convert-hf-to-mcore`."""
     try:
-        convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force)
+        convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype,
+                            force=args.force)
     finally:
         platform.destroy_distributed()
 
@@ -254,7 +296,7 @@ def run_hf_to_mcore(args: argparse.Namespace) -> None:
 def run_mcore_to_hf(args: argparse.Namespace) -> None:
     """Entry for `tools/convert_mcore_to_hf.py` and `megatron-cpo convert-mcore-to-hf`."""
     try:
-        convert_mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                            force=args.force, max_shard_gb=args.max_shard_gb)
+        convert_mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                            dtype=args.dtype, force=args.force, max_shard_gb=args.max_shard_gb)
     finally:
         platform.destroy_distributed()

@@ -1,9 +1,10 @@
-"""Which Qwen2/Llama config options the Megatron model honours, which change nothing, and which are refused.
+"""Which HF config options the Megatron model honours, which change nothing, and which are refused.
 
 A converted model must compute what transformers computes, so every HF config option that changes the forward pass is
 either mapped onto Megatron-Core (and tested against transformers' logits) or refused with a one-line error naming it;
-nothing is silently dropped. `OPTIONS` is the audit (docs/conversion.md renders it) and `check_supported_options` the
-refusals. Checked against transformers 5.19's Qwen2Config/LlamaConfig and Megatron-Core 0.16.1.
+nothing is silently dropped. `OPTIONS` is the audit of the options every family shares (each family in
+models/families/ adds its own rows; docs/conversion.md renders them) and `check_supported_options` the shared
+refusals. Checked against transformers 5.19's configs and Megatron-Core 0.16.1.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ class Option:
     how: str
 
 
+SLIDING_WINDOW_HOW = ("the layers transformers slides get Megatron's window_size=(sliding_window - 1, 0) through a "
+                      "per-layer window_attn_skip_freq list; the window is applied when the model is called without an "
+                      "attention mask, as this project's forward passes do")
 OPTIONS = (
     Option("vocab_size, hidden_size, intermediate_size, num_hidden_layers", HONOURED, "Megatron sizes"),
     Option("num_attention_heads, num_key_value_heads, head_dim", HONOURED,
@@ -30,10 +34,6 @@ OPTIONS = (
     Option("hidden_act", f"{HONOURED} / {REFUSED}", "'silu' (SwiGLU); any other activation is refused"),
     Option("tie_word_embeddings", HONOURED, "shared embedding/output weight (a PP>1 last stage keeps a copy); an "
                                             "lm_head.weight in the files must then equal the embedding"),
-    Option("attention_bias (Llama)", HONOURED, "q/k/v bias (add_qkv_bias) and o_proj bias (linear_proj bias)"),
-    Option("mlp_bias (Llama)", HONOURED, "gate/up bias (linear_fc1 bias) and down bias (linear_fc2 bias); either "
-                                         "bias flag alone keeps the other module bias-free"),
-    Option("Qwen2 q/k/v bias", HONOURED, "always on for Qwen2 (its o_proj and MLP have no bias)"),
     Option("rope_theta", HONOURED, "rotary_base"),
     Option("rope_type 'default'", HONOURED, "plain RoPE"),
     Option("rope_type 'linear'", HONOURED, "positions divided by factor (seq_len_interpolation_factor)"),
@@ -42,13 +42,8 @@ OPTIONS = (
            "other values are refused"),
     Option("rope_type 'dynamic', 'yarn', 'longrope' and others", REFUSED, "no equivalent GPTModel RoPE"),
     Option("partial_rotary_factor", f"{HONOURED} / {REFUSED}", "1.0 only"),
-    Option("use_sliding_window, sliding_window, max_window_layers, layer_types (Qwen2)", HONOURED,
-           "the layers transformers slides get Megatron's window_size=(sliding_window - 1, 0) through a per-layer "
-           "window_attn_skip_freq list; the window is applied when the model is called without an attention mask, as "
-           "this project's forward passes do"),
     Option("attention_dropout", HONOURED, "Megatron attention dropout (train mode only, as in transformers)"),
     Option("max_position_embeddings", NO_EFFECT, "RoPE is computed for any length, as in transformers"),
-    Option("pretraining_tp", NO_EFFECT, "transformers 5 ignores it (older versions split matmuls; same result)"),
     Option("initializer_range", NO_EFFECT, "initialisation only (weights are loaded)"),
     Option("use_cache, bos/eos/pad_token_id, dtype (torch_dtype)", NO_EFFECT,
            "generation settings; dtype is the default dtype the converters write"),
@@ -76,8 +71,8 @@ def rope_settings(hf_config: Any) -> dict:
                 "rope_scaling": False}
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (Qwen2/Llama rotate every dimension); "
-                         f"only 1.0 is")
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (these families rotate every "
+                         f"dimension); only 1.0 is")
     if rope_type == "default":
         return settings
     if rope_type == "linear":
@@ -94,8 +89,9 @@ def rope_settings(hf_config: Any) -> dict:
 def sliding_window_layers(hf_config: Any) -> list[int]:
     """Indices of the layers transformers runs with a sliding window of `sliding_window` tokens (empty: none).
 
-    Qwen2: when `use_sliding_window`, the layers `layer_types` marks "sliding_attention" (by default those at or past
-    `max_window_layers`). Llama has no sliding window.
+    When `use_sliding_window` is not false: the layers `layer_types` marks "sliding_attention" (Qwen2, Qwen3,
+    Qwen2-MoE: by default those at or past `max_window_layers`); without `layer_types`, the layers from
+    `max_window_layers` (absent: every layer, as Qwen3-MoE and Mixtral slide). Llama has no sliding window.
     """
     window = getattr(hf_config, "sliding_window", None)
     if window is None or getattr(hf_config, "use_sliding_window", True) is False:
@@ -122,5 +118,6 @@ def sliding_window_settings(hf_config: Any) -> dict:
 def check_supported_options(hf_config: Any) -> None:
     """Raise a one-line ValueError naming the first config option the Megatron model cannot reproduce exactly."""
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; the Qwen2/Llama MLP is SwiGLU (silu)")
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; the MLP (and every expert) is SwiGLU "
+                         f"(silu)")
     rope_settings(hf_config)

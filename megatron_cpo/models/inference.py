@@ -21,7 +21,8 @@ def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
 
     Every rank of the model-parallel group must call it with the same `input_ids` ([batch, seq] token ids). The
     causal mask is Megatron's default; padding tokens are ordinary tokens here. `model` may be wrapped (DDP,
-    Float16Module); the model is used in whatever train/eval mode it is in (the built model has no dropout).
+    Float16Module); it runs in eval mode (no dropout; Megatron's MoE layers refuse TP without sequence parallelism in
+    train mode only) and is put back in its mode afterwards.
     """
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -38,16 +39,21 @@ def forward_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
         batch_tokens = next(data_iterator)
         return stage_model(batch_tokens, positions, attention_mask=None), gather_logits
 
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([tokens]),
-        model=[model],
-        num_microbatches=1,
-        seq_length=tokens.shape[1],
-        micro_batch_size=tokens.shape[0],
-        forward_only=True,
-        collect_non_loss_data=True,
-    )
+    training = model.training
+    model.eval()
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([tokens]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=tokens.shape[1],
+            micro_batch_size=tokens.shape[0],
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    finally:
+        model.train(training)
     return outputs[0] if parallel_state.is_pipeline_last_stage() else None
 
 

@@ -1,7 +1,11 @@
-"""Tiny Qwen2 / Llama models with a character-level chat tokenizer, built from configs (nothing is downloaded).
+"""Tiny models of every supported family with a character-level chat tokenizer, built from configs (nothing is
+downloaded).
 
 They exist so that the whole loop (Megatron training, vLLM rollout, conversion) runs for real on a CPU. head_dim is
-at least 32 because vLLM's CPU attention rejects 16.
+at least 32 because vLLM's CPU attention rejects 16, and every width is a multiple of 32 (vLLM's CPU MoE kernel needs
+it). The mixture-of-experts models have 4 layers and 4 experts, top-2: Qwen3-MoE routes every second layer
+(`decoder_sparse_step=2`) with renormalised top-k probabilities, Qwen2-MoE routes layers 1-3 (`mlp_only_layers=[0]`)
+without renormalising and adds its gated shared expert, Mixtral routes every layer.
 """
 from __future__ import annotations
 
@@ -54,10 +58,30 @@ def build_char_tokenizer():
     )
 
 
-def tiny_config(family: str = "qwen2", **overrides):
-    """A tiny HF config of the given family ("qwen2": qkv bias, untied; "llama": no bias, tied embeddings)."""
-    from transformers import LlamaConfig, Qwen2Config
+FAMILY_SETTINGS = {
+    "qwen2": {"tie_word_embeddings": False},
+    "llama": {"tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "rope_theta": 500000.0},
+    "qwen3": {"tie_word_embeddings": False},
+    "qwen3_moe": {"tie_word_embeddings": False, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 64, "decoder_sparse_step": 2, "norm_topk_prob": True},
+    "qwen2_moe": {"tie_word_embeddings": False, "num_hidden_layers": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [0], "norm_topk_prob": False},
+    "mixtral": {"tie_word_embeddings": False, "num_hidden_layers": 4, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 64},
+}
+# Router weights are drawn with this std (transformers' 0.02 leaves the tiny models' top-k choices near ties, which
+# float rounding could flip between implementations).
+ROUTER_STD = 1.0
 
+
+def tiny_config(family: str = "qwen2", **overrides):
+    """A tiny HF config of the given family (`FAMILY_SETTINGS`: qwen2 untied with qkv bias, llama tied, qwen3 and the
+    MoE families untied); `overrides` replace any field."""
+    from transformers import AutoConfig
+
+    if family not in FAMILY_SETTINGS:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(FAMILY_SETTINGS)}")
     common = dict(
         vocab_size=128,
         hidden_size=128,
@@ -74,23 +98,17 @@ def tiny_config(family: str = "qwen2", **overrides):
         pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
         dtype="float32",
     )
-    if family == "qwen2":
-        common.update(tie_word_embeddings=False)
-        common.update(overrides)
-        return Qwen2Config(**common)
-    if family == "llama":
-        common.update(tie_word_embeddings=True, attention_bias=False, mlp_bias=False, rope_theta=500000.0)
-        common.update(overrides)
-        return LlamaConfig(**common)
-    raise ValueError(f"unknown tiny model family {family!r}; choose 'qwen2' or 'llama'")
+    return AutoConfig.for_model(family, **{**common, **FAMILY_SETTINGS[family], **overrides})
 
 
 def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, *, random_biases: bool = False,
-                     dtype: torch.dtype = torch.float32, **overrides) -> Path:
+                     random_norms: bool = False, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Write a randomly initialised tiny model, its tokenizer and generation config to `out_dir` (HF layout).
 
     transformers initialises biases to zero; `random_biases` draws them (std 0.1) so that a dropped bias shows in the
-    logits. The weights are drawn in float32 and saved in `dtype` (which the saved config then declares).
+    logits; `random_norms` draws the RMSNorm weights (1 + std 0.1; transformers sets them to 1) so that a swapped or
+    dropped norm shows too. MoE routers are drawn with std `ROUTER_STD`. The weights are drawn in float32 and saved in `dtype` (which
+    the saved config then declares).
     """
     from transformers import AutoModelForCausalLM
 
@@ -99,11 +117,14 @@ def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if random_biases:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_(0.0, 0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if random_biases and name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            if random_norms and name.endswith(("norm.weight", "layernorm.weight")):
+                param.normal_(1.0, 0.1)
+            if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                param.normal_(0.0, ROUTER_STD)
     model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer = build_char_tokenizer()

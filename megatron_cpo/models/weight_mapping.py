@@ -1,39 +1,45 @@
-"""Hugging Face <-> Megatron-Core weight mapping for the Qwen2/Llama families, with TP and PP.
+"""Hugging Face <-> Megatron-Core weights at any TP/PP/EP/ETP layout, one tensor at a time.
 
-One table (`LAYER_MAPPINGS` plus the three model-level entries) says which HF tensors make which Megatron parameter and
-how that parameter is split over tensor-parallel ranks. Loading reads from safetensors only the tensors this rank's
-stage needs; exporting (`iter_hf_weights`) gathers one parameter at a time over the TP group and yields HF-named full
-tensors, so peak extra memory is one layer's largest tensor. The rollout weight sync streams the same iterator.
-
-Megatron layouts that differ from HF:
-- `linear_qkv` holds q, k and v grouped by KV head: for each query group, its query heads then its key then its value
-  head. TP ranks own contiguous query groups.
-- `linear_fc1` holds [gate; up]; under TP each rank holds [its gate slice; its up slice].
-- The vocabulary (embedding, output layer) is padded to a multiple of the TP size; HF tensors carry the real size.
+The model's family (models/families/) lists which HF tensors make which Megatron parameter (tensor_rules.py
+`Mapping`s). Loading reads from safetensors only the tensors this rank's stage and experts need and keeps only its
+TP (for experts: ETP) slice; exporting (`iter_hf_weights`) gathers one parameter at a time (for experts: over ETP, then
+over EP) and yields HF-named full tensors, so peak extra memory is one layer's largest tensor (for experts: EP of
+them). The rollout weight sync streams the same iterator.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_cpo.models.builder import head_dim_of, unwrap_model
+from megatron_cpo.models.families import family_of
+from megatron_cpo.models.tensor_rules import (EMBEDDING, FINAL_NORM, IGNORED_HF_SUFFIXES, LM_HEAD, TIED_LM_HEAD,
+                                              Mapping, Shape)
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The sizes the split/merge functions need."""
+class Entry:
+    """One Megatron parameter of this rank with the HF tensors that make it; for an expert, `local_expert` is its
+    index on this EP rank, which holds `experts_per_rank` consecutive experts."""
 
-    tp_size: int
-    num_query_groups: int
-    heads_per_group: int
-    head_dim: int
-    hf_vocab_size: int
-    padded_vocab_size: int
+    mapping: Mapping
+    hf_prefix: str
+    name: str
+    param: torch.nn.Parameter
+    local_expert: int | None = None
+    experts_per_rank: int = 0
+
+    def hf_names(self, ep_rank: int = 0) -> tuple[str, ...]:
+        """The HF names of the tensors; for an expert, those of the same local expert on EP rank `ep_rank`."""
+        if self.local_expert is None:
+            return tuple(self.hf_prefix + n for n in self.mapping.hf_names)
+        expert = ep_rank * self.experts_per_rank + self.local_expert
+        return tuple(self.hf_prefix + n.format(expert=expert) for n in self.mapping.hf_names)
 
 
 def _shape(model: Any, hf_config: Any) -> Shape:
@@ -47,124 +53,58 @@ def _shape(model: Any, hf_config: Any) -> Shape:
                  padded_vocab_size=model.padded_vocab_size)
 
 
-def _merge_qkv(hf: list[torch.Tensor], s: Shape) -> torch.Tensor:
-    q, k, v = hf
-    rest = q.shape[1:]
-    groups = [q.reshape(s.num_query_groups, s.heads_per_group * s.head_dim, *rest),
-              k.reshape(s.num_query_groups, s.head_dim, *rest),
-              v.reshape(s.num_query_groups, s.head_dim, *rest)]
-    return torch.cat(groups, dim=1).reshape(-1, *rest)
+def _expert_shape(shape: Shape) -> Shape:
+    from megatron.core import parallel_state
+
+    return replace(shape, tp_size=parallel_state.get_expert_tensor_parallel_world_size())
 
 
-def _split_qkv(full: torch.Tensor, s: Shape) -> list[torch.Tensor]:
-    rest = full.shape[1:]
-    grouped = full.reshape(s.num_query_groups, (s.heads_per_group + 2) * s.head_dim, *rest)
-    q, k, v = grouped.split([s.heads_per_group * s.head_dim, s.head_dim, s.head_dim], dim=1)
-    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
-
-
-def _merge_gated(hf: list[torch.Tensor], s: Shape) -> torch.Tensor:
-    gate, up = (t.chunk(s.tp_size, dim=0) for t in hf)
-    return torch.cat([torch.cat(pair, dim=0) for pair in zip(gate, up)], dim=0)
-
-
-def _split_gated(full: torch.Tensor, s: Shape) -> list[torch.Tensor]:
-    halves = [shard.chunk(2, dim=0) for shard in full.chunk(s.tp_size, dim=0)]
-    return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
-
-
-def _pad_vocab(hf: list[torch.Tensor], s: Shape) -> torch.Tensor:
-    (table,) = hf
-    padding = table.new_zeros(s.padded_vocab_size - table.shape[0], *table.shape[1:])
-    return torch.cat([table, padding], dim=0)
-
-
-def _trim_vocab(full: torch.Tensor, s: Shape) -> list[torch.Tensor]:
-    return [full[: s.hf_vocab_size].contiguous()]
-
-
-def _single(hf: list[torch.Tensor], s: Shape) -> torch.Tensor:
-    return hf[0]
-
-
-def _as_list(full: torch.Tensor, s: Shape) -> list[torch.Tensor]:
-    return [full]
-
-
-@dataclass(frozen=True)
-class Mapping:
-    """HF tensors <-> one Megatron parameter.
-
-    `merge` turns the HF tensors into the full (unsplit) Megatron tensor and `split` back; `tp_dim` is the dimension
-    TP ranks split the full tensor along (None: replicated). `megatron_names` lists the parameter's name in the local
-    spec first and in the Transformer Engine spec (fused norms) second.
-    """
-
-    hf_names: tuple[str, ...]
-    megatron_names: tuple[str, ...]
-    tp_dim: int | None
-    merge: Callable[[list[torch.Tensor], Shape], torch.Tensor] = _single
-    split: Callable[[torch.Tensor, Shape], list[torch.Tensor]] = _as_list
-    exported: bool = True
-
-
-_ATTN = "self_attn."
-LAYER_MAPPINGS = (
-    Mapping(("input_layernorm.weight",),
-            ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"), None),
-    Mapping(tuple(f"{_ATTN}{p}_proj.weight" for p in "qkv"), ("self_attention.linear_qkv.weight",), 0,
-            _merge_qkv, _split_qkv),
-    Mapping(tuple(f"{_ATTN}{p}_proj.bias" for p in "qkv"), ("self_attention.linear_qkv.bias",), 0,
-            _merge_qkv, _split_qkv),
-    Mapping((f"{_ATTN}o_proj.weight",), ("self_attention.linear_proj.weight",), 1),
-    Mapping((f"{_ATTN}o_proj.bias",), ("self_attention.linear_proj.bias",), None),  # added once, after the TP reduce
-    Mapping(("post_attention_layernorm.weight",),
-            ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"), None),
-    Mapping(("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.linear_fc1.weight",), 0,
-            _merge_gated, _split_gated),
-    Mapping(("mlp.gate_proj.bias", "mlp.up_proj.bias"), ("mlp.linear_fc1.bias",), 0, _merge_gated, _split_gated),
-    Mapping(("mlp.down_proj.weight",), ("mlp.linear_fc2.weight",), 1),
-    Mapping(("mlp.down_proj.bias",), ("mlp.linear_fc2.bias",), None),
-)
-# Buffers some checkpoints carry that transformers recomputes from the config and ignores when loading.
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-EMBEDDING = Mapping(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), 0, _pad_vocab, _trim_vocab)
-FINAL_NORM = Mapping(("model.norm.weight",), ("decoder.final_layernorm.weight",), None)
-LM_HEAD = Mapping(("lm_head.weight",), ("output_layer.weight",), 0, _pad_vocab, _trim_vocab)
-# With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as the output layer.
-TIED_LM_HEAD = Mapping(EMBEDDING.hf_names, LM_HEAD.megatron_names, 0, _pad_vocab, _trim_vocab, exported=False)
-
-
-def _bound(mapping: Mapping, module: torch.nn.Module) -> tuple[str, torch.nn.Parameter] | None:
-    """The (name, parameter) of `module` this mapping fills, or None when the module has no such parameter."""
-    params = dict(module.named_parameters())
-    for name in mapping.megatron_names:
+def _bound(names: tuple[str, ...], params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.nn.Parameter] | None:
+    """The first of `names` that is a parameter (local spec name first, Transformer Engine name second)."""
+    for name in names:
         if name in params:
             return name, params[name]
     return None
 
 
-def _model_entries(model: Any, hf_config: Any) -> Iterator[tuple[Mapping, str, str, torch.nn.Parameter]]:
-    """(mapping, HF name prefix, Megatron name, parameter) for every mapped parameter of this rank, in HF order.
+def _layer_entries(mapping: Mapping, layer: torch.nn.Module, hf_prefix: str, local_prefix: str,
+                   params: dict[str, torch.nn.Parameter]) -> Iterator[Entry]:
+    """The entries one mapping makes in one layer: one, none (a bias the layer does not have), or one per local
+    expert."""
+    if not mapping.expert:
+        bound = _bound(mapping.megatron_names, params)
+        if bound is not None:
+            yield Entry(mapping, hf_prefix, local_prefix + bound[0], bound[1])
+        return
+    experts_per_rank = layer.mlp.experts.num_local_experts
+    for local in range(experts_per_rank):
+        bound = _bound(tuple(n.format(local=local) for n in mapping.megatron_names), params)
+        if bound is not None:
+            yield Entry(mapping, hf_prefix, local_prefix + bound[0], bound[1], local, experts_per_rank)
+
+
+def model_entries(model: Any, hf_config: Any) -> Iterator[Entry]:
+    """Every mapped parameter of this rank (model from `build_gpt_model`, unwrapped), in HF order.
 
     With tied embeddings the last stage's output layer is filled from (but never exported as) the HF embedding.
     """
+    family = family_of(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    top = dict(model.named_parameters())
     if model.pre_process:
-        yield (EMBEDDING, "", *_bound(EMBEDDING, model))
+        yield Entry(EMBEDDING, "", *_bound(EMBEDDING.megatron_names, top))
     for local_index, layer in enumerate(model.decoder.layers):
-        hf_prefix = f"model.layers.{layer.layer_number - 1}."
-        for mapping in LAYER_MAPPINGS:
-            bound = _bound(mapping, layer)
-            if bound is not None:
-                name, param = bound
-                yield mapping, hf_prefix, f"decoder.layers.{local_index}.{name}", param
+        global_index = layer.layer_number - 1
+        params = dict(layer.named_parameters())
+        for mapping in family.layer_rules(hf_config, global_index):
+            yield from _layer_entries(mapping, layer, f"model.layers.{global_index}.", f"decoder.layers.{local_index}.",
+                                      params)
     if model.post_process:
-        yield (FINAL_NORM, "", *_bound(FINAL_NORM, model))
+        yield Entry(FINAL_NORM, "", *_bound(FINAL_NORM.megatron_names, top))
         if not tied:
-            yield (LM_HEAD, "", *_bound(LM_HEAD, model))
+            yield Entry(LM_HEAD, "", *_bound(LM_HEAD.megatron_names, top))
         elif not model.pre_process:
-            yield (TIED_LM_HEAD, "", *_bound(TIED_LM_HEAD, model))
+            yield Entry(TIED_LM_HEAD, "", *_bound(TIED_LM_HEAD.megatron_names, top))
 
 
 class SafetensorsReader:
@@ -199,40 +139,44 @@ class SafetensorsReader:
         return self._open[file].get_tensor(name)
 
 
-def _shard(full: torch.Tensor, mapping: Mapping, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _shard(full: torch.Tensor, mapping: Mapping, rank: int, size: int) -> torch.Tensor:
     if mapping.tp_dim is None:
         return full
-    return full.chunk(tp_size, dim=mapping.tp_dim)[tp_rank]
+    return full.chunk(size, dim=mapping.tp_dim)[rank]
 
 
 @torch.no_grad()
 def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     """Fill this rank's slice of `model` (from `build_gpt_model`, wrapped or not) with the HF weights in `hf_dir`.
 
-    Every rank reads only the tensors its PP stage owns and keeps only its TP slice. Raises if a tensor is missing,
-    its shape does not match the config the model was built from, or a tensor in the files is used by no rank (an
-    option of the config the model does not implement, or a config that does not match the weights). Collective over
-    all ranks (they share which tensors they used).
+    Every rank reads only the tensors its PP stage (and, for experts, its EP rank) owns and keeps only its TP/ETP
+    slice. Raises if a tensor is missing, its shape does not match the config the model was built from, or a tensor in
+    the files is used by no rank (an option of the config the model does not implement, or a config that does not
+    match the weights). Collective over all ranks (they share which tensors they used).
     """
     from megatron.core import parallel_state
 
     model = unwrap_model(model)
     hf_config = model.hf_config
-    shape = _shape(model, hf_config)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    shapes = {False: _shape(model, hf_config)}
+    shapes[True] = _expert_shape(shapes[False])
+    ranks = {False: parallel_state.get_tensor_model_parallel_rank(),
+             True: parallel_state.get_expert_tensor_parallel_rank()}
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     reader = SafetensorsReader(hf_dir)
     loaded, used = set(), set()
-    for mapping, hf_prefix, name, param in _model_entries(model, hf_config):
-        hf_names = [hf_prefix + n for n in mapping.hf_names]
-        full = mapping.merge([reader.get(n) for n in hf_names], shape)
+    for entry in model_entries(model, hf_config):
+        expert = entry.mapping.expert
+        hf_names = entry.hf_names(ep_rank)
+        full = entry.mapping.merge([reader.get(n) for n in hf_names], shapes[expert])
         used.update(hf_names)
-        shard = _shard(full, mapping, tp_rank, shape.tp_size)
-        if shard.shape != param.shape:
-            raise ValueError(f"{hf_names} in {str(hf_dir)!r} give shape "
-                             f"{tuple(shard.shape)} for Megatron parameter {name!r} of shape {tuple(param.shape)}; "
-                             f"the checkpoint does not match its config.json")
-        param.copy_(shard)
-        loaded.add(name)
+        shard = _shard(full, entry.mapping, ranks[expert], shapes[expert].tp_size)
+        if shard.shape != entry.param.shape:
+            raise ValueError(f"{list(hf_names)} in {str(hf_dir)!r} give shape {tuple(shard.shape)} for Megatron "
+                             f"parameter {entry.name!r} of shape {tuple(entry.param.shape)}; the checkpoint does not "
+                             f"match its config.json")
+        entry.param.copy_(shard)
+        loaded.add(entry.name)
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise RuntimeError(f"no HF weights were mapped to Megatron parameters {missing}")
@@ -256,32 +200,82 @@ def _check_every_tensor_used(model: Any, reader: "SafetensorsReader", used: set[
                          f"does not describe these weights (e.g. a bias flag or tie_word_embeddings is wrong)")
 
 
+def _gather_to_first(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor] | None:
+    """Every rank's `tensor` of `group`, by group rank, on the group's first rank (None elsewhere)."""
+    if size == 1:
+        return [tensor]
+    first = dist.get_global_rank(group, 0)
+    pieces = [torch.empty_like(tensor) for _ in range(size)] if dist.get_rank() == first else None
+    dist.gather(tensor.contiguous(), pieces, dst=first, group=group)
+    return pieces
+
+
+def _unsplit(shard: torch.Tensor, dim: int | None, group: Any, size: int) -> torch.Tensor | None:
+    """The full tensor of a parameter split along `dim` over `group`, on the group's first rank (None elsewhere); a
+    replicated one (`dim` None) as it is."""
+    if dim is None:
+        return shard
+    pieces = _gather_to_first(shard, group, size)
+    return None if pieces is None else torch.cat(pieces, dim=dim)
+
+
+@dataclass(frozen=True)
+class _ExportRoles:
+    """Which gathers this rank of a pipeline stage takes part in, and whether it yields."""
+
+    dense: bool    # in the exporting (first) data- and context-parallel replica: gathers over TP
+    experts: bool  # in the first expert-data-parallel replica: gathers experts over ETP, then over EP
+    yields: bool   # the stage's exporter: TP rank 0 of the exporting replica (also ETP and EP rank 0)
+
+    @classmethod
+    def of_this_rank(cls) -> "_ExportRoles":
+        from megatron.core import parallel_state as ps
+
+        dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        yields = dense and ps.get_tensor_model_parallel_rank() == 0
+        experts = ps.get_expert_data_parallel_rank() == 0
+        if yields and not (experts and ps.get_expert_tensor_parallel_rank() == 0
+                           and ps.get_expert_model_parallel_rank() == 0):
+            raise RuntimeError("the rank that exports this pipeline stage is not the first rank of its expert groups; "
+                               "this parallel layout orders its ranks in a way the export does not support")
+        return cls(dense=dense, experts=experts, yields=yields)
+
+
 @torch.no_grad()
 def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model's weights as HF-named full tensors, one parameter (hence at most one layer) at a time.
 
-    Collective: every rank of the model-parallel group must iterate it to the end, in step. Tensors are yielded on TP
-    rank 0 of each PP stage for the layers that stage owns (the embedding on the first stage, the final norm and
-    untied lm_head on the last); other TP ranks yield nothing. `model` may be wrapped (DDP, Float16Module).
-    Yielded tensors are on the model's device and may alias its parameters: copy them before changing them.
+    Collective: every rank of the world must iterate it to the end, in step (ranks outside the exporting replica
+    take part only in the expert gathers, and only when experts are split over EP or ETP). Tensors are yielded on
+    TP rank 0 of the first data-parallel replica of each PP stage, for the layers that stage owns (the embedding on
+    the first stage, the final norm and untied lm_head on the last), with every expert gathered from its EP and ETP
+    ranks; other ranks yield nothing. `model` may be wrapped (DDP, Float16Module). Yielded tensors are on the model's
+    device and may alias its parameters: copy them before changing them.
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
     model = unwrap_model(model)
     shape = _shape(model, hf_config)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    is_tp_leader = parallel_state.get_tensor_model_parallel_rank() == 0
-    tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
-    for mapping, hf_prefix, _, param in _model_entries(model, hf_config):
-        if not mapping.exported:
+    expert_shape = _expert_shape(shape)
+    roles = _ExportRoles.of_this_rank()
+    for entry in model_entries(model, hf_config):
+        if not entry.mapping.exported:
             continue
-        shard = param.detach()
-        if mapping.tp_dim is not None and shape.tp_size > 1:
-            pieces = [torch.empty_like(shard) for _ in range(shape.tp_size)] if is_tp_leader else None
-            dist.gather(shard.contiguous(), pieces, dst=tp_leader, group=tp_group)
-            full = torch.cat(pieces, dim=mapping.tp_dim) if is_tp_leader else None
-            del pieces
-        else:
-            full = shard
-        if is_tp_leader:
-            yield from zip((hf_prefix + n for n in mapping.hf_names), mapping.split(full, shape))
+        dim, shard = entry.mapping.tp_dim, entry.param.detach()
+        if not entry.mapping.expert:
+            if not roles.dense:
+                continue
+            full = _unsplit(shard, dim, ps.get_tensor_model_parallel_group(), shape.tp_size)
+            if roles.yields:
+                yield from zip(entry.hf_names(), entry.mapping.split(full, shape))
+            continue
+        if not roles.experts or (dim is None and ps.get_expert_tensor_parallel_rank() != 0):
+            continue
+        full = _unsplit(shard, dim, ps.get_expert_tensor_parallel_group(), expert_shape.tp_size)
+        if full is None:  # not ETP rank 0: its EP group holds no full experts
+            continue
+        experts = _gather_to_first(full, ps.get_expert_model_parallel_group(),
+                                   ps.get_expert_model_parallel_world_size())
+        if roles.yields:  # EP rank r holds the same local expert of its own range
+            for ep_rank, tensor in enumerate(experts):
+                yield from zip(entry.hf_names(ep_rank), entry.mapping.split(tensor, expert_shape))

@@ -9,13 +9,14 @@ reward sits on the last valid response token.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_cpo.algorithms.overlong import OverlongBufferConfig
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
-from megatron_cpo.rewards.registry import get_grader, load_callable
+from megatron_cpo.rewards.registry import get_grader, load_callable, missing_graders
 from megatron_cpo.rewards.sandbox import SandboxConfig, configure_sandbox, sandbox_metrics
 from megatron_cpo.rewards.remote import RemoteRewardConfig, RemoteRewardModel
 
@@ -30,8 +31,9 @@ class RewardConfig:
         total_timeout_s plus process start-up).
     custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
         grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info`
-        keywords and returns a score or a dict with `score` and `acc`. verl's spelling, `custom_reward_function.path`
-        + `.name` at the top level, is accepted too (one or the other) and lands here.
+        keywords and returns a score or a dict with `score` and `acc`. A bare "file.py" grades with its function
+        `custom_reward_function_name`. verl's top-level `custom_reward_function.path` / `.name` are accepted for
+        these two keys. `reward_function` is the resulting "module:function" ("" when unset).
     custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources, in the trainer
         (data check) and in every grading worker.
     custom_failure_score: score given when a custom grader fails.
@@ -47,6 +49,7 @@ class RewardConfig:
     num_workers: int = 2
     timeout_s: float = 10.0
     custom_reward_function: str = ""
+    custom_reward_function_name: str = "compute_score"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     custom_graders: dict[str, str] = field(default_factory=dict)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -64,6 +67,14 @@ class RewardConfig:
         if self.worker_memory_limit_mb and self.worker_memory_limit_mb < 512:
             raise ValueError(f"reward.worker_memory_limit_mb={self.worker_memory_limit_mb} cannot hold sympy and the "
                              "graders; use >= 512, or 0 for no limit")
+        function, name = self.custom_reward_function, self.custom_reward_function_name
+        if function and not function.endswith(".py") and name != "compute_score":
+            raise ValueError(f"reward.custom_reward_function={function!r} names its function, but "
+                             f"reward.custom_reward_function_name (verl: custom_reward_function.name)={name!r} names "
+                             "another; give the .py file alone (verl: custom_reward_function.path) or drop the name")
+        if function.endswith(".py") and not name:
+            raise ValueError(f"custom_reward_function.name is empty; name the function in {function!r} that computes "
+                             "the score (verl: compute_score)")
         for source, path in self.custom_graders.items():
             if not (isinstance(path, str) and ":" in path):
                 raise ValueError(f"reward.custom_graders[{source!r}]={path!r} must be 'pkg.module:function' or "
@@ -72,6 +83,27 @@ class RewardConfig:
             if not isinstance(kwargs, dict):
                 raise ValueError(f"reward.grader_kwargs[{source!r}]={kwargs!r} must be a mapping of the grader's "
                                  "keyword arguments, e.g. {wrong_score: 0.0}")
+
+    @property
+    def reward_function(self) -> str:
+        """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when the grader of each
+        response's data source grades it."""
+        if self.custom_reward_function.endswith(".py"):
+            return f"{self.custom_reward_function}:{self.custom_reward_function_name}"
+        return self.custom_reward_function
+
+    @property
+    def needs_ground_truth(self) -> bool:
+        """Whether every data row needs a `reward_model.ground_truth`: the grader of its data source compares each
+        response with it; one `reward_function` for every response may not read it (verl's reward-model data)."""
+        return not self.reward_function
+
+    def sources_without_grader(self, data_sources: Iterable[str]) -> list[str]:
+        """The distinct sources among `data_sources` that nothing grades, sorted: none with a `reward_function`,
+        else those with neither a `custom_graders` entry nor a registered grader."""
+        if self.reward_function:
+            return []
+        return missing_graders(source for source in data_sources if source not in self.custom_graders)
 
 
 @dataclass
@@ -129,18 +161,18 @@ class RewardManager:
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        for path in [*config.custom_graders.values(), config.custom_reward_function]:
+        for path in [*config.custom_graders.values(), config.reward_function]:
             if path:
                 load_callable(path)  # a missing module or function fails here, naming it, before any worker starts
-        self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.custom_reward_function or None,
+        self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.reward_function or None,
                                 dict(config.grader_kwargs), config.worker_memory_limit_mb or None, config.sandbox)
         configure_sandbox(config.sandbox, resolve=False)  # this process resolves it too, for the log and metric
         self.remote = RemoteRewardModel(config.remote) if config.remote.enable else None
 
     def _grader_for(self, data_source: str) -> tuple[str, float]:
         """(grader name, failure score); unknown sources fail here, before any work is done."""
-        if self.config.custom_reward_function:
-            return self.config.custom_reward_function, self.config.custom_failure_score
+        if self.config.reward_function:
+            return self.config.reward_function, self.config.custom_failure_score
         if data_source in self.config.custom_graders:
             return self.config.custom_graders[data_source], self.config.custom_failure_score
         grader = get_grader(data_source)

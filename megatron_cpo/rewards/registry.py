@@ -149,8 +149,8 @@ def register_grader(data_source: str, grader: Callable | str, failure_score: flo
 
 def register_custom_graders(custom_graders: dict[str, str], failure_score: float = 0.0) -> None:
     """Register ``reward.custom_graders`` (``{data_source: "pkg.module:fn" | "file.py:fn"}``) in this process,
-    replacing built-ins of the same name; the trainer does this before its data check, each grading worker at
-    start."""
+    replacing built-ins of the same name. Each grading worker does this once at start; the trainer's process never
+    does (its data check reads ``reward.custom_graders`` as it is, ``RewardConfig.sources_without_grader``)."""
     for source, path in custom_graders.items():
         register_grader(source, path, failure_score=failure_score, overwrite=True)
 

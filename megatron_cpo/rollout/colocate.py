@@ -53,12 +53,6 @@ def colocated_layout(world_size: int, local_world_size: int, rollout_tp: int) ->
     return world_size // local_world_size, local_world_size // rollout_tp
 
 
-def colocated_engine_count(world_size: int, local_world_size: int, rollout_tp: int) -> int:
-    """Engines of a colocated trainer, over all its nodes."""
-    nodes, per_node = colocated_layout(world_size, local_world_size, rollout_tp)
-    return nodes * per_node
-
-
 def colocated_weight_transport(configured: str, nodes: int) -> str:
     """`rollout.weight_transport` for colocated engines: `auto` is shared memory on one node and the collective
     transport across nodes (a node's shared memory cannot reach another node's engines)."""

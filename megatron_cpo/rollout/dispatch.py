@@ -23,7 +23,7 @@ class EngineRequest:
 
 
 class RequestBook:
-    """Submit, outstanding counts, liveness and the finished-group generator on top of a subclass's transport."""
+    """Submit, liveness and the finished-group generator on top of a subclass's transport."""
 
     engines: list
     _alive: list[bool]
@@ -34,19 +34,6 @@ class RequestBook:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; submit at least one token id")
         self._dispatch(EngineRequest(request_id, list(prompt_token_ids), params, -1))
-
-    def num_outstanding(self) -> int:
-        return len(self._pending)
-
-    def num_outstanding_per_engine(self) -> list[int]:
-        counts = [0] * len(self.engines)
-        for request in self._requests():
-            counts[request.engine_index] += 1
-        return counts
-
-    def outstanding_requests(self) -> dict[str, int]:
-        """Outstanding request ids and the engine each one is on."""
-        return {request.request_id: request.engine_index for request in self._requests()}
 
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
         """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next

@@ -1,8 +1,6 @@
 """`build_rollout_manager`: the rollout manager of `actor_rollout_ref.rollout.mode` for a run's config.
 
-Every mode returns an object with `RolloutManager`'s interface (submit / completed / finished / cancel_all /
-check_engines / num_engines_alive / last_engine_failure / sender_spec / begin_weight_sync / finish_weight_sync /
-shutdown / engines), so the trainer does not know which one it drives:
+Every mode returns a `RolloutEngines` (rollout/interface.py), so the trainer does not know which one it drives:
 - `ray` (and verl's `sync` / `async`): `RolloutManager`, `num_engines` Ray actors on their own devices;
 - `server`: `ServerRolloutManager` over running `megatron-cpo rollout` servers (`server_urls`); no Ray;
 - `colocate`: `ColocatedRolloutManager`, engine servers started on the trainer's own devices (one process: here;
@@ -12,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_cpo.rollout.config import RAY_MODES
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.types import EngineLaunchConfig
-
-RAY_MODES = ("ray", "sync", "async")
 
 
 def engine_config(config: Any) -> EngineLaunchConfig:
@@ -28,7 +26,7 @@ def engine_config(config: Any) -> EngineLaunchConfig:
         enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
 
 
-def build_rollout_manager(config: Any):
+def build_rollout_manager(config: Any) -> RolloutEngines:
     """Start (or connect to) the engines of `config.actor_rollout_ref.rollout.mode`; called on trainer rank 0."""
     rollout = config.actor_rollout_ref.rollout
     engines = engine_config(config)

@@ -16,6 +16,7 @@ import torch
 
 from megatron_cpo.rollout.buckets import BucketSpec, entries_from_wire, read_bucket, unpack_bucket
 from megatron_cpo.rollout.collective import WeightGroup, connect_weight_store
+from megatron_cpo.rollout.moe_reload import prepack_cpu_experts_on_reload
 
 
 class WeightReloadExtension:
@@ -25,8 +26,10 @@ class WeightReloadExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        model = self.model_runner.get_model()
+        prepack_cpu_experts_on_reload(model)  # vLLM 0.32 prepacks CPU experts at the first load only
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+            initialize_layerwise_reload(model)
 
     def rollout_load_weight_bucket(self, wire_spec: list) -> int:
         """Load one bucket's HF-named full tensors (vLLM shards them for its own TP); returns the tensor count."""

@@ -16,24 +16,12 @@ from typing import Any, Callable
 import torch
 
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
-from megatron_cpo.algorithms.overlong import overlong_reward_penalty
+from megatron_cpo.algorithms.overlong import OverlongBufferConfig, overlong_reward_penalty
 from megatron_cpo.config import Config
 from megatron_cpo.trainer.ragged import RaggedRows
 
 MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 """Maps a [groups, n] metric matrix to a bool [groups] keep mask (vectorised over the groups)."""
-
-
-@dataclass
-class OverlongShaping:
-    """DAPO's soft overlong punishment, added to each response's score when its group arrives."""
-    max_response_length: int
-    buffer_len: int
-    penalty_factor: float
-
-    def penalty(self, response_token_ids: list[list[int]]) -> torch.Tensor:
-        lengths = torch.tensor([len(r) for r in response_token_ids])
-        return overlong_reward_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)
 
 
 @dataclass
@@ -43,16 +31,26 @@ class GroupSelection:
     metric_filter: a per-group rule on the filter metric (DAPO filter-groups: keep groups whose metric varies).
     ragen: RAGEN's strategy, ranking the groups that pass `metric_filter` by their scores; it compares groups, so
         it decides `window` groups at a time (one generation batch) instead of each group on its own.
-    overlong: DAPO's overlong penalty, added to the scores before any filter sees them.
+    overlong: DAPO's overlong penalty (`reward.overlong_buffer`, as configured), added to the scores before any
+        filter sees them; it ramps up over the last tokens of `max_response_length` (`data.max_response_length`).
     """
     metric_filter: MetricFilter | None = None
     ragen: RolloutFilterConfig | None = None
     window: int = 1
-    overlong: OverlongShaping | None = None
+    overlong: OverlongBufferConfig | None = None
+    max_response_length: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1 (groups decided together)")
+        if self.overlong is not None and self.max_response_length < 1:
+            raise ValueError("the overlong penalty needs max_response_length (data.max_response_length)")
+
+    def overlong_penalty(self, response_token_ids: list[list[int]]) -> torch.Tensor:
+        """DAPO's penalty (<= 0) of each response of a group, by its length."""
+        lengths = torch.tensor([len(r) for r in response_token_ids])
+        return overlong_reward_penalty(lengths, self.max_response_length, self.overlong.len,
+                                       self.overlong.penalty_factor)
 
     @property
     def windowed(self) -> bool:
@@ -171,7 +169,7 @@ class GroupAccumulator:
             if group.seq < self.next_seq or group.seq in self._pending:
                 raise ValueError(f"group seq={group.seq} was already added; each request finishes once")
             if self.selection.overlong is not None:
-                group.overlong_penalty = self.selection.overlong.penalty(group.response_token_ids)
+                group.overlong_penalty = self.selection.overlong_penalty(group.response_token_ids)
                 group.scores = group.scores.float() + group.overlong_penalty
             group.ragged()  # the list -> tensor conversion, now rather than on the step's critical path
             self._pending[group.seq] = group
@@ -261,10 +259,8 @@ def selection_from_config(config: Config) -> GroupSelection | None:
     rollout, groups, overlong = (config.actor_rollout_ref.rollout, config.algorithm.filter_groups,
                                  config.reward.overlong_buffer)
     ragen = rollout if rollout.rollout_filter_enabled else None  # the rollout config is a RolloutFilterConfig
-    shaping = None
-    if overlong.enable:
-        shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor)
-    if not groups.enable and ragen is None and shaping is None:
+    if not groups.enable and ragen is None and not overlong.enable:
         return None
     return GroupSelection(metric_filter=keep_varied_groups if groups.enable else None, ragen=ragen,
-                          window=config.data.train_batch_size, overlong=shaping)
+                          window=config.data.train_batch_size, overlong=overlong if overlong.enable else None,
+                          max_response_length=config.data.max_response_length)

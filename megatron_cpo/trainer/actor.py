@@ -13,6 +13,7 @@ whole batch's tensors (the advantage math then runs identically everywhere).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -21,13 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
+from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)
 from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
-from megatron_cpo.trainer.micro_batches import MicroBatching, Plan, fixed_plan, token_budget_plan
+from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.micro_batches import Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.packing import PackedRows, pack_rows
+from megatron_cpo.trainer.routing import RecordedRouting, RouterTracker, aux_loss_metrics
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 
@@ -39,21 +42,8 @@ class UpdateInputs:
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     rollout_log_probs: torch.Tensor | None
-
-
-def model_options(config: Any) -> dict[str, Any]:
-    """The `TransformerConfig` fields the trainer config selects for the actor and the reference: sequence
-    parallelism and (`enable_gradient_checkpointing`) Megatron's activation recompute."""
-    megatron = config.actor_rollout_ref.actor.megatron
-    options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
-    if megatron.context_parallel_size > 1:
-        options["context_parallel_size"] = megatron.context_parallel_size
-    if config.actor_rollout_ref.model.enable_gradient_checkpointing:
-        options["recompute_granularity"] = megatron.recompute_granularity
-        if megatron.recompute_granularity == "full":
-            options.update(recompute_method=megatron.recompute_method,
-                           recompute_num_layers=megatron.recompute_num_layers)
-    return options
+    routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
+    first_row: int = 0                      # this mini-batch's first row in the step batch
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -67,40 +57,52 @@ def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
 
 
 class MegatronPolicy:
-    """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates."""
+    """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates.
 
-    def __init__(self, model: Any, pad_token_id: int, batching: MicroBatching | int, ddp_model: Any = None,
-                 optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
-                 use_remove_padding: bool = False) -> None:
+    `config` (`actor_rollout_ref.actor`, as it is) sets the loss and the micro-batches: `ppo_micro_batch_size_per_gpu`
+    rows, or with `use_dynamic_bsz` the token budgets `ppo_max_token_len_per_gpu` (update) and
+    `log_prob_max_token_len_per_gpu` (scoring). `log_prob_micro_batch_size`: rows of a fixed scoring micro-batch
+    (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`).
+    `routing` (a mixture of experts' actor): records the old-log-prob pass's routing and replays or compares it in
+    the update (trainer/routing.py)."""
+
+    def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
+                 ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
+                 use_remove_padding: bool = False, routing: RouterTracker | None = None) -> None:
         from megatron.core import parallel_state
 
         self.model = model
+        self.routing = routing
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.pad_token_id = pad_token_id
-        self.batching = batching if isinstance(batching, MicroBatching) else MicroBatching(batching)
+        self.config = config
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.use_fused_kernels = use_fused_kernels
         # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
         self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
         if self.packing and model.config.context_parallel_size > 1:
             raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
                              "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")
-        if ((self.batching.dynamic or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        if ((config.use_dynamic_bsz or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
             model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
     @property
     def _module(self) -> Any:
         return self.ddp_model if self.ddp_model is not None else self.model
 
-    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool) -> list:
-        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function."""
+    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool,
+             around_forward: Callable[[dict, Any], Any] | None = None) -> list:
+        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function;
+        `around_forward(batch, layout)`, when given, is a context manager around each micro-batch's forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, stage_model):
             batch = next(data_iterator)
             layout = batch.get("packed", batch["seqs"])
-            output = self._forward(stage_model, layout)
+            with around_forward(batch, layout) if around_forward else contextlib.nullcontext():
+                output = self._forward(stage_model, layout)
             return output, lambda out: step_fn(*self._log_probs_entropy(out, layout, temperature), batch)
 
         shapes = [tuple(b.get("packed", b["seqs"]).tokens_shape) for b in micro_batches]
@@ -159,11 +161,11 @@ class MegatronPolicy:
     def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
               ) -> tuple[PackedSequences, Plan]:
         """`seqs` padded with empty rows as the mode needs, and every DP rank's micro-batches (row indices) of it:
-        `micro_rows` rows each, or cut by `token_budget` when dynamic."""
+        `micro_rows` rows each, or cut by `token_budget` with `use_dynamic_bsz`."""
         from megatron.core import parallel_state
 
         dp_size = parallel_state.get_data_parallel_world_size()
-        if not self.batching.dynamic:
+        if not self.config.use_dynamic_bsz:
             padded = _pad_rows(seqs, dp_size * micro_rows)
             return padded, fixed_plan(padded.rows, dp_size, micro_rows)
         padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
@@ -181,9 +183,9 @@ class MegatronPolicy:
         micro = []
         for index in plan[parallel_state.get_data_parallel_rank()]:
             seqs = padded.select(index)
-            seqs = seqs.trimmed() if self.batching.dynamic else seqs
+            seqs = seqs.trimmed() if self.config.use_dynamic_bsz else seqs
             multiple = self._sequence_multiple()
-            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple))}
+            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple)), "rows": index}
             if self.packing:
                 batch["packed"] = pack_rows(seqs, self.packing, multiple)
             batch.update({name: tensor[index] for name, tensor in full.items()})
@@ -207,17 +209,32 @@ class MegatronPolicy:
 
         return parallel_state.get_context_parallel_rank()
 
-    @torch.no_grad()
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy of every response token, [rows, R] float32 each, on every rank."""
+        return self._score(seqs, temperature)[:2]
+
+    def log_probs_and_routing(self, seqs: PackedSequences, temperature: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, RecordedRouting | None, dict[str, float]]:
+        """`log_probs`, and for a mixture of experts the routing of every token (for the update to replay or
+        compare) with its load and entropy metrics."""
+        return self._score(seqs, temperature, record_routing=self.routing is not None)
+
+    @torch.no_grad()
+    def _score(self, seqs: PackedSequences, temperature: float, record_routing: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, RecordedRouting | None, dict[str, float]]:
         self._module.eval()
-        padded, plan = self._plan(seqs, self.batching.log_prob_token_budget,
-                                  "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu", self.batching.log_prob_rows)
+        padded, plan = self._plan(seqs, self.config.log_prob_max_token_len_per_gpu,
+                                  "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
+                                  self.log_prob_micro_batch_size or self.config.ppo_micro_batch_size_per_gpu)
         outputs = self._run(self._micro_batches(padded, plan), temperature,
                             lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
                                                                (log_probs, entropy)),
-                            forward_only=True)
-        return self._gather_rows(outputs, plan, padded.rows, seqs)
+                            forward_only=True,
+                            around_forward=(lambda batch, layout: self.routing.recording(layout, batch["rows"]))
+                            if record_routing else None)
+        routing, routing_metrics = (self.routing.finish_recording(plan, seqs.lengths()) if record_routing
+                                    else (None, {}))
+        return (*self._gather_rows(outputs, plan, padded.rows, seqs), routing, routing_metrics)
 
     def _gather_rows(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, padded_rows: int,
                      seqs: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,28 +258,29 @@ class MegatronPolicy:
             full[:, rows] = piece[:, : len(rows)].cpu()
         return full[0, : seqs.rows], full[1, : seqs.rows]
 
-    def update(self, seqs: PackedSequences, inputs: UpdateInputs, loss_config: PolicyLossConfig, temperature: float
-               ) -> dict[str, float]:
-        """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule.
+    def update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> dict[str, float]:
+        """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule; the
+        loss is `config`'s (`PolicyLossConfig`, which `ActorConfig` extends).
 
         The loss is aggregated over the whole mini-batch (all micro-batches and DP ranks), so the update does not
         depend on how the mini-batch is split (fixed or token-budget micro-batches alike).
         """
-        return self._update(seqs, inputs, loss_config, temperature)[0]
+        return self._update(seqs, inputs, temperature)[0]
 
-    def update_on_policy(self, seqs: PackedSequences, inputs: UpdateInputs, loss_config: PolicyLossConfig,
-                         temperature: float) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+    def update_on_policy(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
+                         ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """`update` whose PPO old log-probs are its own forward's, detached (`inputs.old_log_probs` is None): exact
-        when the batch is one mini-batch trained once (`step.old_log_probs_from_update`), and one forward cheaper
-        than a separate scoring pass. Also returns those log-probs and the entropy, [rows, R] each, on every rank."""
+        when the batch is one mini-batch trained once (`policy_update.old_log_probs_from_update`), and one forward
+        cheaper than a separate scoring pass. Also returns those log-probs and the entropy, [rows, R] each, on every
+        rank."""
         if inputs.old_log_probs is not None:
             raise ValueError("update_on_policy takes its old log-probs from its own forward; pass "
                              "UpdateInputs(old_log_probs=None) or call update()")
-        metrics, outputs, plan, padded_rows = self._update(seqs, inputs, loss_config, temperature)
+        metrics, outputs, plan, padded_rows = self._update(seqs, inputs, temperature)
         log_probs, entropy = self._gather_rows([(lp, ent) for _, lp, ent in outputs], plan, padded_rows, seqs)
         return metrics, log_probs, entropy
 
-    def _update(self, seqs: PackedSequences, inputs: UpdateInputs, loss_config: PolicyLossConfig, temperature: float
+    def _update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
                 ) -> tuple[dict[str, float], list, Plan, int]:
         """The optimizer step; also this rank's per-micro-batch (metrics, log-probs, entropy) outputs and the plan."""
         from megatron.core import parallel_state
@@ -277,9 +295,16 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
-        padded, plan = self._plan(seqs, self.batching.update_token_budget,
-                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", self.batching.micro_batch_size)
+        padded, plan = self._plan(seqs, self.config.ppo_max_token_len_per_gpu,
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                  self.config.ppo_micro_batch_size_per_gpu)
         micro = self._micro_batches(padded, plan, extra)
+        routed = self.routing is not None and inputs.routing is not None
+        if routed:  # each micro-batch's rows' recorded routing, fetched from the ranks that scored them
+            recorded = self.routing.rows_for_update(inputs.routing, inputs.first_row, plan, seqs.rows)
+            for batch in micro:
+                batch["routing"] = [recorded.get(inputs.first_row + row) if row < seqs.rows else None
+                                    for row in batch["rows"].tolist()]
         # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
 
@@ -288,7 +313,7 @@ class MegatronPolicy:
             old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
             loss, metrics = policy_loss(
                 log_probs, old, batch["advantages"].to(device),
-                batch["seqs"].response_mask().to(device), loss_config, entropy=entropy,
+                batch["seqs"].response_mask().to(device), self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs)
@@ -298,10 +323,17 @@ class MegatronPolicy:
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, temperature, loss_step, forward_only=False)
+        outputs = self._run(micro, temperature, loss_step, forward_only=False,
+                            around_forward=(lambda batch, layout: self.routing.updating(layout, batch["routing"]))
+                            if routed else None)
         self.scheduler.step(increment=1)
         updated, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics([output[0] for output in outputs])
+        if routed:
+            metrics.update(self.routing.finish_update())
+        if self.routing is not None:
+            metrics.update(aux_loss_metrics(self.model.config, self.config.megatron.override_transformer_config
+                                            .aux_loss_names(), len(micro)))
         metrics.update({"actor/grad_norm": float(grad_norm or 0.0), "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
         return metrics, outputs, plan, padded.rows

@@ -19,8 +19,9 @@ from megatron.core import parallel_state
 from megatron_cpo import platform
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rollout import send_from_pipeline_stages
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.step import StepBatch
+from megatron_cpo.trainer.step_batch import StepBatch
 
 # Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
 RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -115,8 +116,8 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     return StepBatch(**kwargs)
 
 
-def push_weights(actor_model: Any, manager: Any | None) -> dict[str, float]:
-    """Stream the actor's weights (HF names, full tensors) from each stage's TP leader into the engines over the
+def push_weights(actor_model: Any, manager: RolloutEngines | None) -> dict[str, float]:
+    """Stream the actor's weights (HF names, full tensors) from each stage's exporting rank into the engines over the
     configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
     Returns the sync time and this rank's bytes."""
     start = time.perf_counter()
@@ -127,8 +128,7 @@ def push_weights(actor_model: Any, manager: Any | None) -> dict[str, float]:
     spec, ray_auth = broadcast_object(payload)
     if manager is None:
         os.environ.update(ray_auth)  # a sending rank joins rank 0's Ray cluster with its authentication mode
-    exports = parallel_state.get_data_parallel_rank() == 0
-    tensors = iter_hf_weights(actor_model, actor_model.hf_config) if exports else iter(())
+    tensors = iter_hf_weights(actor_model, actor_model.hf_config)  # every rank: experts are gathered over EP/ETP
     sent = send_from_pipeline_stages(spec, tensors, parallel_state.get_pipeline_model_parallel_rank(),
                                      parallel_state.get_pipeline_model_parallel_world_size())
     if _distributed():

@@ -31,12 +31,12 @@ def dry_run_report(config_path: str, overrides: list[str]) -> str:
     from megatron_cpo.trainer.preflight import preflight
 
     resolved = resolve_config(config_path, overrides)
-    layout = preflight(resolved.config, planning=True)
+    plan = preflight(resolved.config, planning=True)
     tree = json.loads(json.dumps(config_to_dict(resolved.config)))  # tuples -> lists for plain YAML
     lines = ["# resolved config", yaml.safe_dump(tree, sort_keys=False).rstrip()]
     if resolved.ignored:
         lines += ["", "# " + resolved.ignored_warning()]
-    lines += ["", "# layout", *("# " + line for line in layout.describe().splitlines()),
+    lines += ["", "# layout", *("# " + line for line in plan.describe().splitlines()),
               "", "# dry run: config, model, layout and data are valid; nothing was started"]
     return "\n".join(lines)
 

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_cpo.config import Config
+from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup
 from megatron_cpo.trainer.prompt_stream import PromptStream, StreamPosition
 
@@ -37,38 +39,31 @@ class GenerationLimitError(RuntimeError):
     """`algorithm.filter_groups.max_num_gen_batches` was reached before the batch was full (on_limit=error)."""
 
 
-@dataclass
-class ControllerSettings:
-    train_batch_size: int
-    max_num_gen_batches: int = 0
-    on_limit: str = "error"
-    max_inflight_prompts: int = 0
-    filter_metric: str = "acc"
-    poll_timeout_s: float = 600.0
-    gen_batch_size: int = 0
+def inflight_cap(config: Config) -> int:
+    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch); finished
+    ones waiting to commit do not count."""
+    return config.actor_rollout_ref.rollout.max_inflight_prompts or 2 * config.data.train_batch_size
 
-    @property
-    def generation_batch(self) -> int:
-        """Prompts per generation batch, the unit of `max_num_gen_batches` (verl's data.gen_batch_size)."""
-        return self.gen_batch_size or self.train_batch_size
 
-    @property
-    def inflight_cap(self) -> int:
-        """Prompts submitted and not yet finished, at most (finished ones waiting to commit do not count)."""
-        return self.max_inflight_prompts or 2 * self.train_batch_size
-
-    @property
-    def prompt_limit(self) -> int | None:
-        return self.max_num_gen_batches * self.generation_batch if self.max_num_gen_batches > 0 else None
+def prompt_limit(config: Config) -> int | None:
+    """Prompts one step may request: `algorithm.filter_groups.max_num_gen_batches` generation batches
+    (`data.gen_batch_size`) when a group filter (DAPO's or RAGEN's) is on; None: no limit."""
+    groups = config.algorithm.filter_groups
+    filtering = groups.enable or config.actor_rollout_ref.rollout.rollout_filter_enabled
+    if not filtering or groups.max_num_gen_batches <= 0:
+        return None
+    return groups.max_num_gen_batches * config.data.generation_batch_size
 
 
 @dataclass
 class CollectedBatch:
-    """What one step trains on, plus why collection stopped and its metrics."""
+    """What one step trains on, plus why collection stopped and its metrics. `trainable`: the step trains on these
+    groups (a full batch, or a partial one under `on_limit=use_partial`); False ends the run."""
     groups: list[ScoredGroup]
     full: bool
     data_exhausted: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    trainable: bool = True
 
 
 # Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
@@ -87,6 +82,22 @@ def prompts_to_request(needed: int, keep_rate: float) -> int:
     spread = FILL_PROBABILITY_Z * math.sqrt(p * (1.0 - p))
     root = (spread + math.sqrt(spread * spread + 4.0 * p * needed)) / (2.0 * p)
     return math.ceil(root * root - 1e-9)
+
+
+def log_filter_progress(step: int, accumulator: GroupAccumulator, generation_batch: int, logged: int) -> int:
+    """The seeds' per-generation-batch progress line, when the committed prompts complete one or more generation
+    batches (the last, partial one once the batch is full); returns the batches reported so far. Batches completed
+    by the same poll share one line (`gen batches 4-5`), so no two lines repeat the same counts."""
+    committed = accumulator.next_seq
+    done = math.ceil(committed / generation_batch) if accumulator.full else committed // generation_batch
+    if done <= logged:
+        return logged
+    batches = f"gen batch {done}" if done == logged + 1 else f"gen batches {logged + 1}-{done}"
+    wanted = accumulator.target_prompts
+    logger.info("[filter_groups] step %d, %s: committed %d prompts, filtered %d trajectories, accumulated %d/%d",
+                step, batches, committed, accumulator.stats.filtered_trajectories, min(len(accumulator.kept), wanted),
+                wanted)
+    return done
 
 
 @dataclass
@@ -113,23 +124,25 @@ class _Request:
 
 
 class RolloutController:
-    """Submits prompts to a rollout manager, scores and filters finished groups, returns one batch per call."""
+    """Submits prompts to a group generator, scores and filters finished groups, returns one batch per call."""
 
-    def __init__(self, manager: Any, stream: PromptStream, scorer: GroupScorer, settings: ControllerSettings,
-                 group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any]) -> None:
-        self.manager = manager
+    def __init__(self, generator: GroupGenerator, stream: PromptStream, scorer: GroupScorer, config: Config,
+                 group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any],
+                 poll_timeout_s: float = 600.0) -> None:
+        self.generator = generator
         self.stream = stream
         self.scorer = scorer
-        self.settings = settings
+        self.config = config  # reads data.*, algorithm.filter_groups.*, rollout.max_inflight_prompts
         self.group_filter = group_filter
         self.sampling_params_for = sampling_params_for
+        self.poll_timeout_s = poll_timeout_s
         self.keep_history = KeepRateHistory()
 
     def collect(self, step: int) -> CollectedBatch:
         """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out."""
-        s = self.settings
+        batch_size, groups_config = self.config.data.train_batch_size, self.config.algorithm.filter_groups
         start = time.perf_counter()
-        accumulator = GroupAccumulator(s.train_batch_size, self.group_filter, s.filter_metric)
+        accumulator = GroupAccumulator(batch_size, self.group_filter, groups_config.metric)
         requests: list[_Request] = []
         inflight: dict[str, _Request] = {}
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
@@ -142,14 +155,15 @@ class RolloutController:
                 break
             waited = time.perf_counter()
             finished = [(inflight.pop(group.request_id), group)
-                        for group in self.manager.finished(timeout=s.poll_timeout_s) if group.request_id in inflight]
+                        for group in self.generator.finished(timeout=self.poll_timeout_s) if group.request_id in inflight]
             scoring = time.perf_counter()
             accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
-            logged_gen_batches = self._log_progress(step, accumulator, logged_gen_batches)
+            logged_gen_batches = log_filter_progress(step, accumulator, self.config.data.generation_batch_size,
+                                                     logged_gen_batches)
         if inflight:
-            self.manager.cancel_all()
+            self.generator.cancel_all()
         if accumulator.next_seq < len(requests):
             self.stream.rewind(requests[accumulator.next_seq].position)
             data_exhausted = False
@@ -159,21 +173,22 @@ class RolloutController:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",
                         step, sum(g.n for g in accumulator.batch()))
             return CollectedBatch(accumulator.batch(), True, False, metrics)
+        use_partial = groups_config.on_limit == "use_partial"
         if not data_exhausted:
-            limit = s.prompt_limit
-            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.next_seq / s.generation_batch)} >= "
-                       f"max_num_gen_batches={s.max_num_gen_batches} with only "
-                       f"{len(accumulator.kept)}/{s.train_batch_size} "
-                       f"prompts kept after {limit} prompts; the data may be too easy or too hard for the filter. "
-                       "Raise algorithm.filter_groups.max_num_gen_batches, or set "
+            generation_batch = self.config.data.generation_batch_size
+            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.next_seq / generation_batch)} >= "
+                       f"max_num_gen_batches={groups_config.max_num_gen_batches} with only "
+                       f"{len(accumulator.kept)}/{batch_size} "
+                       f"prompts kept after {prompt_limit(self.config)} prompts; the data may be too easy or too hard "
+                       "for the filter. Raise algorithm.filter_groups.max_num_gen_batches, or set "
                        "algorithm.filter_groups.on_limit=use_partial to train on the partial batch")
-            if s.on_limit == "error":
+            if not use_partial:
                 raise GenerationLimitError(message)
             logger.warning("%s; training on the partial batch (on_limit=use_partial)", message)
         else:
             logger.info("[filter_groups] step %d: data exhausted after epoch %d with %d/%d prompts kept",
-                        step, self.stream.total_epochs, len(accumulator.kept), s.train_batch_size)
-        return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics)
+                        step, self.stream.total_epochs, len(accumulator.kept), batch_size)
+        return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics, trainable=use_partial)
 
     def _top_up(self, step: int, accumulator: GroupAccumulator, requests: list[_Request],
                 inflight: dict[str, _Request]) -> bool:
@@ -181,11 +196,11 @@ class RolloutController:
         finished and waiting for an earlier one to commit) are fewer than the observed keep rate needs; True when
         data ran out. Counting only running prompts against the cap keeps the engines busy while a long response
         holds up the commit order; the keep-rate bound keeps the look-ahead to what can still be used."""
-        s = self.settings
         keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
-        wanted = prompts_to_request(s.train_batch_size - len(accumulator.kept), keep_rate)
-        while len(requests) - accumulator.next_seq < wanted and len(inflight) < s.inflight_cap:
-            if s.prompt_limit is not None and len(requests) >= s.prompt_limit:
+        wanted = prompts_to_request(self.config.data.train_batch_size - len(accumulator.kept), keep_rate)
+        cap, limit = inflight_cap(self.config), prompt_limit(self.config)
+        while len(requests) - accumulator.next_seq < wanted and len(inflight) < cap:
+            if limit is not None and len(requests) >= limit:
                 return False
             item = self.stream.next()
             if item is None:
@@ -194,7 +209,7 @@ class RolloutController:
             request = _Request(len(requests), position, record)
             request_id = f"step{step}-e{position.epoch}-o{position.offset}"
             params = self.sampling_params_for(self._request_seed(step, position))
-            self.manager.submit(request_id, list(record.prompt_ids), params)
+            self.generator.submit(request_id, record, params)
             requests.append(request)
             inflight[request_id] = request
         return False
@@ -219,20 +234,9 @@ class RolloutController:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically."""
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
-    def _log_progress(self, step: int, accumulator: GroupAccumulator, logged: int) -> int:
-        """The seeds' per-generation-batch line, once per generation batch of committed prompts."""
-        size, wanted = self.settings.generation_batch, self.settings.train_batch_size
-        committed = accumulator.next_seq
-        while (logged + 1) * size <= committed or (accumulator.full and logged * size < committed):
-            logged += 1
-            logger.info("[filter_groups] step %d, gen batch %d: committed %d prompts, filtered %d trajectories, "
-                        "accumulated %d/%d", step, logged, committed, accumulator.stats.filtered_trajectories,
-                        min(len(accumulator.kept), wanted), wanted)
-        return logged
-
     def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
                  ) -> dict[str, float]:
-        size = self.settings.train_batch_size
+        size = self.config.data.train_batch_size
         metrics = accumulator.metrics()
         metrics.update(timing)
         metrics.update({

@@ -1,7 +1,8 @@
-"""Rank 0's grading of finished groups: decode the responses and score them in one call to the reward pool.
+"""Rank 0's scoring of finished groups: decode the responses and grade them in one call to the reward pool.
 
-The controller calls `Grader.score_groups` for every batch of finished groups; validation calls it with its own
-counter so the remote reward model's numbers of a validation do not mix into the training step's.
+The controller calls `ResponseScorer.score_groups` for every batch of finished groups; validation calls it with its
+own counter so the remote reward model's numbers of a validation do not mix into the training step's. (The graders
+themselves, one per data source, are `rewards/registry.py`'s.)
 """
 from __future__ import annotations
 
@@ -10,21 +11,16 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.config import Config
-from megatron_cpo.rewards.manager import RewardManager
+from megatron_cpo.rewards.manager import RewardConfig, RewardManager
 
 
-def build_reward_manager(config: Config) -> RewardManager:
-    """The grading pool of `reward.*` (and the remote reward model of `reward.remote.*` when enabled)."""
-    return RewardManager(config.reward)
+class ResponseScorer:
+    """Scores groups of responses: [(record, response token ids)] -> [(scores [n], acc [n], response texts)], with
+    the grading pool (and the remote reward model) of `reward.*`."""
 
-
-class Grader:
-    """Scores groups of responses: [(record, response token ids)] -> [(scores [n], acc [n], response texts)]."""
-
-    def __init__(self, config: Config, tokenizer: Any) -> None:
+    def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.rewards = build_reward_manager(config)
+        self.rewards = RewardManager(config)
         self.remote_counts: Counter = Counter()  # the remote reward model's numbers since they were last logged
 
     def score_groups(self, items: list[tuple[Any, list[list[int]]]], remote_counts: Counter | None = None

@@ -1,7 +1,8 @@
 """The training run: SPMD under torchrun; rank 0 also drives the rollout engines (`rank_zero.py`).
 
-`Trainer.step()` is ARCHITECTURE.md's "One training step": collect (rank 0) -> broadcast -> log-probs -> advantages
--> update -> push weights -> sync the reference -> log (rank 0) -> checkpoint when due. Every collective is in
+`Trainer.step()` is the numbered list of docs/architecture.md ("One RL step"), one call per item: 1 collect (rank 0)
+-> 2 broadcast the batch -> 3 log-probs -> 4 advantages -> 5 update -> 6 push weights -> 7 sync the reference ->
+8 early-stop check -> 9 validate when due -> 10 log (rank 0) -> 11 checkpoint when due. Every collective is in
 `collectives.py`; rank-0 work is in `RankZero`'s methods. `Trainer.fit()` resumes, validates before the first step
 and after the last, and always checkpoints the last step; with `trainer.early_stop.enable` the run also ends
 (checkpointed, reason logged) once the reward variance has collapsed. SIGTERM (SLURM preemption) finishes the
@@ -11,7 +12,6 @@ current step, checkpoints and stops; a run that loses every rollout engine check
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -23,15 +23,17 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.config import Config
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
 from megatron_cpo.trainer.checkpointing import CheckpointManager
 from megatron_cpo.trainer.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                               broadcast_object, push_weights)
+from megatron_cpo.trainer.controller import CollectedBatch
 from megatron_cpo.trainer.errors import RunAbortedError
 from megatron_cpo.trainer.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.policies import build_policies
+from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
-from megatron_cpo.trainer.step import compute_advantages, compute_log_probs, update_policy
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Trainer:
     """One run on every rank. Construction initialises the process groups, starts rank 0's side (data, engines)
     and builds the actor and reference; `fit()` trains; `close()` releases everything (also after a failure)."""
 
-    def __init__(self, config: Config, manager: Any = None) -> None:
+    def __init__(self, config: Config, manager: RolloutEngines | None = None) -> None:
         self.config = config
         self.lead = None
         self.colocated_engines = None  # what this rank started for mode=colocate (rank 0: the manager), else None
@@ -73,7 +75,7 @@ class Trainer:
             self.close()  # what was started (rank 0's engines, a node's colocated engines) is stopped
             raise
 
-    def _build(self, manager: Any) -> None:
+    def _build(self, manager: RolloutEngines | None) -> None:
         from transformers import AutoTokenizer
 
         from megatron_cpo.trainer.rank_zero import RankZero
@@ -81,7 +83,9 @@ class Trainer:
         config = self.config
         megatron = config.actor_rollout_ref.actor.megatron
         platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size)
+                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size,
+                                  expert_model_parallel_size=megatron.expert_model_parallel_size,
+                                  expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id
@@ -95,9 +99,11 @@ class Trainer:
         if dist.get_rank() == 0:
             self.lead = RankZero(config, tokenizer, manager)
             logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
-            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
-                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
-        self.total_steps = broadcast_object(_total_steps(config, len(self.lead.train_data)) if self.lead else None)
+            logger.info("building the Megatron actor (TP=%d, PP=%d, EP=%d, ETP=%d) from %s",
+                        megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                        megatron.expert_model_parallel_size, megatron.expert_tensor_parallel,
+                        config.actor_rollout_ref.model.path)
+        self.total_steps = broadcast_object(config.total_steps(len(self.lead.train_data)) if self.lead else None)
         actor_cfg = config.actor_rollout_ref.actor
         updates = (self.total_steps * actor_cfg.ppo_epochs
                    * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
@@ -157,34 +163,34 @@ class Trainer:
         return last
 
     def step(self, step: int, stop: StopSignal) -> StepOutcome | None:
-        """One RL step (ARCHITECTURE.md, "One training step"); None when no batch could be formed (data ran out)."""
+        """One RL step (docs/architecture.md, "One RL step"); None when no batch could be formed (data ran out)."""
         lead, started = self.lead, time.perf_counter()
-        collected = self.collect(step)                                                              # 1-3
-        batch = broadcast_batch(lead.make_batch(collected) if lead else None)
+        collected = self.collect(step)                                                              # 1
+        batch = broadcast_batch(lead.make_batch(collected) if lead else None)                       # 2
         if batch is None:
             return None
-        log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 4
-        advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 5
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config)[0])     # 6
-        pushed, lost = self.push_weights()                                                          # 7
+        log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 3
+        advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 4
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config)[0])     # 5
+        pushed, lost = self.push_weights()                                                          # 6
         metrics.update(pushed)
-        self.sync_reference(step)
-        early_stopped = self.observe_early_stop(collected, metrics)
+        self.sync_reference(step)                                                                   # 7
+        early_stopped = self.observe_early_stop(collected, metrics)                                 # 8
         stopping = any_rank(stop.received)
         due = not lost and self._validation_due(step, last=step == self.total_steps or early_stopped)
-        validation = self.validate() if due else {}  # the last step's row carries the final validation
-        if lead:
+        validation = self.validate() if due else {}  # 9; the last step's row carries the final validation
+        if lead:                                                                                    # 10
             metrics = lead.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)
         if lost is not None:
             self.abort_engines_lost(step)
-        # metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
+        # 11: metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
         # while the other order would lose its metrics; the last step is saved by `fit`
         if stopping or self._save_due(step):
             self.checkpoints.save(step)
         return StepOutcome(metrics if lead else {}, stopping, early_stopped)
 
     # --- the step's parts ------------------------------------------------------------------------------------
-    def collect(self, step: int) -> Any:
+    def collect(self, step: int) -> CollectedBatch | None:
         """Rank 0's kept groups for this step (None elsewhere); colocated, every rank's actor is offloaded meanwhile.
         When no engine is left, every rank checkpoints the steps trained so far (with the actor back in place) and
         the run is aborted."""
@@ -229,7 +235,7 @@ class Trainer:
         if self.reference is not None and ref_cfg.sync_ref_model and step % ref_cfg.ref_model_sync_steps == 0:
             self.actor.mix_into(self.reference, ref_cfg.ref_model_mixup_alpha)
 
-    def observe_early_stop(self, collected: Any, metrics: dict[str, float]) -> bool:
+    def observe_early_stop(self, collected: CollectedBatch | None, metrics: dict[str, float]) -> bool:
         """Rank 0's reward-variance monitor decides; every rank learns whether the run ends after this step."""
         if not self.config.trainer.early_stop.enable:
             return False
@@ -286,10 +292,10 @@ class Trainer:
                 self.colocated_engines.shutdown()
 
 
-def run_training(config: Config, manager: Any = None, checked: bool = False) -> dict[str, float]:
+def run_training(config: Config, manager: RolloutEngines | None = None, checked: bool = False) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
-    `manager`: an already running `RolloutManager` to use on rank 0 (left running); by default engines are started.
+    `manager`: already running engines (`RolloutEngines`) to use on rank 0 (left running); by default they are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
     SIGTERM during start-up raises `RunAbortedError` after the engines are stopped.
     `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
@@ -326,12 +332,6 @@ def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
     dtype = getattr(torch, config.actor_rollout_ref.actor.megatron.params_dtype)
     return lambda out: export_hf_model(actor.model, actor.model.hf_config, config.actor_rollout_ref.model.path, out,
                                        dtype=dtype)
-
-
-def _total_steps(config: Config, num_prompts: int) -> int:
-    if config.trainer.total_training_steps:
-        return config.trainer.total_training_steps
-    return config.trainer.total_epochs * math.ceil(num_prompts / config.data.train_batch_size)
 
 
 def nothing_to_train_message(config: Config) -> str:

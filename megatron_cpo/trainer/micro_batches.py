@@ -14,28 +14,10 @@ the same plan from the same lengths, so no communication is needed to agree on i
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import torch
 
 Plan = list[list[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """A policy's micro-batching: a fixed row count, or (token budgets > 0) dynamic micro-batches per pass."""
-    micro_batch_size: int
-    update_token_budget: int = 0     # ppo_max_token_len_per_gpu when use_dynamic_bsz, else 0
-    log_prob_token_budget: int = 0   # log_prob_max_token_len_per_gpu when use_dynamic_bsz, else 0
-    log_prob_micro_batch_size: int = 0  # fixed rows of a forward-only scoring pass (0: micro_batch_size)
-
-    @property
-    def dynamic(self) -> bool:
-        return self.update_token_budget > 0
-
-    @property
-    def log_prob_rows(self) -> int:
-        return self.log_prob_micro_batch_size or self.micro_batch_size
 
 
 def fixed_plan(rows: int, dp_size: int, micro_batch_size: int) -> Plan:

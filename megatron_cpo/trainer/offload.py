@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -27,26 +26,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 PARTS = ("params", "grads", "optimizer")
+SWITCHES = ("param_offload", "grad_offload", "optimizer_offload")
+"""verl's `actor_rollout_ref.actor.megatron.*_offload` switch of each of `PARTS`."""
 _cpu_notice_logged = False
 
 
-@dataclass(frozen=True)
-class OffloadParts:
-    """Which parts of the actor leave the device during rollout (verl's three `*_offload` switches)."""
-    params: bool = False
-    grads: bool = False
-    optimizer: bool = False
-
-    @classmethod
-    def from_megatron_config(cls, megatron: Any) -> "OffloadParts":
-        return cls(params=megatron.param_offload, grads=megatron.grad_offload, optimizer=megatron.optimizer_offload)
-
-    @property
-    def any(self) -> bool:
-        return self.params or self.grads or self.optimizer
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(part for part in PARTS if getattr(self, part))
+def configured_parts(megatron: Any) -> tuple[str, ...]:
+    """The parts (of `PARTS`) that the `actor.megatron` section's `*_offload` switches select."""
+    return tuple(part for part, switch in zip(PARTS, SWITCHES) if getattr(megatron, switch))
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -116,8 +103,8 @@ class ActorOffload:
     after the first rollout), so the offload can be built with the actor.
     """
 
-    def __init__(self, model: Any, ddp_model: Any = None, optimizer: Any = None,
-                 parts: OffloadParts = OffloadParts(True, True, True), device: torch.device | None = None) -> None:
+    def __init__(self, model: Any, ddp_model: Any = None, optimizer: Any = None, parts: tuple[str, ...] = PARTS,
+                 device: torch.device | None = None) -> None:
         self.model, self.ddp_model, self.optimizer = model, ddp_model, optimizer
         self.parts = parts
         self.device = device if device is not None else next(model.parameters()).device
@@ -126,7 +113,7 @@ class ActorOffload:
         self.refresh()
 
     @classmethod
-    def for_policy(cls, policy: Any, parts: OffloadParts) -> "ActorOffload":
+    def for_policy(cls, policy: Any, parts: tuple[str, ...]) -> "ActorOffload":
         """The offload of a `MegatronPolicy` (its model, DDP wrapper and optimizer)."""
         return cls(policy.model, policy.ddp_model, policy.optimizer, parts)
 
@@ -160,15 +147,8 @@ class ActorOffload:
     def is_offloaded(self, part: str) -> bool:
         return any(p.offloaded for p in self._parked[part].values())
 
-    def require_loaded(self, action: str) -> None:
-        """Raise a clear error when `action` (training, a weight push, a checkpoint) would read offloaded state."""
-        out = [part for part in PARTS if self.is_offloaded(part)]
-        if out:
-            raise RuntimeError(f"cannot {action}: the actor's {', '.join(out)} are offloaded to host memory (rollout "
-                               "phase); call reload() first")
-
     def _selected(self, parts: Iterable[str] | None) -> list[_Parked]:
-        names = self.parts.names() if parts is None else tuple(parts)
+        names = self.parts if parts is None else tuple(parts)
         unknown = [name for name in names if name not in PARTS]
         if unknown:
             raise ValueError(f"unknown actor offload part(s) {unknown}; choose from {list(PARTS)}")
@@ -227,12 +207,11 @@ def colocated_offload(policy: Any, megatron: Any, rollout_mode: str) -> ActorOff
     """The actor offload of a run, or None: when no `actor.megatron.*_offload` switch is on, or when the engines
     are not colocated (`rollout_mode` other than "colocate": they have devices of their own, so there is nothing to
     make room for, and one log line says the switches do nothing)."""
-    parts = OffloadParts.from_megatron_config(megatron)
-    if not parts.any:
+    parts = configured_parts(megatron)
+    if not parts:
         return None
     if rollout_mode != "colocate":
-        switches = ", ".join(f"actor_rollout_ref.actor.megatron.{name}" for name in
-                             ("param_offload", "grad_offload", "optimizer_offload")
+        switches = ", ".join(f"actor_rollout_ref.actor.megatron.{name}" for name in SWITCHES
                              if getattr(megatron, name))
         logger.info("%s do(es) nothing with actor_rollout_ref.rollout.mode=%s: the engines have devices of their own; "
                     "the actor is offloaded only when colocated (mode=colocate)", switches, rollout_mode)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megatron_cpo import platform
-from megatron_cpo.config import ActorConfig
+from megatron_cpo.trainer.config import ActorConfig
 
 def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
     """Megatron DDP around the actor: contiguous fp32 grad buffers, reduce-scatter for the distributed optimizer."""

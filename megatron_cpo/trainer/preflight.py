@@ -1,21 +1,24 @@
 """Everything about a run that can be checked before Ray, torch.distributed and the engines start.
 
-`preflight(config)` reads only small files (the model's config.json, the parquet files' metadata and the columns it
-needs) and reports every problem at once in one `ConfigError`: the model directory, TP/PP against the heads, layers
-and world size, verl's `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, with a prompt column,
-ground truths and a grader for every data source) and the output directory. It returns the `Layout` the config
-implies, which `megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second
-instead of after the engines have started.
+`preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
+`ConfigError`: the model directory, TP/PP against the heads, layers and world size, EP/ETP against the experts and
+the world size (and the model family's own checks, `models.builder.check_hf_config`), verl's
+`trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
+for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
+trainer/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
+first, so a bad layout fails in a second instead of after the engines have started.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.trainer.layout import Layout
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.loggers import sink_package_problems
 from megatron_cpo.trainer.run_guards import mixing_problem
@@ -26,16 +29,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 @dataclass
-class Layout:
-    """The parallel layout and batch arithmetic a config implies on `world_size` trainer processes."""
-    world_size: int
+class RunPlan:
+    """What a valid config implies: its `Layout`, where the world size came from, and the batch arithmetic of a
+    step (`megatron-cpo train --dry-run` prints it)."""
+    layout: Layout
     world_source: str
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    num_engines: int
-    engine_tensor_parallel: int
-    rollout_mode: str
     responses_per_step: int
     mini_batches_per_step: int
     micro_batches_per_rank: int
@@ -47,24 +45,13 @@ class Layout:
         """Lines for `--dry-run`."""
         steps = "unknown (data not readable)" if self.steps is None else str(self.steps)
         return "\n".join([
-            f"trainer: {self.world_size} process(es) ({self.world_source}) = TP {self.tensor_parallel} x "
-            f"PP {self.pipeline_parallel} x DP {self.data_parallel}",
-            self._rollout_line(),
+            *self.layout.describe_processes(self.world_source),
             f"per step: {self.responses_per_step} responses in {self.mini_batches_per_step} optimizer step(s), "
             f"{self.micro_batches_per_rank} micro-batch(es) per DP rank per optimizer step",
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
         ])
-
-    def _rollout_line(self) -> str:
-        if self.rollout_mode == "server":
-            return f"rollout: {self.num_engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"
-        if self.rollout_mode == "colocate":
-            return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} colocated on the "
-                    "trainer's devices (mode=colocate; they generate while the actor waits)")
-        return (f"rollout: {self.num_engines} vLLM engine(s) x TP {self.engine_tensor_parallel} "
-                f"({self.num_engines * self.engine_tensor_parallel} GPU(s) on GPU machines, besides the trainer's)")
 
 
 def trainer_world_size(config: Config, planning: bool) -> tuple[int, str]:
@@ -119,6 +106,59 @@ def model_problems(config: Config, world_size: int) -> list[str]:
     if isinstance(heads, int) and heads % rollout_tp:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"model's num_attention_heads={heads}; vLLM needs a TP that divides it")
+    return problems + family_problems(config, path, layout_checked=not problems)
+
+
+def family_problems(config: Config, path: Path, layout_checked: bool) -> list[str]:
+    """What the model's family says about the run (models.builder.check_hf_config: a supported family, no option it
+    cannot reproduce, experts that split over EP / ETP, when the heads and layers already fit TP / PP), and the
+    mixture-of-experts settings: MoE with TP > 1 needs sequence parallelism (Megatron's MoE layer refuses to train
+    without it), and router freezing / routing replay need a MoE model (replay: without context parallelism, and
+    without full recompute under PP, which would replay a later micro-batch's routing in the backward)."""
+    from megatron_cpo.models.builder import check_hf_config, load_hf_config
+    from megatron_cpo.models.families import family_of
+
+    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
+    try:
+        hf_config = load_hf_config(path)
+    except Exception as err:  # noqa: BLE001 - transformers' validators raise their own error types
+        return [f"{MODEL_KEY}={str(path)!r}: transformers cannot read its config.json ({type(err).__name__}: {err})"]
+    try:
+        family = family_of(hf_config)
+    except ValueError as err:
+        return [f"{MODEL_KEY}={str(path)!r}: {err}"]
+    problems = []
+    # the heads and layers against TP / PP are reported above with their keys; checked again only when they fit
+    tp, pp = ((megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size) if layout_checked
+              else (1, 1))
+    try:
+        check_hf_config(hf_config, tp, pp, megatron.expert_model_parallel_size,
+                        megatron.expert_tensor_parallel_size or tp)
+    except ValueError as err:
+        problems.append(f"{MODEL_KEY}={str(path)!r}: {err}")
+    prefix = "actor_rollout_ref.actor."
+    if family.moe(hf_config) is None:
+        if megatron.freeze_moe_router:
+            problems.append(f"{prefix}megatron.freeze_moe_router=true, but model_type={hf_config.model_type!r} has no "
+                            "router (a dense model); set it false")
+        if actor.router_replay.replays:
+            problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} replays a mixture of experts' "
+                            f"routing, but model_type={hf_config.model_type!r} is dense; set it to disabled")
+        return problems
+    if megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
+        problems.append(f"{prefix}megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} with a "
+                        "mixture of experts needs actor_rollout_ref.actor.megatron.sequence_parallel=true (Megatron's "
+                        "MoE layer does not train under TP without it); set it")
+    if actor.router_replay.replays and megatron.context_parallel_size > 1:
+        problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} is not available with "
+                        f"megatron.context_parallel_size={megatron.context_parallel_size}; set one of them back")
+    if (actor.router_replay.replays and megatron.pipeline_model_parallel_size > 1
+            and config.actor_rollout_ref.model.enable_gradient_checkpointing and megatron.recompute_granularity ==
+            "full"):
+        problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} with full recompute under "
+                        f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} would replay another "
+                        "micro-batch's routing in the recomputed forward; use recompute_granularity=selective, "
+                        "PP=1, or enable_gradient_checkpointing=false")
     return problems
 
 
@@ -143,8 +183,7 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
     """TP x PP (x CP) divides the world; verl's nnodes x n_gpus_per_node, when given, is the world; context
     parallelism has Transformer Engine and padded rows."""
     megatron, trainer = config.actor_rollout_ref.actor.megatron, config.trainer
-    model_parallel = (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-                      * megatron.context_parallel_size)
+    model_parallel = Layout.from_config(config, world_size).model_parallel
     cp_text = (f" x context_parallel_size={megatron.context_parallel_size}"
                if megatron.context_parallel_size > 1 else "")
     problems = context_parallel_problems(config)
@@ -154,6 +193,15 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
             f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size}{cp_text} = {model_parallel} does "
             f"not divide the trainer's {world_size} process(es) ({world_source}); launch a multiple of "
             f"{model_parallel} processes (torchrun --nproc-per-node) or lower TP/PP")
+    expert_parallel = (megatron.pipeline_model_parallel_size * megatron.expert_model_parallel_size
+                       * megatron.expert_tensor_parallel)
+    if world_size % expert_parallel and not world_size % model_parallel:  # (the TP line above says it otherwise)
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} x "
+            f"expert_model_parallel_size={megatron.expert_model_parallel_size} x expert_tensor_parallel_size="
+            f"{megatron.expert_tensor_parallel} = {expert_parallel} does not divide the trainer's {world_size} "
+            f"process(es) ({world_source}): each stage's experts are split EP x ETP ways over its processes; launch a "
+            f"multiple of {expert_parallel} processes or lower EP/ETP")
     declared = trainer.nnodes * trainer.n_gpus_per_node
     if not planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0 and declared != world_size:
         problems.append(
@@ -165,55 +213,39 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
 
 
 def data_problems(config: Config) -> tuple[list[str], int | None]:
-    """Every data file exists, is a non-empty parquet file with the prompt column, ground truths and a grader for
-    each data source; returns the problems and the number of training rows (None when unreadable)."""
-    import pyarrow.parquet as pq
-
-    from megatron_cpo.rewards.registry import missing_grader_message, missing_graders, register_custom_graders
+    """Every data file is a readable parquet file whose rows pass the dataset's own check (`data.dataset.read_rows`:
+    rows present, the prompt column, the verl schema, ground truths where the graders need them), and each data
+    source has a grader (`reward.*`); returns the problems and the number of training rows (None when unreadable)."""
+    from megatron_cpo.data.dataset import DataValidationError, read_rows
+    from megatron_cpo.rewards.registry import missing_grader_message
 
     data = config.data
-    problems: list[str] = []
     if not data.train_files:
         return ["data.train_files is empty; set it to one or more parquet files (verl schema, see docs/data.md)"], None
+    problems: list[str] = []
     train_rows: int | None = 0
-    sources: set[str] = set()
+    sources: Counter = Counter()
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for file in files:
-            path = Path(file)
-            if not path.is_file():
-                what = "is a directory" if path.is_dir() else "does not exist"
-                problems.append(f"{key}: {file!r} {what}; give parquet files (tools/prepare_data.py or python -m megatron_cpo.data.synthetic write them)")
-                train_rows = None if key == "data.train_files" else train_rows
-                continue
             try:
-                names = pq.read_schema(path).names
-                table = pq.read_table(path, columns=[c for c in ("data_source", "reward_model") if c in names])
+                rows = read_rows(file, data.prompt_key, config.reward.needs_ground_truth)
+            except (FileNotFoundError, DataValidationError) as err:
+                what = f"{file!r} is a directory" if Path(file).is_dir() else str(err)
+                problems.append(f"{key}: {what}" + ("; give parquet files (tools/prepare_data.py or python -m "
+                                                    "megatron_cpo.data.synthetic write them)"
+                                                    if isinstance(err, FileNotFoundError) else ""))
             except Exception as err:  # noqa: BLE001 - any reader failure means "not a parquet file we can read"
                 problems.append(f"{key}: {file!r} is not a readable parquet file ({type(err).__name__}: {err})")
-                train_rows = None if key == "data.train_files" else train_rows
+            else:
+                sources.update(row["data_source"] for row in rows)
+                if key == "data.train_files" and train_rows is not None:
+                    train_rows += len(rows)
                 continue
-            if table.num_rows == 0:
-                problems.append(f"{key}: {file!r} has no rows; give a file with prompts in it")
-            if data.prompt_key not in names:
-                problems.append(f"data.prompt_key={data.prompt_key!r} is not a column of {file!r} (columns: "
-                                f"{', '.join(names)}); set data.prompt_key to the column holding the chat messages")
-            if "data_source" in names:
-                sources.update(s for s in table.column("data_source").to_pylist() if isinstance(s, str))
-            if "reward_model" in names:
-                truths = [r.get("ground_truth") if isinstance(r, dict) else None
-                          for r in table.column("reward_model").to_pylist()]
-                empty = [i for i, t in enumerate(truths) if t is None or not str(t).strip()]
-                if empty:
-                    problems.append(f"{key}: {file!r} has {len(empty)} of {len(truths)} row(s) with an empty "
-                                    f"reward_model.ground_truth (rows {empty[:5]}); no response can be graded "
-                                    "right against it: fill in the answers or drop those rows")
-            if key == "data.train_files" and train_rows is not None:
-                train_rows += table.num_rows
-    if not config.reward_function_spec:
-        register_custom_graders(dict(config.reward.custom_graders))
-        missing = missing_graders(sources)
-        if missing:
-            problems.append(missing_grader_message(missing))
+            train_rows = None if key == "data.train_files" else train_rows
+    missing = config.reward.sources_without_grader(sources)
+    if missing:
+        counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)
+        problems.append(missing_grader_message(missing, f"data.train_files / data.val_files ({counts})"))
     return problems, train_rows
 
 
@@ -238,7 +270,7 @@ def output_problems(config: Config) -> list[str]:
     return problems + ([mixing] if mixing else [])
 
 
-def preflight(config: Config, planning: bool = False) -> Layout:
+def preflight(config: Config, planning: bool = False) -> RunPlan:
     """Check what can be checked without starting anything; raise one `ConfigError` listing every problem.
 
     `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun.
@@ -254,33 +286,16 @@ def preflight(config: Config, planning: bool = False) -> Layout:
     if problems:
         raise ConfigError(f"{len(problems)} problems found before starting:\n" +
                           "\n".join(f"  - {p}" for p in problems))
-    return _layout(config, world_size, world_source, train_rows)
+    return _plan(config, world_size, world_source, train_rows)
 
 
-def _engine_count(rollout, world_size: int) -> int:
-    """Engines the mode starts or uses: `num_engines` (ray), one per server URL, one per rollout-TP group (colocate)."""
-    if rollout.mode == "server":
-        return len(rollout.server_urls)
-    if rollout.mode == "colocate":
-        return max(1, world_size // rollout.tensor_model_parallel_size)
-    return rollout.num_engines
-
-
-def _layout(config: Config, world_size: int, world_source: str, train_rows: int | None) -> Layout:
-    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
-    rollout, data, trainer = config.actor_rollout_ref.rollout, config.data, config.trainer
-    dp = world_size // (megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-                        * megatron.context_parallel_size)
-    per_mini = actor.ppo_mini_batch_size * rollout.n
-    steps = trainer.total_training_steps or (
-        trainer.total_epochs * math.ceil(train_rows / data.train_batch_size) if train_rows is not None else None)
-    return Layout(world_size=world_size, world_source=world_source,
-                  tensor_parallel=megatron.tensor_model_parallel_size,
-                  pipeline_parallel=megatron.pipeline_model_parallel_size, data_parallel=dp,
-                  num_engines=_engine_count(rollout, world_size),
-                  engine_tensor_parallel=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
-                  responses_per_step=data.train_batch_size * rollout.n,
-                  mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
-                  micro_batches_per_rank=math.ceil(per_mini / dp / actor.ppo_micro_batch_size_per_gpu),
-                  generation_batch=data.gen_batch_size or data.train_batch_size, train_prompts=train_rows,
-                  steps=steps)
+def _plan(config: Config, world_size: int, world_source: str, train_rows: int | None) -> RunPlan:
+    actor, data = config.actor_rollout_ref.actor, config.data
+    layout = Layout.from_config(config, world_size)
+    per_mini = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    steps = config.total_steps(train_rows) if train_rows is not None else config.trainer.total_training_steps or None
+    return RunPlan(layout=layout, world_source=world_source,
+                   responses_per_step=data.train_batch_size * config.actor_rollout_ref.rollout.n,
+                   mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
+                   micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
+                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)

@@ -11,50 +11,46 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.algorithms.filters import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
-from megatron_cpo.rewards.registry import register_custom_graders
 from megatron_cpo.rollout import RolloutEnginesLostError
+from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.generators import SingleTurnGenerator
+from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.accumulator import selection_from_config
-from megatron_cpo.trainer.controller import CollectedBatch, ControllerSettings, RolloutController
-from megatron_cpo.trainer.grading import Grader
+from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
+from megatron_cpo.trainer.early_stop import EarlyStopMonitor
+from megatron_cpo.trainer.grading import ResponseScorer
 from megatron_cpo.trainer.loggers import MetricLogger
 from megatron_cpo.trainer.prompt_stream import PromptStream
-from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
-from megatron_cpo.trainer.step import StepBatch, make_step_batch
+from megatron_cpo.trainer.step_batch import StepBatch, make_step_batch
 from megatron_cpo.trainer.validation import Validator
 
 logger = logging.getLogger(__name__)
 
 
 class RankZero:
-    """Rank 0's side of a run. `collect` fills a batch (steps 1-3), `make_batch` flattens it for the broadcast,
-    `log_step` writes the step's metrics; `open_log` starts the metric sinks once the resume step is known."""
+    """Rank 0's side of a run (step numbers of docs/architecture.md, "One RL step"): `collect` fills a batch (1),
+    `make_batch` flattens it for the broadcast (2), `observe_early_stop` feeds the monitor (8), `validate` (9) and
+    `log_step` writes the step's metrics (10); `open_log` starts the metric sinks once the resume step is known."""
 
-    def __init__(self, config: Config, tokenizer: Any, manager: Any = None) -> None:
+    def __init__(self, config: Config, tokenizer: Any, manager: RolloutEngines | None = None) -> None:
         self.config = config
         data = config.data
-        register_custom_graders(config.reward.custom_graders)
-        self.train_data = load_dataset(data.train_files, tokenizer, config, data.shuffle)
-        val_data = load_dataset(data.val_files, tokenizer, config, False) if data.val_files else None
+        self.train_data = load_dataset(data.train_files, tokenizer, config)
+        val_data = load_dataset(data.val_files, tokenizer, config) if data.val_files else None
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
-        self.grader = Grader(config, tokenizer)
+        self.generator = SingleTurnGenerator(self.manager)
+        self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.validator = Validator(config, val_data, self.manager, self.grader,
+        self.validator = Validator(config, val_data, self.generator, self.scorer,
                                    training_sampling_params(config, eos, None, greedy=True))
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
-        groups, rollout = config.algorithm.filter_groups, config.actor_rollout_ref.rollout
-        self.controller = RolloutController(
-            self.manager, self.stream, self.grader.score_groups,
-            ControllerSettings(train_batch_size=data.train_batch_size,
-                               max_num_gen_batches=groups.max_num_gen_batches
-                               if groups.enable or rollout.rollout_filter_enabled else 0,
-                               on_limit=groups.on_limit, max_inflight_prompts=rollout.max_inflight_prompts,
-                               filter_metric=groups.metric, gen_batch_size=data.gen_batch_size),
-            selection_from_config(config), lambda seed: training_sampling_params(config, eos, seed))
+        self.controller = RolloutController(self.generator, self.stream, self.scorer.score_groups, config,
+                                            selection_from_config(config),
+                                            lambda seed: training_sampling_params(config, eos, seed))
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
 
@@ -65,7 +61,7 @@ class RankZero:
                                           trainer.log_verl_metric_names,
                                           self.config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=resume_step)
 
-    # --- steps 1-3 ---------------------------------------------------------------------------------------------
+    # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
         """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
         start of the step, so a resumed run collects the same prompts."""
@@ -78,11 +74,11 @@ class RankZero:
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
-        use_partial = self.config.algorithm.filter_groups.on_limit == "use_partial"
-        if collected is None or not collected.groups or not (collected.full or use_partial):
+        if collected is None or not collected.groups or not collected.trainable:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints)
 
+    # --- step 8: early stop -----------------------------------------------------------------------------------
     def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:
         """Feed the reward-variance monitor; (stop now?, its metrics)."""
         stopped = self.monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
@@ -97,7 +93,7 @@ class RankZero:
                 f"{cfg.baseline_steps} steps); the rewards no longer separate the responses of a prompt. A checkpoint "
                 "was written; to train on, resume with trainer.early_stop.enable=false")
 
-    # --- step 7: metrics -------------------------------------------------------------------------------------
+    # --- steps 9-10: validation, metrics ----------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's checkpoint
         is still written and the next rollout ends the run with the full message."""
@@ -111,7 +107,7 @@ class RankZero:
                  ) -> dict[str, float]:
         """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
-                   **self.grader.remote_reward_metrics()}
+                   **self.scorer.remote_reward_metrics()}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
@@ -137,7 +133,7 @@ class RankZero:
     def close(self) -> None:
         if self.metric_logger is not None:
             self.metric_logger.close()
-        self.grader.close()
+        self.scorer.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:

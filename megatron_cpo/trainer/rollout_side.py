@@ -5,19 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_cpo.config import Config
-from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-from megatron_cpo.data.hints import HintConfig, HintReader, build_hint_contexts
+from megatron_cpo.data.dataset import PromptDataset
+from megatron_cpo.data.hints import HintReader, HintTemplate, build_hint_contexts
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.trainer.accumulator import ScoredGroup
 
 
-def load_dataset(files: list[str], tokenizer: Any, config: Config, shuffle: bool) -> PromptDataset:
-    """Read and check a data file list; every data_source needs a grader unless one function grades them all."""
-    data = config.data
-    return PromptDataset(DatasetConfig(files=files, shuffle=shuffle, max_prompt_length=data.max_prompt_length,
-                                       truncation=data.truncation, filter_overlong_prompts=data.filter_overlong_prompts,
-                                       prompt_key=data.prompt_key, seed=config.trainer.seed,
-                                       check_graders=not config.reward_function_spec), tokenizer)
+def load_dataset(files: list[str], tokenizer: Any, config: Config) -> PromptDataset:
+    """Read and check a data file list as `data.*` says; rows need ground truths unless one reward function grades
+    every response (the graders of the sources were checked by preflight)."""
+    return PromptDataset(files, tokenizer, config.data, needs_ground_truth=config.reward.needs_ground_truth)
 
 
 def training_sampling_params(config: Config, eos_token_id: int, seed: int | None, greedy: bool = False
@@ -36,8 +33,8 @@ class HintContextBuilder:
         self.tokenizer = tokenizer
         self.gold_as_hint = config.algorithm.cpo.gold_as_hint
         self.reader = HintReader(config.data.hint_key)
-        self.hint_config = HintConfig(max_prompt_length=config.data.max_prompt_length,
-                                      instruction=config.data.hint_instruction)
+        self.max_prompt_length = config.data.max_prompt_length
+        self.template = HintTemplate(instruction=config.data.hint_instruction)
 
     def __call__(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         records = [g.record for g in groups for _ in range(g.n)]
@@ -46,6 +43,6 @@ class HintContextBuilder:
             hints, source_metrics = self.reader.read([r.extra_info for r in records],
                                                      [r.reward_model for r in records])
         contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
-                                       self.hint_config)
+                                       self.max_prompt_length, self.template)
         contexts.source_metrics = source_metrics
         return contexts

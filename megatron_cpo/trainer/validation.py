@@ -2,27 +2,27 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections import Counter
-from typing import Any
+from dataclasses import replace
 
 import torch
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.rollout import SamplingParams
-from megatron_cpo.trainer.grading import Grader
+from megatron_cpo.rollout.generators import GroupGenerator
+from megatron_cpo.trainer.grading import ResponseScorer
 
 
 class Validator:
     """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it."""
 
-    def __init__(self, config: Config, val_data: PromptDataset | None, manager: Any, grader: Grader,
-                 greedy_params: SamplingParams) -> None:
+    def __init__(self, config: Config, val_data: PromptDataset | None, generator: GroupGenerator,
+                 scorer: ResponseScorer, greedy_params: SamplingParams) -> None:
         self.config = config
         self.val_data = val_data
-        self.manager = manager
-        self.grader = grader
+        self.generator = generator
+        self.scorer = scorer
         self.greedy_params = greedy_params  # the training sampling's length and stop tokens, greedy
 
     def params(self, index: int) -> SamplingParams:
@@ -49,12 +49,12 @@ class Validator:
         for index in range(self.size()):
             record = self.val_data[index]
             records[f"val-{index}"] = record
-            self.manager.submit(f"val-{index}", record.prompt_ids, self.params(index))
-        finished = {group.request_id: group for group in self.manager.completed(timeout=600)}
+            self.generator.submit(f"val-{index}", record, self.params(index))
+        finished = {group.request_id: group for group in self.generator.completed(timeout=600)}
         items = [(records[rid], [sample.token_ids for sample in finished[rid].samples]) for rid in records]
         val_counts: Counter = Counter()
-        scored = self.grader.score_groups(items, val_counts)
-        metrics = {"val/count": float(len(records)), **self.grader.remote_reward_metrics(val_counts, "val/remote")}
+        scored = self.scorer.score_groups(items, val_counts)
+        metrics = {"val/count": float(len(records)), **self.scorer.remote_reward_metrics(val_counts, "val/remote")}
         sources = [record.data_source for record, _ in items]
         for source in [None, *sorted(set(sources))]:
             chosen = [i for i, s in enumerate(sources) if source is None or s == source]

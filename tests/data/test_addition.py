@@ -5,7 +5,8 @@ import re
 import pytest
 
 from megatron_cpo.data.addition import DATA_SOURCE, AdditionConfig, generate_addition, main, worked_solution
-from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
+from megatron_cpo.data.config import DataConfig
+from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.rewards import compute_score
 
 
@@ -48,7 +49,7 @@ def test_written_files_load_as_training_data(tmp_path, capsys):
 
     main(["--out", str(tmp_path), "--num-train", "40", "--num-test", "10"])
     assert "wrote test" in capsys.readouterr().out
-    data = PromptDataset(DatasetConfig([str(tmp_path / "train.parquet")], max_prompt_length=64), build_char_tokenizer())
+    data = PromptDataset(tmp_path / "train.parquet", build_char_tokenizer(), DataConfig(max_prompt_length=64))
     assert len(data) == 40
     record = data[0]
     assert record.data_source == DATA_SOURCE and record.messages[0]["role"] == "user"

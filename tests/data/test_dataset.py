@@ -1,10 +1,11 @@
-"""Prompt datasets from real parquet files and the real tiny tokenizer: tokenization, validation, truncation,
-and the data-source check."""
+"""Prompt datasets from real parquet files and the real tiny tokenizer: tokenization, the one row check (ground
+truths included), truncation."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_cpo.data.dataset import (DataValidationError, DatasetConfig, PromptDataset, row_problems)
+from megatron_cpo.data.config import DataConfig
+from megatron_cpo.data.dataset import DataValidationError, PromptDataset, row_problems
 
 
 def _write(tmp_path, rows, name="rows.parquet"):
@@ -23,7 +24,7 @@ def _row(question="Compute 1+2. Answer in \\boxed{}.", **changes):
 
 
 def test_records_hold_chat_template_prompt_ids(arith_files, tokenizer):
-    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["train"])]), tokenizer)
+    dataset = PromptDataset(arith_files["train"], tokenizer)
     assert len(dataset) == 100
     record = dataset[5]
     text = tokenizer.decode(record.prompt_ids)
@@ -46,7 +47,7 @@ def test_validator_names_every_bad_row_and_what_is_wrong(tmp_path, tokenizer):
     ]
     path = _write(tmp_path, rows)
     with pytest.raises(DataValidationError) as caught:
-        PromptDataset(DatasetConfig(files=[path]), tokenizer)
+        PromptDataset([path], tokenizer)
     message = str(caught.value)
     assert f"6 bad row(s) in {path}" in message
     assert "row 1: prompt is an empty list of messages" in message
@@ -73,50 +74,55 @@ def test_missing_fields_and_wrong_types_are_named():
 
 def test_missing_file_is_a_clear_error(tokenizer, tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.parquet' does not exist"):
-        PromptDataset(DatasetConfig(files=[str(tmp_path / "nope.parquet")]), tokenizer)
+        PromptDataset([str(tmp_path / "nope.parquet")], tokenizer)
 
 
 def test_overlong_prompt_policies(tmp_path, tokenizer):
     long_question = "Compute " + "1+" * 60 + "1. Answer in \\boxed{}."
     path = _write(tmp_path, [_row(), _row(question=long_question)])
-    short_length = len(PromptDataset(DatasetConfig(files=[path], max_prompt_length=1000), tokenizer)[0].prompt_ids)
+    short_length = len(PromptDataset([path], tokenizer, DataConfig(max_prompt_length=1000))[0].prompt_ids)
     limit = short_length + 10
     with pytest.raises(ValueError, match=rf"row 1: prompt has \d+ tokens > max_prompt_length={limit}"):
-        PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit), tokenizer)
-    full = PromptDataset(DatasetConfig(files=[path], max_prompt_length=1000), tokenizer)[1].prompt_ids
-    left = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, truncation="left"), tokenizer)
+        PromptDataset([path], tokenizer, DataConfig(max_prompt_length=limit))
+    full = PromptDataset([path], tokenizer, DataConfig(max_prompt_length=1000))[1].prompt_ids
+    left = PromptDataset([path], tokenizer, DataConfig(max_prompt_length=limit, truncation="left"))
     assert left[1].prompt_ids == full[-limit:]
-    right = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, truncation="right"), tokenizer)
+    right = PromptDataset([path], tokenizer, DataConfig(max_prompt_length=limit, truncation="right"))
     assert right[1].prompt_ids == full[:limit]
-    filtered = PromptDataset(DatasetConfig(files=[path], max_prompt_length=limit, filter_overlong_prompts=True),
-                             tokenizer)
+    filtered = PromptDataset([path], tokenizer, DataConfig(max_prompt_length=limit, filter_overlong_prompts=True))
     assert len(filtered) == 1 and filtered.num_filtered == 1
     with pytest.raises(ValueError, match="truncation='middle' is not supported"):
-        DatasetConfig(files=[path], truncation="middle")
+        DataConfig(truncation="middle")
 
 
-def test_unknown_data_source_stops_the_load_with_the_fix(tmp_path, tokenizer, monkeypatch):
-    from megatron_cpo.rewards import registry
-    from megatron_cpo.rewards.registry import register_grader
+def test_empty_ground_truths_are_refused_unless_one_reward_function_grades_every_response(tmp_path, tokenizer):
+    """One rule, read_rows's, for the dataset and the pre-start check: a source's grader compares each response with
+    the ground truth, so a blank one could never be graded right; a custom reward function (verl's reward-model
+    data keeps the ground truth empty) may not need it."""
+    rows = [_row(), _row(reward_model={"style": "rule", "ground_truth": "  "}),
+            _row(reward_model={"style": "model", "ground_truth": None})]
+    path = _write(tmp_path, rows, "blank.parquet")
+    with pytest.raises(DataValidationError) as caught:
+        PromptDataset([path], tokenizer)
+    message = str(caught.value)
+    assert f"2 bad row(s) in {path}" in message
+    assert "row 1: reward_model.ground_truth is empty: no response can be graded right against it" in message
+    assert "row 2: missing field 'reward_model.ground_truth'" in message
+    dataset = PromptDataset([path], tokenizer, needs_ground_truth=False)
+    assert [record.ground_truth for record in dataset] == ["3", "  ", None]
 
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # the graders registered here are undone
 
-    rows = [_row(), _row(data_source="my/private-set"), _row(data_source="my/private-set"), _row(data_source="x.y")]
-    path = _write(tmp_path, rows, "unknown.parquet")
-    with pytest.raises(ValueError) as error:
-        PromptDataset(DatasetConfig(files=[path]), tokenizer)
-    message = str(error.value)
-    assert message.startswith("no grader for data_source 'my/private-set', 'x.y' in ")
-    assert "my/private-set: 2 rows, x.y: 1 rows" in message and path in message
-    assert "reward.custom_graders={'my/private-set': 'pkg.module:fn'}" in message
-    assert "custom_reward_function.path=" in message
-    assert len(PromptDataset(DatasetConfig(files=[path], check_graders=False), tokenizer)) == 4
-    for source in ("my/private-set", "x.y"):
-        register_grader(source, "tests.rewards.hostile_graders:exact_match", overwrite=True)
-    assert len(PromptDataset(DatasetConfig(files=[path]), tokenizer)) == 4
+def test_files_without_rows_or_prompt_column_are_named(tmp_path, tokenizer):
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.Table.from_pylist([], schema=pa.table({"prompt": [[{"role": "user", "content": "x"}]]}).schema),
+                   empty)
+    with pytest.raises(DataValidationError, match="empty.parquet: has no rows"):
+        PromptDataset([empty], tokenizer)
+    with pytest.raises(DataValidationError, match="data.prompt_key='question' is not a column"):
+        PromptDataset([_write(tmp_path, [_row()])], tokenizer, DataConfig(prompt_key="question"))
 
 
 def test_structured_ground_truth_is_kept(tmp_path, tokenizer):
     rows = [_row(data_source="searchR1_nq", reward_model={"style": "rule", "ground_truth": {"target": ["Paris"]}})]
-    dataset = PromptDataset(DatasetConfig(files=[_write(tmp_path, rows, "qa.parquet")]), tokenizer)
+    dataset = PromptDataset([_write(tmp_path, rows, "qa.parquet")], tokenizer)
     assert dataset[0].ground_truth == {"target": ["Paris"]}

@@ -2,23 +2,26 @@
 the gold-hint fallback chain (data.hint_key) on verl-built GSM8K and MATH rows."""
 import pytest
 
-from megatron_cpo.data.dataset import DatasetConfig, PromptDataset
-from megatron_cpo.data.hints import DEFAULT_INSTRUCTION, HintConfig, HintReader, build_hint_contexts, find_hint
+from megatron_cpo.data.dataset import PromptDataset
+from megatron_cpo.data.hints import DEFAULT_INSTRUCTION, HintReader, HintTemplate, build_hint_contexts, find_hint
+
+LENGTH = 1024  # tokens a hinted prompt may take unless a test says otherwise
 
 
 @pytest.fixture(scope="module")
 def records(arith_files, tokenizer):
-    dataset = PromptDataset(DatasetConfig(files=[str(arith_files["test"])], shuffle=False), tokenizer)
+    dataset = PromptDataset(arith_files["test"], tokenizer)
     return dataset.records[:6]
 
 
-def _build(tokenizer, records, config, hints=None):
+def _build(tokenizer, records, max_prompt_length=LENGTH, template=HintTemplate(), hints=None):
     hints = [r.extra_info["solution"] for r in records] if hints is None else hints
-    return build_hint_contexts(tokenizer, [r.messages for r in records], hints, [r.prompt_ids for r in records], config)
+    return build_hint_contexts(tokenizer, [r.messages for r in records], hints, [r.prompt_ids for r in records],
+                               max_prompt_length, template)
 
 
 def test_hint_context_reads_as_the_spec_says(tokenizer, records):
-    contexts = _build(tokenizer, records, HintConfig())
+    contexts = _build(tokenizer, records)
     record = records[1]
     question = record.messages[1]["content"]
     expected = (
@@ -35,20 +38,20 @@ def test_hint_context_reads_as_the_spec_says(tokenizer, records):
 
 
 def test_hint_and_instruction_are_configurable(tokenizer, records):
-    config = HintConfig(hint_template="Reference: {solution}", second_turn_template="{instruction} {question}",
-                        instruction="Use it.")
-    text = tokenizer.decode(_build(tokenizer, records, config).prompt_ids[0])
+    template = HintTemplate(hint_template="Reference: {solution}", second_turn_template="{instruction} {question}",
+                            instruction="Use it.")
+    text = tokenizer.decode(_build(tokenizer, records, template=template).prompt_ids[0])
     assert f"<|im_start|>assistant\nReference: {records[0].extra_info['solution']}<|im_end|>" in text
     assert f"<|im_start|>user\nUse it. {records[0].messages[1]['content']}<|im_end|>" in text
     with pytest.raises(ValueError, match="must contain '{solution}'"):
-        HintConfig(hint_template="no slot")
+        HintTemplate(hint_template="no slot")
 
 
 def test_long_hints_are_cut_from_the_left_to_fit(tokenizer, records):
-    full = _build(tokenizer, records, HintConfig())
+    full = _build(tokenizer, records)
     lengths = [len(ids) for ids in full.prompt_ids]
     limit = sorted(lengths)[2]
-    cut = _build(tokenizer, records, HintConfig(max_prompt_length=limit))
+    cut = _build(tokenizer, records, limit)
     assert max(len(ids) for ids in cut.prompt_ids) == limit
     expected_cut = [max(0, n - limit) for n in lengths]
     assert cut.truncated_tokens.tolist() == expected_cut
@@ -58,8 +61,8 @@ def test_long_hints_are_cut_from_the_left_to_fit(tokenizer, records):
     text = tokenizer.decode(cut.prompt_ids[longest])
     kept = solution[expected_cut[longest]:]
     assert f"<|im_start|>assistant\n{kept}<|im_end|>" in text and kept.endswith("}")
-    with pytest.raises(ValueError, match="without any hint, more than max_prompt_length=50"):
-        _build(tokenizer, records, HintConfig(max_prompt_length=50))
+    with pytest.raises(ValueError, match="without any hint, more than data.max_prompt_length=50"):
+        _build(tokenizer, records, 50)
 
 
 def test_gold_hint_fallback_chain():
@@ -72,7 +75,7 @@ def test_gold_hint_fallback_chain():
 
 def test_rows_without_hint_keep_their_prompt_and_are_flagged(tokenizer, records):
     hints = [None, records[1].extra_info["solution"], None, "42", None, None]
-    contexts = _build(tokenizer, records, HintConfig(), hints=hints)
+    contexts = _build(tokenizer, records, hints=hints)
     assert contexts.has_hint.tolist() == [False, True, False, True, False, False]
     assert contexts.prompt_ids[0] == records[0].prompt_ids
     assert "<|im_start|>assistant\n42<|im_end|>" in tokenizer.decode(contexts.prompt_ids[3])

@@ -1,12 +1,14 @@
-"""The trainer's data check: rows whose data_source has no grader stop the run when the data is loaded (before Ray
-and the engines start), unless a custom grader or a reward function covers them."""
+"""The trainer's data check: rows whose data_source has no grader stop the run before anything loads or starts
+(Ray, the engines, the model), unless a custom grader or a reward function covers them; custom graders are read
+from `reward.custom_graders` as they are, never registered in the trainer's process."""
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from megatron_cpo.config import build_config
+from megatron_cpo.rewards import registry
+from megatron_cpo.trainer.preflight import data_problems
 
 
 def _rows(sources):
@@ -15,20 +17,19 @@ def _rows(sources):
             for i, source in enumerate(sources)]
 
 
-def test_trainer_data_load_names_unknown_sources(tmp_path, tokenizer):
-    from megatron_cpo.rewards.registry import register_custom_graders
-    from megatron_cpo.trainer.rollout_side import load_dataset
-
+def test_trainer_data_check_names_unknown_sources(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_rows(["openai/gsm8k", "corp/unknown-v2", "lighteval/MATH"])), path)
-    config = build_config({}, [f"data.train_files={path}"])
     started = time.perf_counter()
-    with pytest.raises(ValueError, match=r"no grader for data_source 'corp/unknown-v2' in .*corp/unknown-v2: 1 rows"):
-        load_dataset(str(path), tokenizer, config, shuffle=False)
+    problems, rows = data_problems(build_config({}, [f"data.train_files={path}"]))
+    assert rows == 3 and len(problems) == 1
+    assert problems[0].startswith("no grader for data_source 'corp/unknown-v2' in ")
+    assert "(corp/unknown-v2: 1 rows)" in problems[0]
     assert time.perf_counter() - started < 30
-    function = build_config({}, [f"data.train_files={path}", "custom_reward_function.path=any.py"])
-    assert len(load_dataset(str(path), tokenizer, function, shuffle=False)) == 3
+    assert data_problems(build_config({}, [f"data.train_files={path}", "custom_reward_function.path=any.py"])) == (
+        [], 3)
+    registered = dict(registry._registered)
     custom = build_config({"reward": {"custom_graders": {
         "corp/unknown-v2": "tests.rewards.hostile_graders:exact_match"}}}, [f"data.train_files={path}"])
-    register_custom_graders(custom.reward.custom_graders)  # what RankZero does before it loads the data
-    assert len(load_dataset(str(path), tokenizer, custom, shuffle=False)) == 3
+    assert data_problems(custom) == ([], 3)
+    assert registry._registered == registered  # checked against the config, not by registering in this process

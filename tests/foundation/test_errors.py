@@ -23,9 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 def test_unsupported_architecture():
     from transformers import GPT2Config
 
-    expected = r"unsupported architecture model_type='gpt2'.*supported: \['llama', 'qwen2'\]"
+    expected = r"unsupported architecture model_type='gpt2'.*supported: qwen2 \(Qwen2/Qwen2.5\), llama .*mixtral"
     with pytest.raises(ValueError, match=expected):
         build_gpt_model(GPT2Config())
+
+
+def test_refused_architecture_says_what_is_missing():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3' is not supported: .*multi-latent attention"):
+        build_gpt_model(AutoConfig.for_model("deepseek_v3"))
 
 
 def test_unsupported_activation_and_rope_scaling():
@@ -54,6 +61,26 @@ def test_llama3_rope_scaling_maps_to_megatron():
 def test_parallel_sizes_that_do_not_divide_the_model(tp, pp, message):
     with pytest.raises(ValueError, match=message):
         check_parallel_sizes(tiny_config("qwen2"), tp, pp)
+
+
+@pytest.mark.parametrize("family, ep, etp, message", [
+    ("qwen3_moe", 3, None, r"EP=3 does not divide the 4 experts"),
+    ("qwen3_moe", 1, 3, r"ETP=3 does not divide the expert width moe_intermediate_size=64"),
+    ("qwen3", 2, None, r"EP=2, ETP=1 split experts, but model_type='qwen3' is dense"),
+])
+def test_expert_sizes_that_do_not_divide_the_model(family, ep, etp, message):
+    with pytest.raises(ValueError, match=message):
+        check_parallel_sizes(tiny_config(family), 1, 1, ep, etp)
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("qwen3_moe", {"attention_bias": True}, r"attention_bias=True is not supported for Qwen3-MoE"),
+    ("mixtral", {"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1 is not supported"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0}, r"shared_expert_intermediate_size=0 is not supported"),
+])
+def test_moe_options_megatron_cannot_reproduce_are_refused(family, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_gpt_model(tiny_config(family, **overrides))  # before any process group is needed
 
 
 def test_missing_files(tmp_path):

@@ -80,5 +80,9 @@ def test_convert_command_refuses_an_option_in_one_line(tmp_path, capsys):
 
 
 def test_docs_list_every_audited_option():
+    from megatron_cpo.models.families import FAMILIES
+
     docs = (REPO / "docs" / "conversion.md").read_text()
-    assert [option.name for option in OPTIONS if option.name not in docs] == []
+    options = [*OPTIONS, *(option for family in FAMILIES.values() for option in family.options)]
+    assert [option.name for option in options if option.name not in docs] == []
+    assert all(f"`model_type` `{name}`" in docs for name in FAMILIES)

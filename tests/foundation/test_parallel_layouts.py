@@ -1,10 +1,16 @@
-"""Converted Megatron models equal transformers at TP=1, TP=2 and PP=2 (2 real gloo processes, real Megatron-Core).
+"""Converted Megatron models equal transformers at TP=1, TP=2, PP=2 and EP=2 (2 real gloo processes, real
+Megatron-Core): the contract every model family (megatron_cpo/models/families/) passes.
 
-One spawned run (layout_worker.check_layouts) does all the work; the tests below assert on its results:
-- logits equal transformers' (float32, max abs diff <= 1e-4) for a tiny Qwen2 (qkv bias, untied) and Llama (tied);
-- `iter_hf_weights` gives back the HF tensors bit for bit at every layout;
-- a checkpoint written at TP=2 by the HF->Megatron converter loads at TP=1 and PP=2 with equal logits;
-- the Megatron->HF converter (run at PP=2) writes a directory transformers loads, bit-identical to the original;
+One spawned run (layout_worker.check_layouts) does all the work; the tests below assert on its results, for a tiny
+model of each family (random norms: a swapped or dropped norm shows): Qwen2 (qkv bias, untied), Llama (tied), Qwen3
+(q/k norms), Qwen3-MoE (4 experts, top-2, renormalised, every second layer routes), Qwen2-MoE (shared expert with its
+gate, no renormalisation, a dense first layer) and Mixtral:
+- logits equal transformers' (float32, max abs diff <= 1e-5);
+- `iter_hf_weights` gives back the HF tensors bit for bit at every layout, on each stage's exporting rank only;
+- a checkpoint written at TP=2 by the HF->Megatron converter loads at TP=1, PP=2 and EP=2 with equal logits, and one
+  written at EP=2 loads at TP=2 x EP=2 with ETP=1 (whole experts per rank) and the alltoall token dispatcher;
+- the Megatron->HF converter writes a directory transformers loads, bit-identical to the original: from the TP=2
+  checkpoint at PP=2 and at EP=2, and from the checkpoint written at EP=2 back at TP=2 x EP=2 (ETP=1);
 - greedy generation through Megatron's pipeline matches transformers' greedy tokens.
 """
 from __future__ import annotations
@@ -19,10 +25,10 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_cpo.models.tiny import write_tiny_model
-from tests.foundation.layout_worker import FAMILIES, check_layouts
+from tests.foundation.layout_worker import FAMILIES, MOE_FAMILIES, check_layouts
 from tests.multiprocess import run_processes
 
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 MAX_NEW_TOKENS = 6
 
 
@@ -40,7 +46,8 @@ def layout_run(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     work = tmp_path_factory.mktemp("layouts")
-    hf_dirs = {family: str(write_tiny_model(work / f"hf_{family}", family, seed=3)) for family in FAMILIES}
+    hf_dirs = {family: str(write_tiny_model(work / f"hf_{family}", family, seed=3, random_norms=True))
+               for family in FAMILIES}
     hf_dirs["one_kv_head"] = str(write_tiny_model(work / "hf_one_kv_head", "qwen2", num_key_value_heads=1))
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, 128, (2, 19), generator=generator)
@@ -68,47 +75,53 @@ def _per_rank(run, layout: str, family: str, key: str) -> list:
     return [rank_results[layout][family][key] for rank_results in run["ranks"]]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+LAYOUTS = [(layout, family) for layout in ("tp1", "tp2", "pp2") for family in FAMILIES]
+LAYOUTS += [(layout, family) for layout in ("ep2", "tp2_ep2") for family in MOE_FAMILIES]
+# Megatron -> HF conversions, by the layout they ran at: from the TP=2 checkpoint at PP=2 (every family) and at EP=2,
+# and from the checkpoint written at EP=2 back at TP=2 x EP=2 with ETP=1 (MoE families)
+ROUND_TRIPS = [("pp2", family) for family in FAMILIES]
+ROUND_TRIPS += [(layout, family) for layout in ("ep2", "tp2_ep2") for family in MOE_FAMILIES]
+
+
+@pytest.mark.parametrize("layout, family", LAYOUTS)
 def test_logits_equal_transformers(layout_run, layout, family):
     diffs = [d for d in _per_rank(layout_run, layout, family, "hf_diff") if d is not None]
     expected_ranks_with_logits = 1 if layout == "pp2" else 2
     assert len(diffs) == expected_ranks_with_logits
     assert max(diffs) <= TOLERANCE, f"{layout} {family}: max abs logit diff {max(diffs)}"
+    print(f"{layout} {family}: max |Megatron - transformers| logit difference {max(diffs):.1e}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout, family", LAYOUTS)
 def test_exported_weights_are_bit_identical(layout_run, layout, family):
     exports = _per_rank(layout_run, layout, family, "export")
     assert all(export["all_equal"] for export in exports)
     hf_names = set(load_file(Path(layout_run["hf_dirs"][family]) / "model.safetensors"))
-    if layout == "tp2":
-        assert set(exports[0]["names"]) == hf_names and exports[1]["names"] == []  # only TP rank 0 yields
-    elif layout == "tp1":
-        assert all(set(export["names"]) == hf_names for export in exports)  # two data-parallel replicas
+    if layout != "pp2":  # only TP rank 0 of the first data-parallel replica yields (experts gathered over EP)
+        assert set(exports[0]["names"]) == hf_names and exports[1]["names"] == []
     else:
         first, last = (set(export["names"]) for export in exports)
         assert first.isdisjoint(last) and first | last == hf_names
         assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+@pytest.mark.parametrize("layout, family", [(layout, family) for layout, family in LAYOUTS
+                                            if layout in ("tp1", "pp2", "ep2")])
 def test_tp2_checkpoint_loads_at_other_layouts(layout_run, layout, family):
     diffs = [d for d in _per_rank(layout_run, layout, family, "checkpoint_diff") if d is not None]
     assert diffs and max(diffs) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_megatron_hf_round_trip_is_bit_identical(layout_run, family):
+@pytest.mark.parametrize("layout, family", ROUND_TRIPS)
+def test_hf_megatron_hf_round_trip_is_bit_identical(layout_run, layout, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     original_dir = Path(layout_run["hf_dirs"][family])
-    (round_trip_dir,) = {path for path in _per_rank(layout_run, "pp2", family, "round_trip")}
+    (round_trip_dir,) = {path for path in _per_rank(layout_run, layout, family, "round_trip")}
     original = _load_hf_tensors(original_dir)
     round_trip = _load_hf_tensors(Path(round_trip_dir))
-    assert (Path(round_trip_dir) / "model.safetensors.index.json").is_file()  # one shard per pipeline stage
+    if layout == "pp2":
+        assert (Path(round_trip_dir) / "model.safetensors.index.json").is_file()  # one shard per pipeline stage
     assert sorted(round_trip) == sorted(original)
     assert all(torch.equal(round_trip[n], original[n]) and round_trip[n].dtype == original[n].dtype for n in original)
     reloaded = AutoModelForCausalLM.from_pretrained(round_trip_dir, dtype=torch.float32)

@@ -30,12 +30,16 @@ def test_custom_graders_from_yaml_mapping_and_command_line():
 
 def test_verl_custom_reward_function_keys_and_the_older_spelling(tmp_path):
     config = build_config({"custom_reward_function": {"path": "/x/reward.py", "name": "my_score"}})
-    assert config.reward_function_spec == "/x/reward.py:my_score"
-    assert build_config({}, ["custom_reward_function.path=r.py"]).reward_function_spec == "r.py:compute_score"
-    assert build_config({}, ["reward.custom_reward_function=pkg.mod:fn"]).reward_function_spec == "pkg.mod:fn"
-    assert build_config({}).reward_function_spec == ""
+    assert config.reward.reward_function == "/x/reward.py:my_score"
+    assert build_config({}, ["custom_reward_function.path=r.py"]).reward.reward_function == "r.py:compute_score"
+    assert build_config({}, ["reward.custom_reward_function=pkg.mod:fn"]).reward.reward_function == "pkg.mod:fn"
+    assert build_config({}).reward.reward_function == ""
     with pytest.raises(ConfigError, match="keep one"):
         build_config({}, ["custom_reward_function.path=r.py", "reward.custom_reward_function=pkg.mod:fn"])
+    with pytest.raises(ConfigError, match="names its function, but reward.custom_reward_function_name"):
+        build_config({}, ["reward.custom_reward_function=pkg.mod:fn", "custom_reward_function.name=other"])
+    with pytest.raises(ConfigError, match="custom_reward_function.name is empty"):
+        build_config({}, ["custom_reward_function.path=r.py", "custom_reward_function.name="])
 
 
 def test_reward_file_errors_name_the_file_and_function(tmp_path):
@@ -53,7 +57,7 @@ def test_verl_reward_file_grades_every_source_in_the_pool(tmp_path):
     path = tmp_path / "reward.py"
     path.write_text(VERL_STYLE_FILE)
     config = build_config({"custom_reward_function": {"path": str(path)}})
-    with RewardManager(RewardConfig(num_workers=1, custom_reward_function=config.reward_function_spec)) as manager:
+    with RewardManager(RewardConfig(num_workers=1, custom_reward_function=config.reward.reward_function)) as manager:
         result = manager.score(["no/such-source", "openai/gsm8k", "math500"], ["yes", "#### 7", "no"],
                                ["yes", "7", "yes"], [{"bonus": True}, None, {}])
     assert [d["status"] for d in result.details] == ["ok", "ok", "ok"]

@@ -1,13 +1,11 @@
-"""`reward.remote.*` end to end: the trainer's grading path (`Grader.score_groups` with the reward manager built
-from the config) against the reference reward server run as its own process on loopback (real HTTP), healthy, down
+"""`reward.remote.*` end to end: the trainer's grading path (`ResponseScorer.score_groups` with the reward manager of
+the config's `reward.*`) against the reference reward server run as its own process on loopback (real HTTP), healthy, down
 and too slow."""
 import selectors
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from transformers import AutoTokenizer
 from megatron_cpo.config import build_config
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.rewards import ARITH_DATA_SOURCE, RemoteRewardError
-from megatron_cpo.trainer.grading import Grader, build_reward_manager
+from megatron_cpo.trainer.grading import ResponseScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "tiny" / "model"
@@ -62,10 +60,12 @@ def grade(tokenizer, overrides, answers=("4", "5")):
     record = PromptRecord(uid="0-0", index=0, messages=[{"role": "user", "content": "2+2?"}], prompt_ids=prompt_ids,
                           data_source=ARITH_DATA_SOURCE, ground_truth="4")
     responses = [tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) for answer in answers]
-    with build_reward_manager(config) as rewards:
-        side = SimpleNamespace(rewards=rewards, tokenizer=tokenizer, remote_counts=Counter())
-        [(scores, acc, _)] = Grader.score_groups(side, [(record, responses)])
-    return scores, acc, Grader.remote_reward_metrics(side)
+    scorer = ResponseScorer(config.reward, tokenizer)
+    try:
+        [(scores, acc, _)] = scorer.score_groups([(record, responses)])
+        return scores, acc, scorer.remote_reward_metrics()
+    finally:
+        scorer.close()
 
 
 def test_remote_scores_replace_or_add_to_the_rule_scores(verifiable_server, tokenizer):

@@ -15,11 +15,11 @@ def test_batch_is_split_between_two_engines_and_every_prompt_returns_once(manage
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=0)
     for i, prompt in enumerate(PROMPTS):
         manager.submit(f"split-{i}", prompt, params)
-    assert manager.num_outstanding_per_engine() == [4, 4]
+    assert sorted(request.engine_index for request in manager._requests()) == [0] * 4 + [1] * 4
     groups = _collect(manager)
     assert sorted(g.request_id for g in groups) == sorted(f"split-{i}" for i in range(8))
     assert {g.engine_index for g in groups} == {0, 1}
-    assert manager.num_outstanding() == 0
+    assert manager.finished(timeout=0) == []  # nothing outstanding
     for group in groups:
         assert group.prompt_token_ids == PROMPTS[int(group.request_id.split("-")[1])]
         assert len(group.samples) == 2
@@ -66,7 +66,7 @@ def test_cancel_all_drops_outstanding_work_and_engines_stay_healthy(manager):
     for i in range(6):
         manager.submit(f"cancel-{i}", PROMPTS[i], SamplingParams(n=2, temperature=1.0, max_tokens=400, seed=i))
     assert manager.cancel_all() == 6
-    assert manager.num_outstanding() == 0
+    assert manager.finished(timeout=0) == []  # nothing outstanding
     assert _collect(manager) == []
     assert manager.health() == [True, True]
 

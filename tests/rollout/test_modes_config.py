@@ -4,7 +4,7 @@ import pytest
 
 from megatron_cpo.config import ConfigError, build_config
 from megatron_cpo.rollout import http_protocol as proto
-from megatron_cpo.rollout.colocate import colocated_engine_count, colocated_layout, colocated_weight_transport
+from megatron_cpo.rollout.colocate import colocated_layout, colocated_weight_transport
 from megatron_cpo.rollout.server_client import ServerClientConfig
 
 PREFIX = "actor_rollout_ref.rollout."
@@ -39,11 +39,11 @@ def test_server_client_settings_name_the_bad_url():
 
 def test_colocated_engines_are_one_per_rollout_tp_group_of_each_node():
     assert colocated_layout(8, 8, 2) == (1, 4) and colocated_layout(16, 8, 1) == (2, 8)
-    assert colocated_engine_count(16, 8, 4) == 4 and colocated_engine_count(1, 1, 1) == 1
+    assert colocated_layout(16, 8, 4) == (2, 2) and colocated_layout(1, 1, 1) == (1, 1)
     with pytest.raises(ValueError, match="12 ranks do not make whole nodes of 8; start every node with the same"):
-        colocated_engine_count(12, 8, 1)
+        colocated_layout(12, 8, 1)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide the 8 trainer ranks of a node"):
-        colocated_engine_count(16, 8, 3)
+        colocated_layout(16, 8, 3)
     assert colocated_weight_transport("auto", 1) == "shm" and colocated_weight_transport("auto", 2) == "collective"
     assert colocated_weight_transport("collective", 1) == "collective"
     with pytest.raises(ValueError, match="weight_transport=shm reaches only engines on the sending rank's node"):

@@ -139,7 +139,7 @@ def test_a_killed_servers_prompts_are_served_by_the_other_and_none_left_names_th
         for index in range(6):
             both.submit(f"p{index}", [1, 40 + index, 41, 42], params)
         only_b.submit("lonely", [1, 40, 41, 42], params)
-        held_by_b = sorted(r for r, engine in both.outstanding_requests().items() if engine == 1)
+        held_by_b = sorted(request.request_id for request in both._requests() if request.engine_index == 1)
         assert len(held_by_b) == 3
         end_server(process_b, signal.SIGKILL)
         groups = list(both.completed(timeout=120))

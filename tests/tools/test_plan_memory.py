@@ -29,7 +29,7 @@ def measure_tiny_run(rank: int, world_size: int, model_dir: str) -> dict[str, in
     import torch
 
     from megatron_cpo import platform
-    from megatron_cpo.config import ActorConfig
+    from megatron_cpo.trainer.config import ActorConfig
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
     from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
 
@@ -85,7 +85,7 @@ def test_qwen_7b_layout_follows_the_sharding_rules():
     shape = ModelShape(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
                        intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
     assert abs(shape.total_params() - 7.62e9) / 7.62e9 < 0.01  # Qwen2.5-7B's published 7.62 B
-    base = dict(tp=4, pp=1, trainer_gpus=16, params_dtype="bfloat16")
+    base = dict(tp=4, pp=1, world_size=16, params_dtype="bfloat16")
     sharded = trainer_memory(shape, Layout(**base), Batch(micro_batch=4, prompt_length=1024, response_length=3072))
     replicated = trainer_memory(shape, Layout(**base, distributed_optimizer=False), Batch())
     assert sharded["optimizer"] * 4 == pytest.approx(replicated["optimizer"])  # DP = 16 / 4
@@ -94,7 +94,7 @@ def test_qwen_7b_layout_follows_the_sharding_rules():
                       "h100-sxm", mfu=0.3)
     assert times["total"] == pytest.approx(sum(v for k, v in times.items() if k != "total"))
     with pytest.raises(ValueError, match="not a multiple of TP x PP"):
-        Layout(tp=3, trainer_gpus=16).dp
+        Layout(tp=3, world_size=16).dp
 
 
 def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
@@ -103,6 +103,19 @@ def test_cli_reads_a_recipe_and_reports(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "TP=1 PP=1 DP=8" in out and "time/generation" in out and "activations/logits" in out
     assert main(["--model", str(tiny_dir / "missing")]) == 2
+
+
+def test_a_recipe_keeps_the_reference_by_the_trainers_rule(tiny_dir, capsys, tmp_path):
+    """The trainer builds a reference for the KL loss, KL in the reward or verl's reference sync
+    (`Config.needs_reference_model`); the plan counts its memory by the same rule, through the same `Layout`."""
+    reports = {}
+    for name, ref in (("plain", "false"), ("sync", "true")):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"actor_rollout_ref: {{actor: {{use_kl_loss: false}}, ref: {{sync_ref_model: {ref}}}}}\n")
+        assert main(["--recipe", str(recipe), "--model", str(tiny_dir), "--json"]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+    assert not reports["plain"]["layout"]["reference_model"] and reports["plain"]["memory_gib"]["reference"] == 0
+    assert reports["sync"]["layout"]["reference_model"] and reports["sync"]["memory_gib"]["reference"] > 0
 
 
 def test_colocated_plan_is_the_peak_of_the_two_phases_with_offload_honoured():
@@ -151,7 +164,7 @@ def test_scale_settings_change_memory_and_time_as_derived():
                        intermediate_size=18944, tied_embeddings=False, qkv_bias=True)
     batch = Batch(train_batch_size=1024, n=8, prompt_length=1024, response_length=3072, micro_batch=4,
                   extra_forwards=3, token_budget=16384, mean_response_length=1024)
-    base = dict(tp=4, trainer_gpus=16, engines=8, rollout_tp=2)
+    base = dict(tp=4, world_size=16, engines=8, rollout_tp=2)
     plain = step_time(shape, Layout(**base), batch, "h100-sxm", mfu=0.3)
     # one forward-only pass is a third of forward + backward; the recompute adds a forward to training
     assert plain["log_prob_forwards"] / batch.extra_forwards == pytest.approx(plain["training"] / 3)
@@ -167,22 +180,76 @@ def test_scale_settings_change_memory_and_time_as_derived():
     assert memory["recompute"]["activations/layers"] < memory["plain"]["activations/layers"] / 4
 
 
-@pytest.mark.parametrize("size, gpus", [("1.5b", 8), ("7b", 16)])
-def test_recipes_turn_on_the_scale_settings_and_fit(size, gpus, tmp_path, capsys):
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+# The shipped recipes' models (their config.json on the Hub) and the trainer GPUs their headers give.
+RECIPE_MODELS = {
+    "qwen2.5-math-1.5b": (8, dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_hidden_layers=28,
+                                  num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                                  tie_word_embeddings=True)),
+    "qwen2.5-math-7b": (16, dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                 tie_word_embeddings=False)),
+    "qwen3-8b": (8, dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                         tie_word_embeddings=False)),
+    "qwen3-30b-a3b": (16, QWEN3_30B_A3B),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(RECIPE_MODELS))
+def test_recipes_turn_on_the_scale_settings_and_fit(folder, tmp_path, capsys):
     from megatron_cpo.config import load_config
 
-    recipe = ROOT / "examples" / f"qwen2.5-math-{size}" / "cpo.yaml"
+    gpus, hf_config = RECIPE_MODELS[folder]
+    recipe = ROOT / "examples" / folder / "cpo.yaml"  # CPO: the reference and the hinted pass, the largest plan
     config = load_config(recipe)
     model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     assert model.use_remove_padding and model.use_fused_kernels and actor.use_dynamic_bsz
-    assert model.enable_gradient_checkpointing == (size == "7b")
+    assert model.enable_gradient_checkpointing == (folder != "qwen2.5-math-1.5b")
     assert actor.megatron.sequence_parallel == (actor.megatron.tensor_model_parallel_size > 1)
-    shapes = {"1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                           num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
-              "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False)}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **shapes[size]}))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
     assert main(["--recipe", str(recipe), "--model", str(tmp_path), "--trainer-gpus", str(gpus), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["layout"]["remove_padding"] and report["layout"]["fused_kernels"]
     assert report["memory_gib"]["total"] < 0.8 * 80  # an 80 GiB GPU with room to spare
+    if folder == "qwen3-30b-a3b":  # 16 of the 128 experts per GPU, their optimizer state sharded over expert-DP 2
+        assert (report["layout"]["ep"], report["layout"]["etp"], report["dp"]) == (8, 1, 4)
+        assert report["params"] > 30e9 and report["active_params"] < 3.4e9
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_parameter_count_of_every_family_equals_transformers(family):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.models.tiny import tiny_config
+
+    overrides = {"attention_bias": True, "mlp_bias": True} if family == "llama" else {}
+    config = tiny_config(family, **overrides)
+    shape = ModelShape.from_hf_config(config.to_dict())
+    model = AutoModelForCausalLM.from_config(config)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    if shape.is_moe:  # every MoE layer of the tiny models has 4 experts and routes to 2
+        assert shape.total_params() - shape.active_params() == shape.moe_layers * 2 * shape.expert_params()
+    else:
+        assert shape.active_params() == shape.total_params()
+
+
+def test_moe_counts_total_and_active_parameters_and_shards_experts_over_ep():
+    shape = ModelShape.from_hf_config(QWEN3_30B_A3B)
+    assert abs(shape.total_params() - 30.5e9) / 30.5e9 < 0.01  # Qwen3-30B-A3B's published 30.5 B, 3.3 B active
+    assert abs(shape.active_params() - 3.3e9) / 3.3e9 < 0.02
+    base = dict(tp=4, world_size=16, sequence_parallel=True)
+    ep1, ep8 = (trainer_memory(shape, Layout(**base, ep=ep, etp=1), Batch()) for ep in (1, 8))
+    experts = 48 * 128 * shape.expert_params()  # bf16 weights: 2 bytes each, all on one rank at EP=1 (ETP=1)
+    assert ep1["weights"] - ep8["weights"] == pytest.approx(experts * 2 * 7 / 8)
+    # the experts' Adam state is sharded over the expert-data-parallel ranks: 16 / (EP 8 x ETP 1) = 2
+    assert Layout(**base, ep=8, etp=1).expert_dp == 2
+    times = step_time(shape, Layout(**base, ep=8, etp=1, engines=2, rollout_tp=4), Batch(), "h100-sxm", mfu=0.3)
+    dense_equivalent = step_time(ModelShape(**{**shape.__dict__, "top_k": 128}), Layout(**base, ep=8, etp=1,
+                                 engines=2, rollout_tp=4), Batch(), "h100-sxm", mfu=0.3)
+    assert times["training"] < dense_equivalent["training"] / 5  # FLOPs follow the active parameters
+    with pytest.raises(ValueError, match=r"not a multiple of PP x EP x ETP = 32"):
+        Layout(tp=4, world_size=16, ep=8, etp=4).expert_dp

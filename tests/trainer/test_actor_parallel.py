@@ -21,7 +21,8 @@ def two_updates(model_dir, tp, pp, *overrides):
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.step import StepBatch, train_on_batch
+    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -38,7 +39,11 @@ def two_updates(model_dir, tp, pp, *overrides):
     scores = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
     batch = StepBatch([[1, 5, 6, 7, 8]] * 4 + [[1, 9, 10, 11]] * 4, responses, [[-4.0] * len(r) for r in responses],
                       scores, scores, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.zeros(8, dtype=torch.bool), 1.0)
-    history = [train_on_batch(batch, actor, reference, config, pad_token_id=0) for _ in range(2)]
+    history = []
+    for _ in range(2):  # steps 3-5 of Trainer.step
+        log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, config)
+        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, config)})
     parallel_state.destroy_model_parallel()
     return [{k: m[k] for k in KEYS} for m in history]
 

@@ -45,7 +45,7 @@ def test_pack_sequences_errors_name_the_fix():
 def _round_trip(rank, world_size):
     from megatron_cpo import platform
     from megatron_cpo.trainer.collectives import broadcast_batch
-    from megatron_cpo.trainer.step import StepBatch
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     platform.init_distributed(1, 1, seed=1)
     batch = None

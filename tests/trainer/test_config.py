@@ -165,7 +165,7 @@ def test_tuple_lengths_are_checked():
         build_config({}, ["actor_rollout_ref.actor.optim.betas=[0.9,0.95,0.99]"])
     assert build_config({}, ["actor_rollout_ref.actor.optim.betas=[0.8,0.95]"]).actor_rollout_ref.actor.optim.betas \
         == (0.8, 0.95)
-    from megatron_cpo.config import OptimConfig
+    from megatron_cpo.trainer.config import OptimConfig
 
     with pytest.raises(ConfigError, match="must hold two numbers"):
         OptimConfig(betas=(0.9,))
@@ -178,6 +178,6 @@ def test_mapping_values_keep_their_keys_and_verls_reward_function_lands_in_rewar
                            "custom_reward_function.path=grade.py"])
     assert config.reward.grader_kwargs == {"apps": {"limits": {"wall_timeout_s": 2}}, "math500": {"wrong_score": 0}}
     assert config.reward.custom_graders == {"a.b/c": "m:f", "d": "n:g"}
-    assert config.reward.custom_reward_function == "grade.py:compute_score"
+    assert config.reward.reward_function == "grade.py:compute_score"
     with pytest.raises(ConfigError, match="keep one"):
         build_config({}, ["custom_reward_function.path=grade.py", "reward.custom_reward_function=other.py:f"])

@@ -16,7 +16,7 @@ from tests.multiprocess import run_processes
 
 
 def _batch():
-    from megatron_cpo.trainer.step import StepBatch
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(2, 10, (1,), generator=generator)),),
@@ -36,8 +36,8 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.step import train_on_batch
     from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -51,8 +51,14 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     # built with the actor, before Adam has state: the first offload finds the moments the first step made
     offload = colocated_offload(offloaded, config.actor_rollout_ref.actor.megatron, "colocate")
     batch = _batch()
+
+    def train(actor):  # steps 3-5 of Trainer.step, without a reference
+        log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, config)
+        return {**metrics, **update_policy(actor, batch, log_probs, advantages, config)}
+
     for actor in (offloaded, plain):
-        train_on_batch(batch, actor, None, config, pad_token_id=0)
+        train(actor)
 
     tensors = actor_tensors(offloaded.model, offloaded.ddp_model, offloaded.optimizer)
     before = _snapshot(tensors)
@@ -65,7 +71,7 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     restored = offload.reload()
     identical = {part: all(torch.equal(a, b) for a, b in zip(before[part], tensors[part])) for part in before}
 
-    after = [train_on_batch(batch, actor, None, config, pad_token_id=0) for actor in (offloaded, plain)]
+    after = [train(actor) for actor in (offloaded, plain)]
     same_params = all(torch.equal(a, b) for a, b in zip(offloaded.model.parameters(), plain.model.parameters()))
     same_state = all(torch.equal(a, b) for a, b in zip(
         actor_tensors(offloaded.model, offloaded.ddp_model, offloaded.optimizer)["optimizer"],
@@ -111,13 +117,13 @@ def test_offload_round_trip_is_bit_identical_and_training_continues_unchanged(ti
 def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer import offload as offload_module
-    from megatron_cpo.trainer.offload import ActorOffload, OffloadParts, colocated_offload, offloaded_during
+    from megatron_cpo.trainer.offload import ActorOffload, colocated_offload, configured_parts, offloaded_during
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
                                "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
-    parts = OffloadParts.from_megatron_config(config.actor_rollout_ref.actor.megatron)
-    assert parts.names() == ("params", "optimizer") and parts.any
-    assert not OffloadParts.from_megatron_config(build_config({}, []).actor_rollout_ref.actor.megatron).any
+    parts = configured_parts(config.actor_rollout_ref.actor.megatron)
+    assert parts == ("params", "optimizer")
+    assert configured_parts(build_config({}, []).actor_rollout_ref.actor.megatron) == ()
 
     model = torch.nn.Linear(3, 2)  # a plain module: parameters only, no DDP buffers or optimizer
     policy = SimpleNamespace(model=model, ddp_model=None, optimizer=None)
@@ -131,20 +137,19 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     caplog.clear()
     assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "colocate").parts == parts
     weight = model.weight.detach().clone()
-    offload = ActorOffload(model, parts=OffloadParts(params=True))
+    offload = ActorOffload(model, parts=("params",))
     offload_module._cpu_notice_logged = False
     with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
         assert offload.offload() == (6 + 2) * 4
         assert offload.offload() == 0  # already out
-        with pytest.raises(RuntimeError, match="cannot push weights: the actor's params are offloaded"):
-            offload.require_loaded("push weights")
+        assert offload.is_offloaded("params")
         assert offload.reload() == (6 + 2) * 4
         offload.offload()
         offload.reload()
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "does nothing useful on this platform" in caplog.records[0].message
     assert torch.equal(model.weight, weight)
-    offload.require_loaded("train")  # loaded again: no error
+    assert not offload.is_offloaded("params")  # loaded again
     with offloaded_during(offload):  # the rollout phase: out inside, back after
         assert offload.is_offloaded("params") and model.weight.untyped_storage().nbytes() == 0
     assert not offload.is_offloaded("params") and torch.equal(model.weight, weight)

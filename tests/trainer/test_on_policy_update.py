@@ -1,5 +1,6 @@
-"""The on-policy update takes its old log-probs from its own forward (`step.old_log_probs_from_update`): the same
-update as a separate scoring pass first, one forward cheaper; and a bf16 actor trains with fp32 master weights.
+"""The on-policy update takes its old log-probs from its own forward
+(`policy_update.old_log_probs_from_update`): the same update as a separate scoring pass first, one forward cheaper;
+and a bf16 actor trains with fp32 master weights.
 
 Real Megatron on gloo (two spawned ranks: DP=2, then PP=2), the suite's tiny model. In each layout two identically
 built fp32 actors train on the same batch, one through the separate old-log-prob pass, one through
@@ -13,7 +14,7 @@ from tests.multiprocess import run_processes
 
 
 def _batch():
-    from megatron_cpo.trainer.step import StepBatch
+    from megatron_cpo.trainer.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(2, 12, (1,), generator=generator)),),
@@ -36,7 +37,7 @@ def _compare(model_dir, pp):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer import step
+    from megatron_cpo.trainer import policy_update
     from megatron_cpo.trainer.policies import build_policies
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -44,20 +45,21 @@ def _compare(model_dir, pp):
                  "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                  f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
     config = build_config({}, overrides)
-    assert step.old_log_probs_from_update(config)
+    assert policy_update.old_log_probs_from_update(config)
     platform.init_distributed(1, pp, seed=1)
     batch, results = _batch(), {}
     for mode in ("separate_pass", "from_update"):
         actor, _ = build_policies(config, pad_token_id=0, total_updates=4)
         if mode == "separate_pass":  # what the trainer did before the predicate existed
-            old, entropy = actor.log_probs(step.prepare_sequences(batch, 0, config.data.max_response_length)[0], 1.0)
-            lp = step.compute_log_probs(batch, actor, None, config, pad_token_id=0)
-            lp = step.BatchLogProbs(lp.seqs, lp.mask, lp.rollout_log_probs, old, entropy, None, None)
+            seqs = policy_update.prepare_sequences(batch, 0, config.data.max_response_length)[0]
+            old, entropy = actor.log_probs(seqs, 1.0)
+            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            lp = policy_update.BatchLogProbs(lp.seqs, lp.mask, lp.rollout_log_probs, old, entropy, None, None)
         else:
-            lp = step.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
             assert lp.old_log_probs is None and lp.entropy is None and "timing/old_log_prob_s" not in lp.timing
-        advantages, _ = step.compute_advantages(batch, lp, config)
-        metrics, lp = step.update_policy(actor, batch, lp, advantages, config)
+        advantages, _ = policy_update.compute_advantages(batch, lp, config)
+        metrics = policy_update.update_policy(actor, batch, lp, advantages, config)
         results[mode] = {"params": torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()]),
                          "old_log_probs": lp.old_log_probs, "entropy": lp.entropy, "metrics": metrics}
 
@@ -77,13 +79,14 @@ def _compare(model_dir, pp):
 
 
 def _bf16_update(bf16_config, batch):
-    from megatron_cpo.trainer import step
+    from megatron_cpo.trainer import policy_update
     from megatron_cpo.trainer.policies import build_policies
 
     actor, _ = build_policies(bf16_config, pad_token_id=0, total_updates=4)
     before = [p.detach().float().clone() for p in actor.model.parameters()]
-    lp = step.compute_log_probs(batch, actor, None, bf16_config, pad_token_id=0)
-    metrics, lp = step.update_policy(actor, batch, lp, step.compute_advantages(batch, lp, bf16_config)[0], bf16_config)
+    lp = policy_update.compute_log_probs(batch, actor, None, bf16_config, pad_token_id=0)
+    advantages = policy_update.compute_advantages(batch, lp, bf16_config)[0]
+    policy_update.update_policy(actor, batch, lp, advantages, bf16_config)
     # what Adam updates: the main parameters (with the distributed optimizer, this rank's shard of them)
     masters = [p for member in actor.optimizer.chained_optimizers for group in member.optimizer.param_groups
                for p in group["params"]]
@@ -112,7 +115,7 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.step import old_log_probs_from_update
+    from megatron_cpo.trainer.policy_update import old_log_probs_from_update
 
     base = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
     assert old_log_probs_from_update(build_config({}, base))
@@ -121,3 +124,5 @@ def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
     assert not old_log_probs_from_update(build_config({}, base + ["algorithm.use_kl_in_reward=true"]))
     assert not old_log_probs_from_update(build_config({}, base + ["algorithm.adv_estimator=cpo"]))
     assert old_log_probs_from_update(build_config({}, base + ["algorithm.filter_groups.enable=true"]))
+    # routing replay R2 records each token's experts in the separate pass for the update to replay
+    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.router_replay.mode=R2"]))

@@ -58,10 +58,20 @@ def _results(actor, reference, config):
     log_probs, entropy = actor.log_probs(seqs, temperature=0.7)
     ref_log_probs, ref_entropy = reference.log_probs(seqs, temperature=0.7)
     old = (log_probs - 0.05 * mask).detach()
-    metrics = actor.update(seqs, UpdateInputs(advantages, old, ref_log_probs, None), config.actor_rollout_ref.actor, 0.7)
+    metrics = actor.update(seqs, UpdateInputs(advantages, old, ref_log_probs, None), 0.7)
     grads = torch.cat([p.main_grad.detach().reshape(-1).clone() for p in actor.model.parameters()])
     return {"log_probs": log_probs, "entropy": entropy, "ref_log_probs": ref_log_probs, "ref_entropy": ref_entropy,
             "grads": grads, **{key: torch.tensor(metrics[key]) for key in LOSS_KEYS}}
+
+
+def _micro_batches(actor_config, micro_rows, budgets=None):
+    """The actor settings with `micro_rows`-row micro-batches, or (budgets: update, log-prob) token budgets."""
+    from dataclasses import replace
+
+    update_budget, log_prob_budget = budgets or (actor_config.ppo_max_token_len_per_gpu,
+                                                 actor_config.log_prob_max_token_len_per_gpu)
+    return replace(actor_config, ppo_micro_batch_size_per_gpu=micro_rows, use_dynamic_bsz=budgets is not None,
+                   ppo_max_token_len_per_gpu=update_budget, log_prob_max_token_len_per_gpu=log_prob_budget)
 
 
 def _compare_modes(model_dir, tp, pp, modes):
@@ -69,7 +79,6 @@ def _compare_modes(model_dir, tp, pp, modes):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.micro_batches import MicroBatching
     from megatron_cpo.trainer.policies import build_policies
 
     base = [
@@ -92,9 +101,11 @@ def _compare_modes(model_dir, tp, pp, modes):
         actor, reference = policies[overrides]
         for policy in (actor, reference):
             policy.use_fused_kernels = fused
-            policy.batching = MicroBatching(2, 30, 40) if dynamic else MicroBatching(2)
+            actor_config = config.actor_rollout_ref.actor
+            policy.config = _micro_batches(actor_config, 2, (30, 40) if dynamic else None)
             if packed:  # budgets of real tokens big enough (and fixed micro-batches of 4) that rows hold several
-                policy.batching = MicroBatching(2, 60, 200) if dynamic else MicroBatching(4)
+                policy.config = _micro_batches(actor_config, 2, (60, 200)) if dynamic else _micro_batches(
+                    actor_config, 4)
             policy.packing = "rows" if packed else None
             if (dynamic or packed) and pp > 1:
                 policy.model.config.variable_seq_lengths = True

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_cpo.config import build_config
-from megatron_cpo.trainer.controller import ControllerSettings
-from megatron_cpo.trainer.step import scores_with_kl_penalty
+from megatron_cpo.trainer.controller import prompt_limit
+from megatron_cpo.trainer.policy_update import scores_with_kl_penalty
 from megatron_cpo.trainer.verl_metrics import with_verl_names
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
@@ -34,9 +34,15 @@ def test_kl_in_reward_settings():
 
 
 def test_gen_batch_size_is_the_unit_of_max_num_gen_batches():
-    settings = ControllerSettings(train_batch_size=4, max_num_gen_batches=3, gen_batch_size=12)
-    assert (settings.generation_batch, settings.prompt_limit) == (12, 36)
-    assert ControllerSettings(train_batch_size=4, max_num_gen_batches=3).prompt_limit == 12
+    base = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "algorithm.filter_groups.max_num_gen_batches=3"]
+    config = build_config({}, [*base, "data.gen_batch_size=12", "algorithm.filter_groups.enable=true"])
+    assert (config.data.generation_batch_size, prompt_limit(config)) == (12, 36)
+    assert prompt_limit(build_config({}, [*base, "algorithm.filter_groups.enable=true"])) == 12
+    ragen = build_config({}, [*base, "actor_rollout_ref.rollout.rollout_filter_strategy=top_p",
+                              "actor_rollout_ref.rollout.rollout_filter_value=0.5"])
+    assert prompt_limit(ragen) == 12  # the limit bounds RAGEN's filter too
+    assert prompt_limit(build_config({}, base)) is None  # without a filter nothing is dropped: no limit
     with pytest.raises(ValueError, match="data.gen_batch_size=2 is below data.train_batch_size=4"):
         build_config({}, ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                           "data.gen_batch_size=2"])
@@ -75,11 +81,11 @@ def test_data_keys_reach_the_dataset(tmp_path):
     files = f"data.train_files=[{tmp_path / 'a.parquet'},{tmp_path / 'b.parquet'}]"
     config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
                                "data.filter_overlong_prompts=true"])
-    dataset = load_dataset(config.data.train_files, tokenizer, config, shuffle=False)
+    dataset = load_dataset(config.data.train_files, tokenizer, config)
     assert (len(dataset), dataset.num_filtered) == (2, 1)  # the long prompt of a.parquet is dropped
     config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
                                "data.truncation=left"])
-    dataset = load_dataset(config.data.train_files, tokenizer, config, shuffle=False)
+    dataset = load_dataset(config.data.train_files, tokenizer, config)
     assert len(dataset) == 3 and max(len(r.prompt_ids) for r in dataset.records) == 64
 
 

@@ -1,15 +1,13 @@
-"""Steps 4-6 of ARCHITECTURE.md on a collected batch, as every rank runs them in lockstep.
+"""Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-Rank 0 turns the kept groups into a `StepBatch` (flat token / log-prob tensors with offsets, hint contexts included;
-`collectives.broadcast_batch` sends it), then every rank runs `compute_log_probs` (old log-probs and entropy, the
-reference's, CPO's hinted ones), `compute_advantages` (GRPO by prompt, verl's KL-in-reward, the CPO shaping rule,
-filter loss scaling) and `update_policy` (the PPO epochs over mini-batches).
+`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
+prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling) and `update_policy` (the
+PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,56 +18,11 @@ from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
-from megatron_cpo.trainer.accumulator import ScoredGroup
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.routing import RecordedRouting
 from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
-
-
-@dataclass
-class StepBatch:
-    """Everything the ranks need for one update; one row per response, responses of a prompt contiguous.
-
-    Token and log-prob rows are `RaggedRows` (one flat tensor + offsets each; Python lists are converted when the batch
-    is built), so the broadcast sends a few buffers instead of pickling every token.
-    """
-    prompt_ids: RaggedRows
-    response_ids: RaggedRows
-    rollout_log_probs: RaggedRows
-    scores: torch.Tensor
-    acc: torch.Tensor
-    group: torch.Tensor
-    truncated: torch.Tensor
-    kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
-    hint_prompt_ids: RaggedRows | None = None
-    has_hint: torch.Tensor | None = None
-    hints_truncated: int = 0
-    hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
-
-    def __post_init__(self) -> None:
-        self.prompt_ids = RaggedRows.of(self.prompt_ids)
-        self.response_ids = RaggedRows.of(self.response_ids)
-        self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
-        if self.hint_prompt_ids is not None:
-            self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
-
-
-def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
-    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
-    hints = {}
-    if hint_builder is not None:
-        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
-        responses = [r for g in groups for r in g.response_token_ids]
-        contexts = hint_builder(groups, prompts, responses)
-        hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
-                 "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
-    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
-    return StepBatch(
-        prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).repeat_rows([g.n for g in groups]),
-        response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
-        rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
-        scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+from megatron_cpo.trainer.step_batch import StepBatch
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
@@ -98,7 +51,7 @@ class BatchLogProbs:
     """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model.
 
     `old_log_probs` and `entropy` are None until the update when it computes them itself
-    (`old_log_probs_from_update`); `update_policy` returns them filled in."""
+    (`old_log_probs_from_update`); `update_policy` then fills them in."""
     seqs: PackedSequences
     mask: torch.Tensor
     rollout_log_probs: RaggedRows  # the engine's, padded per mini-batch when it trains
@@ -106,6 +59,8 @@ class BatchLogProbs:
     entropy: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     hint_log_probs: torch.Tensor | None  # CPO: the responses under the hinted prompts (the plain ones where no hint)
+    routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
+    routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
 
 
@@ -113,7 +68,8 @@ def old_log_probs_from_update(config: Config) -> bool:
     """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate
     scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
     every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
-    KL-in-reward, a shaper such as CPO's that reads log-probs or entropy).
+    KL-in-reward, a shaper such as CPO's that reads log-probs or entropy), nor records anything in that pass (routing
+    replay R2 records each token's experts there for the update to replay).
 
     "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
     policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
@@ -121,21 +77,24 @@ def old_log_probs_from_update(config: Config) -> bool:
     """
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= config.data.train_batch_size
-    return one_update and not algorithm.use_kl_in_reward and not algorithm.shaper.needs_log_probs
+    return (one_update and not algorithm.use_kl_in_reward and not algorithm.shaper.needs_log_probs
+            and not actor.router_replay.replays)
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
                       pad_token_id: int) -> BatchLogProbs:
-    """Old log-probs and entropy under the actor (unless the update computes them: `old_log_probs_from_update`),
-    the reference's log-probs, and the hinted ones for CPO."""
+    """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
+    and the hinted ones for CPO. The old pass is left to the update when `old_log_probs_from_update` holds and the
+    actor tracks no routing (a mixture of experts records it in this pass)."""
     temperature = config.actor_rollout_ref.rollout.temperature or 1.0
     width = config.data.max_response_length
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     timing: dict[str, float] = {}
-    old_log_probs = entropy = ref_log_probs = hint_log_probs = None
-    if not old_log_probs_from_update(config):
+    old_log_probs = entropy = routing = ref_log_probs = hint_log_probs = None
+    routing_metrics: dict[str, float] = {}
+    if actor.routing is not None or not old_log_probs_from_update(config):
         start = time.perf_counter()
-        old_log_probs, entropy = actor.log_probs(seqs, temperature)
+        old_log_probs, entropy, routing, routing_metrics = actor.log_probs_and_routing(seqs, temperature)
         timing["timing/old_log_prob_s"] = time.perf_counter() - start
     if reference is not None:
         start = time.perf_counter()
@@ -148,7 +107,7 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
                                      old_log_probs)
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
     return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs, timing)
+                         hint_log_probs, routing, routing_metrics, timing)
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
@@ -180,9 +139,9 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
 
 
 def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor,
-                  config: Config) -> tuple[dict[str, float], BatchLogProbs]:
-    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats;
-    also `lp` with the old log-probs and entropy filled in when the update computed them."""
+                  config: Config) -> dict[str, float]:
+    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
+    When the update computed the old log-probs and entropy itself, it fills them into `lp`."""
     rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     temperature = rollout_cfg.temperature or 1.0
     width = config.data.max_response_length
@@ -192,9 +151,8 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
                               lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0))
-        metrics, old_log_probs, entropy = actor.update_on_policy(lp.seqs, inputs, actor_cfg, temperature)
+        metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
-        lp = replace(lp, old_log_probs=old_log_probs, entropy=entropy)
     else:
         for _ in range(actor_cfg.ppo_epochs):
             for begin in range(0, lp.seqs.rows, rows_per_mini):
@@ -202,10 +160,10 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
                 inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs)
-                update_metrics.append(actor.update(lp.seqs.select(rows), inputs, actor_cfg, temperature))
+                                      engine_log_probs, lp.routing, begin)
+                update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
-    metrics.update({**lp.timing, "timing/update_actor_s": time.perf_counter() - start})
+    metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
 
     mask = lp.mask
     lengths = lp.seqs.response_lengths.float()
@@ -221,13 +179,4 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.ref_log_probs is not None:
         kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
-    return metrics, lp
-
-
-def train_on_batch(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
-                   pad_token_id: int) -> dict[str, float]:
-    """Steps 4-6 in one call: log-probs, advantages, PPO update (the trainer calls them one by one)."""
-    log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id)
-    advantages, metrics = compute_advantages(batch, log_probs, config)
-    metrics.update(update_policy(actor, batch, log_probs, advantages, config)[0])
     return metrics

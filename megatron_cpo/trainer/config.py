@@ -1,32 +1,14 @@
-"""`actor_rollout_ref.*`: the model, the actor (optimizer, Megatron layout, loss), the rollout engines (sampling,
-RAGEN's rollout filter, validation sampling) and the reference, under verl's names."""
+"""The trainer's sections: `actor_rollout_ref.actor.*` (loss, optimizer, Megatron layout, batch sizes,
+checkpoint contents), `actor_rollout_ref.ref.*` (the frozen reference) and `trainer.*` (run length, evaluation,
+checkpoints, logging, early stop), under verl's names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.filters import FILTER_LOSS_SCALINGS, RolloutFilterConfig
+from megatron_cpo.algorithms.filters import FILTER_LOSS_SCALINGS
 from megatron_cpo.algorithms.losses import PolicyLossConfig
-from megatron_cpo.configs.checks import check, check_choice
-from megatron_cpo.rollout.types import RolloutEngineConfig
-
-
-@dataclass
-class ModelConfig:
-    """The HF model directory the actor, the reference and the rollout engines start from.
-
-    `use_fused_kernels` (verl's name) computes the actor's and the reference's log-probs and entropy from the final
-    hidden states and the vocab-parallel lm-head weight in one kernel, so the `[tokens, vocab]` logits are never
-    materialised (the memory that dominates at long responses and a 152k vocabulary); the results are the same.
-    `use_remove_padding` (verl's name) packs several sequences into each row of a micro-batch, position ids restarting
-    and attention confined per sequence (THD packed sequences with Transformer Engine, a per-sequence mask on the local
-    attention without it), so no compute is spent on padding; with `actor.use_dynamic_bsz` the token budgets then count
-    real tokens. `enable_gradient_checkpointing` recomputes activations in the backward (Megatron's recompute, as
-    `actor.megatron.recompute_*` say): less memory, one more forward; the results are the same.
-    """
-    path: str = ""
-    use_fused_kernels: bool = False
-    use_remove_padding: bool = False
-    enable_gradient_checkpointing: bool = False
+from megatron_cpo.config_checks import check, check_choice
+from megatron_cpo.trainer.early_stop import EarlyStopConfig
 
 
 @dataclass
@@ -53,6 +35,51 @@ class OptimConfig:
         check(self.clip_grad > 0, f"actor_rollout_ref.actor.optim.clip_grad={self.clip_grad} must be > 0")
 
 
+LOAD_BALANCING_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                         "global_aux_loss": "global_load_balancing_loss"}  # Megatron's type -> its logged name
+
+
+@dataclass
+class MoeTransformerConfig:
+    """verl's `actor_rollout_ref.actor.megatron.override_transformer_config`: the `TransformerConfig` fields of a
+    mixture of experts a run may set (Megatron's names; read only for MoE models). None of them changes which function
+    the model computes, so the engine still samples from the policy the trainer scores.
+
+    No load-balancing loss by default (`moe_router_load_balancing_type="none"`, `moe_aux_loss_coeff=0`), as verl,
+    slime and NeMo-RL train RL: the pretrained router already balances, and an auxiliary loss pulls the routing, and
+    with it the trainer's log-probs, away from what the engine samples with (NeMo-RL saw a sequence-level auxiliary
+    loss make them drift). Turn it on (`aux_loss`, `seq_aux_loss` or `global_aux_loss` with a coefficient > 0) when
+    expert imbalance under EP slows training (verl PR #4103); `moe_z_loss_coeff` adds the router z-loss. Both are
+    added to the update's loss and logged (`actor/moe_*`). `moe_token_dispatcher_type`: `alltoall` sends each token
+    only to the EP ranks of its experts; `allgather` gathers every token on every EP rank (simpler, more traffic).
+    `moe_router_dtype`: the router's logits and softmax in `fp32` (as transformers computes them) or `fp64`."""
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.actor.megatron.override_transformer_config."
+        check_choice(prefix + "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+                     ("none", *LOAD_BALANCING_LOSSES))
+        check(self.moe_aux_loss_coeff >= 0, f"{prefix}moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        balanced = self.moe_router_load_balancing_type != "none"
+        check(balanced == (self.moe_aux_loss_coeff > 0),
+              f"{prefix}moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} with "
+              f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} adds no loss; set both (e.g. aux_loss and 0.001) or "
+              "neither")
+        check(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
+              f"{prefix}moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0 (or null: no z-loss)")
+        check_choice(prefix + "moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather"))
+        check_choice(prefix + "moe_router_dtype", self.moe_router_dtype, ("fp32", "fp64"))
+
+    def aux_loss_names(self) -> list[str]:
+        """The names Megatron logs the configured auxiliary losses under."""
+        names = [LOAD_BALANCING_LOSSES[self.moe_router_load_balancing_type]] if self.moe_aux_loss_coeff > 0 else []
+        return names + (["z_loss"] if self.moe_z_loss_coeff else [])
+
+
 @dataclass
 class MegatronConfig:
     """Model parallelism of the trainer; data parallelism is what remains of the world size.
@@ -67,7 +94,12 @@ class MegatronConfig:
     `param_offload` / `grad_offload` / `optimizer_offload` (verl's names) move the actor's parameters, gradients
     (DDP's grad buffers) and optimizer state (Adam's moments, fp32 main parameters) to host memory while colocated
     engines generate (`rollout.mode=colocate`), and back before training; they do nothing when the engines have
-    GPUs of their own (trainer/offload.py)."""
+    GPUs of their own (trainer/offload.py).
+    A mixture of experts splits its experts over `expert_model_parallel_size` (EP) ranks and each expert over
+    `expert_tensor_parallel_size` (ETP, null: the same as TP) ranks, inside each pipeline stage: world / PP must be a
+    multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
+    `freeze_moe_router` (NeMo-RL's name) keeps every router's weights as loaded; `override_transformer_config` holds
+    the MoE knobs (`MoeTransformerConfig`)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     use_distributed_optimizer: bool = True
@@ -80,6 +112,10 @@ class MegatronConfig:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    freeze_moe_router: bool = False
+    override_transformer_config: MoeTransformerConfig = field(default_factory=MoeTransformerConfig)
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
@@ -98,6 +134,18 @@ class MegatronConfig:
                                               f"{self.recompute_num_layers} must be >= 1")
         check(self.context_parallel_size >= 1, "actor_rollout_ref.actor.megatron.context_parallel_size="
                                                f"{self.context_parallel_size} must be >= 1")
+        check(isinstance(self.expert_model_parallel_size, int) and self.expert_model_parallel_size >= 1,
+              "actor_rollout_ref.actor.megatron.expert_model_parallel_size="
+              f"{self.expert_model_parallel_size!r} must be an integer >= 1")
+        check(self.expert_tensor_parallel_size is None or (isinstance(self.expert_tensor_parallel_size, int)
+                                                           and self.expert_tensor_parallel_size >= 1),
+              "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size="
+              f"{self.expert_tensor_parallel_size!r} must be an integer >= 1, or null (the same as TP)")
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """ETP as the trainer runs it (null means TP)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -124,6 +172,31 @@ class CheckpointContentsConfig:
         return "hf_model" in self.save_contents
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass
+class RouterReplayConfig:
+    """verl's `actor_rollout_ref.actor.router_replay`: make the update route every token of a mixture of experts as
+    an earlier pass did (trainer/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
+    replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same experts
+    (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
+    returns routed experts only on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is
+    refused."""
+    mode: str = "disabled"
+
+    def __post_init__(self) -> None:
+        check_choice("actor_rollout_ref.actor.router_replay.mode", self.mode, ROUTER_REPLAY_MODES)
+        check(self.mode != "R3", "actor_rollout_ref.actor.router_replay.mode=R3 (replay the engine's routing) is not "
+                                 "available: vLLM returns routed experts only on GPUs (enable_return_routed_experts, "
+                                 "model runner V2) and the rollout samples here do not carry them; use R2 (replay the "
+                                 "old-log-prob pass's routing) or disabled")
+
+    @property
+    def replays(self) -> bool:
+        return self.mode != "disabled"
+
+
 @dataclass
 class ActorConfig(PolicyLossConfig):
     """The policy update: the loss settings of `PolicyLossConfig` (PPO clipping with clip-higher and dual-clip, loss
@@ -140,10 +213,12 @@ class ActorConfig(PolicyLossConfig):
     `ppo_max_token_len_per_gpu` padded tokens (rows x their own longest prompt + response) for the update, and
     `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
     `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
+    `router_replay` (mixtures of experts): route the update as the old-log-prob pass did (`RouterReplayConfig`).
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1
@@ -166,84 +241,6 @@ class ActorConfig(PolicyLossConfig):
 
 
 @dataclass
-class ValKwargsConfig:
-    """How validation samples (verl's `rollout.val_kwargs`): greedy unless `do_sample`; with `do_sample`, `n`
-    samples per prompt at `temperature` / `top_p` / `top_k`, and the accuracy is their mean (`mean@n`)."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    do_sample: bool = False
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.rollout.val_kwargs."
-        check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
-        check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
-        check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
-        check(self.top_k == -1 or self.top_k > 0, f"{prefix}top_k={self.top_k} must be -1 (off) or > 0")
-
-
-ROLLOUT_MODES = ("ray", "server", "colocate", "sync", "async")
-"""`rollout.mode`: where the engines run (docs/launch.md). verl's `sync` and `async` mean `ray` here: the controller
-always streams groups from asynchronous engines."""
-
-
-@dataclass
-class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
-    """`actor_rollout_ref.rollout`: the engines' settings (`RolloutEngineConfig` of rollout/types.py: count, layout,
-    memory, Ray address, weight transport), RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/filters.py,
-    the `rollout_filter_*` keys, off by default; docs/filters.md) and the sampling the trainer asks for. This class
-    extends both, so the engines and the filter receive this object as is.
-    `n` responses per prompt at `temperature` / `top_p` / `top_k`; `val_kwargs` is how validation samples.
-    `max_inflight_prompts` caps the prompts the controller keeps in flight (0: 2 * data.train_batch_size).
-    `log_prob_micro_batch_size_per_gpu`: responses per forward when the actor recomputes log-probs
-    (0: `actor.ppo_micro_batch_size_per_gpu`).
-    `free_cache_engine` (verl's name; `enable_sleep_mode` is accepted for it) puts colocated engines to sleep while
-    the actor trains (`rollout.mode=colocate`, GPU engines only) and wakes them before rollout: `sleep_level` 1 frees
-    the KV cache and moves the weights to host memory, 2 discards the weights too (new ones are pushed before the
-    next rollout anyway, so 2 saves the copy and the host memory).
-    `mode` (docs/launch.md): `ray` (default; verl's `sync`/`async` are aliases) spawns `num_engines` engines as Ray
-    actors on their own devices; `server` uses running `megatron-cpo rollout` servers at `server_urls` (token in
-    `server_token_file`; `server_timeout_s` bounds health checks and connecting) and never starts Ray; `colocate`
-    starts one engine server per rollout-TP group of the trainer's ranks on their node, sharing their devices."""
-    n: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_inflight_prompts: int = 0
-    log_prob_micro_batch_size_per_gpu: int = 0
-    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
-    free_cache_engine: bool = True
-    sleep_level: int = 1
-    mode: str = "ray"
-    server_urls: list[str] = field(default_factory=list)
-    server_timeout_s: float = 30.0
-    server_token_file: str = ""
-
-    def __post_init__(self) -> None:
-        RolloutEngineConfig.__post_init__(self)
-        RolloutFilterConfig.__post_init__(self)
-        prefix = "actor_rollout_ref.rollout."
-        check(self.log_prob_micro_batch_size_per_gpu >= 0, f"{prefix}log_prob_micro_batch_size_per_gpu="
-               f"{self.log_prob_micro_batch_size_per_gpu} must be >= 0 (0: actor.ppo_micro_batch_size_per_gpu)")
-        check(self.sleep_level in (1, 2), f"{prefix}sleep_level={self.sleep_level} must be 1 (free the KV cache, "
-               "move the engine's weights to host memory) or 2 (discard the weights too)")
-        check(self.n >= 1, f"{prefix}n={self.n} must be >= 1")
-        check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
-        check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
-        check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
-                                               ">= 0 (0 means 2 * data.train_batch_size)")
-        check_choice(prefix + "mode", self.mode, ROLLOUT_MODES)
-        check(self.mode == "server" or not self.server_urls, f"{prefix}server_urls={self.server_urls} is only "
-               f"used with {prefix}mode=server (mode={self.mode!r}); drop it or set mode=server")
-        check(self.mode != "server" or bool(self.server_urls), f"{prefix}mode=server needs {prefix}server_urls="
-               "[http://HOST:PORT, ...] (servers started with `megatron-cpo rollout`)")
-        check(self.mode != "server" or bool(self.server_token_file), f"{prefix}mode=server needs "
-               f"{prefix}server_token_file: the file holding the token the servers were started with (--token-file)")
-        check(self.server_timeout_s > 0, f"{prefix}server_timeout_s={self.server_timeout_s} must be > 0")
-
-
-@dataclass
 class RefConfig:
     """The frozen reference policy; `sync_ref_model` mixes the actor into it every `ref_model_sync_steps` steps.
     It runs in the actor's TP/PP layout; `log_prob_micro_batch_size_per_gpu` is responses per forward (0: the
@@ -261,8 +258,42 @@ class RefConfig:
 
 
 @dataclass
-class ActorRolloutRefConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
+class TrainerConfig:
+    """Run length, evaluation, checkpoints, logging.
+
+    `resume="auto"` continues from the newest checkpoint under `default_local_dir` when there is one;
+    `early_stop` ends the run when the reward variance collapses. `nnodes` x `n_gpus_per_node` (verl), when set,
+    must equal the trainer's world size (torchrun's); 0 leaves it unchecked. `log_verl_metric_names` also logs each
+    metric under verl's name (`critic/score/mean`, `response_length/mean`, ...) so verl dashboards keep working.
+    `resume="disable"` refuses a `default_local_dir` that holds an earlier run unless `overwrite=true`, which first
+    moves that run aside to `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always
+    checkpointed.
+    """
+    total_epochs: int = 1
+    total_training_steps: int = 0
+    test_freq: int = -1
+    val_before_train: bool = True
+    save_freq: int = -1
+    default_local_dir: str = "outputs/run"
+    resume: str = "auto"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "megatron-cpo"
+    experiment_name: str = "run"
+    log_completions: int = 0
+    seed: int = 1
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
+    log_verl_metric_names: bool = True
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")
+        check(self.total_training_steps >= 0,
+               f"trainer.total_training_steps={self.total_training_steps} must be >= 0 (0: run total_epochs)")
+        check_choice("trainer.resume", self.resume, ("auto", "disable"))
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        for sink in self.logger:
+            check_choice("trainer.logger entry", sink, ("console", "jsonl", "tensorboard", "wandb"))
+        check(self.log_completions >= 0, f"trainer.log_completions={self.log_completions} must be >= 0 (rows/step)")

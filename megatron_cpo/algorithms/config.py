@@ -1,0 +1,69 @@
+"""`algorithm.*`: the advantage estimator and its shaping, DAPO's filter-groups and verl's KL-in-reward settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_cpo.algorithms.kl import KL_ESTIMATORS
+from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
+from megatron_cpo.config_checks import check, check_choice
+
+FILTER_METRICS = ("acc", "score", "seq_reward")
+ON_LIMIT = ("error", "use_partial")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompts whose responses all got the same `metric`, accumulate until full.
+
+    `max_num_gen_batches` counts prompts requested in units of `data.gen_batch_size` (by default
+    `data.train_batch_size`; <= 0: no limit); it bounds RAGEN's rollout filter too. When it is reached before the batch
+    is full, `on_limit="error"` stops the run (verl's behaviour) and `"use_partial"` trains on the prompts kept so far
+    (seed 001's behaviour), as it does when the data runs out.
+    """
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 0
+    on_limit: str = "error"
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.filter_groups.metric", self.metric, FILTER_METRICS)
+        check_choice("algorithm.filter_groups.on_limit", self.on_limit, ON_LIMIT)
+
+
+@dataclass
+class KLControlConfig:
+    """verl's `algorithm.kl_ctrl`: the coefficient of the KL penalty in the reward (`algorithm.use_kl_in_reward`).
+    Only `type: fixed` is implemented; `adaptive` is refused rather than run as fixed."""
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+    def __post_init__(self) -> None:
+        check(self.type == "fixed", f"algorithm.kl_ctrl.type={self.type!r} is not supported (only 'fixed'; an "
+                                    "adaptive coefficient is not implemented); set algorithm.kl_ctrl.type=fixed")
+        check(self.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={self.kl_coef} must be >= 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
+    under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
+    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
+    summed over the response, from each response's score before the advantages (needs the reference model)."""
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATORS))
+        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
+
+    @property
+    def shaper(self) -> AdvantageShaper:
+        """The advantage shaper `adv_estimator` selects; ask it whether hint contexts are needed."""
+        return build_shaper(self.adv_estimator, self.cpo)

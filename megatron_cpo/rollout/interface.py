@@ -1,0 +1,63 @@
+"""`RolloutEngines`: what the trainer may ask of the rollout engines, whichever `rollout.mode` runs them.
+
+Implemented by the Ray `RolloutManager` (manager.py) and the HTTP `ServerRolloutManager` (server_client.py; the
+colocated mode's `ColocatedRolloutManager` extends it). The trainer (controller, validation, weight push, run loop)
+types every engine handle as `RolloutEngines`, so a new mode is one class that satisfies this protocol.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+
+if TYPE_CHECKING:  # types only: this module stays a leaf that imports neither Ray nor the HTTP client
+    import torch
+
+    from megatron_cpo.rollout.http_client import ServerSenderSpec
+    from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
+    from megatron_cpo.rollout.weight_sync import WeightSenderSpec
+
+
+class RolloutEngines(Protocol):
+    """A set of rollout engines behind one request book: prompts go to the least-loaded live engine, finished groups
+    stream back, a dead engine's prompts are re-dispatched, and new weights are loaded in place between rounds."""
+
+    engines: list
+    """One handle per engine (an actor handle or a server URL); dead ones stay in the list."""
+    last_engine_failure: str | None
+    """Why the last engine that died did (None while every engine lives)."""
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one prompt for `params.n` samples."""
+
+    def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
+        """Wait for one group, then return it with every other group already finished; [] when none is outstanding."""
+
+    def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
+        """Yield groups as they finish until nothing is outstanding."""
+
+    def cancel_all(self) -> int:
+        """Drop everything outstanding; returns how many groups were dropped."""
+
+    def health(self) -> list[bool]:
+        """Whether each engine answers a health check."""
+
+    def check_engines(self) -> int:
+        """Health-check the live engines, mark those that fail as dead; returns how many are alive."""
+
+    def num_engines_alive(self) -> int:
+        """Engines not known to be dead."""
+
+    def sender_spec(self, transport: str | None = None) -> WeightSenderSpec | ServerSenderSpec:
+        """What every sending trainer rank needs to push its layers to the live engines."""
+
+    def begin_weight_sync(self) -> None:
+        """Open an in-place reload on every live engine (nothing may be outstanding)."""
+
+    def finish_weight_sync(self) -> None:
+        """Close the reload: the engines serve the new weights."""
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
+                     ) -> dict[str, float]:
+        """Load HF-named full tensors, all from this process, into every live engine; returns transfer metrics."""
+
+    def shutdown(self) -> None:
+        """Release the engines (stop those this object started). Safe to call twice."""
