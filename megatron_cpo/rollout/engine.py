@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import uuid
 
 from megatron_cpo.rollout.buckets import BucketSpec
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutGroup, RolloutSample, SamplingParams
@@ -78,16 +79,32 @@ class VLLMEngine:
 
     async def _generate_one(self, sample_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             seed: int | None) -> RolloutSample | None:
+        return await self._final_sample(sample_id, prompt_token_ids, dict(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids), seed=seed))
+
+    async def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutSample | None]:
+        """Greedy continuations of `prompts` (`max_tokens` each: end-of-sequence does not stop them) with this
+        engine's log-probs, for the trainer's sync check (rollout/sync_check.py). Not groups in flight: `cancel_all`
+        never aborts them and they do not keep the engine from taking weights."""
+        tag = uuid.uuid4().hex[:12]
+        return list(await asyncio.gather(*(
+            self._final_sample(f"sync-probe-{tag}-{index}", prompt,
+                               dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            for index, prompt in enumerate(prompts))))
+
+    async def _final_sample(self, request_id: str, prompt_token_ids: list[int], options: dict
+                            ) -> RolloutSample | None:
+        """One vLLM request (`options`: vLLM sampling parameters) as a sample with the log-prob of each token;
+        None when it was aborted."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        vllm_params = VllmSamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        vllm_params = VllmSamplingParams(n=1, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                         **options)
         final = None
         async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, vllm_params,
-                                                 sample_id):
+                                                 request_id):
             final = output
         completion = final.outputs[0] if final is not None and final.outputs else None
         if completion is None or completion.finish_reason not in ("stop", "length"):
@@ -161,9 +178,13 @@ class VLLMEngine:
         """Close weight-sync group `name` (every group when None) on every worker."""
         await self.engine.collective_rpc("rollout_leave_weight_group", args=(name,))
 
-    async def finish_weight_reload(self) -> None:
-        await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
-        await self.engine.reset_prefix_cache()
+    async def finish_weight_reload(self) -> list[dict]:
+        """Close the reload on every worker and drop the prefix cache (its keys and values were computed with the
+        old weights); returns each worker's reload report (`worker_extension.ReloadLedger.report`), with
+        `prefix_cache_reset`: whether vLLM dropped the cache (it refuses while requests hold cached blocks)."""
+        reports = await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
+        reset = bool(await self.engine.reset_prefix_cache())
+        return [{**report, "prefix_cache_reset": reset} for report in reports]
 
     async def shutdown(self) -> None:
         """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""

@@ -52,8 +52,13 @@ class RolloutEngines(Protocol):
     def begin_weight_sync(self) -> None:
         """Open an in-place reload on every live engine (nothing may be outstanding)."""
 
-    def finish_weight_sync(self) -> None:
-        """Close the reload: the engines serve the new weights."""
+    def finish_weight_sync(self) -> dict[str, list[dict]]:
+        """Close the reload: the engines serve the new weights. Returns each engine's workers' reload reports
+        (tensors received, parameters nothing filled, names sent twice, whether the prefix cache was dropped)."""
+
+    def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
+        """Greedy `max_tokens` tokens of each prompt on every live engine, with their log-probs (the sync check of
+        rollout/sync_check.py); not outstanding requests: `finished()` never returns them."""
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
                      ) -> dict[str, float]:
