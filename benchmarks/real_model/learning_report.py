@@ -19,6 +19,7 @@ import json
 import math
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -85,9 +86,12 @@ def answer_held_out(run_dir: Path, last_step: int, test_file: Path) -> list[str]
 
     from megatron_cpo.rewards import compute_score
 
-    export = run_dir / "checkpoints" / f"step_{last_step}" / "huggingface"
-    if not export.is_dir():
-        raise SystemExit(f"error: no Hugging Face export at {export}; the run has not saved its last step yet")
+    saved = {int(path.parent.name.split("_")[-1]): path
+             for path in (run_dir / "checkpoints").glob("step_*/huggingface")}  # step_000050/huggingface
+    if last_step not in saved:
+        raise SystemExit(f"error: no Hugging Face export of step {last_step} under {run_dir / 'checkpoints'}; the run "
+                         "has not saved its last step yet")
+    export = saved[last_step]
     row = pq.read_table(test_file).slice(0, 1).to_pylist()[0]
     question, expected = row["prompt"][-1]["content"], row["reward_model"]["ground_truth"]
     command = [str(Path(sys.executable).parent / "megatron-cpo"), "generate", "--hf", str(export), "--prompt",
@@ -96,9 +100,10 @@ def answer_held_out(run_dir: Path, last_step: int, test_file: Path) -> list[str]
     line = next(line for line in printed.splitlines() if line.startswith("generation ("))
     text = ast.literal_eval(line.split(": ", 1)[1])
     result = compute_score(row["data_source"], text, expected)
-    return [f"The trained policy's Hugging Face export (`{export.relative_to(REPO) if export.is_relative_to(REPO) else export}`), "
-            f"greedy, on the first held-out question (`megatron-cpo generate --hf <export> --prompt \"{question}\" "
-            "--max-new-tokens 128`):", "", "    " + text.replace("\n", "\n    "), "",
+    where = export.relative_to(REPO) if export.is_relative_to(REPO) else export
+    return [f"The trained policy's Hugging Face export (`{where}`), greedy, on the first held-out question "
+            f"(`megatron-cpo generate --hf <export> --prompt "
+            f"\"{question}\" --max-new-tokens 128`):", "", "    " + text.replace("\n", "\n    "), "",
             f"expected {expected}, graded answer {result.get('pred')}: **{'correct' if result['acc'] else 'wrong'}**."]
 
 
@@ -108,7 +113,8 @@ def section(run_dir: Path, rows: dict[int, dict], total_steps: int, command: str
     trained = max((step for step in rows if step > 0), default=0)
     status = (f"all {total_steps} steps" if trained >= total_steps
               else f"**still running: {trained} of {total_steps} steps logged so far**")
-    parts = [f"One GRPO run (`examples/smollm2-135m/grpo.yaml`, seed 1), {status}:", "", f"    {command}", "",
+    shown = " \\\n        ".join(textwrap.wrap(command, 100, break_long_words=False, break_on_hyphens=False))
+    parts = [f"One GRPO run (`examples/smollm2-135m/grpo.yaml`, seed 1), {status}:", "", f"    {shown}", "",
              f"![learning curves]({png.name})", "", "Held-out accuracy (greedy, the first "
              f"{points[0][2] if points else '?'} held-out questions):", "", *val_lines, ""]
     if len(points) >= 2:
@@ -123,7 +129,8 @@ def section(run_dir: Path, rows: dict[int, dict], total_steps: int, command: str
               *training_table(rows, block), ""]
     if answer:
         parts += [*answer, ""]
-    return "\n".join(parts)
+    return "\n".join(line if line.startswith(("|", "    ")) else "\n".join(textwrap.wrap(line, 118)) or line
+                     for line in parts)
 
 
 def replace_section(readme: Path, title: str, body: str) -> None:
