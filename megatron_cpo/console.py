@@ -31,6 +31,9 @@ QUIET_WARNINGS: tuple[tuple[str, str], ...] = (
     # Megatron-Core 0.16's torch_dist checkpoint loading calls APIs torch 2.13 deprecates.
     ("FutureWarning", r"`load_state_dict` is deprecated and will be removed"),
     ("FutureWarning", r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    # Megatron-Core 0.16 warns whenever selective recompute covers the core attention (recompute_granularity
+    # selective), even without Transformer Engine, where the local attention is exactly what it should recompute.
+    ("UserWarning", r"If you are using transformer_engine as the transformer implementation, the core_attn"),
 )
 
 _WARNING_LINE = re.compile(r"^\S+:\d+: (\w+): (.*)", re.DOTALL)

@@ -2,7 +2,9 @@
 `algorithm.adv_estimator`, registered in `ADVANTAGE_SHAPERS`.
 
 A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
-the hinted log-prob pass only for a shaper that asks for them, and passes the resulting signals to `shape`.
+the hinted log-prob pass only for a shaper that asks for them, and passes the resulting signals to `shape`. It also
+says whether it reads the actor's log-probs or entropy (`needs_log_probs`): only then must they be computed before
+the update (otherwise an on-policy update takes them from its own forward).
 
 - `grpo` (also DAPO, Dr.GRPO: those differ in the filters and the loss, not here): the GRPO advantages as they are.
 - `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
@@ -48,9 +50,11 @@ class CPOConfig:
 
 class AdvantageShaper:
     """The GRPO advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
-    signals (the trainer then builds hinted prompts and scores the responses under them)."""
+    signals (the trainer then builds hinted prompts and scores the responses under them); `needs_log_probs`: whether
+    it reads `log_probs` / `entropy` (None is passed otherwise)."""
 
     needs_hint_contexts: ClassVar[bool] = False
+    needs_log_probs: ClassVar[bool] = False
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
               log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
@@ -63,6 +67,7 @@ class CPOShaper(AdvantageShaper):
     """CPO: the rule `config.wrap_method` moves the advantages of tokens the hint makes much more or less likely."""
 
     needs_hint_contexts: ClassVar[bool] = True
+    needs_log_probs: ClassVar[bool] = True
 
     def __init__(self, config: CPOConfig) -> None:
         self.config = config

@@ -7,6 +7,10 @@ from megatron_cpo.config_checks import ConfigError, check, check_choice
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 
 TRUNCATION_MODES = ("error", "left", "right")
+DEFAULT_INSTRUCTION = (
+    "Please refer to the above solution to derive your answer, reason step by step, and put your final answer "
+    "within \\boxed{}."
+)
 
 
 @dataclass
@@ -14,7 +18,9 @@ class DataConfig:
     """Datasets (verl parquet schema) and batch geometry.
 
     `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
-    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md).
+    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md);
+    `hint_instruction`: what the hint context's second user turn asks after repeating the question (docs/cpo.md;
+    the default asks for a `\\boxed{}` answer, which a task graded on another format should change).
     `train_files` / `val_files` are lists of parquet paths (a single path, `a,b` or verl's `[a,b]` all work).
     `prompt_key` is the column holding the chat messages; prompts longer than `max_prompt_length` are dropped
     (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
@@ -30,6 +36,7 @@ class DataConfig:
     shuffle: bool = True
     val_max_samples: int = -1
     hint_key: list[str] = field(default_factory=lambda: list(DEFAULT_HINT_KEYS))
+    hint_instruction: str = DEFAULT_INSTRUCTION
     prompt_key: str = "prompt"
     truncation: str = "error"
     filter_overlong_prompts: bool = False

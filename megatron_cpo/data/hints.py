@@ -22,15 +22,12 @@ from typing import Any
 
 import torch
 
+from megatron_cpo.data.config import DEFAULT_INSTRUCTION
 from megatron_cpo.data.dataset import encode_texts
 from megatron_cpo.data.hint_keys import DEFAULT_HINT_KEYS, check_hint_keys
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INSTRUCTION = (
-    "Please refer to the above solution to derive your answer, reason step by step, and put your final answer "
-    "within \\boxed{}."
-)
 HINT_SOURCES = DEFAULT_HINT_KEYS
 _SLOT = "\u2063HINT\u2063"  # invisible separator: marks where the template placed the hint text
 
@@ -38,7 +35,8 @@ _SLOT = "\u2063HINT\u2063"  # invisible separator: marks where the template plac
 @dataclass
 class HintTemplate:
     """How the hint context reads: the hint text (`{solution}` is the gold solution) and the second user turn
-    (`{question}`, `{instruction}`). Not a setting of the run: the seeds' wording, fixed."""
+    (`{question}`, `{instruction}`). The texts are the seeds' wording, fixed; only the instruction is a setting of the
+    run (`data.hint_instruction`), for a task graded on another answer format than `\\boxed{}`."""
 
     hint_template: str = "{solution}"
     second_turn_template: str = "{question}\n{instruction}"

@@ -1,7 +1,8 @@
-"""Graders for short final answers: GSM8K numbers, GPQA multiple choice letters, Geometry3K numeric values.
+"""Graders for short final answers: GSM8K numbers, GPQA multiple choice letters, Geometry3K numeric values, and the
+last number of a free-form answer.
 
-GSM8K and GPQA score 1 for correct and ``wrong_score`` (0 by default, verl's convention for these sets) otherwise;
-Geometry3K adds verl's 0.1 format reward. Every extraction is linear in the response length.
+GSM8K, GPQA and the last-number grader score 1 for correct and ``wrong_score`` (0 by default, verl's convention for
+these sets) otherwise; Geometry3K adds verl's 0.1 format reward. Every extraction is linear in the response length.
 """
 from __future__ import annotations
 
@@ -66,6 +67,35 @@ def compute_gsm8k_score(
         raise ValueError(f"gsm8k ground truth {ground_truth!r} is not a number; pass the final number only")
     correct = predicted is not None and numbers_close(predicted, truth, rel_tol=0.0, abs_tol=1e-6)
     return _result(correct, prediction, f"{prediction} != {ground_truth}", wrong_score)
+
+
+def last_number(solution_str: str) -> str | None:
+    """The last number written in the response ("1,234" -> "1234"; a sentence's final period is not a decimal
+    point), else None."""
+    numbers = _NUMBER.findall(solution_str)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def compute_last_number_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, *,
+    wrong_score: float = 0.0,
+) -> dict:
+    """1 when the last number of the response equals the ground truth by value, else ``wrong_score``.
+
+    For models that answer in their own words and put no marker on the answer (SmolLM2-135M-Instruct ends with
+    "... 47 + 38 = 85."): the last number is the one a reader takes as the answer, as lm-evaluation-harness's
+    "flexible-extract" does for GSM8K. A response that states the right sum and then keeps writing other numbers
+    scores 0: the answer must come last.
+    """
+    truth = _to_number(str(ground_truth).strip())
+    if truth is None:
+        raise ValueError(f"last-number ground truth {ground_truth!r} is not a number; pass the number only")
+    prediction = last_number(solution_str)
+    if prediction is None:
+        return _result(False, None, "no number in the response", wrong_score)
+    predicted = _to_number(prediction)
+    correct = predicted is not None and numbers_close(predicted, truth, rel_tol=0.0, abs_tol=1e-6)
+    return _result(correct, prediction, f"last number {prediction} != {ground_truth}", wrong_score)
 
 
 def extract_choice(solution_str: str) -> str | None:

@@ -30,7 +30,8 @@ searchR1_nq, _triviaqa, _popqa, _hotpotqa,                   1/.25/0      none (
 _2wikimultihopqa, _musique, _bamboogle
 ==========================================================  ===========  ================================================
 
-Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, amc23 strict) or 1/0 (gpqa).
+Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, amc23 strict) or 1/0 (gpqa;
+megatron_cpo/addition, whose answer is the response's last number: the real-model example's task).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from pathlib import Path
 from megatron_cpo.rewards.answer_graders import (
     compute_geometry_score,
     compute_gsm8k_score,
+    compute_last_number_score,
     compute_multiple_choice_score,
 )
 from megatron_cpo.rewards.code_grader import compute_code_score
@@ -49,6 +51,7 @@ from megatron_cpo.rewards.dataset_graders import compute_dapo_score, compute_qa_
 from megatron_cpo.rewards.math_grader import compute_math_score, compute_strict_math_score
 
 ARITH_DATA_SOURCE = "megatron_cpo/arith"
+ADDITION_DATA_SOURCE = "megatron_cpo/addition"  # data/addition.py: plain-words questions, the last number answers
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ _BUILTIN_GRADERS: dict[str, Grader] = {
     **{source: _builtin(compute_math_score, 0.0, wrong_score=0.0) for source in NUMINA_SOURCES},
     "amc23": _builtin(compute_strict_math_score, -1.0),
     "openai/gsm8k": _builtin(compute_gsm8k_score, 0.0),
+    ADDITION_DATA_SOURCE: _builtin(compute_last_number_score, 0.0),
     "gpqa": _builtin(compute_multiple_choice_score, 0.0),
     "hiyouga/geometry3k": _builtin(compute_geometry_score, 0.0),
     **{source: _builtin(compute_code_score, 0.0, continuous=True, max_tests=10) for source in CODE_SOURCES},

@@ -36,9 +36,10 @@ from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 @dataclass
 class UpdateInputs:
-    """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned)."""
+    """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned); `old_log_probs` None: the
+    update's own forward gives them (`MegatronPolicy.update_on_policy`)."""
     advantages: torch.Tensor
-    old_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     rollout_log_probs: torch.Tensor | None
     routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
@@ -221,8 +222,6 @@ class MegatronPolicy:
     @torch.no_grad()
     def _score(self, seqs: PackedSequences, temperature: float, record_routing: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, RecordedRouting | None, dict[str, float]]:
-        from megatron.core import parallel_state
-
         self._module.eval()
         padded, plan = self._plan(seqs, self.config.log_prob_max_token_len_per_gpu,
                                   "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
@@ -235,6 +234,14 @@ class MegatronPolicy:
                             if record_routing else None)
         routing, routing_metrics = (self.routing.finish_recording(plan, seqs.lengths()) if record_routing
                                     else (None, {}))
+        return (*self._gather_rows(outputs, plan, padded.rows, seqs), routing, routing_metrics)
+
+    def _gather_rows(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, padded_rows: int,
+                     seqs: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's per-micro-batch (log-probs, entropy) of the last stage -> the whole batch's [rows, R] pair,
+        on every rank (broadcast from the last stage, gathered over DP)."""
+        from megatron.core import parallel_state
+
         rank_rows = [torch.cat(micro) for micro in plan]
         local = torch.zeros(2, max(len(rows) for rows in rank_rows), seqs.response_width, device=platform.device())
         if parallel_state.is_pipeline_last_stage():
@@ -246,10 +253,10 @@ class MegatronPolicy:
                            group=parallel_state.get_pipeline_model_parallel_group())
         pieces = [torch.empty_like(local) for _ in rank_rows]
         dist.all_gather(pieces, local, group=parallel_state.get_data_parallel_group())
-        full = torch.zeros(2, padded.rows, seqs.response_width)
+        full = torch.zeros(2, padded_rows, seqs.response_width)
         for rows, piece in zip(rank_rows, pieces):
             full[:, rows] = piece[:, : len(rows)].cpu()
-        return full[0, : seqs.rows], full[1, : seqs.rows], routing, routing_metrics
+        return full[0, : seqs.rows], full[1, : seqs.rows]
 
     def update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> dict[str, float]:
         """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule; the
@@ -258,12 +265,32 @@ class MegatronPolicy:
         The loss is aggregated over the whole mini-batch (all micro-batches and DP ranks), so the update does not
         depend on how the mini-batch is split (fixed or token-budget micro-batches alike).
         """
+        return self._update(seqs, inputs, temperature)[0]
+
+    def update_on_policy(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
+                         ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """`update` whose PPO old log-probs are its own forward's, detached (`inputs.old_log_probs` is None): exact
+        when the batch is one mini-batch trained once (`policy_update.old_log_probs_from_update`), and one forward
+        cheaper than a separate scoring pass. Also returns those log-probs and the entropy, [rows, R] each, on every
+        rank."""
+        if inputs.old_log_probs is not None:
+            raise ValueError("update_on_policy takes its old log-probs from its own forward; pass "
+                             "UpdateInputs(old_log_probs=None) or call update()")
+        metrics, outputs, plan, padded_rows = self._update(seqs, inputs, temperature)
+        log_probs, entropy = self._gather_rows([(lp, ent) for _, lp, ent in outputs], plan, padded_rows, seqs)
+        return metrics, log_probs, entropy
+
+    def _update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
+                ) -> tuple[dict[str, float], list, Plan, int]:
+        """The optimizer step; also this rank's per-micro-batch (metrics, log-probs, entropy) outputs and the plan."""
         from megatron.core import parallel_state
 
         mask = seqs.response_mask()
         global_tokens = float(mask.sum().clamp(min=1))
         global_seqs = float((mask.sum(-1) > 0).sum().clamp(min=1))
-        extra = {"advantages": inputs.advantages, "old_log_probs": inputs.old_log_probs}
+        extra = {"advantages": inputs.advantages}
+        if inputs.old_log_probs is not None:
+            extra["old_log_probs"] = inputs.old_log_probs
         if inputs.ref_log_probs is not None:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
@@ -283,13 +310,15 @@ class MegatronPolicy:
 
         def loss_step(log_probs, entropy, batch):
             device = log_probs.device
+            old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
             loss, metrics = policy_loss(
-                log_probs, batch["old_log_probs"].to(device), batch["advantages"].to(device),
+                log_probs, old, batch["advantages"].to(device),
                 batch["seqs"].response_mask().to(device), self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs)
-            return loss * scale, {k: torch.tensor(float(v)) for k, v in metrics.items()}
+            return loss * scale, ({k: torch.tensor(float(v)) for k, v in metrics.items()}, log_probs.detach(),
+                                  entropy.detach())
 
         self._module.train()
         self.ddp_model.zero_grad_buffer()
@@ -299,7 +328,7 @@ class MegatronPolicy:
                             if routed else None)
         self.scheduler.step(increment=1)
         updated, grad_norm, _ = self.optimizer.step()
-        metrics = self._reduce_metrics(outputs)
+        metrics = self._reduce_metrics([output[0] for output in outputs])
         if routed:
             metrics.update(self.routing.finish_update())
         if self.routing is not None:
@@ -307,7 +336,7 @@ class MegatronPolicy:
                                             .aux_loss_names(), len(micro)))
         metrics.update({"actor/grad_norm": float(grad_norm or 0.0), "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
-        return metrics
+        return metrics, outputs, plan, padded.rows
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Micro-batch metrics summed where they are shares of the batch loss, averaged otherwise; on every rank."""

@@ -6,6 +6,7 @@ PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,34 +49,66 @@ def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
 
 @dataclass
 class BatchLogProbs:
-    """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model."""
+    """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model.
+
+    `old_log_probs` and `entropy` are None until the update when it computes them itself
+    (`old_log_probs_from_update`); `update_policy` then fills them in."""
     seqs: PackedSequences
     mask: torch.Tensor
     rollout_log_probs: RaggedRows  # the engine's, padded per mini-batch when it trains
-    old_log_probs: torch.Tensor
-    entropy: torch.Tensor
+    old_log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     hint_log_probs: torch.Tensor | None  # CPO: the responses under the hinted prompts (the plain ones where no hint)
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
+    timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
+
+
+def old_log_probs_from_update(config: Config) -> bool:
+    """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate
+    scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
+    every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
+    KL-in-reward, a shaper such as CPO's that reads log-probs or entropy), nor records anything in that pass (routing
+    replay R2 records each token's experts there for the update to replay).
+
+    "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
+    policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
+    mismatch metrics); with asynchronous training they can differ, and this predicate is still about the former.
+    """
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= config.data.train_batch_size
+    return (one_update and not algorithm.use_kl_in_reward and not algorithm.shaper.needs_log_probs
+            and not actor.router_replay.replays)
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
                       pad_token_id: int) -> BatchLogProbs:
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
-    and the hinted ones for CPO."""
+    and the hinted ones for CPO. The old pass is left to the update when `old_log_probs_from_update` holds and the
+    actor tracks no routing (a mixture of experts records it in this pass)."""
     temperature = config.actor_rollout_ref.rollout.temperature or 1.0
     width = config.data.max_response_length
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
-    old_log_probs, entropy, routing, routing_metrics = actor.log_probs_and_routing(seqs, temperature)
-    ref_log_probs = reference.log_probs(seqs, temperature)[0] if reference is not None else None
-    hint_log_probs = None
+    timing: dict[str, float] = {}
+    old_log_probs = entropy = routing = ref_log_probs = hint_log_probs = None
+    routing_metrics: dict[str, float] = {}
+    if actor.routing is not None or not old_log_probs_from_update(config):
+        start = time.perf_counter()
+        old_log_probs, entropy, routing, routing_metrics = actor.log_probs_and_routing(seqs, temperature)
+        timing["timing/old_log_prob_s"] = time.perf_counter() - start
+    if reference is not None:
+        start = time.perf_counter()
+        ref_log_probs = reference.log_probs(seqs, temperature)[0]
+        timing["timing/ref_s"] = time.perf_counter() - start
     if batch.hint_prompt_ids is not None:
+        start = time.perf_counter()
         hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
         hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
                                      old_log_probs)
+        timing["timing/hint_log_prob_s"] = time.perf_counter() - start
     return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs, routing, routing_metrics)
+                         hint_log_probs, routing, routing_metrics, timing)
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
@@ -108,22 +141,30 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
 
 def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor,
                   config: Config) -> dict[str, float]:
-    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats."""
+    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
+    When the update computed the old log-probs and entropy itself, it fills them into `lp`."""
     rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     temperature = rollout_cfg.temperature or 1.0
     width = config.data.max_response_length
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
+    start = time.perf_counter()
     update_metrics: list[dict[str, float]] = []
-    for _ in range(actor_cfg.ppo_epochs):
-        for start in range(0, lp.seqs.rows, rows_per_mini):
-            rows = slice(start, start + rows_per_mini)
-            engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
-            inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
-                                  lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None, engine_log_probs,
-                                  lp.routing, start)
-            update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
+    if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
+        inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
+                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0))
+        metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
+        update_metrics.append(metrics)
+    else:
+        for _ in range(actor_cfg.ppo_epochs):
+            for begin in range(0, lp.seqs.rows, rows_per_mini):
+                rows = slice(begin, begin + rows_per_mini)
+                engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
+                inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
+                                      lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
+                                      engine_log_probs, lp.routing, begin)
+                update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
-    metrics.update(lp.routing_metrics)
+    metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
 
     mask = lp.mask
     lengths = lp.seqs.response_lengths.float()

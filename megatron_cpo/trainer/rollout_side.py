@@ -6,7 +6,7 @@ from typing import Any
 
 from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
-from megatron_cpo.data.hints import HintReader, build_hint_contexts
+from megatron_cpo.data.hints import HintReader, HintTemplate, build_hint_contexts
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.trainer.accumulator import ScoredGroup
 
@@ -34,6 +34,7 @@ class HintContextBuilder:
         self.gold_as_hint = config.algorithm.cpo.gold_as_hint
         self.reader = HintReader(config.data.hint_key)
         self.max_prompt_length = config.data.max_prompt_length
+        self.template = HintTemplate(instruction=config.data.hint_instruction)
 
     def __call__(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
         records = [g.record for g in groups for _ in range(g.n)]
@@ -42,6 +43,6 @@ class HintContextBuilder:
             hints, source_metrics = self.reader.read([r.extra_info for r in records],
                                                      [r.reward_model for r in records])
         contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
-                                       self.max_prompt_length)
+                                       self.max_prompt_length, self.template)
         contexts.source_metrics = source_metrics
         return contexts

@@ -52,3 +52,21 @@ def test_the_moe_recipes_split_experts_over_8_ranks_without_an_auxiliary_loss():
         assert (megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size) == (8, 1)
         assert megatron.tensor_model_parallel_size == 4 and megatron.sequence_parallel
         assert megatron.override_transformer_config.moe_aux_loss_coeff == 0
+
+
+SMOLLM2 = sorted(EXAMPLES.glob("smollm2-135m/*.yaml"))
+
+
+@pytest.mark.parametrize("path", SMOLLM2, ids=[p.name for p in SMOLLM2])
+def test_smollm2_examples_use_the_fast_cpu_settings(path):
+    """The real-model example: bf16 actor, token budgets that fit the prompt + response, an on-policy update (no
+    separate old-log-prob pass) except for CPO, whose shaping reads the log-probs before the update."""
+    from megatron_cpo.trainer.policy_update import old_log_probs_from_update
+
+    config = load_config(path)
+    actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
+    assert actor.megatron.params_dtype == "bfloat16" and actor.use_dynamic_bsz and model.use_fused_kernels
+    assert actor.ppo_max_token_len_per_gpu >= config.data.max_prompt_length + config.data.max_response_length
+    assert old_log_probs_from_update(config) == (path.stem != "cpo")
+    assert "\\boxed" not in config.data.hint_instruction or path.stem != "cpo"
+    assert {p.stem for p in SMOLLM2} == {"grpo", "dapo", "cpo"}

@@ -54,3 +54,23 @@ def test_gpqa_rejects_a_non_letter_ground_truth():
 ])
 def test_geometry3k_numeric_tolerance(solution, truth, correct):
     assert compute_score("hiyouga/geometry3k", solution, truth)["acc"] is correct
+
+
+@pytest.mark.parametrize("solution, truth, correct", [
+    ("To add 47 and 38, add the ones and the tens: 47 + 38 = 85.", "85", True),
+    ("47 + 38 equals 85", "85", True),
+    ("The sum is 1,085.", "1085", True),
+    ("85.0", "85", True),
+    ("47 + 38 = 85. So 85 - 3 = 82.", "85", False),  # the answer must come last
+    ("It is 75.", "85", False),
+    ("I cannot add these numbers.", "85", False),
+])
+def test_last_number_for_answers_in_prose(solution, truth, correct):
+    result = compute_score("megatron_cpo/addition", solution, truth)
+    assert result["acc"] is correct and result["score"] == (1.0 if correct else 0.0)
+    assert correct or "reason" in result
+
+
+def test_last_number_rejects_a_non_numeric_ground_truth():
+    with pytest.raises(ValueError, match="not a number"):
+        compute_score("megatron_cpo/addition", "85", "eighty-five")

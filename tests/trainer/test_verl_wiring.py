@@ -130,3 +130,23 @@ def test_val_max_samples_caps_the_validation_set():
     assert (size(), size("data.val_max_samples=3"), size("data.val_max_samples=50")) == (10, 3, 10)
     with pytest.raises(ValueError, match="data.val_max_samples=0 must be >= 1, or -1"):
         build_config({}, ["data.val_max_samples=0"])
+
+
+def test_hint_instruction_reaches_the_hint_context():
+    """`data.hint_instruction` is the second user turn's instruction of CPO's hinted prompt (the SmolLM2 example asks
+    for the sum last instead of a boxed answer)."""
+    from transformers import AutoTokenizer
+
+    from megatron_cpo.data.dataset import PromptRecord
+    from megatron_cpo.trainer.rollout_side import HintContextBuilder
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    config = build_config({}, ["algorithm.adv_estimator=cpo", "data.max_prompt_length=512",
+                               "data.hint_instruction=End with the sum."])
+    messages = [{"role": "user", "content": "What is 47 + 38?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    record = PromptRecord("u0", 0, messages, prompt, "megatron_cpo/addition", "85",
+                          extra_info={"solution": "So 47 + 38 = 85."})
+    contexts = HintContextBuilder(config, tokenizer)([SimpleNamespace(record=record, n=1)], [prompt], [[5, 6]])
+    text = tokenizer.decode(contexts.prompt_ids[0])
+    assert "So 47 + 38 = 85." in text and "What is 47 + 38?\nEnd with the sum." in text and "boxed" not in text

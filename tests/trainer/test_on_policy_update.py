@@ -1,0 +1,128 @@
+"""The on-policy update takes its old log-probs from its own forward
+(`policy_update.old_log_probs_from_update`): the same update as a separate scoring pass first, one forward cheaper;
+and a bf16 actor trains with fp32 master weights.
+
+Real Megatron on gloo (two spawned ranks: DP=2, then PP=2), the suite's tiny model. In each layout two identically
+built fp32 actors train on the same batch, one through the separate old-log-prob pass, one through
+`update_on_policy`: their weights after the update, the loss terms and the old log-probs / entropy the step reports
+(gathered over DP, broadcast from the last pipeline stage) must agree.
+"""
+import pytest
+import torch
+
+from tests.multiprocess import run_processes
+
+
+def _batch():
+    from megatron_cpo.trainer.step_batch import StepBatch
+
+    generator = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 100, (int(torch.randint(2, 12, (1,), generator=generator)),),
+                               generator=generator).tolist() for _ in range(8)]
+    scores = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0])
+    return StepBatch([[1, 5, 6, 7, 8]] * 4 + [[1, 9, 10, 11]] * 4, responses, [[-4.0] * len(r) for r in responses],
+                     scores, scores, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.zeros(8, dtype=torch.bool), 1.0)
+
+
+def _train(rank, world_size, model_dir):
+    from megatron_cpo import platform
+
+    results = {"dp2": _compare(model_dir, pp=1), "pp2": _compare(model_dir, pp=2)}
+    platform.destroy_distributed()
+    return results
+
+
+def _compare(model_dir, pp):
+    from megatron.core import parallel_state
+
+    from megatron_cpo import platform
+    from megatron_cpo.config import build_config
+    from megatron_cpo.trainer import policy_update
+    from megatron_cpo.trainer.policies import build_policies
+
+    overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
+    config = build_config({}, overrides)
+    assert policy_update.old_log_probs_from_update(config)
+    platform.init_distributed(1, pp, seed=1)
+    batch, results = _batch(), {}
+    for mode in ("separate_pass", "from_update"):
+        actor, _ = build_policies(config, pad_token_id=0, total_updates=4)
+        if mode == "separate_pass":  # what the trainer did before the predicate existed
+            seqs = policy_update.prepare_sequences(batch, 0, config.data.max_response_length)[0]
+            old, entropy = actor.log_probs(seqs, 1.0)
+            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            lp = policy_update.BatchLogProbs(lp.seqs, lp.mask, lp.rollout_log_probs, old, entropy, None, None)
+        else:
+            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            assert lp.old_log_probs is None and lp.entropy is None and "timing/old_log_prob_s" not in lp.timing
+        advantages, _ = policy_update.compute_advantages(batch, lp, config)
+        metrics = policy_update.update_policy(actor, batch, lp, advantages, config)
+        results[mode] = {"params": torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()]),
+                         "old_log_probs": lp.old_log_probs, "entropy": lp.entropy, "metrics": metrics}
+
+    parameters = torch.cat([p.detach().reshape(-1) for p in actor.model.parameters()])  # this stage's
+    if pp == 1:  # the bf16 actor, at DP=2
+        bf16 = build_config({}, overrides + ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16"])
+        results["bf16"] = _bf16_update(bf16, batch)
+    parallel_state.destroy_model_parallel()
+    separate, from_update = results.pop("separate_pass"), results.pop("from_update")  # plain numbers cross the queue
+    results["differences"] = {key: float((from_update[key] - separate[key]).abs().max())
+                              for key in ("params", "old_log_probs", "entropy")}
+    results["params_scale"] = float(parameters.abs().max())
+    results["metric_differences"] = {key: abs(from_update["metrics"][key] - separate["metrics"][key]) for key in (
+        "actor/pg_loss", "actor/entropy", "actor/grad_norm", "entropy/mean", "completions/mean_length")}
+    results["update_seconds"] = from_update["metrics"]["timing/update_actor_s"]
+    return results
+
+
+def _bf16_update(bf16_config, batch):
+    from megatron_cpo.trainer import policy_update
+    from megatron_cpo.trainer.policies import build_policies
+
+    actor, _ = build_policies(bf16_config, pad_token_id=0, total_updates=4)
+    before = [p.detach().float().clone() for p in actor.model.parameters()]
+    lp = policy_update.compute_log_probs(batch, actor, None, bf16_config, pad_token_id=0)
+    advantages = policy_update.compute_advantages(batch, lp, bf16_config)[0]
+    policy_update.update_policy(actor, batch, lp, advantages, bf16_config)
+    # what Adam updates: the main parameters (with the distributed optimizer, this rank's shard of them)
+    masters = [p for member in actor.optimizer.chained_optimizers for group in member.optimizer.param_groups
+               for p in group["params"]]
+    return {"param_dtypes": sorted({str(p.dtype) for p in actor.model.parameters()}),
+            "master_dtypes": sorted({str(p.dtype) for p in masters}), "master_numel": sum(p.numel() for p in masters),
+            "numel": sum(p.numel() for p in actor.model.parameters()),
+            "moved": max(float((p.float() - b).abs().max()) for p, b in zip(actor.model.parameters(), before)),
+            "old_log_probs_finite": bool(torch.isfinite(lp.old_log_probs).all())}
+
+
+def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(tiny_model_dir):
+    ranks = run_processes(_train, 2, str(tiny_model_dir))
+    for rank_results in ranks:
+        for layout in ("dp2", "pp2"):
+            results = rank_results[layout]
+            assert results["differences"]["old_log_probs"] < 1e-5 and results["differences"]["entropy"] < 1e-5
+            assert results["differences"]["params"] < 1e-6 and results["params_scale"] > 0, layout
+            assert all(value < 1e-5 for value in results["metric_differences"].values()), (layout, results)
+            assert results["update_seconds"] > 0
+        bf16 = rank_results["dp2"]["bf16"]
+        assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["master_dtypes"] == ["torch.float32"]
+        assert bf16["moved"] > 0 and bf16["old_log_probs_finite"]
+    # the distributed optimizer's fp32 main weights: each DP rank holds a shard, together all of them
+    assert sum(rank_results["dp2"]["bf16"]["master_numel"] for rank_results in ranks) == ranks[0]["dp2"]["bf16"]["numel"]
+
+
+def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
+    from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.policy_update import old_log_probs_from_update
+
+    base = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    assert old_log_probs_from_update(build_config({}, base))
+    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.ppo_epochs=2"]))
+    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
+    assert not old_log_probs_from_update(build_config({}, base + ["algorithm.use_kl_in_reward=true"]))
+    assert not old_log_probs_from_update(build_config({}, base + ["algorithm.adv_estimator=cpo"]))
+    assert old_log_probs_from_update(build_config({}, base + ["algorithm.filter_groups.enable=true"]))
+    # routing replay R2 records each token's experts in the separate pass for the update to replay
+    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.router_replay.mode=R2"]))
