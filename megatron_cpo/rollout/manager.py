@@ -66,6 +66,7 @@ class RolloutManager(RequestBook):
         self._pending: dict = {}  # Ray ObjectRef -> EngineRequest
         self._closed = False
         self.last_engine_failure: str | None = None
+        self.weight_version = 0  # weight pushes completed (finish_weight_sync)
         atexit.register(self.shutdown)
         try:
             self.weight_transport = resolve_weight_transport(config.engines.weight_transport)
@@ -154,24 +155,27 @@ class RolloutManager(RequestBook):
                                 workers_per_engine=self.config.engines.tensor_model_parallel_size,
                                 timeout_s=self.config.engines.weight_sync_timeout_s)
 
-    def begin_weight_sync(self) -> None:
-        """Open an in-place reload on every live engine; engines must be idle."""
-        if self._pending:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
+        """Open an in-place reload on every live engine. `in_flight` (types.IN_FLIGHT_POLICIES) says what happens to
+        the requests still outstanding; with `none` there must be none."""
+        if in_flight == "none" and self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        self._call_live_engines("begin_weight_reload")
+        self._call_live_engines("begin_weight_reload", in_flight)
 
     def finish_weight_sync(self) -> None:
-        """Close the reload (layers that received no tensors keep their weights) and clear the prefix cache."""
-        self._call_live_engines("finish_weight_reload")
+        """Close the reload (layers that received no tensors keep their weights), clear the prefix cache, and count
+        the push: tokens sampled from now on carry `weight_version`."""
+        self.weight_version += 1
+        self._call_live_engines("finish_weight_reload", self.weight_version)
 
-    def _call_live_engines(self, method: str) -> None:
-        """Call `method` on every live engine; an engine that fails and is unhealthy is marked dead (an error of a
-        healthy engine is raised); `RolloutEnginesLostError` when none is left."""
+    def _call_live_engines(self, method: str, *args) -> None:
+        """Call `method(*args)` on every live engine; an engine that fails and is unhealthy is marked dead (an error
+        of a healthy engine is raised); `RolloutEnginesLostError` when none is left."""
         import ray
 
         live = self._live_indices()
-        refs = [getattr(self.engines[i], method).remote() for i in live]
+        refs = [getattr(self.engines[i], method).remote(*args) for i in live]
         for index, ref in zip(live, refs):
             try:
                 ray.get(ref, timeout=self.config.engines.weight_sync_timeout_s)
@@ -184,13 +188,13 @@ class RolloutManager(RequestBook):
                 f"all {len(self.engines)} rollout engines are dead (last failure: {self.last_engine_failure}); "
                 "weights cannot be synced. Create a new RolloutManager")
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
-                     ) -> dict[str, float]:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
+                     in_flight: str = "none") -> dict[str, float]:
         """Load HF-named full tensors (all of them from this rank) into every engine; returns bytes, seconds,
         buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`.
         `transport` overrides the configured one (see `sender_spec`)."""
         start = time.perf_counter()
-        self.begin_weight_sync()
+        self.begin_weight_sync(in_flight)
         live = self._live_indices()
         sender = WeightSender(self.sender_spec(transport), engine_handles=[self.engines[i] for i in live])
         metrics = sender.send(named_tensors)

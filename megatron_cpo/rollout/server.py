@@ -125,15 +125,19 @@ class RolloutServer:
         return await asyncio.gather(*(getattr(engine, method)(*args) for engine in self.engines))
 
     async def weights_begin(self, request):
+        """`in_flight` (types.IN_FLIGHT_POLICIES): what the reload does with the groups still generating."""
         from aiohttp import web
 
-        await self._on_every_engine("begin_weight_reload")
+        body = await _json_body(request)
+        await self._on_every_engine("begin_weight_reload", body.get("in_flight", "none"))
         return web.json_response({"ok": True})
 
     async def weights_finish(self, request):
+        """`version`: the label of the tokens sampled on the new weights (the client's weight_version)."""
         from aiohttp import web
 
-        await self._on_every_engine("finish_weight_reload")
+        body = await _json_body(request)
+        await self._on_every_engine("finish_weight_reload", body.get("version"))
         return web.json_response({"ok": True})
 
     async def load_shm(self, request):
@@ -199,6 +203,11 @@ class RolloutServer:
     async def close(self) -> None:
         for engine in self.engines:
             await engine.shutdown()
+
+
+async def _json_body(request) -> dict:
+    """The request's JSON object ({} when it has no body)."""
+    return await request.json() if request.can_read_body else {}
 
 
 async def serve(config: EngineLaunchConfig, data_parallel_size: int, token: str, host: str, port: int,

@@ -64,6 +64,7 @@ class ServerRolloutManager(RequestBook):
         self.engine_names = tuple(config.urls)
         self.weight_transport = config.weight_transport
         self.last_engine_failure: str | None = None
+        self.weight_version = 0  # weight pushes completed (finish_weight_sync)
         self._session = uuid.uuid4().hex
         self._caller = HttpCaller(config.token)
         self._alive = [True] * len(self.engines)
@@ -135,20 +136,23 @@ class ServerRolloutManager(RequestBook):
                                 transport=transport or self.weight_transport,
                                 timeout_s=self.config.weight_sync_timeout_s, session=self._session)
 
-    def begin_weight_sync(self) -> None:
-        if self._pending:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
+        """Open an in-place reload on every live server; `in_flight` as `RolloutManager.begin_weight_sync`."""
+        if in_flight == "none" and self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        self._call_live_servers(proto.WEIGHTS_BEGIN)
+        self._call_live_servers(proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
 
     def finish_weight_sync(self) -> None:
-        self._call_live_servers(proto.WEIGHTS_FINISH)
+        """Close the reload and count the push (`weight_version` labels the tokens sampled from now on)."""
+        self.weight_version += 1
+        self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version})
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
-                     ) -> dict[str, float]:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
+                     in_flight: str = "none") -> dict[str, float]:
         """Load HF-named full tensors (all of them from this rank) into every live server."""
         start = time.perf_counter()
-        self.begin_weight_sync()
+        self.begin_weight_sync(in_flight)
         metrics = HttpWeightSender(self.sender_spec(transport)).send(named_tensors)
         self.finish_weight_sync()
         metrics["seconds"] = time.perf_counter() - start
@@ -163,11 +167,12 @@ class ServerRolloutManager(RequestBook):
         wait_all([self._caller.spawn(url, proto.WAKE_UP, {}, self.config.weight_sync_timeout_s)
                   for url in self._live_urls()])
 
-    def _call_live_servers(self, route: str) -> None:
-        """Call `route` on every live server; one that fails and is unhealthy is marked dead (an error of a healthy
-        one is raised); `RolloutEnginesLostError` when none is left."""
+    def _call_live_servers(self, route: str, payload: dict | None = None) -> None:
+        """Call `route` with `payload` on every live server; one that fails and is unhealthy is marked dead (an
+        error of a healthy one is raised); `RolloutEnginesLostError` when none is left."""
         live = self._live_indices()
-        calls = [self._caller.spawn(self.engines[i], route, {}, self.config.weight_sync_timeout_s) for i in live]
+        calls = [self._caller.spawn(self.engines[i], route, payload or {}, self.config.weight_sync_timeout_s)
+                 for i in live]
         concurrent.futures.wait(calls)
         for index, call in zip(live, calls):
             err = call.exception()

@@ -116,14 +116,15 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     return StepBatch(**kwargs)
 
 
-def push_weights(actor_model: Any, manager: RolloutEngines | None) -> dict[str, float]:
+def push_weights(actor_model: Any, manager: RolloutEngines | None, in_flight: str = "none") -> dict[str, float]:
     """Stream the actor's weights (HF names, full tensors) from each stage's exporting rank into the engines over the
-    configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
-    Returns the sync time and this rank's bytes."""
+    configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere);
+    `in_flight`: what the engines do with requests still generating (types.IN_FLIGHT_POLICIES; asynchronous
+    training). Returns the sync time and this rank's bytes."""
     start = time.perf_counter()
     payload = [None, None]
     if manager is not None:
-        manager.begin_weight_sync()
+        manager.begin_weight_sync(in_flight)
         payload = [manager.sender_spec(), {k: os.environ[k] for k in RAY_AUTH_VARIABLES if k in os.environ}]
     spec, ray_auth = broadcast_object(payload)
     if manager is None:

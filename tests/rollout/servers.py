@@ -85,3 +85,52 @@ def greedy_log_prob_gap(model, groups) -> float:
         gap = (log_probs[positions, torch.tensor(sample.token_ids)] - torch.tensor(sample.logprobs)).abs().max()
         worst = max(worst, gap.item())
     return worst
+
+
+def push_interrupts_greedy_groups_without_changing_them(manager, model_dir, in_flight: str) -> None:
+    """Greedy groups that are generating while the engines take a push of the very weights they hold (`in_flight`
+    says how: finish / partial / keep) come out token for token as uninterrupted ones, and each token carries the
+    version that sampled it: the old one only (`finish`), or the old then the new one (`partial`, `keep`: at least
+    one sample must have been caught mid-way). The push starts once a one-token request sent after the long ones has
+    returned, so the long ones were generating by then."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.rollout import SamplingParams
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    manager.sync_weights(state.items())  # a known state (other tests push other weights into shared engines)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=400)
+
+    def generate(tag: str, push: bool) -> dict:
+        for index, prompt in enumerate(PROMPTS):
+            manager.submit(f"{tag}-{index}", prompt, params)
+        groups = {}
+        if push:
+            manager.submit(f"{tag}-probe", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
+            while f"{tag}-probe" not in groups:
+                groups.update((group.request_id, group) for group in manager.finished(timeout=120))
+            manager.sync_weights(state.items(), in_flight=in_flight)
+        groups.update((group.request_id, group) for group in manager.completed(timeout=300))
+        groups.pop(f"{tag}-probe", None)
+        return groups
+
+    before = manager.weight_version
+    straight = generate(f"straight-{in_flight}", push=False)
+    old = manager.weight_version
+    interrupted = generate(f"interrupted-{in_flight}", push=True)
+    assert old == before and manager.weight_version == old + 1
+    spanning = 0
+    for index in range(len(PROMPTS)):
+        for plain, pushed in zip(straight[f"straight-{in_flight}-{index}"].samples,
+                                 interrupted[f"interrupted-{in_flight}-{index}"].samples):
+            assert pushed.token_ids == plain.token_ids and pushed.finish_reason == plain.finish_reason
+            assert torch.allclose(torch.tensor(pushed.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
+            assert plain.policy_versions == [old] * len(plain.token_ids)
+            versions = pushed.policy_versions
+            assert len(versions) == len(pushed.token_ids) and versions == sorted(versions)
+            assert set(versions) <= {old, old + 1}
+            spanning += len(set(versions)) == 2
+    if in_flight == "finish":
+        assert spanning == 0
+    else:
+        assert spanning > 0, "no sample was generating when the weights were pushed"
