@@ -10,7 +10,8 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
 - `algorithm.*`: `algorithms/config.py` (`AlgorithmConfig`);
 - `reward.*`: `rewards/manager.py` (`RewardConfig`);
 - `actor_rollout_ref.model.*`: `models/config.py`; `.actor.*`, `.ref.*` and `trainer.*`: `trainer/config.py`;
-  `.rollout.*`: `rollout/config.py`.
+  `.rollout.*`: `rollout/config.py`;
+- `async_training.*`: `trainer/admission.py` (`AsyncTrainingConfig`).
 
 Each section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
 Every error names the offending value and says how to fix it. Accepted spellings (the seeds' names and verl's) are
@@ -32,6 +33,7 @@ from megatron_cpo.data.config import DataConfig
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.manager import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.trainer.admission import AsyncTrainingConfig
 from megatron_cpo.trainer.config import ActorConfig, RefConfig, TrainerConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
@@ -53,6 +55,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
@@ -82,6 +85,14 @@ class Config:
               "prefill; raise it or set actor_rollout_ref.rollout.enable_chunked_prefill=true")
         check(model_len <= 1 << 20,
               "data.max_prompt_length + data.max_response_length is implausibly large; check the units (tokens)")
+        staleness = self.async_training.max_staleness
+        check(staleness == 0 or rollout.mode != "colocate", f"async_training.max_staleness={staleness} needs engines "
+              "that generate while the trainer updates; colocated engines share its devices (rollout.mode=colocate), "
+              "so use mode ray or server, or max_staleness=0")
+        check(not (algo.rollout_correction.explicit_is and actor.tis is not None),
+              f"algorithm.rollout_correction.rollout_is={algo.rollout_correction.rollout_is!r} and "
+              f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} both weight the loss by the "
+              "engine's log-probs; keep one (tis_imp_ratio_cap=-1, or rollout_is=null)")
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)

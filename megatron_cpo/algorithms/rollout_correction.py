@@ -28,6 +28,7 @@ import torch
 
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
+from megatron_cpo.config_checks import check
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
@@ -61,21 +62,18 @@ class RolloutCorrectionConfig:
     def __post_init__(self) -> None:
         prefix = "algorithm.rollout_correction."
         self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
-        if self.rollout_is not in (None, AUTO, *IS_LEVELS):
-            raise ValueError(f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose token, sequence, auto "
-                             "(token when training on stale samples) or null (off)")
-        if self.rollout_rs not in (None, *RS_LEVELS):
-            raise ValueError(f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose token, sequence, geometric "
-                             "or null (off)")
-        if not self.rollout_is_threshold > 0:
-            raise ValueError(f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 (typical 1.5-5)")
+        check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
+              "token, sequence, auto (token when training on stale samples) or null (off)")
+        check(self.rollout_rs in (None, *RS_LEVELS), f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose "
+              "token, sequence, geometric or null (off)")
+        check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
+              "(typical 1.5-5)")
         upper, lower = self.rs_band
-        if not upper > 0 or not 0 <= lower < upper:
-            raise ValueError(f"{prefix}rollout_rs_threshold_lower={lower} and rollout_rs_threshold={upper} must "
-                             "satisfy 0 <= lower < upper (the band of ratios kept)")
+        check(upper > 0 and 0 <= lower < upper, f"{prefix}rollout_rs_threshold_lower={lower} and "
+              f"rollout_rs_threshold={upper} must satisfy 0 <= lower < upper (the band of ratios kept)")
         veto = self.rollout_token_veto_threshold
-        if veto is not None and not 0 < veto < 1:
-            raise ValueError(f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. 1e-4, or null")
+        check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
+              "1e-4, or null")
 
     @property
     def rs_band(self) -> tuple[float, float]:

@@ -107,8 +107,9 @@ class Trainer:
         # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
         self.offload = colocated_offload(self.actor, actor_cfg.megatron, config.actor_rollout_ref.rollout.mode)
         monitor = self.lead.monitor if self.lead else None
+        # the data position a checkpoint keeps is the controller's: the first prompt not yet trained
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
-                                             self.lead.stream if self.lead else None,
+                                             self.lead.controller if self.lead else None,
                                              {"early_stop": monitor} if monitor is not None else None,
                                              _hf_exporter(config, self.actor) if actor_cfg.checkpoint.hf_model else None)
 
@@ -210,7 +211,7 @@ class Trainer:
             return {}, lost
         alive = manager.num_engines_alive() if manager is not None else 0
         try:
-            return push_weights(self.actor.model, manager), None
+            return push_weights(self.actor.model, manager, self.config.async_training.in_flight), None
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 

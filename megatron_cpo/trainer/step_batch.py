@@ -30,6 +30,8 @@ class StepBatch:
     has_hint: torch.Tensor | None = None
     hints_truncated: int = 0
     hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
+    policy_versions: RaggedRows | None = None  # the weight version that sampled each response token
+    policy_version: int | None = None  # the version of the weights that train this batch
 
     def __post_init__(self) -> None:
         self.prompt_ids = RaggedRows.of(self.prompt_ids)
@@ -37,10 +39,14 @@ class StepBatch:
         self.rollout_log_probs = RaggedRows.of(self.rollout_log_probs, torch.float32)
         if self.hint_prompt_ids is not None:
             self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
+        if self.policy_versions is not None:
+            self.policy_versions = RaggedRows.of(self.policy_versions)
 
 
-def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
-    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
+def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None,
+                    policy_version: int | None = None) -> StepBatch:
+    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts;
+    `policy_version`: the weight version that trains it (the token versions travel when every group has them)."""
     hints = {}
     if hint_builder is not None:
         prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
@@ -54,4 +60,7 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         response_ids=RaggedRows.cat([g.ragged()[0] for g in groups]),
         rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
-        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints)
+        group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio, **hints,
+        policy_versions=(RaggedRows.cat([g.policy_versions for g in groups])
+                         if all(g.policy_versions is not None for g in groups) else None),
+        policy_version=policy_version)
