@@ -161,6 +161,7 @@ class GroupAccumulator:
         self.stats = AccumulatorStats()
         self._pending: dict[int, ScoredGroup] = dict(pending or {})
         self._window: list[ScoredGroup] = []
+        self._drops_cache: dict[int, bool] = {}  # seq -> whether the filter drops it whatever comes before
 
     @property
     def full(self) -> bool:
@@ -175,6 +176,18 @@ class GroupAccumulator:
     def consumed(self) -> int:
         """Prompts this batch has consumed (committed, or waiting in an undecided window)."""
         return self.stats.committed + len(self._window)
+
+    @property
+    def dropping(self) -> int:
+        """Finished groups waiting to commit that the filter will drop whatever comes before them (a per-group
+        filter: DAPO's; RAGEN's compares groups, so it decides nothing early). They will never be trained."""
+        if self.selection.windowed or self.selection.metric_filter is None:
+            return 0
+        for seq, group in self._pending.items():
+            if seq not in self._drops_cache:
+                self._drops_cache[seq] = not bool(self.selection.keep(group.metric(self.metric)[None],
+                                                                      group.scores.float()[None])[0])
+        return sum(self._drops_cache[seq] for seq in self._pending)
 
     def leftover(self) -> dict[int, ScoredGroup]:
         """The groups that finished after the batch filled (by seq), for the next batch; they leave this one."""

@@ -14,7 +14,8 @@ of totals (the same when every batch is full, and still exact when one is partia
 commit in request order, so a prompt submitted with `held` prompts ahead of it that may still be trained lands at
 most (k + 1) batches from now, counting the batch that is waiting for its push; it is trained at most k weight
 versions after the one it started on, and every token it has is at least that new. A group a filter drops
-(filter-groups, RAGEN) leaves `held` at once and frees its slot. With k = 0 the rule would admit one batch at a time;
+(filter-groups, RAGEN) leaves `held` when it is judged and frees its slot; filter-groups judges each group on its
+own, so a group it will drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 the rule would admit one batch at a time;
 the synchronous loop does better (it may request ahead, then cancels what it did not use), so k = 0 keeps it.
 """
 from __future__ import annotations

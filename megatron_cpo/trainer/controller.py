@@ -52,9 +52,10 @@ class GenerationLimitError(RuntimeError):
 
 
 def inflight_cap(config: Config) -> int:
-    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch); finished
-    ones waiting to commit do not count."""
-    return config.actor_rollout_ref.rollout.max_inflight_prompts or 2 * config.data.train_batch_size
+    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch, or the
+    k + 1 batches asynchronous training may hold); finished ones waiting to commit do not count."""
+    batches = max(2, config.async_training.max_staleness + 1)
+    return config.actor_rollout_ref.rollout.max_inflight_prompts or batches * config.data.train_batch_size
 
 
 def prompt_limit(config: Config) -> int | None:
@@ -173,9 +174,9 @@ class RolloutController:
             logged_gen_batches = self._log_progress(step, accumulator, logged_gen_batches)
         batch = accumulator.batch() if accumulator.full else None
         if self.asynchronous:
-            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
             if batch is not None:
                 self._top_up(step, accumulator, unpushed=0)  # the next batches' prompts, while the trainer updates
+            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
         else:
             if open_.running:
                 self.generator.cancel_all()
@@ -255,22 +256,17 @@ class RolloutController:
         `inflight_cap` are on the engines and the uncommitted prompts (running, or finished and waiting for an
         earlier one to commit) are fewer than the observed keep rate needs; counting only running prompts against
         the cap keeps the engines busy while a long response holds up the commit order. Asynchronous: the staleness
-        bound of admission.py has room (`unpushed`: prompts of the last batch whose weights are not pushed yet).
-        Then which step submits a prompt (part of its seed) depends only on the data order and the filters'
-        decisions: a prompt a step admits early because a dropped group freed its slot would be admitted by the
-        step's closing top-up anyway."""
+        bound of admission.py has room (`unpushed`: prompts of the last batch whose weights are not pushed yet)."""
         open_ = self.open
         cap, limit = inflight_cap(self.config), prompt_limit(self.config)
         batch_size = self.config.data.train_batch_size
         keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
         wanted = prompts_to_request(batch_size - len(accumulator.kept), keep_rate)
         counted_from = accumulator.next_seq if accumulator.full else accumulator.start_seq  # full: the next batch's
-        # asynchronous: the bound caps the prompts on the engines at (k + 1) * B; a cap on the running ones as well
-        # would make when a prompt is submitted, hence its seed, depend on how fast the others finished
-        while self.asynchronous or len(open_.running) < cap:
+        while len(open_.running) < cap:
             uncommitted = open_.issued - accumulator.next_seq
             if self.asynchronous:
-                held = unpushed + len(accumulator.kept) + uncommitted
+                held = unpushed + len(accumulator.kept) + uncommitted - accumulator.dropping
                 if admission_capacity(self.max_staleness, batch_size, held) <= 0:
                     return False
             elif uncommitted >= wanted:
@@ -304,7 +300,10 @@ class RolloutController:
                 for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
-        """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically."""
+        """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
+        k > 0 the step is left out: which step submits a prompt depends on how fast earlier groups finished (and
+        were dropped), and a prompt's samples must not."""
+        step = step if self.max_staleness == 0 else 0
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
     def _log_progress(self, step: int, accumulator: GroupAccumulator, logged: int) -> int:

@@ -3,22 +3,12 @@ server mode's in-flight push is tested in tests/rollout/test_server_mode.py), th
 (partial rollouts: aborted at a push, continued on the new weights) and k = 2 (in-flight weight updates: paused in
 vLLM's scheduler, with filter-groups), each three steps with a validation in the middle of the run, while training
 requests are in flight."""
-import json
-from pathlib import Path
-
 import pytest
 
 from megatron_cpo.trainer.loop import run_training
+from tests.trainer.test_e2e import read_metrics
 
 pytestmark = pytest.mark.usefixtures("restore_environment")
-
-
-def rows(run_dir: Path) -> dict[int, dict]:
-    merged: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        merged.setdefault(row.pop("step"), {}).update(row)
-    return merged
 
 
 @pytest.mark.parametrize("k, extra", [
@@ -31,7 +21,7 @@ def test_asynchronous_run_bounds_staleness_and_logs_its_metrics(make_config, rol
     run_training(make_config(f"async_training.max_staleness={k}", "trainer.total_training_steps=3",
                              "trainer.test_freq=2", "trainer.val_before_train=false",
                              f"trainer.default_local_dir={run_dir}", *extra), rollout_manager)
-    metrics = rows(run_dir)
+    metrics = read_metrics(run_dir)
     assert sorted(metrics) == [1, 2, 3]
     assert "val/acc" in metrics[2] and "val/acc" in metrics[3]  # validated with training requests in flight
     for step, row in metrics.items():
