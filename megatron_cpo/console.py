@@ -4,17 +4,19 @@ The console gets this package's INFO messages (what the run is doing: data, engi
 other library's warnings and errors. The log file gets everything at INFO and above, Python warnings included.
 Known noise stays out of the console: Megatron-Core's INFO records (its DDP/optimizer settings and the per-parameter
 gradient-bucket dump), and the warnings in `QUIET_WARNINGS`, which torch or Megatron raise on every run and which no
-user of this recipe can act on.
+user of this recipe can act on. Bad input to a command is one `error: ...` line, not a traceback
+(`run_reporting_errors`).
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import logging.handlers
 import os
 import re
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 PACKAGE = "megatron_cpo"
 
@@ -106,6 +108,19 @@ def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = No
     _installed_handlers.extend(handlers)
     logging.captureWarnings(True)
     return path
+
+
+# Errors that mean bad input, not a bug: reported as one line instead of a traceback.
+USER_ERRORS = (FileExistsError, FileNotFoundError, ValueError)
+
+
+def run_reporting_errors(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """Run a command; on bad input print `error: ...` and exit with status 2."""
+    try:
+        run(args)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def run_log_path(out_dir: Path | str) -> Path:

@@ -7,9 +7,13 @@ are marked without anyone remembering to:
 - `engine`: the test or one of the fixtures it uses (at any depth) builds a `RolloutManager` or calls `run_training`
   (so every user of the `manager` and `rollout_manager` fixtures is one).
 - `multiprocess`: the test or one of its fixtures calls `tests.multiprocess.run_processes`.
-- `slow`: every `engine` and `multiprocess` test, and every test using a fixture of SLOW_FIXTURES.
-Only the code of the test and fixture functions (and of functions nested in them) is read, not of module helpers
-they call: a test that starts engines or ranks through a helper, or a subprocess, marks itself.
+- `slow`: every `engine` and `multiprocess` test, every test using a fixture of SLOW_FIXTURES, and every test that
+  starts this interpreter again (`subprocess` with `sys.executable`: the child imports torch, Megatron or the
+  trainer before it does anything, seconds each).
+The code read is that of the test and fixture functions, of functions nested in them, and of the functions and
+classes (their methods) of the test's own module that they use (at any depth); not that of other modules' helpers: a test that starts engines,
+ranks or interpreters through one of those marks itself, and so does a module whose tests run something slow that
+the names do not show (the code sandbox's tests, the setup script's).
 """
 import os
 from pathlib import Path
@@ -30,6 +34,8 @@ MULTIPROCESS_NAMES = frozenset({"run_processes"})
 ENGINE_NAMES = frozenset({"RolloutManager", "run_training"})
 # Fixtures that make any test using them slow: a private Ray cluster takes seconds to start.
 SLOW_FIXTURES = frozenset({"ray_cluster"})
+# A test whose code uses both names starts `sys.executable` in a subprocess.
+INTERPRETER_SUBPROCESS_NAMES = frozenset({"subprocess", "executable"})
 
 
 @pytest.fixture(scope="session")
@@ -66,17 +72,29 @@ def _code_names(code) -> set[str]:
 
 
 def _names_used(item: pytest.Item) -> set[str]:
-    """Names referred to by the test function and by the functions of every fixture it uses."""
+    """Names referred to by the test function, by the functions of every fixture it uses, and by the functions and
+    class methods of the test's module that any of these use (followed to any depth)."""
     functions = [getattr(item, "function", None)]
     fixture_info = getattr(item, "_fixtureinfo", None)
     if fixture_info is not None:
         functions += [definition.func for definitions in fixture_info.name2fixturedefs.values()
                       for definition in definitions]
+    module = getattr(item, "module", None)
     names: set[str] = set()
-    for function in functions:
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            names |= _code_names(code)
+    seen: set = set()
+    while functions:
+        code = getattr(functions.pop(), "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        found = _code_names(code)
+        names |= found
+        for name in found:  # the module's own helpers the code calls: functions, and the methods of classes
+            helper = getattr(module, name, None)
+            if not callable(helper) or getattr(helper, "__module__", None) != getattr(module, "__name__", ""):
+                continue
+            functions += [getattr(member, "__func__", member) for member in vars(helper).values()] \
+                if isinstance(helper, type) else [helper]
     return names
 
 
@@ -88,5 +106,6 @@ def pytest_collection_modifyitems(config, items):
         if MULTIPROCESS_NAMES & used:
             item.add_marker(pytest.mark.multiprocess)
         if (item.get_closest_marker("engine") or item.get_closest_marker("multiprocess")
-                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))):
+                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or INTERPRETER_SUBPROCESS_NAMES <= used):
             item.add_marker(pytest.mark.slow)

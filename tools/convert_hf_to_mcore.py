@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_cpo.cli import run_reporting_errors
+from megatron_cpo.console import run_reporting_errors
 from megatron_cpo.models.conversion_commands import add_hf_to_mcore_arguments, run_hf_to_mcore
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_cpo.cli import run_reporting_errors
+from megatron_cpo.console import run_reporting_errors
 from megatron_cpo.models.conversion_commands import add_mcore_to_hf_arguments, run_mcore_to_hf
 
 

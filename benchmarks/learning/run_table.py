@@ -27,85 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from tasks import task_overrides, write_task  # noqa: E402
-
-SEEDS = (1, 2, 3)
-STEPS = 40
-
-
-@dataclass(frozen=True)
-class Algo:
-    """A table column: the example config it starts from and extra overrides (the CPO rule)."""
-
-    name: str
-    config: str
-    overrides: tuple[str, ...] = ()
-
-
-ALGOS = {
-    "grpo": Algo("grpo", "examples/tiny/grpo_arith.yaml"),
-    "dapo": Algo("dapo", "examples/tiny/dapo_arith.yaml"),
-    "cpo": Algo("cpo", "examples/tiny/cpo_arith.yaml", ("algorithm.wrap_method=negonly_mi3",)),
-    **{f"cpo_{rule}": Algo(f"cpo_{rule}", "examples/tiny/cpo_arith.yaml", (f"algorithm.wrap_method={rule}",))
-       for rule in ("naive", "mi3", "mi_clamp_unify_difficulty", "tok_kl")},
-    # asynchronous training, one weight version of staleness at most (docs/async.md; the correction is on by default)
-    "grpo_k1": Algo("grpo_k1", "examples/tiny/grpo_arith.yaml", ("async_training.max_staleness=1",)),
-    "dapo_k1": Algo("dapo_k1", "examples/tiny/dapo_arith.yaml", ("async_training.max_staleness=1",)),
-    "cpo_k1": Algo("cpo_k1", "examples/tiny/cpo_arith.yaml",
-                   ("algorithm.wrap_method=negonly_mi3", "async_training.max_staleness=1")),
-}
-
-# table -> (task, algorithms); priority order.
-TABLES = {
-    "a": ("arith12", ("grpo", "dapo", "cpo")),
-    "b": ("arith123", ("grpo", "cpo", "dapo")),
-    "c": ("arith12", ("cpo_naive", "cpo_mi3", "cpo_mi_clamp_unify_difficulty", "cpo_tok_kl")),
-    "d": ("arith12", ("grpo_k1", "dapo_k1", "cpo_k1")),
-}
-
-
-@dataclass(frozen=True)
-class Run:
-    table: str
-    task: str
-    algo: str
-    seed: int
-    steps: int
-
-    @property
-    def out_dir(self) -> Path:
-        return HERE / "runs" / self.task / self.algo / f"seed{self.seed}"
-
-    def command(self) -> list[str]:
-        algo = ALGOS[self.algo]
-        data = HERE / "runs" / self.task / "data"
-        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config", algo.config,
-                f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-                f"trainer.default_local_dir={self.out_dir}", "trainer.resume=disable", f"trainer.seed={self.seed}",
-                f"trainer.total_training_steps={self.steps}", f"trainer.test_freq={self.steps}",
-                f"trainer.experiment_name={self.task}_{self.algo}_seed{self.seed}",
-                "actor_rollout_ref.rollout.ray_address=local", *algo.overrides, *task_overrides(self.task)]
-
-
-def plan(only: list[str], seeds: tuple[int, ...], steps: dict[str, int]) -> list[Run]:
-    """The runs in execution order; `only` entries are `table`, `table:algo` or `table:algo:seed`."""
-    runs = []
-    for table, (task, algos) in TABLES.items():
-        for seed in seeds:
-            for algo in algos:
-                run = Run(table, task, algo, seed, steps.get(table, STEPS))
-                keys = {table, f"{table}:{algo}", f"{table}:{algo}:{seed}"}
-                if not only or keys & set(only):
-                    runs.append(run)
-    return runs
-
+from tasks import SEEDS, TABLES, Run, plan, write_task  # noqa: E402
 
 class TreeCpuSampler(threading.Thread):
     """Samples the CPU time of every live descendant of a process once a second; keeps each pid's last value, so the

@@ -2,10 +2,11 @@
 
     python benchmarks/learning/summarize.py            # rewrites the README's generated section and the PNGs
 
-Reads every `runs/<task>/<algo>/seed<k>/run.json` + `metrics.jsonl` that `run_table.py` wrote. The change of a run is
-`val/acc` at its last step minus `val/acc` before training, in points; per algorithm: mean, sample std and a
-t-distribution 95% interval over seeds; paired comparisons take the per-seed difference of changes. Runs that did not
-finish are listed with their commands. Only the section between the README's `generated` markers is rewritten.
+Reads every `runs/<task>/<algo>/seed<k>/run.json` + `metrics.jsonl` that `run_table.py` wrote (the plan of runs is
+`tasks.py`'s). The change of a run is `val/acc` at its last step minus `val/acc` before training, in points; per
+algorithm: mean, sample std and a t-distribution 95% interval over seeds; paired comparisons take the per-seed
+difference of changes. Runs that did not finish are listed with their commands. Only the section between the README's
+`generated` markers is rewritten.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from run_table import SEEDS, TABLES, plan  # noqa: E402
+from tasks import SEEDS, TABLES, plan  # noqa: E402
 from stats import binomial_se, paired_difference, summarize, verdict  # noqa: E402
 
 START, END = "<!-- generated:start (summarize.py) -->", "<!-- generated:end -->"

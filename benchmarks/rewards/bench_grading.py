@@ -99,7 +99,8 @@ def main() -> None:
     arguments = parser.parse_args()
     sandbox = {}
     if arguments.sandbox_mode:
-        from megatron_cpo.rewards.sandbox import SandboxConfig, configure_sandbox
+        from megatron_cpo.rewards.sandbox import configure_sandbox
+        from megatron_cpo.rewards.sandbox_types import SandboxConfig
 
         sandbox = {"sandbox": SandboxConfig(mode=arguments.sandbox_mode)}
         print(f"sandbox backend: {configure_sandbox(sandbox['sandbox'])}")

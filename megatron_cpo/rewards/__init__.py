@@ -26,7 +26,7 @@ _LAZY = {
     "RemoteRewardModel": "megatron_cpo.rewards.remote",
     "RemoteRewardError": "megatron_cpo.rewards.remote",
     "RewardServer": "megatron_cpo.rewards.reward_server",
-    "SandboxLimits": "megatron_cpo.rewards.sandbox",
+    "SandboxLimits": "megatron_cpo.rewards.sandbox_types",
     "run_python": "megatron_cpo.rewards.sandbox",
 }
 

@@ -18,7 +18,8 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_cpo.rewards.sandbox import SandboxLimits, active_mode, current_settings, run_python
+from megatron_cpo.rewards.sandbox import active_mode, current_settings, run_python
+from megatron_cpo.rewards.sandbox_types import SandboxLimits
 
 _CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

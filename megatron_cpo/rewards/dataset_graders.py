@@ -12,7 +12,7 @@ import string
 from typing import Any
 
 from megatron_cpo.rewards.math_answer import last_boxed_at
-from megatron_cpo.rewards.math_grader import _INTEGER, integers_equal, math_equivalent
+from megatron_cpo.rewards.math_grader import INTEGER, integers_equal, math_equivalent
 
 _ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 MAX_ANSWER_CHARS = 300  # verl reads only the last 300 characters of a response; a longer "answer" is not one
@@ -88,7 +88,7 @@ def compute_dapo_score(
     if predicted == truth:
         correct, how = True, "minerva"
     elif strict:
-        correct = bool(_INTEGER.match(predicted) and _INTEGER.match(truth) and integers_equal(predicted, truth))
+        correct = bool(INTEGER.match(predicted) and INTEGER.match(truth) and integers_equal(predicted, truth))
         how = "integer" if correct else f"strict mismatch: {predicted!r} vs {truth!r}"
     else:
         correct, how = math_equivalent(predicted, truth, symbolic_timeout_s)

@@ -2,34 +2,27 @@
 
 Equivalence is decided in three stages, cheapest first: the normalised strings match (``strip_string``); both sides
 are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
-(sets, intervals, matrices, roots, pi, expressions). math-verify's own timeout is a wall-clock ``signal.alarm`` in
-whole seconds, which on a loaded machine fires on checks that merely waited for a core; the symbolic stage therefore
-runs with math-verify's timeout off under a CPU-time budget of ``symbolic_timeout_s`` (``ITIMER_PROF``). Inputs whose
-evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials, power towers),
-and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no value overflows
-and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another thread sends its
-symbolic check to a helper process under the same budget and a wall-clock limit (``symbolic_process``). In training
-the grading pool's per-sample wall timeout bounds everything (``megatron_cpo.rewards.manager``).
+(sets, intervals, matrices, roots, pi, expressions) within a CPU-time budget of ``symbolic_timeout_s`` (``symbolic``).
+Inputs whose evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials,
+power towers), and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no
+value overflows and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another
+thread sends its symbolic check to a helper process under the same budget and a wall-clock limit
+(``symbolic_process``). In training the grading pool's per-sample wall timeout bounds everything
+(``megatron_cpo.rewards.manager``).
 
 Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
 """
 from __future__ import annotations
 
 import decimal
-import logging
 import re
-import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from math_verify import parse as mv_parse
-from math_verify import verify as mv_verify
 
 from megatron_cpo.rewards.math_answer import extract_answer, last_boxed, strip_string
+from megatron_cpo.rewards.symbolic import SymbolicTimeout, symbolic_equal
 
 MAX_SYMBOLIC_CHARS = 400
-_INTEGER = re.compile(r"^[-+]?\d+$")
+INTEGER = re.compile(r"^[-+]?\d+$")
 _PLAIN_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _NUMBER_LITERAL = re.compile(rf"^{_PLAIN_NUMBER}(?:[eE][-+]?\d{{1,6}})?$")
 _FRACTION = re.compile(rf"^(-?)\\frac\{{({_PLAIN_NUMBER})\}}\{{({_PLAIN_NUMBER})\}}$")
@@ -73,63 +66,12 @@ def numbers_close(first: decimal.Decimal, second: decimal.Decimal, rel_tol: floa
 
 
 def integers_equal(first: str, second: str) -> bool:
-    """Two integer literals (``_INTEGER``) are the same number, compared as text: no int() digit limit."""
+    """Two integer literals (``INTEGER``) are the same number, compared as text: no int() digit limit."""
     def canonical(text: str) -> str:
         sign = "-" if text.startswith("-") else ""
         digits = text.lstrip("+-").lstrip("0") or "0"
         return ("" if digits == "0" else sign) + digits
     return canonical(first) == canonical(second)
-
-
-class SymbolicTimeout(BaseException):
-    """The symbolic check used up its CPU-time budget.
-
-    A ``BaseException`` (like ``KeyboardInterrupt``) because math-verify catches ``Exception`` around its parsing and
-    comparison, which would turn the interrupt into an ordinary "not equal" and let the work continue.
-    """
-
-
-class _DropDisabledTimeoutWarning(logging.Filter):
-    """math-verify warns when its own timeout is off; here the CPU-time budget replaces it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-for _logger_name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_logger_name).addFilter(_DropDisabledTimeoutWarning())
-
-
-@contextmanager
-def cpu_time_budget(seconds: float) -> Iterator[None]:
-    """Raise ``SymbolicTimeout`` in the main thread once it has used ``seconds`` of CPU; no-op on other threads.
-
-    The timer is one-shot, so an expiry racing with the ``finally`` below raises at most once and leaves nothing armed.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum: int, frame: object) -> None:
-        raise SymbolicTimeout(f"symbolic check exceeded {seconds:g} CPU seconds")
-
-    previous = signal.signal(signal.SIGPROF, expire)
-    signal.setitimer(signal.ITIMER_PROF, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-        signal.signal(signal.SIGPROF, previous)
-
-
-def _symbolic_equal(prediction: str, ground_truth: str, timeout_s: float) -> bool:
-    """math-verify equivalence of two LaTeX answers within a CPU-time budget (main thread)."""
-    with cpu_time_budget(timeout_s):
-        gold = mv_parse("\\boxed{" + ground_truth + "}", parsing_timeout=None)
-        predicted = mv_parse("\\boxed{" + prediction + "}", parsing_timeout=None)
-        if not gold or not predicted:
-            return False
-        return bool(mv_verify(gold, predicted, timeout_seconds=None))
 
 
 def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_s: float = 5.0) -> tuple[bool, str]:
@@ -158,7 +100,7 @@ def math_equivalent(prediction: str | None, ground_truth: str, symbolic_timeout_
             return True, "symbolic"
         return False, why_not or f"not equivalent: {normalised_prediction!r} vs {normalised_truth!r}"
     try:
-        if _symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
+        if symbolic_equal(str(prediction), str(ground_truth), symbolic_timeout_s):
             return True, "symbolic"
     except SymbolicTimeout as timeout:
         return False, str(timeout)
@@ -197,7 +139,7 @@ def compute_strict_math_score(
     if prediction is None:
         return _result(False, None, "no answer found in the response", wrong_score)
     normalised_prediction, normalised_truth = strip_string(prediction), strip_string(str(ground_truth))
-    both_integers = _INTEGER.match(normalised_prediction) and _INTEGER.match(normalised_truth)
+    both_integers = INTEGER.match(normalised_prediction) and INTEGER.match(normalised_truth)
     if normalised_prediction == normalised_truth or (both_integers and integers_equal(normalised_prediction,
                                                                                      normalised_truth)):
         return _result(True, prediction, "exact", wrong_score)

@@ -3,13 +3,12 @@
 ``concurrent.futures.ProcessPoolExecutor`` cannot stop a hung task and breaks the whole pool when one worker dies, so
 this pool keeps one pipe per worker and does its own scheduling: a task past its deadline gets its worker SIGKILLed
 and replaced, a worker that dies mid-task is replaced, and in both cases the sample is reported as failed while the
-rest of the batch carries on. Each worker grades on its main thread, where the math grader's CPU-time budget (a
-signal) works.
+rest of the batch carries on. Each worker (``grading_worker.py``) grades on its main thread, where the math grader's
+CPU-time budget (a signal) works.
 """
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_cpo.rewards.sandbox import SandboxConfig
+    from megatron_cpo.rewards.sandbox_types import SandboxConfig
 
 _STARTUP_TIMEOUT_S = 120.0
 GradingTask = tuple[str, str, object, object]  # data_source, solution_str, ground_truth, extra_info
@@ -35,41 +34,8 @@ class TaskOutcome:
     seconds: float
 
 
-def _worker_main(connection: Connection, custom_graders: dict[str, str], custom_reward_function: str | None,
-                 grader_kwargs: dict[str, dict], memory_limit_mb: int | None,
-                 sandbox_settings: SandboxConfig | None = None) -> None:
-    """Grade tasks received on ``connection`` until it sends None."""
-    from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_custom_graders
-    from megatron_cpo.rewards.sandbox import configure_sandbox
-
-    if sandbox_settings is not None:  # the code sandbox's backend (the probe of ``auto`` runs on first use)
-        configure_sandbox(sandbox_settings, resolve=False)
-
-    if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    register_custom_graders(custom_graders)  # this worker's registry: the one place they are registered
-    override = load_callable(custom_reward_function) if custom_reward_function else None
-    connection.send("ready")
-    while True:
-        message = connection.recv()
-        if message is None:
-            return
-        data_source, solution_str, ground_truth, extra_info = message
-        kwargs = grader_kwargs.get(data_source, {})
-        try:
-            if override is not None:
-                raw = override(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                               extra_info=extra_info, **kwargs)
-                result = normalise_result(raw, custom_reward_function)
-            else:
-                result = compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
-            connection.send(("ok", result, ""))
-        except Exception as error:  # a grader bug must cost one sample, not the batch
-            connection.send(("error", None, f"{type(error).__name__}: {error}"[:500]))
-
-
 class _Worker:
-    """One grading process: a fresh ``python -m megatron_cpo.rewards.pool`` talking over a socket pair.
+    """One grading process: a fresh ``python -m megatron_cpo.rewards.grading_worker`` talking over a socket pair.
 
     A fresh interpreter (not fork/forkserver) keeps the worker independent of the trainer's ``__main__`` and threads:
     it imports only the graders (no torch), so a replacement starts quickly; forkserver children re-imported the
@@ -82,7 +48,7 @@ class _Worker:
         # Its own session: torchrun forwards a preemption SIGTERM to each rank's whole process group, and the rank
         # still grades the step it finishes before checkpointing. The worker exits when its socket closes.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_cpo.rewards.pool", str(child_end.fileno())],
+            [sys.executable, "-m", "megatron_cpo.rewards.grading_worker", str(child_end.fileno())],
             pass_fds=(child_end.fileno(),), env=environment, stdin=subprocess.DEVNULL, start_new_session=True)
         child_end.close()
         self.connection = Connection(parent_end.detach())
@@ -181,10 +147,3 @@ class GraderPool:
             worker.connection.close()
         self._workers = []
 
-
-if __name__ == "__main__":
-    _channel = Connection(int(sys.argv[1]))
-    try:
-        _worker_main(_channel, *_channel.recv())
-    except (EOFError, ConnectionError):  # the trainer exited without closing the pool (it reports its own error)
-        sys.exit(0)

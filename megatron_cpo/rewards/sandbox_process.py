@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_cpo.rewards.sandbox import (
+from megatron_cpo.rewards.sandbox_types import (
     RUNNER_SOURCE,
     SandboxLimits,
     SandboxResult,

@@ -11,6 +11,9 @@ from __future__ import annotations
 import atexit
 import threading
 
+from megatron_cpo.rewards.pool import GraderPool
+from megatron_cpo.rewards.symbolic import SymbolicTimeout, symbolic_equal
+
 SYMBOLIC_SOURCE = "megatron_cpo/symbolic-check"
 _lock = threading.Lock()
 _pool = None
@@ -19,10 +22,8 @@ _pool = None
 def symbolic_check_grader(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
                           ) -> dict:
     """Grader run inside the helper process: is the prediction ``solution_str`` symbolically equal to the truth?"""
-    from megatron_cpo.rewards.math_grader import SymbolicTimeout, _symbolic_equal
-
     try:
-        equal = _symbolic_equal(solution_str, str(ground_truth), float((extra_info or {}).get("timeout_s", 5.0)))
+        equal = symbolic_equal(solution_str, str(ground_truth), float((extra_info or {}).get("timeout_s", 5.0)))
     except SymbolicTimeout as timeout:
         return {"score": 0.0, "acc": False, "reason": str(timeout)}
     return {"score": float(equal), "acc": equal}
@@ -39,8 +40,6 @@ def symbolic_equal_in_helper(prediction: str, ground_truth: str, timeout_s: floa
     """(equal, reason when not) from the helper process; its wall-clock allowance is ``3 * timeout_s + 5`` seconds
     (a loaded machine may make a check wait for a core)."""
     global _pool
-    from megatron_cpo.rewards.pool import GraderPool
-
     with _lock:
         if _pool is None:
             _pool = GraderPool(1, {SYMBOLIC_SOURCE: f"{__name__}:symbolic_check_grader"}, None, {})

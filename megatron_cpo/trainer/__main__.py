@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_cpo.console import run_reporting_errors
 from megatron_cpo.trainer.command import add_train_arguments, run_train
 
 
 def main(argv: list[str] | None = None) -> int:
     """Bad input (a config, model, data or layout problem) is one `error: ...` line and exit status 2."""
-    from megatron_cpo.cli import run_reporting_errors
-
     args = add_train_arguments(argparse.ArgumentParser(prog="megatron-cpo train")).parse_args(argv)
     run_reporting_errors(run_train, args)
     return 0

@@ -98,6 +98,22 @@ def prompts_to_request(needed: int, keep_rate: float) -> int:
     return math.ceil(root * root - 1e-9)
 
 
+def log_filter_progress(step: int, accumulator: GroupAccumulator, generation_batch: int, logged: int) -> int:
+    """The seeds' per-generation-batch progress line, when the committed prompts complete one or more generation
+    batches (the last, partial one once the batch is full); returns the batches reported so far. Batches completed
+    by the same poll share one line (`gen batches 4-5`), so no two lines repeat the same counts."""
+    committed = accumulator.consumed  # this batch's (with asynchronous training seq counts the run's)
+    done = math.ceil(committed / generation_batch) if accumulator.full else committed // generation_batch
+    if done <= logged:
+        return logged
+    batches = f"gen batch {done}" if done == logged + 1 else f"gen batches {logged + 1}-{done}"
+    wanted = accumulator.target_prompts
+    logger.info("[filter_groups] step %d, %s: committed %d prompts, filtered %d trajectories, accumulated %d/%d",
+                step, batches, committed, accumulator.stats.filtered_trajectories, min(len(accumulator.kept), wanted),
+                wanted)
+    return done
+
+
 @dataclass
 class KeepRateHistory:
     """Groups kept / committed in earlier steps, halved every step so the estimate follows the policy as it learns.
@@ -171,7 +187,8 @@ class RolloutController:
             accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
-            logged_gen_batches = self._log_progress(step, accumulator, logged_gen_batches)
+            logged_gen_batches = log_filter_progress(step, accumulator, self.config.data.generation_batch_size,
+                                                     logged_gen_batches)
         batch = accumulator.batch() if accumulator.full else None
         if self.asynchronous:
             if batch is not None:
@@ -305,17 +322,6 @@ class RolloutController:
         were dropped), and a prompt's samples must not."""
         step = step if self.max_staleness == 0 else 0
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
-
-    def _log_progress(self, step: int, accumulator: GroupAccumulator, logged: int) -> int:
-        """The seeds' per-generation-batch line, once per generation batch of committed prompts."""
-        size, wanted = self.config.data.generation_batch_size, self.config.data.train_batch_size
-        committed = accumulator.consumed
-        while (logged + 1) * size <= committed or (accumulator.full and logged * size < committed):
-            logged += 1
-            logger.info("[filter_groups] step %d, gen batch %d: committed %d prompts, filtered %d trajectories, "
-                        "accumulated %d/%d", step, logged, committed, accumulator.stats.filtered_trajectories,
-                        min(len(accumulator.kept), wanted), wanted)
-        return logged
 
     def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
                  ) -> dict[str, float]:

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_cpo.rewards import compute_score
 from megatron_cpo.rewards.code_grader import compute_code_score, extract_code, stdout_matches
-from megatron_cpo.rewards.sandbox import SandboxLimits
+from megatron_cpo.rewards.sandbox_types import SandboxLimits
 
 FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256)
 STDIO_TESTS = json.dumps({"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3\n", "30\n", "0\n"]})

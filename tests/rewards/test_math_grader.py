@@ -73,7 +73,7 @@ def test_power_tower_never_reaches_sympy():
 
 
 def test_cpu_budget_interrupts_python_work_in_the_main_thread():
-    from megatron_cpo.rewards.math_grader import SymbolicTimeout, cpu_time_budget
+    from megatron_cpo.rewards.symbolic import SymbolicTimeout, cpu_time_budget
 
     started = time.process_time()
     with pytest.raises(SymbolicTimeout, match="exceeded 0.3 CPU seconds"):

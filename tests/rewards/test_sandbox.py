@@ -23,10 +23,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_cpo.rewards.sandbox import SandboxLimits, launcher_server, namespaces_unavailable_reason, run_python
+from megatron_cpo.rewards.sandbox import run_python
+from megatron_cpo.rewards.sandbox_namespaces import launcher_server, namespaces_unavailable_reason
+from megatron_cpo.rewards.sandbox_types import SandboxLimits
 
-pytestmark = pytest.mark.skipif(namespaces_unavailable_reason() is not None,
-                                reason=f"namespaces refused here: {namespaces_unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(namespaces_unavailable_reason() is not None,
+                                 reason=f"namespaces refused here: {namespaces_unavailable_reason()}"),
+              pytest.mark.slow]  # programs run in jails, bombs run into their limits: seconds each
 FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, output_limit_bytes=64 * 1024)
 SANDBOX_UID_BASE = 1_000_000
 
@@ -276,7 +279,7 @@ def test_limits_are_validated():
 def test_killing_the_grading_process_ends_its_sandboxes():
     """The reward pool SIGKILLs a grading worker that overruns its budget: its launcher server, launchers, inits and
     programs must all go with it (parent-death signals down the chain, then the PID-namespace teardown)."""
-    grader = subprocess.Popen([sys.executable, "-c", "from megatron_cpo.rewards.sandbox import *\n"
+    grader = subprocess.Popen([sys.executable, "-c", "from megatron_cpo.rewards.sandbox import run_python, SandboxLimits\n"
                                "run_python('import time\\ntime.sleep(120)', backend='namespaces', limits="
                                "SandboxLimits(wall_timeout_s=120, cpu_time_s=60))"],
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -6,14 +6,11 @@ import pytest
 
 from megatron_cpo.config import load_config
 from megatron_cpo.rewards import RewardConfig, RewardManager, compute_score
-from megatron_cpo.rewards.sandbox import (
-    SandboxLimits,
-    SandboxConfig,
-    configure_sandbox,
-    namespaces_unavailable_reason,
-    run_python,
-)
-from megatron_cpo.rewards.sandbox_fusion import FusionCompatibleServer, RemoteSandboxError
+from megatron_cpo.rewards.sandbox import configure_sandbox, run_python
+from megatron_cpo.rewards.sandbox_fusion import RemoteSandboxError
+from megatron_cpo.rewards.sandbox_fusion_server import FusionCompatibleServer
+from megatron_cpo.rewards.sandbox_namespaces import namespaces_unavailable_reason
+from megatron_cpo.rewards.sandbox_types import SandboxConfig, SandboxLimits
 
 BACKEND = "namespaces" if namespaces_unavailable_reason() is None else "process"
 FAST = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256)
@@ -36,6 +33,7 @@ def remote(server):
     configure_sandbox(SandboxConfig(), resolve=False)
 
 
+@pytest.mark.slow  # programs run by the sandbox behind the loopback server
 def test_remote_runs_report_the_program_outcome(remote):
     ok = run_python("print(sum(map(int, input().split())))", "2 40\n", limits=FAST)
     assert (ok.status, ok.stdout, ok.returncode) == ("ok", "42\n", 0)
@@ -45,6 +43,7 @@ def test_remote_runs_report_the_program_outcome(remote):
     assert (call.status, call.stdout) == ("ok", "3")
 
 
+@pytest.mark.slow  # programs run by the sandbox behind the loopback server
 def test_remote_service_keeps_the_isolation(remote):
     program = ("import os\nfor path in ('/etc/shadow', f'/proc/{os.getppid()}/environ'):\n    try:\n"
                "        open(path).read()\n        print('read', path)\n    except OSError:\n        print('refused')")
@@ -52,6 +51,7 @@ def test_remote_service_keeps_the_isolation(remote):
     assert result.stdout.split() == ["refused", "refused"]
 
 
+@pytest.mark.slow  # programs run by the sandbox behind the loopback server
 def test_code_grader_scores_right_through_the_remote_sandbox(remote):
     correct = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     wrong = "```python\na, b = map(int, input().split())\nprint(abs(a) + abs(b))\n```"
@@ -61,6 +61,7 @@ def test_code_grader_scores_right_through_the_remote_sandbox(remote):
                                                                                   "wrong_answer"]
 
 
+@pytest.mark.slow  # programs run by the sandbox behind the loopback server
 def test_reward_manager_workers_use_the_configured_remote_sandbox(server):
     settings = SandboxConfig(mode="remote", fusion_url=server.url, fusion_max_concurrent=2)
     correct = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -72,6 +73,7 @@ def test_reward_manager_workers_use_the_configured_remote_sandbox(server):
     configure_sandbox(SandboxConfig(), resolve=False)
 
 
+@pytest.mark.slow  # programs run by the sandbox behind the loopback server
 def test_service_errors_are_raised_not_scored(server):
     configure_sandbox(SandboxConfig(mode="remote", fusion_url=server.url.replace("run_code", "nothing")))
     try:

@@ -15,10 +15,12 @@ import psutil
 import pytest
 
 from megatron_cpo.rewards import sandbox
-from megatron_cpo.rewards.sandbox import SandboxLimits, SandboxConfig, configure_sandbox, run_python
+from megatron_cpo.rewards.sandbox import configure_sandbox, run_python
+from megatron_cpo.rewards.sandbox_types import SandboxConfig, SandboxLimits
 
 SYSTEM_PYTHON = "/usr/bin/python3"
-pytestmark = pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here")
+pytestmark = [pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"no {SYSTEM_PYTHON} here"),
+              pytest.mark.slow]  # sandboxed interpreters, the backend probe
 LIMITS = SandboxLimits(wall_timeout_s=5.0, cpu_time_s=1, memory_mb=256, python_executable=SYSTEM_PYTHON)
 
 
@@ -81,7 +83,7 @@ def test_where_namespaces_are_refused_auto_falls_back_loudly_and_namespaces_mode
     warning, and an explicit ``namespaces`` is an error that names the alternatives; nothing falls back silently."""
     script = ("import ctypes, os\n"
               "assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0, 'no user namespaces here'\n"
-              "from megatron_cpo.rewards.sandbox import *\n"
+              "from megatron_cpo.rewards.sandbox import configure_sandbox, SandboxConfig\n"
               "print(configure_sandbox(SandboxConfig(mode='auto')))\n"
               "try:\n    configure_sandbox(SandboxConfig(mode='namespaces'))\n"
               "except RuntimeError as error:\n    print('refused:', error)\n")

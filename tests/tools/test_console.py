@@ -80,6 +80,24 @@ def test_grading_worker_exits_quietly_when_the_trainer_dies(tmp_path):
     assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch, Megatron-Core and vLLM
+def test_help_of_every_command_prints_nothing_but_the_help(tmp_path):
+    """`megatron-cpo [<command>] --help` in a fresh interpreter, where Megatron-Core's import-time announcements
+    ("Transformer Engine and Apex are not installed", eight lines) used to come before the help."""
+    from megatron_cpo.cli import COMMANDS
+
+    done = run_python("""
+        from megatron_cpo.cli import COMMANDS, main
+        for name in ["", *COMMANDS]:
+            try:
+                main([name, "--help"] if name else ["--help"])
+            except SystemExit as exit:
+                assert exit.code == 0, (name, exit.code)
+    """, tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert all(f"usage: megatron-cpo {name} " in done.stdout for name in COMMANDS), done.stdout
+
+
 def test_eta_and_durations():
     assert eta_seconds(0, 10, 5.0) is None
     assert eta_seconds(2, 10, 30.0) == pytest.approx(120.0)

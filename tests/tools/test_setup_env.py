@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # the real setup script, and shellcheck
 
 
 def fake_venv(tmp_path: Path, body: str) -> Path:

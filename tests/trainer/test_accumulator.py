@@ -151,3 +151,25 @@ def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
     metrics = accumulator.metrics()
     assert metrics["overlong/reward_mean"] == pytest.approx(-0.5)
     assert metrics["overlong/frac"] == pytest.approx(2 / 3)
+
+
+def test_filter_progress_prints_a_line_only_when_a_generation_batch_completes(tokenizer, caplog):
+    """Generation batches of 2 prompts, 3 kept wanted: a poll that completes two batches prints one line for both,
+    a poll that completes none prints nothing, the partial last batch is reported once the batch is full."""
+    from megatron_cpo.trainer.controller import log_filter_progress
+
+    accumulator = GroupAccumulator(3, keep_varied_groups, "acc")
+    mixed, uniform = ["4", "5"], ["4", "4"]
+    polls = [[0, 1, 2, 3], [5], [4], [6, 7]]  # seq 5 finishes before seq 4: nothing new is committed by that poll
+    answers = {0: mixed, 1: uniform, 2: uniform, 3: mixed, 4: uniform, 5: mixed, 6: uniform, 7: mixed}
+    logged = 0
+    with caplog.at_level("INFO", logger="megatron_cpo.trainer.controller"):
+        for seqs in polls:
+            accumulator.add([scored_group(tokenizer, seq, answers[seq]) for seq in seqs])
+            logged = log_filter_progress(9, accumulator, 2, logged)
+    assert accumulator.full and accumulator.next_seq == 6
+    assert caplog.messages == [
+        "[filter_groups] step 9, gen batches 1-2: committed 4 prompts, filtered 4 trajectories, accumulated 2/3",
+        "[filter_groups] step 9, gen batch 3: committed 6 prompts, filtered 6 trajectories, accumulated 3/3",
+    ]
+    assert logged == 3

@@ -255,6 +255,7 @@ def test_damaged_checkpoints_fall_back_or_stop_naming_the_file_and_runs_never_mi
     assert (checkpoints / "step_000001" / "huggingface" / "config.json").is_file()
 
 
+@pytest.mark.engine  # a trainer subprocess that starts its engine
 def test_sigterm_during_engine_start_exits_cleanly(small_run_overrides, tmp_path):
     """SIGTERM while the engine is starting: status 143, one error line, and every process the run started
     (Ray, the engine actor, vLLM's engine core) ends with it."""
