@@ -17,7 +17,7 @@ pinned arm's final `val/acc`, mean over seeds, minus its seed spread). Results g
 console; `--smoke` makes a short run that proves the harness works (its numbers say nothing).
 
     python benchmarks/async/bench_async.py                      # the full table: 4 arms x 3 seeds x 40 steps
-    python benchmarks/async/bench_async.py --smoke              # 2 arms x 1 seed x 4 steps
+    python benchmarks/async/bench_async.py --smoke              # 2 arms x 1 seed x 4 steps, 40 held-out questions
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def stop(process: subprocess.Popen) -> None:
             pass
 
 
-def run_arm(arm: Arm, seed: int, steps: int, test_freq: int, data: Path, root: Path) -> Path:
+def run_arm(arm: Arm, seed: int, steps: int, test_freq: int, data: Path, root: Path, val_samples: int) -> Path:
     """One training run of `arm`; returns its output directory (metrics.jsonl, server.log, train console)."""
     out = root / arm.name / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
@@ -106,6 +106,7 @@ def run_arm(arm: Arm, seed: int, steps: int, test_freq: int, data: Path, root: P
                f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                f"trainer.default_local_dir={out / 'run'}", "trainer.resume=disable", f"trainer.seed={seed}",
                f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}",
+               f"data.val_max_samples={val_samples}",
                f"async_training.max_staleness={arm.max_staleness}", "actor_rollout_ref.rollout.mode=server",
                f"actor_rollout_ref.rollout.server_urls=[{url}]",
                f"actor_rollout_ref.rollout.server_token_file={token_file}",
@@ -181,12 +182,14 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--test-freq", type=int, default=5)
+    parser.add_argument("--val-samples", type=int, default=-1, help="held-out questions per validation (-1: all 400)")
     parser.add_argument("--root", type=Path, default=REPO / "runs" / "async_bench")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
-    parser.add_argument("--smoke", action="store_true", help="k0_pinned and k1_pinned, seed 1, 4 steps")
+    parser.add_argument("--smoke", action="store_true", help="k0_pinned and k1_pinned, seed 1, 4 steps, 40 questions")
     args = parser.parse_args()
     if args.smoke:
-        args.arms, args.seeds, args.steps, args.test_freq = ["k0_pinned", "k1_pinned"], [1], 4, 2
+        args.arms, args.seeds, args.steps, args.test_freq, args.val_samples = ["k0_pinned", "k1_pinned"], [1], 4, 2, 40
+        args.out = args.root / "smoke_results.json"
     if shutil.which("taskset") is None:
         raise SystemExit("taskset (util-linux) is needed to pin the engine and the trainer to one core each")
     data = args.root / "data"
@@ -195,7 +198,7 @@ def main() -> int:
     for seed in args.seeds:  # arms round-robin, so a run cut short stays balanced
         for name in args.arms:
             print(f"{name} seed {seed} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
-            out = run_arm(ARMS[name], seed, args.steps, args.test_freq, data, args.root)
+            out = run_arm(ARMS[name], seed, args.steps, args.test_freq, data, args.root, args.val_samples)
             results.setdefault(name, {})[seed] = read_run(out)
             print(f"    step {results[name][seed]['step_s']:.2f} s, final val/acc "
                   f"{results[name][seed]['final_acc']:.3f}", flush=True)
