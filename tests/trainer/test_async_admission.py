@@ -264,3 +264,28 @@ def test_resume_position_is_the_first_prompt_not_yet_trained():
     order = [records(60)[i].index for i in PromptStream(records(60), 1, 3)._epoch_order(0)]
     varied = [index for index in order if index % 3 != 0]  # what filter-groups keeps
     assert trained == varied[: len(trained)] and len(trained) >= len(varied) - BATCH  # none lost
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async_training.max_staleness=1", "actor_rollout_ref.rollout.mode=colocate"], "colocated engines share"),
+    (["async_training.partial_rollout=false", "async_training.in_flight_weight_updates=true"],
+     "in_flight_weight_updates=true continues requests"),
+    (["async_training.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
+    (["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"],
+     "both weight the loss"),
+])
+def test_settings_that_cannot_work_are_refused_in_one_line(overrides, message):
+    from megatron_cpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as error:
+        build_config({}, overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_in_flight_policy_follows_the_settings():
+    policies = {}
+    for overrides in ([], ["async_training.max_staleness=1"], ["async_training.max_staleness=1",
+                                                                "async_training.partial_rollout=false"],
+                      ["async_training.max_staleness=2", "async_training.in_flight_weight_updates=true"]):
+        policies[" ".join(overrides)] = build_config({}, overrides).async_training.in_flight
+    assert list(policies.values()) == ["none", "partial", "finish", "keep"]
