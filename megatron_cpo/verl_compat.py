@@ -43,6 +43,13 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             (0,)),
     NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
             "training ones)"),
+    *(NoOpKey(f"actor_rollout_ref.*.megatron.override_transformer_config.{key}",
+              "kernel fusions are chosen by the platform (Transformer Engine's when importable)")
+      for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                  "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs",
+                  "moe_grouped_gemm", "moe_permute_fusion")),
+    NoOpKey("actor_rollout_ref.*.megatron.override_transformer_config.moe_enable_deepep", "DeepEP's dispatcher "
+            "(moe_token_dispatcher_type=flex) is not offered; alltoall or allgather dispatch the tokens", (False,)),
 )
 
 # verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).
@@ -58,6 +65,9 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", "the reference runs in the actor's layout"),
     "actor_rollout_ref.ref.megatron.sequence_parallel": (
         "actor_rollout_ref.actor.megatron.sequence_parallel", "the reference runs in the actor's layout"),
+    **{f"actor_rollout_ref.ref.megatron.{key}": (f"actor_rollout_ref.actor.megatron.{key}",
+                                                  "the reference runs in the actor's layout")
+       for key in ("expert_model_parallel_size", "expert_tensor_parallel_size")},
     "reward_model.reward_kwargs.max_resp_len": (
         "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
 }

@@ -238,7 +238,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     actor, reference = build_policies(config, pad_token_id=0, total_updates=4)
     device = platform.device()
     timer = PhaseTimer(device)
-    actor.log_probs = timer.wrap("log_probs", actor.log_probs)
+    actor.log_probs = timer.wrap("log_probs", actor.log_probs)  # CPO's hinted pass
+    actor.log_probs_and_routing = timer.wrap("log_probs", actor.log_probs_and_routing)  # the old log-probs
     actor.update = timer.wrap("update", actor.update)
     for _ in range(2):
         timer.calls.clear()

@@ -69,7 +69,8 @@ def check_parallel_sizes(hf_config: Any, tensor_model_parallel_size: int, pipeli
                              f"set expert_model_parallel_size=1 and expert_tensor_parallel_size=null")
         return
     if moe.num_experts % ep:
-        raise ValueError(f"EP={ep} does not divide the {moe.num_experts} experts; choose an EP size that divides it")
+        raise ValueError(f"EP={ep} does not divide the {moe.num_experts} experts; choose an expert-parallel size "
+                         f"(expert_model_parallel_size, --ep) that divides it")
     if moe.expert_ffn_size % etp:
         raise ValueError(f"ETP={etp} does not divide the expert width moe_intermediate_size={moe.expert_ffn_size}; "
                          f"choose an expert_tensor_parallel_size that divides it")
@@ -193,6 +194,9 @@ def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int |
         spec = get_gpt_layer_local_spec(normalization=config.normalization, **kind)
         if config.sequence_parallel:
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if config.qk_layernorm:  # per-head norms: Megatron sums their gradients over TP by name
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     if biases is not None and config.add_bias_linear:
         attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         if not biases.qkv:  # Megatron gives linear_qkv a bias when add_bias_linear or add_qkv_bias is on

@@ -13,6 +13,7 @@ whole batch's tensors (the advantage math then runs identically everywhere).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
 from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.micro_batches import Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.packing import PackedRows, pack_rows
+from megatron_cpo.trainer.routing import RecordedRouting, RouterTracker, aux_loss_metrics
 from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 
@@ -42,21 +44,8 @@ class UpdateInputs:
     ref_log_probs: torch.Tensor | None
     rollout_log_probs: torch.Tensor | None
     correction: RolloutCorrectionConfig | None = None
-
-
-def model_options(config: Any) -> dict[str, Any]:
-    """The `TransformerConfig` fields the trainer config selects for the actor and the reference: sequence
-    parallelism and (`enable_gradient_checkpointing`) Megatron's activation recompute."""
-    megatron = config.actor_rollout_ref.actor.megatron
-    options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
-    if megatron.context_parallel_size > 1:
-        options["context_parallel_size"] = megatron.context_parallel_size
-    if config.actor_rollout_ref.model.enable_gradient_checkpointing:
-        options["recompute_granularity"] = megatron.recompute_granularity
-        if megatron.recompute_granularity == "full":
-            options.update(recompute_method=megatron.recompute_method,
-                           recompute_num_layers=megatron.recompute_num_layers)
-    return options
+    routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
+    first_row: int = 0                      # this mini-batch's first row in the step batch
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -75,14 +64,17 @@ class MegatronPolicy:
     `config` (`actor_rollout_ref.actor`, as it is) sets the loss and the micro-batches: `ppo_micro_batch_size_per_gpu`
     rows, or with `use_dynamic_bsz` the token budgets `ppo_max_token_len_per_gpu` (update) and
     `log_prob_max_token_len_per_gpu` (scoring). `log_prob_micro_batch_size`: rows of a fixed scoring micro-batch
-    (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`)."""
+    (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`).
+    `routing` (a mixture of experts' actor): records the old-log-prob pass's routing and replays or compares it in
+    the update (trainer/routing.py)."""
 
     def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
                  ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
-                 use_remove_padding: bool = False) -> None:
+                 use_remove_padding: bool = False, routing: RouterTracker | None = None) -> None:
         from megatron.core import parallel_state
 
         self.model = model
+        self.routing = routing
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -102,14 +94,17 @@ class MegatronPolicy:
     def _module(self) -> Any:
         return self.ddp_model if self.ddp_model is not None else self.model
 
-    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool) -> list:
-        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function."""
+    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool,
+             around_forward: Callable[[dict, Any], Any] | None = None) -> list:
+        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function;
+        `around_forward(batch, layout)`, when given, is a context manager around each micro-batch's forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, stage_model):
             batch = next(data_iterator)
             layout = batch.get("packed", batch["seqs"])
-            output = self._forward(stage_model, layout)
+            with around_forward(batch, layout) if around_forward else contextlib.nullcontext():
+                output = self._forward(stage_model, layout)
             return output, lambda out: step_fn(*self._log_probs_entropy(out, layout, temperature), batch)
 
         shapes = [tuple(b.get("packed", b["seqs"]).tokens_shape) for b in micro_batches]
@@ -192,7 +187,7 @@ class MegatronPolicy:
             seqs = padded.select(index)
             seqs = seqs.trimmed() if self.config.use_dynamic_bsz else seqs
             multiple = self._sequence_multiple()
-            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple))}
+            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple)), "rows": index}
             if self.packing:
                 batch["packed"] = pack_rows(seqs, self.packing, multiple)
             batch.update({name: tensor[index] for name, tensor in full.items()})
@@ -216,9 +211,19 @@ class MegatronPolicy:
 
         return parallel_state.get_context_parallel_rank()
 
-    @torch.no_grad()
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy of every response token, [rows, R] float32 each, on every rank."""
+        return self._score(seqs, temperature)[:2]
+
+    def log_probs_and_routing(self, seqs: PackedSequences, temperature: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, RecordedRouting | None, dict[str, float]]:
+        """`log_probs`, and for a mixture of experts the routing of every token (for the update to replay or
+        compare) with its load and entropy metrics."""
+        return self._score(seqs, temperature, record_routing=self.routing is not None)
+
+    @torch.no_grad()
+    def _score(self, seqs: PackedSequences, temperature: float, record_routing: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, RecordedRouting | None, dict[str, float]]:
         from megatron.core import parallel_state
 
         self._module.eval()
@@ -228,7 +233,11 @@ class MegatronPolicy:
         outputs = self._run(self._micro_batches(padded, plan), temperature,
                             lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
                                                                (log_probs, entropy)),
-                            forward_only=True)
+                            forward_only=True,
+                            around_forward=(lambda batch, layout: self.routing.recording(layout, batch["rows"]))
+                            if record_routing else None)
+        routing, routing_metrics = (self.routing.finish_recording(plan, seqs.lengths()) if record_routing
+                                    else (None, {}))
         rank_rows = [torch.cat(micro) for micro in plan]
         local = torch.zeros(2, max(len(rows) for rows in rank_rows), seqs.response_width, device=platform.device())
         if parallel_state.is_pipeline_last_stage():
@@ -243,7 +252,7 @@ class MegatronPolicy:
         full = torch.zeros(2, padded.rows, seqs.response_width)
         for rows, piece in zip(rank_rows, pieces):
             full[:, rows] = piece[:, : len(rows)].cpu()
-        return full[0, : seqs.rows], full[1, : seqs.rows]
+        return full[0, : seqs.rows], full[1, : seqs.rows], routing, routing_metrics
 
     def update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> dict[str, float]:
         """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule; the
@@ -266,6 +275,12 @@ class MegatronPolicy:
                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                   self.config.ppo_micro_batch_size_per_gpu)
         micro = self._micro_batches(padded, plan, extra)
+        routed = self.routing is not None and inputs.routing is not None
+        if routed:  # each micro-batch's rows' recorded routing, fetched from the ranks that scored them
+            recorded = self.routing.rows_for_update(inputs.routing, inputs.first_row, plan, seqs.rows)
+            for batch in micro:
+                batch["routing"] = [recorded.get(inputs.first_row + row) if row < seqs.rows else None
+                                    for row in batch["rows"].tolist()]
         # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
 
@@ -282,10 +297,17 @@ class MegatronPolicy:
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, temperature, loss_step, forward_only=False)
+        outputs = self._run(micro, temperature, loss_step, forward_only=False,
+                            around_forward=(lambda batch, layout: self.routing.updating(layout, batch["routing"]))
+                            if routed else None)
         self.scheduler.step(increment=1)
         updated, grad_norm, _ = self.optimizer.step()
         metrics = self._reduce_metrics(outputs)
+        if routed:
+            metrics.update(self.routing.finish_update())
+        if self.routing is not None:
+            metrics.update(aux_loss_metrics(self.model.config, self.config.megatron.override_transformer_config
+                                            .aux_loss_names(), len(micro)))
         metrics.update({"actor/grad_norm": float(grad_norm or 0.0), "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
         return metrics

@@ -35,6 +35,51 @@ class OptimConfig:
         check(self.clip_grad > 0, f"actor_rollout_ref.actor.optim.clip_grad={self.clip_grad} must be > 0")
 
 
+LOAD_BALANCING_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                         "global_aux_loss": "global_load_balancing_loss"}  # Megatron's type -> its logged name
+
+
+@dataclass
+class MoeTransformerConfig:
+    """verl's `actor_rollout_ref.actor.megatron.override_transformer_config`: the `TransformerConfig` fields of a
+    mixture of experts a run may set (Megatron's names; read only for MoE models). None of them changes which function
+    the model computes, so the engine still samples from the policy the trainer scores.
+
+    No load-balancing loss by default (`moe_router_load_balancing_type="none"`, `moe_aux_loss_coeff=0`), as verl,
+    slime and NeMo-RL train RL: the pretrained router already balances, and an auxiliary loss pulls the routing, and
+    with it the trainer's log-probs, away from what the engine samples with (NeMo-RL saw a sequence-level auxiliary
+    loss make them drift). Turn it on (`aux_loss`, `seq_aux_loss` or `global_aux_loss` with a coefficient > 0) when
+    expert imbalance under EP slows training (verl PR #4103); `moe_z_loss_coeff` adds the router z-loss. Both are
+    added to the update's loss and logged (`actor/moe_*`). `moe_token_dispatcher_type`: `alltoall` sends each token
+    only to the EP ranks of its experts; `allgather` gathers every token on every EP rank (simpler, more traffic).
+    `moe_router_dtype`: the router's logits and softmax in `fp32` (as transformers computes them) or `fp64`."""
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.actor.megatron.override_transformer_config."
+        check_choice(prefix + "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+                     ("none", *LOAD_BALANCING_LOSSES))
+        check(self.moe_aux_loss_coeff >= 0, f"{prefix}moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        balanced = self.moe_router_load_balancing_type != "none"
+        check(balanced == (self.moe_aux_loss_coeff > 0),
+              f"{prefix}moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} with "
+              f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} adds no loss; set both (e.g. aux_loss and 0.001) or "
+              "neither")
+        check(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
+              f"{prefix}moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0 (or null: no z-loss)")
+        check_choice(prefix + "moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather"))
+        check_choice(prefix + "moe_router_dtype", self.moe_router_dtype, ("fp32", "fp64"))
+
+    def aux_loss_names(self) -> list[str]:
+        """The names Megatron logs the configured auxiliary losses under."""
+        names = [LOAD_BALANCING_LOSSES[self.moe_router_load_balancing_type]] if self.moe_aux_loss_coeff > 0 else []
+        return names + (["z_loss"] if self.moe_z_loss_coeff else [])
+
+
 @dataclass
 class MegatronConfig:
     """Model parallelism of the trainer; data parallelism is what remains of the world size.
@@ -49,7 +94,12 @@ class MegatronConfig:
     `param_offload` / `grad_offload` / `optimizer_offload` (verl's names) move the actor's parameters, gradients
     (DDP's grad buffers) and optimizer state (Adam's moments, fp32 main parameters) to host memory while colocated
     engines generate (`rollout.mode=colocate`), and back before training; they do nothing when the engines have
-    GPUs of their own (trainer/offload.py)."""
+    GPUs of their own (trainer/offload.py).
+    A mixture of experts splits its experts over `expert_model_parallel_size` (EP) ranks and each expert over
+    `expert_tensor_parallel_size` (ETP, null: the same as TP) ranks, inside each pipeline stage: world / PP must be a
+    multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
+    `freeze_moe_router` (NeMo-RL's name) keeps every router's weights as loaded; `override_transformer_config` holds
+    the MoE knobs (`MoeTransformerConfig`)."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     use_distributed_optimizer: bool = True
@@ -62,6 +112,10 @@ class MegatronConfig:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    freeze_moe_router: bool = False
+    override_transformer_config: MoeTransformerConfig = field(default_factory=MoeTransformerConfig)
 
     def __post_init__(self) -> None:
         check(self.tensor_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size="
@@ -80,6 +134,18 @@ class MegatronConfig:
                                               f"{self.recompute_num_layers} must be >= 1")
         check(self.context_parallel_size >= 1, "actor_rollout_ref.actor.megatron.context_parallel_size="
                                                f"{self.context_parallel_size} must be >= 1")
+        check(isinstance(self.expert_model_parallel_size, int) and self.expert_model_parallel_size >= 1,
+              "actor_rollout_ref.actor.megatron.expert_model_parallel_size="
+              f"{self.expert_model_parallel_size!r} must be an integer >= 1")
+        check(self.expert_tensor_parallel_size is None or (isinstance(self.expert_tensor_parallel_size, int)
+                                                           and self.expert_tensor_parallel_size >= 1),
+              "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size="
+              f"{self.expert_tensor_parallel_size!r} must be an integer >= 1, or null (the same as TP)")
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """ETP as the trainer runs it (null means TP)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -106,6 +172,31 @@ class CheckpointContentsConfig:
         return "hf_model" in self.save_contents
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass
+class RouterReplayConfig:
+    """verl's `actor_rollout_ref.actor.router_replay`: make the update route every token of a mixture of experts as
+    an earlier pass did (trainer/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
+    replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same experts
+    (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
+    returns routed experts only on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is
+    refused."""
+    mode: str = "disabled"
+
+    def __post_init__(self) -> None:
+        check_choice("actor_rollout_ref.actor.router_replay.mode", self.mode, ROUTER_REPLAY_MODES)
+        check(self.mode != "R3", "actor_rollout_ref.actor.router_replay.mode=R3 (replay the engine's routing) is not "
+                                 "available: vLLM returns routed experts only on GPUs (enable_return_routed_experts, "
+                                 "model runner V2) and the rollout samples here do not carry them; use R2 (replay the "
+                                 "old-log-prob pass's routing) or disabled")
+
+    @property
+    def replays(self) -> bool:
+        return self.mode != "disabled"
+
+
 @dataclass
 class ActorConfig(PolicyLossConfig):
     """The policy update: the loss settings of `PolicyLossConfig` (PPO clipping with clip-higher and dual-clip, loss
@@ -122,10 +213,12 @@ class ActorConfig(PolicyLossConfig):
     `ppo_max_token_len_per_gpu` padded tokens (rows x their own longest prompt + response) for the update, and
     `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
     `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
+    `router_replay` (mixtures of experts): route the update as the old-log-prob pass did (`RouterReplayConfig`).
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 8
     ppo_epochs: int = 1

@@ -68,8 +68,10 @@ class Layout:
                    "colocate": max(1, world_size // rollout.tensor_model_parallel_size)}.get(rollout.mode,
                                                                                            rollout.num_engines)
         return cls(tp=megatron.tensor_model_parallel_size, pp=megatron.pipeline_model_parallel_size,
-                   world_size=world_size, engines=engines, rollout_tp=rollout.tensor_model_parallel_size,
-                   rollout_mode=rollout.mode, params_dtype=megatron.params_dtype,
+                   world_size=world_size, ep=megatron.expert_model_parallel_size,
+                   etp=megatron.expert_tensor_parallel_size, engines=engines,
+                   rollout_tp=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
+                   params_dtype=megatron.params_dtype,
                    distributed_optimizer=megatron.use_distributed_optimizer,
                    reference_model=config.needs_reference_model, sequence_parallel=megatron.sequence_parallel,
                    context_parallel=megatron.context_parallel_size,
@@ -82,6 +84,9 @@ class Layout:
         cp = f" x CP {self.context_parallel}" if self.context_parallel > 1 else ""
         trainer = (f"trainer: {self.world_size} process(es) ({world_source}) = TP {self.tp} x PP {self.pp}{cp} x "
                    f"DP {self.dp}")
+        if self.ep > 1 or (self.etp or self.tp) != self.tp:
+            trainer += (f"; experts: EP {self.ep} x ETP {self.etp or self.tp} x expert-DP {self.expert_dp} per "
+                        "pipeline stage")
         if self.rollout_mode == "server":
             return [trainer, f"rollout: {self.engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"]
         if self.rollout_mode == "colocate":

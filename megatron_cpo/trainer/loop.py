@@ -83,7 +83,9 @@ class Trainer:
         config = self.config
         megatron = config.actor_rollout_ref.actor.megatron
         platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size)
+                                  seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size,
+                                  expert_model_parallel_size=megatron.expert_model_parallel_size,
+                                  expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id
@@ -97,8 +99,10 @@ class Trainer:
         if dist.get_rank() == 0:
             self.lead = RankZero(config, tokenizer, manager)
             logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
-            logger.info("building the Megatron actor (TP=%d, PP=%d) from %s", megatron.tensor_model_parallel_size,
-                        megatron.pipeline_model_parallel_size, config.actor_rollout_ref.model.path)
+            logger.info("building the Megatron actor (TP=%d, PP=%d, EP=%d, ETP=%d) from %s",
+                        megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                        megatron.expert_model_parallel_size, megatron.expert_tensor_parallel,
+                        config.actor_rollout_ref.model.path)
         self.total_steps = broadcast_object(config.total_steps(len(self.lead.train_data)) if self.lead else None)
         actor_cfg = config.actor_rollout_ref.actor
         updates = (self.total_steps * actor_cfg.ppo_epochs

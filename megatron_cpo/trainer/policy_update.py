@@ -6,7 +6,7 @@ PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.routing import RecordedRouting
 from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.step_batch import StepBatch
 
@@ -55,15 +56,18 @@ class BatchLogProbs:
     entropy: torch.Tensor
     ref_log_probs: torch.Tensor | None
     hint_log_probs: torch.Tensor | None  # CPO: the responses under the hinted prompts (the plain ones where no hint)
+    routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
+    routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
                       pad_token_id: int) -> BatchLogProbs:
-    """Old log-probs and entropy under the actor, the reference's log-probs, and the hinted ones for CPO."""
+    """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
+    and the hinted ones for CPO."""
     temperature = config.actor_rollout_ref.rollout.temperature or 1.0
     width = config.data.max_response_length
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
-    old_log_probs, entropy = actor.log_probs(seqs, temperature)
+    old_log_probs, entropy, routing, routing_metrics = actor.log_probs_and_routing(seqs, temperature)
     ref_log_probs = reference.log_probs(seqs, temperature)[0] if reference is not None else None
     hint_log_probs = None
     if batch.hint_prompt_ids is not None:
@@ -71,7 +75,7 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
                                      old_log_probs)
     return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs)
+                         hint_log_probs, routing, routing_metrics)
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
@@ -118,9 +122,10 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
             engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
             inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                   lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None, engine_log_probs,
-                                  correction)
+                                  correction, lp.routing, start)
             update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
+    metrics.update(lp.routing_metrics)
 
     mask = lp.mask
     lengths = lp.seqs.response_lengths.float()

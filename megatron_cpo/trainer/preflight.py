@@ -1,7 +1,8 @@
 """Everything about a run that can be checked before Ray, torch.distributed and the engines start.
 
 `preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
-`ConfigError`: the model directory, TP/PP against the heads, layers and world size, verl's
+`ConfigError`: the model directory, TP/PP against the heads, layers and world size, EP/ETP against the experts and
+the world size (and the model family's own checks, `models.builder.check_hf_config`), verl's
 `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
 for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
 trainer/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
@@ -105,6 +106,59 @@ def model_problems(config: Config, world_size: int) -> list[str]:
     if isinstance(heads, int) and heads % rollout_tp:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"model's num_attention_heads={heads}; vLLM needs a TP that divides it")
+    return problems + family_problems(config, path, layout_checked=not problems)
+
+
+def family_problems(config: Config, path: Path, layout_checked: bool) -> list[str]:
+    """What the model's family says about the run (models.builder.check_hf_config: a supported family, no option it
+    cannot reproduce, experts that split over EP / ETP, when the heads and layers already fit TP / PP), and the
+    mixture-of-experts settings: MoE with TP > 1 needs sequence parallelism (Megatron's MoE layer refuses to train
+    without it), and router freezing / routing replay need a MoE model (replay: without context parallelism, and
+    without full recompute under PP, which would replay a later micro-batch's routing in the backward)."""
+    from megatron_cpo.models.builder import check_hf_config, load_hf_config
+    from megatron_cpo.models.families import family_of
+
+    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
+    try:
+        hf_config = load_hf_config(path)
+    except Exception as err:  # noqa: BLE001 - transformers' validators raise their own error types
+        return [f"{MODEL_KEY}={str(path)!r}: transformers cannot read its config.json ({type(err).__name__}: {err})"]
+    try:
+        family = family_of(hf_config)
+    except ValueError as err:
+        return [f"{MODEL_KEY}={str(path)!r}: {err}"]
+    problems = []
+    # the heads and layers against TP / PP are reported above with their keys; checked again only when they fit
+    tp, pp = ((megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size) if layout_checked
+              else (1, 1))
+    try:
+        check_hf_config(hf_config, tp, pp, megatron.expert_model_parallel_size,
+                        megatron.expert_tensor_parallel_size or tp)
+    except ValueError as err:
+        problems.append(f"{MODEL_KEY}={str(path)!r}: {err}")
+    prefix = "actor_rollout_ref.actor."
+    if family.moe(hf_config) is None:
+        if megatron.freeze_moe_router:
+            problems.append(f"{prefix}megatron.freeze_moe_router=true, but model_type={hf_config.model_type!r} has no "
+                            "router (a dense model); set it false")
+        if actor.router_replay.replays:
+            problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} replays a mixture of experts' "
+                            f"routing, but model_type={hf_config.model_type!r} is dense; set it to disabled")
+        return problems
+    if megatron.tensor_model_parallel_size > 1 and not megatron.sequence_parallel:
+        problems.append(f"{prefix}megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} with a "
+                        "mixture of experts needs actor_rollout_ref.actor.megatron.sequence_parallel=true (Megatron's "
+                        "MoE layer does not train under TP without it); set it")
+    if actor.router_replay.replays and megatron.context_parallel_size > 1:
+        problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} is not available with "
+                        f"megatron.context_parallel_size={megatron.context_parallel_size}; set one of them back")
+    if (actor.router_replay.replays and megatron.pipeline_model_parallel_size > 1
+            and config.actor_rollout_ref.model.enable_gradient_checkpointing and megatron.recompute_granularity ==
+            "full"):
+        problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} with full recompute under "
+                        f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} would replay another "
+                        "micro-batch's routing in the recomputed forward; use recompute_granularity=selective, "
+                        "PP=1, or enable_gradient_checkpointing=false")
     return problems
 
 
@@ -139,6 +193,15 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
             f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size}{cp_text} = {model_parallel} does "
             f"not divide the trainer's {world_size} process(es) ({world_source}); launch a multiple of "
             f"{model_parallel} processes (torchrun --nproc-per-node) or lower TP/PP")
+    expert_parallel = (megatron.pipeline_model_parallel_size * megatron.expert_model_parallel_size
+                       * megatron.expert_tensor_parallel)
+    if world_size % expert_parallel and not world_size % model_parallel:  # (the TP line above says it otherwise)
+        problems.append(
+            f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} x "
+            f"expert_model_parallel_size={megatron.expert_model_parallel_size} x expert_tensor_parallel_size="
+            f"{megatron.expert_tensor_parallel} = {expert_parallel} does not divide the trainer's {world_size} "
+            f"process(es) ({world_source}): each stage's experts are split EP x ETP ways over its processes; launch a "
+            f"multiple of {expert_parallel} processes or lower EP/ETP")
     declared = trainer.nnodes * trainer.n_gpus_per_node
     if not planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0 and declared != world_size:
         problems.append(

@@ -6,20 +6,24 @@ import pytest
 from megatron_cpo.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-RECIPES = sorted(EXAMPLES.glob("qwen2.5-math-*/*.yaml"))
+RECIPES = sorted(EXAMPLES.glob("qwen*/*.yaml"))
+# the model each recipe folder trains and its context length (max_position_embeddings of its config.json on the Hub)
+MODELS = {"qwen2.5-math-1.5b": ("Qwen/Qwen2.5-Math-1.5B", 4096), "qwen2.5-math-7b": ("Qwen/Qwen2.5-Math-7B", 4096),
+          "qwen3-8b": ("Qwen/Qwen3-8B", 40960), "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", 40960)}
 
 
 def test_every_size_has_grpo_dapo_and_cpo():
     assert {(path.parent.name, path.stem) for path in RECIPES} == {
-        (size, algo) for size in ("qwen2.5-math-1.5b", "qwen2.5-math-7b") for algo in ("grpo", "dapo", "cpo")}
+        (size, algo) for size in MODELS for algo in ("grpo", "dapo", "cpo")}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[f"{p.parent.name}/{p.name}" for p in RECIPES])
 def test_recipe_loads_and_validates(path):
     config = load_config(path)
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    assert config.actor_rollout_ref.model.path.startswith("Qwen/Qwen2.5-Math-")
-    assert config.data.max_prompt_length + config.data.max_response_length <= 4096, "Qwen2.5-Math context is 4096"
+    model, context = MODELS[path.parent.name]
+    assert config.actor_rollout_ref.model.path == model
+    assert config.data.max_prompt_length + config.data.max_response_length <= context, "beyond the model's context"
     assert config.data.train_batch_size % actor.ppo_mini_batch_size == 0 and rollout.n >= 2
     assert config.trainer.experiment_name == f"{path.parent.name}-{path.stem}"
     if path.stem == "dapo":
@@ -39,3 +43,12 @@ def test_recipe_loads_and_validates(path):
 def test_recipe_accepts_dotted_overrides(path):
     config = load_config(path, ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
     assert config.data.train_batch_size == 64 and config.actor_rollout_ref.actor.ppo_mini_batch_size == 32
+
+
+def test_the_moe_recipes_split_experts_over_8_ranks_without_an_auxiliary_loss():
+    """Qwen3-30B-A3B as slime's and verl's scripts lay it out: EP 8, ETP 1 (slime: TP 4 with sequence parallelism)."""
+    for algo in ("grpo", "dapo", "cpo"):
+        megatron = load_config(EXAMPLES / "qwen3-30b-a3b" / f"{algo}.yaml").actor_rollout_ref.actor.megatron
+        assert (megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size) == (8, 1)
+        assert megatron.tensor_model_parallel_size == 4 and megatron.sequence_parallel
+        assert megatron.override_transformer_config.moe_aux_loss_coeff == 0

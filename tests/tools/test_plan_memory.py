@@ -180,25 +180,44 @@ def test_scale_settings_change_memory_and_time_as_derived():
     assert memory["recompute"]["activations/layers"] < memory["plain"]["activations/layers"] / 4
 
 
-@pytest.mark.parametrize("size, gpus", [("1.5b", 8), ("7b", 16)])
-def test_recipes_turn_on_the_scale_settings_and_fit(size, gpus, tmp_path, capsys):
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+# The shipped recipes' models (their config.json on the Hub) and the trainer GPUs their headers give.
+RECIPE_MODELS = {
+    "qwen2.5-math-1.5b": (8, dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_hidden_layers=28,
+                                  num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                                  tie_word_embeddings=True)),
+    "qwen2.5-math-7b": (16, dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                 tie_word_embeddings=False)),
+    "qwen3-8b": (8, dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                         tie_word_embeddings=False)),
+    "qwen3-30b-a3b": (16, QWEN3_30B_A3B),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(RECIPE_MODELS))
+def test_recipes_turn_on_the_scale_settings_and_fit(folder, tmp_path, capsys):
     from megatron_cpo.config import load_config
 
-    recipe = ROOT / "examples" / f"qwen2.5-math-{size}" / "cpo.yaml"
+    gpus, hf_config = RECIPE_MODELS[folder]
+    recipe = ROOT / "examples" / folder / "cpo.yaml"  # CPO: the reference and the hinted pass, the largest plan
     config = load_config(recipe)
     model, actor = config.actor_rollout_ref.model, config.actor_rollout_ref.actor
     assert model.use_remove_padding and model.use_fused_kernels and actor.use_dynamic_bsz
-    assert model.enable_gradient_checkpointing == (size == "7b")
+    assert model.enable_gradient_checkpointing == (folder != "qwen2.5-math-1.5b")
     assert actor.megatron.sequence_parallel == (actor.megatron.tensor_model_parallel_size > 1)
-    shapes = {"1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                           num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True),
-              "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False)}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **shapes[size]}))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
     assert main(["--recipe", str(recipe), "--model", str(tmp_path), "--trainer-gpus", str(gpus), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["layout"]["remove_padding"] and report["layout"]["fused_kernels"]
     assert report["memory_gib"]["total"] < 0.8 * 80  # an 80 GiB GPU with room to spare
+    if folder == "qwen3-30b-a3b":  # 16 of the 128 experts per GPU, their optimizer state sharded over expert-DP 2
+        assert (report["layout"]["ep"], report["layout"]["etp"], report["dp"]) == (8, 1, 4)
+        assert report["params"] > 30e9 and report["active_params"] < 3.4e9
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
@@ -216,12 +235,6 @@ def test_parameter_count_of_every_family_equals_transformers(family):
         assert shape.total_params() - shape.active_params() == shape.moe_layers * 2 * shape.expert_params()
     else:
         assert shape.active_params() == shape.total_params()
-
-
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
 
 
 def test_moe_counts_total_and_active_parameters_and_shards_experts_over_ep():

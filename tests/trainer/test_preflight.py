@@ -98,6 +98,60 @@ def test_layout_is_checked_against_the_model_and_the_world(make, override, expec
     assert expected in problems_of(make(override))
 
 
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """A stand-in Qwen3-MoE folder (4 heads / 2 KV heads, 2 layers, 4 experts of width 64): the tiny model's files with
+    a Qwen3-MoE config.json, all that preflight reads."""
+    model = tmp_path_factory.mktemp("moe") / "model"
+    shutil.copytree(TINY_MODEL, model)
+    hf = json.loads((model / "config.json").read_text())
+    hf.pop("layer_types", None)
+    hf.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=32, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
+              mlp_only_layers=[], attention_bias=False)
+    (model / "config.json").write_text(json.dumps(hf))
+    return model
+
+
+MEGATRON = "actor_rollout_ref.actor.megatron."
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ((f"{MEGATRON}expert_model_parallel_size=2",),
+     "pipeline_model_parallel_size=1 x expert_model_parallel_size=2 x expert_tensor_parallel_size=1 = 2 does not "
+     "divide the trainer's 1 process(es)"),
+    (("trainer.nnodes=1", "trainer.n_gpus_per_node=3", f"{MEGATRON}expert_model_parallel_size=3"),
+     "EP=3 does not divide the 4 experts; choose an expert-parallel size (expert_model_parallel_size, --ep)"),
+    (("trainer.nnodes=1", "trainer.n_gpus_per_node=2", f"{MEGATRON}tensor_model_parallel_size=2"),
+     "tensor_model_parallel_size=2 with a mixture of experts needs actor_rollout_ref.actor.megatron."
+     "sequence_parallel=true"),
+    (("trainer.nnodes=1", "trainer.n_gpus_per_node=2", f"{MEGATRON}expert_tensor_parallel_size=2",
+      f"{MEGATRON}expert_model_parallel_size=1"), None),  # ETP=2 over the two ranks: a valid layout
+    (("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+      "trainer.nnodes=1", "trainer.n_gpus_per_node=2", f"{MEGATRON}pipeline_model_parallel_size=2"),
+     "router_replay.mode=R2 with full recompute under pipeline_model_parallel_size=2 would replay another "
+     "micro-batch's routing"),
+])
+def test_expert_layouts_are_checked_against_the_model_and_the_world(make, moe_model, overrides, expected):
+    config = make(f"actor_rollout_ref.model.path={moe_model}", *overrides)
+    if expected is None:
+        layout = preflight(config, planning=True).layout
+        assert (layout.world_size, layout.ep, layout.etp, layout.expert_dp) == (2, 1, 2, 1)
+    else:
+        assert expected in problems_of(config, planning=True)
+
+
+@pytest.mark.parametrize("override, expected", [
+    (f"{MEGATRON}expert_model_parallel_size=2", "split experts, but model_type='qwen2' is dense"),
+    ("actor_rollout_ref.actor.router_replay.mode=R2", "router_replay.mode=R2 replays a mixture of experts' routing, "
+     "but model_type='qwen2' is dense; set it to disabled"),
+    (f"{MEGATRON}freeze_moe_router=true", "freeze_moe_router=true, but model_type='qwen2' has no router"),
+])
+def test_moe_settings_on_a_dense_model_are_refused(make, override, expected):
+    config = make(override, "trainer.nnodes=1", "trainer.n_gpus_per_node=2")
+    assert expected in problems_of(config, planning=True)
+
+
 def test_nnodes_times_gpus_must_be_the_world_but_plans_a_dry_run(make, monkeypatch):
     config = make("trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron."
                   "tensor_model_parallel_size=2")
@@ -163,6 +217,19 @@ def test_dry_run_prints_config_ignored_keys_and_layout(files, tmp_path, capsys, 
     assert not (tmp_path / "run").exists(), "a dry run writes nothing"
 
 
+# The real models' config.json values that the layout checks read (heads, layers, experts), on the Hub.
+STAND_IN_DIMENSIONS = {
+    "qwen2.5-math-1.5b": dict(num_attention_heads=12, num_key_value_heads=2, num_hidden_layers=28),
+    "qwen2.5-math-7b": dict(num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28),
+    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, num_hidden_layers=36),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_hidden_layers=48, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False),
+}
+
+
 @pytest.mark.parametrize("recipe", sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("examples/*/*.yaml")))
 def test_dry_run_on_every_shipped_recipe(recipe, files, tmp_path, capsys, monkeypatch):
     """Tiny recipes run as shipped (on this test's data); Qwen recipes on a stand-in model folder that holds the
@@ -172,17 +239,20 @@ def test_dry_run_on_every_shipped_recipe(recipe, files, tmp_path, capsys, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     overrides = [f"data.train_files={files['train']}", f"data.val_files={files['val']}",
                  f"trainer.default_local_dir={tmp_path / 'run'}"]
-    if "qwen2.5-math" in recipe:
+    if "qwen" in recipe:
         model = tmp_path / "model"
         shutil.copytree(TINY_MODEL, model)
         hf = json.loads((model / "config.json").read_text())
-        # Qwen2.5-Math-1.5B: 12 heads / 2 KV heads / 28 layers; 7B: 28 / 4 / 28 (their config.json on the Hub)
-        heads, kv = (12, 2) if "1.5b" in recipe else (28, 4)
-        hf.update(num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=28)
+        hf.pop("layer_types", None)  # transformers derives it from num_hidden_layers
+        hf.update(STAND_IN_DIMENSIONS[recipe.split("/")[1]])
         (model / "config.json").write_text(json.dumps(hf))
-        overrides += [f"actor_rollout_ref.model.path={model}", "trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
+        nodes = 1 if recipe.split("/")[1] in ("qwen2.5-math-1.5b", "qwen3-8b") else 2  # as their headers say
+        overrides += [f"actor_rollout_ref.model.path={model}", f"trainer.nnodes={nodes}", "trainer.n_gpus_per_node=8"]
     main(["train", "--config", str(ROOT / recipe), "--dry-run", *overrides])
-    assert "nothing was started" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing was started" in out
+    if "qwen3-30b-a3b" in recipe:
+        assert "TP 4 x PP 1 x DP 4; experts: EP 8 x ETP 1 x expert-DP 2 per pipeline stage" in out
 
 
 @pytest.mark.slow  # a fresh interpreter importing the trainer

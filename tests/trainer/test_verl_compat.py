@@ -162,3 +162,29 @@ def test_hints_match_the_last_path_components_first(key, hint):
 def test_a_key_with_no_close_name_points_to_the_reference_page():
     with pytest.raises(ConfigError, match="see docs/config_reference.md for the accepted names"):
         build_config({}, ["trainer.wandb_proxy=http://x"])
+
+
+def test_the_megatron_keys_of_verls_qwen3_moe_script_load_against_the_moe_recipe():
+    """verl's examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh: its layout and MoE keys, the reference's
+    layout repeated; the fusions are accepted without effect; DeepEP's flex dispatcher is refused with the fix."""
+    moe = "actor_rollout_ref.actor.megatron.override_transformer_config."
+    overrides = [
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+        "actor_rollout_ref.ref.megatron.expert_model_parallel_size=8",
+        "actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1",
+        *(f"+{moe}{key}=True" for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+                                          "bias_dropout_fusion", "gradient_accumulation_fusion",
+                                          "deallocate_pipeline_outputs", "persist_layer_norm", "moe_grouped_gemm",
+                                          "moe_permute_fusion")),
+        f"+{moe}moe_router_dtype=fp32"]
+    resolved = resolve_config(ROOT / "examples" / "qwen3-30b-a3b" / "grpo.yaml", overrides)
+    megatron = resolved.config.actor_rollout_ref.actor.megatron
+    assert (megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size) == (8, 1)
+    assert megatron.override_transformer_config.moe_router_dtype == "fp32"
+    assert len(resolved.ignored) == 11  # 9 fusions, the reference's EP and ETP repeated
+    with pytest.raises(ConfigError, match="moe_token_dispatcher_type='flex' is not supported; choose one of "
+                                          "'alltoall', 'allgather'"):
+        resolve_config(ROOT / "examples" / "qwen3-30b-a3b" / "grpo.yaml", [f"+{moe}moe_token_dispatcher_type=flex"])
+    with pytest.raises(ConfigError, match="DeepEP's dispatcher"):
+        resolve_config(ROOT / "examples" / "qwen3-30b-a3b" / "grpo.yaml", [f"+{moe}moe_enable_deepep=True"])
