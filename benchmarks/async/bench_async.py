@@ -67,7 +67,7 @@ def start_server(arm: Arm, work: Path, token_file: Path) -> tuple[subprocess.Pop
         env["VLLM_CPU_OMP_THREADS_BIND"] = ENGINE_CORE
     log = (work / "server.log").open("wb")
     process = subprocess.Popen([*arm.prefix(ENGINE_CORE), sys.executable, "-m", "megatron_cpo.cli", "rollout",
-                                "--model", str(MODEL), "--dtype", "float32", "--max-model-len", "2048", "--port", "0",
+                                "--model", str(MODEL), "--dtype", "float32", "--max-model-len", "1024", "--port", "0",
                                 "--token-file", str(token_file), "--ready-file", str(ready)],
                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 1200

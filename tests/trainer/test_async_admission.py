@@ -12,6 +12,8 @@ push, per-token versions) is tested in tests/rollout/test_in_flight_push.py, and
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -235,6 +237,43 @@ def test_k_zero_admission_forms_exactly_the_synchronous_batches():
         positions.append(stream_positions)
     assert runs[0] == runs[1]
     assert positions[0] == positions[1]
+
+
+# What main's synchronous controller formed (commit 3deb490, before asynchronous training was merged) on
+# `ScriptedEngines(7)` with the settings of `test_k_zero_forms_the_batches_of_the_synchronous_controller_before_it`:
+# each batch's prompt indices and the data position after 8 steps, and a digest of everything (responses included).
+BEFORE_ASYNC = {
+    False: ([[203, 138, 218, 282], [250, 150, 48, 43], [249, 127, 209, 269], [44, 82, 210, 379],
+             [139, 256, 224, 183], [278, 200, 69, 112], [170, 135, 365, 382], [147, 196, 301, 264]], 32),
+    True: ([[203, 250, 43, 209], [269, 256, 112, 170], [365, 196, 301, 122], [145, 286, 221, 257],
+            [374, 307, 317, 335], [19, 253, 343, 83], [2, 158, 119, 188], [35, 380, 271, 80]], 92),
+}
+BEFORE_ASYNC_SHA256 = "2cdedb83e0963f26c74146414b7896be995fc6d072e7abad865c5168baae8f02"
+
+
+def test_k_zero_forms_the_batches_of_the_synchronous_controller_before_it():
+    """`async_training.max_staleness=0` (the default) trains exactly the batches today's synchronous loop trained
+    before asynchronous training existed: same prompts, same responses (so the same sampling seeds), same order, same
+    data position, with and without filter-groups."""
+    recorded = {}
+    for filtering in (False, True):
+        engines = ScriptedEngines(7)
+        config = build_config({}, [f"data.train_batch_size={BATCH}", "actor_rollout_ref.rollout.n=2",
+                                   "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.seed=5",
+                                   f"algorithm.filter_groups.enable={str(filtering).lower()}",
+                                   "async_training.max_staleness=0"])
+        controller = RolloutController(SingleTurnGenerator(engines), PromptStream(records(400), 1, seed=3), score,
+                                       config, keep_varied_groups if filtering else None,
+                                       lambda seed: SamplingParams(n=2, seed=seed, max_tokens=8))
+        batches = []
+        for step in range(1, 9):
+            batches.append([[g.record.index, g.response_token_ids] for g in controller.collect(step).groups])
+            engines.advance(1.0)
+        position = controller.state_dict()
+        assert ([[index for index, _ in batch] for batch in batches], position["offset"]) == BEFORE_ASYNC[filtering]
+        recorded[str(filtering)] = {"batches": batches, "position": position}
+    digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+    assert digest == BEFORE_ASYNC_SHA256
 
 
 def varied_unless_third(items):
