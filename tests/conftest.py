@@ -62,6 +62,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-qwen2", family="qwen2", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with tied embeddings (seed 0, float32), as SmolLM2 and Llama-3.2 are: the model of the engine
+    tests of training runs (tests/trainer's `tiny_model`, server and colocate mode), where a push that leaves the
+    engine's output head behind (issue 24) shows in `mismatch/*` and the sync check."""
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tied_llama") / "tiny-llama", family="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tied_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 with tied embeddings and random qkv biases (seed 0, float32), as Qwen2.5-0.5B: the model of
+    tests/rollout's shared engines, so weight pushes at TP=2 and PP=2 carry a tied head and sharded biases."""
+    from megatron_cpo.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tied_qwen2") / "tiny-qwen2-tied", family="qwen2", seed=0,
+                            random_biases=True, tie_word_embeddings=True)
+
+
 def _code_names(code) -> set[str]:
     """Global and attribute names a code object (and the functions nested in it) refers to."""
     names = set(code.co_names)

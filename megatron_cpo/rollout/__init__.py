@@ -12,7 +12,9 @@ On trainer rank 0::
 With pipeline parallelism every stage sends its own layers: rank 0 calls `begin_weight_sync()`, broadcasts
 `sender_spec()`, every rank runs `WeightSender(spec).send(iter_hf_weights(model, hf_config))`, and after a barrier
 rank 0 calls `finish_weight_sync()` (see `weight_sync`; `send_from_pipeline_stages` does the middle step and orders
-the stages for the collective transport). `rollout.weight_transport` picks how bytes travel: /dev/shm files
+the stages for the collective transport), which returns the engines' reload reports; `sync_probe(prompts, max_tokens)`
+then has every engine continue fixed prompts greedily, outside the outstanding requests, for the trainer's sync check
+(`sync_check`). `rollout.weight_transport` picks how bytes travel: /dev/shm files
 ("shm", engines on the sender's node) or a gloo/NCCL group between each sending rank and every engine worker
 ("collective", engines on any node); "auto" chooses.
 

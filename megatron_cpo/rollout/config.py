@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_cpo.algorithms.filters import RolloutFilterConfig
 from megatron_cpo.config_checks import check, check_choice
+from megatron_cpo.rollout.sync_check import SyncCheckConfig
 from megatron_cpo.rollout.types import RolloutEngineConfig
 
 
@@ -66,6 +67,7 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     server_urls: list[str] = field(default_factory=list)
     server_timeout_s: float = 30.0
     server_token_file: str = ""
+    sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
 
     def __post_init__(self) -> None:
         RolloutEngineConfig.__post_init__(self)

@@ -13,6 +13,7 @@ import asyncio
 import os
 import socket
 import time
+import uuid
 
 from megatron_cpo.rollout.buckets import BucketSpec
 from megatron_cpo.rollout.types import (IN_FLIGHT_POLICIES, EngineLaunchConfig, RolloutGroup, RolloutSample,
@@ -98,12 +99,14 @@ class VLLMEngine:
             vllm_id = self._active[request_id][index] = f"{request_id}/sample{index}" + (
                 f"/continued{attempt}" if attempt else "")
             attempt_seed = seed if seed is None or attempt == 0 else derive_sample_seeds(seed, attempt + 1)[attempt]
-            completion = await self._complete(vllm_id, list(prompt_token_ids) + tokens, params, attempt_seed,
-                                              params.max_tokens - len(tokens))
+            completion = await self._complete(vllm_id, list(prompt_token_ids) + tokens, dict(
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                max_tokens=params.max_tokens - len(tokens), stop_token_ids=list(params.stop_token_ids),
+                seed=attempt_seed))
             if completion is None:
                 return None
             tokens += completion.token_ids
-            logprobs += [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            logprobs += _token_logprobs(completion)
             versions += _token_versions(completion)
             if completion.finish_reason in ("stop", "length"):
                 return RolloutSample(token_ids=tokens, logprobs=logprobs, finish_reason=completion.finish_reason,
@@ -120,18 +123,29 @@ class VLLMEngine:
                                      policy_versions=versions)
             attempt += 1
 
-    async def _complete(self, vllm_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int | None,
-                        max_tokens: int):
-        """vLLM's final output of one request (`CompletionOutput`), or None when it returned none."""
+    async def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutSample | None]:
+        """Greedy continuations of `prompts` (`max_tokens` each: end-of-sequence does not stop them) with this
+        engine's log-probs, for the trainer's sync check (rollout/sync_check.py). Not groups in flight: `cancel_all`
+        never aborts them and they do not keep the engine from taking weights."""
+        tag = uuid.uuid4().hex[:12]
+        completions = await asyncio.gather(*(
+            self._complete(f"sync-probe-{tag}-{index}", prompt, dict(temperature=0.0, max_tokens=max_tokens,
+                                                                     ignore_eos=True))
+            for index, prompt in enumerate(prompts)))
+        return [RolloutSample(token_ids=list(c.token_ids), logprobs=_token_logprobs(c), finish_reason=c.finish_reason,
+                              truncated=c.finish_reason == "length")
+                if c is not None and c.finish_reason in ("stop", "length") else None for c in completions]
+
+    async def _complete(self, vllm_id: str, prompt_token_ids: list[int], options: dict):
+        """vLLM's final output (`CompletionOutput`) of one request (`options`: vLLM sampling parameters), or None
+        when it returned none."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        vllm_params = VllmSamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=max_tokens, stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        vllm_params = VllmSamplingParams(n=1, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                         **options)
         final = None
-        async for output in self.engine.generate({"prompt_token_ids": prompt_token_ids}, vllm_params, vllm_id):
+        async for output in self.engine.generate({"prompt_token_ids": list(prompt_token_ids)}, vllm_params, vllm_id):
             final = output
         return final.outputs[0] if final is not None and final.outputs else None
 
@@ -213,11 +227,14 @@ class VLLMEngine:
         """Close weight-sync group `name` (every group when None) on every worker."""
         await self.engine.collective_rpc("rollout_leave_weight_group", args=(name,))
 
-    async def finish_weight_reload(self, version: int | None = None) -> None:
-        """Close the reload, drop the prefix cache (computed with the old weights), label the tokens sampled from
-        now on with `version`, and let paused or aborted requests go on."""
-        await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
-        await self.engine.reset_prefix_cache()
+    async def finish_weight_reload(self, version: int | None = None) -> list[dict]:
+        """Close the reload on every worker, drop the prefix cache (its keys and values were computed with the old
+        weights), label the tokens sampled from now on with `version`, and let paused or aborted requests go on.
+        Returns each worker's reload report (`worker_extension.ReloadLedger.report`), with `prefix_cache_reset`:
+        whether vLLM dropped the cache (it refuses while requests hold cached blocks; requests paused by
+        `begin_weight_reload` hold none, their KV cache was cleared)."""
+        reports = await self._unless_dead(self.engine.collective_rpc("rollout_finish_weight_reload"))
+        reset = bool(await self.engine.reset_prefix_cache())
         if version is not None:
             await self.engine.update_weight_version(str(version))
         if self._paused:
@@ -226,6 +243,7 @@ class VLLMEngine:
         async with self._weights_changed:
             self._weights_ready = True
             self._weights_changed.notify_all()
+        return [{**report, "prefix_cache_reset": reset} for report in reports]
 
     async def shutdown(self) -> None:
         """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""
@@ -261,6 +279,11 @@ class VLLMEngine:
         if reason is not None:
             explain_once(self.engine_index, reason)
         return reason is None
+
+
+def _token_logprobs(completion) -> list[float]:
+    """The log-prob of each sampled token of a vLLM completion (requested with `logprobs=0`)."""
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
 
 
 def _token_versions(completion) -> list[int]:

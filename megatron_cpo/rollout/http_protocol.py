@@ -23,6 +23,7 @@ WEIGHTS_JOIN = "/weights/join"
 WEIGHTS_RECEIVE = "/weights/receive"
 WEIGHTS_LEAVE = "/weights/leave"
 WEIGHTS_FINISH = "/weights/finish"
+SYNC_PROBE = "/sync_probe"
 SLEEP = "/sleep"
 WAKE_UP = "/wake_up"
 OPEN_ROUTES = frozenset({HEALTH})
@@ -61,12 +62,20 @@ def params_from_wire(wire: dict) -> SamplingParams:
     return SamplingParams(**{**wire, "stop_token_ids": tuple(wire.get("stop_token_ids", ()))})
 
 
+def sample_to_wire(sample: RolloutSample | None) -> dict | None:
+    return dataclasses.asdict(sample) if sample is not None else None
+
+
+def sample_from_wire(wire: dict | None) -> RolloutSample | None:
+    return RolloutSample(**wire) if wire is not None else None
+
+
 def group_to_wire(group: RolloutGroup) -> dict:
     return dataclasses.asdict(group)
 
 
 def group_from_wire(wire: dict, engine_index: int) -> RolloutGroup:
     """A group as the client sees it: `engine_index` is the server's position in `rollout.server_urls`."""
-    samples = [RolloutSample(**sample) for sample in wire["samples"]]
+    samples = [sample_from_wire(sample) for sample in wire["samples"]]
     return RolloutGroup(request_id=wire["request_id"], prompt_token_ids=list(wire["prompt_token_ids"]),
                         samples=samples, engine_index=engine_index, finished_at=wire.get("finished_at"))

@@ -56,8 +56,15 @@ class RolloutEngines(Protocol):
         """Open an in-place reload on every live engine. `in_flight` (types.IN_FLIGHT_POLICIES) says what happens to
         requests still outstanding: `none` (there may be none), `finish`, `partial` or `keep`."""
 
-    def finish_weight_sync(self) -> None:
-        """Close the reload: the engines serve the new weights, `weight_version` is one more."""
+    def finish_weight_sync(self) -> dict[str, list[dict]]:
+        """Close the reload: the engines serve the new weights, `weight_version` is one more. Returns each engine's
+        workers' reload reports (tensors received, parameters nothing filled, names sent twice, whether the prefix
+        cache was dropped)."""
+
+    def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
+        """Greedy `max_tokens` tokens of each prompt on every live engine, with their log-probs (the sync check of
+        rollout/sync_check.py); not outstanding requests: `finished()` never returns them and `cancel_all()` never
+        aborts them, so they may run while training requests are in flight (asynchronous training)."""
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
                      in_flight: str = "none") -> dict[str, float]:

@@ -163,22 +163,38 @@ class RolloutManager(RequestBook):
                                "between rounds: drain completed() or call cancel_all() first")
         self._call_live_engines("begin_weight_reload", in_flight)
 
-    def finish_weight_sync(self) -> None:
+    def finish_weight_sync(self) -> dict[str, list[dict]]:
         """Close the reload (layers that received no tensors keep their weights), clear the prefix cache, and count
-        the push: tokens sampled from now on carry `weight_version`."""
+        the push: tokens sampled from now on carry `weight_version`. Returns each live engine's reload report per
+        worker (tensors received, parameters missing, names sent twice; see `weight_sync.reload_problem`), by
+        engine name."""
         self.weight_version += 1
-        self._call_live_engines("finish_weight_reload", self.weight_version)
+        reports = self._call_live_engines("finish_weight_reload", self.weight_version)
+        return {f"engine {index}": worker_reports for index, worker_reports in reports.items()}
 
-    def _call_live_engines(self, method: str, *args) -> None:
-        """Call `method(*args)` on every live engine; an engine that fails and is unhealthy is marked dead (an error
-        of a healthy engine is raised); `RolloutEnginesLostError` when none is left."""
+    def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
+        """Every live engine's greedy continuation of each prompt, with its log-probs (rollout/sync_check.py): one
+        group per engine and prompt, `request_id` "engine <i>, prompt <j>". Outside the request book: `finished()`
+        never returns these requests and `cancel_all()` never aborts them. An engine that fails and is unhealthy is
+        marked dead and left out."""
+        answers = self._call_live_engines("sync_probe", prompts, max_tokens)
+        return [RolloutGroup(request_id=f"engine {index}, prompt {j}", prompt_token_ids=list(prompt), samples=[sample],
+                             engine_index=index)
+                for index, samples in answers.items() for j, (prompt, sample) in enumerate(zip(prompts, samples))
+                if sample is not None]
+
+    def _call_live_engines(self, method: str, *args) -> dict[int, object]:
+        """Call `method(*args)` on every live engine; returns each answer by engine index. An engine that fails and
+        is unhealthy is marked dead (an error of a healthy engine is raised); `RolloutEnginesLostError` when none
+        is left."""
         import ray
 
         live = self._live_indices()
         refs = [getattr(self.engines[i], method).remote(*args) for i in live]
+        answers = {}
         for index, ref in zip(live, refs):
             try:
-                ray.get(ref, timeout=self.config.engines.weight_sync_timeout_s)
+                answers[index] = ray.get(ref, timeout=self.config.engines.weight_sync_timeout_s)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
                 if self._engine_is_healthy(index):
                     raise
@@ -186,7 +202,8 @@ class RolloutManager(RequestBook):
         if not self._live_indices():
             raise RolloutEnginesLostError(
                 f"all {len(self.engines)} rollout engines are dead (last failure: {self.last_engine_failure}); "
-                "weights cannot be synced. Create a new RolloutManager")
+                f"{method} cannot run. Create a new RolloutManager")
+        return answers
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
                      in_flight: str = "none") -> dict[str, float]:

@@ -9,7 +9,8 @@ event loop and answers the routes of `http_protocol`:
   processes are alive;
 - weights: `/weights/begin`, then buckets by shared memory (`/weights/load_shm`, the server on the sender's node) or
   by a gloo/NCCL group that the server's engine workers join at the sender's `host:port` (`/weights/join`, then one
-  `/weights/receive` per broadcast bucket), then `/weights/finish`. A server takes weights from one trainer run at a
+  `/weights/receive` per broadcast bucket), then `/weights/finish` (answers the engines' reload reports); `/sync_probe`
+  then has every engine continue the trainer's probe prompts greedily (rollout/sync_check.py). A server takes weights from one trainer run at a
   time: a run joining closes the groups of other runs (a trainer that died never left its group);
 - `/sleep` and `/wake_up` (vLLM's sleep mode on GPUs; on CPU they do nothing and say so once in the log).
 Every route but `/health` needs the token given at start (`--token-file`). The server binds to 127.0.0.1 unless
@@ -54,6 +55,7 @@ class RolloutServer:
                                (proto.WEIGHTS_BEGIN, self.weights_begin), (proto.WEIGHTS_LOAD_SHM, self.load_shm),
                                (proto.WEIGHTS_JOIN, self.join), (proto.WEIGHTS_RECEIVE, self.receive),
                                (proto.WEIGHTS_LEAVE, self.leave), (proto.WEIGHTS_FINISH, self.weights_finish),
+                               (proto.SYNC_PROBE, self.sync_probe),
                                (proto.SLEEP, self.sleep), (proto.WAKE_UP, self.wake_up)):
             app.router.add_post(route, handler)
         return app
@@ -133,12 +135,22 @@ class RolloutServer:
         return web.json_response({"ok": True})
 
     async def weights_finish(self, request):
-        """`version`: the label of the tokens sampled on the new weights (the client's weight_version)."""
+        """Closes every engine's reload; `version` labels the tokens sampled on the new weights (the client's
+        weight_version). Answers each engine's per-worker reload reports."""
         from aiohttp import web
 
         body = await _json_body(request)
-        await self._on_every_engine("finish_weight_reload", body.get("version"))
-        return web.json_response({"ok": True})
+        reports = await self._on_every_engine("finish_weight_reload", body.get("version"))
+        return web.json_response({"ok": True, "reports": reports})
+
+    async def sync_probe(self, request):
+        """Every engine's greedy continuation of each probe prompt (`VLLMEngine.sync_probe`), per engine."""
+        from aiohttp import web
+
+        body = await request.json()
+        answers = await self._on_every_engine("sync_probe", body["prompts"], int(body["max_tokens"]))
+        return web.json_response({"engines": [[proto.sample_to_wire(sample) for sample in samples]
+                                              for samples in answers]})
 
     async def load_shm(self, request):
         from aiohttp import web

@@ -143,10 +143,23 @@ class ServerRolloutManager(RequestBook):
                                "between rounds: drain completed() or call cancel_all() first")
         self._call_live_servers(proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
 
-    def finish_weight_sync(self) -> None:
-        """Close the reload and count the push (`weight_version` labels the tokens sampled from now on)."""
+    def finish_weight_sync(self) -> dict[str, list[dict]]:
+        """Close the reload on every live server and count the push (`weight_version` labels the tokens sampled from
+        now on); each engine's reload report per worker, by "<url> engine <j>"."""
         self.weight_version += 1
-        self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version})
+        answers = self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version})
+        return {f"{self.engines[index]} engine {j}": reports for index, body in answers.items()
+                for j, reports in enumerate(body.get("reports", []))}
+
+    def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
+        """Every live server's engines' greedy continuations of each prompt, with their log-probs (`RolloutManager.
+        sync_probe`; `request_id` "<url> engine <j>, prompt <k>"). Not outstanding requests: `finished()` never returns
+        them and `cancel_all()` never aborts them."""
+        answers = self._call_live_servers(proto.SYNC_PROBE, {"prompts": prompts, "max_tokens": max_tokens})
+        return [RolloutGroup(request_id=f"{self.engines[index]} engine {j}, prompt {k}", prompt_token_ids=list(prompt),
+                             samples=[proto.sample_from_wire(sample)], engine_index=index)
+                for index, body in answers.items() for j, samples in enumerate(body["engines"])
+                for k, (prompt, sample) in enumerate(zip(prompts, samples)) if sample is not None]
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
                      in_flight: str = "none") -> dict[str, float]:
@@ -167,22 +180,26 @@ class ServerRolloutManager(RequestBook):
         wait_all([self._caller.spawn(url, proto.WAKE_UP, {}, self.config.weight_sync_timeout_s)
                   for url in self._live_urls()])
 
-    def _call_live_servers(self, route: str, payload: dict | None = None) -> None:
-        """Call `route` with `payload` on every live server; one that fails and is unhealthy is marked dead (an
-        error of a healthy one is raised); `RolloutEnginesLostError` when none is left."""
+    def _call_live_servers(self, route: str, payload: dict | None = None) -> dict[int, dict]:
+        """Call `route` with `payload` on every live server; returns each answer by server index. One that fails and
+        is unhealthy is marked dead (an error of a healthy one is raised); `RolloutEnginesLostError` when none is
+        left."""
         live = self._live_indices()
         calls = [self._caller.spawn(self.engines[i], route, payload or {}, self.config.weight_sync_timeout_s)
                  for i in live]
         concurrent.futures.wait(calls)
+        answers = {}
         for index, call in zip(live, calls):
             err = call.exception()
             if err is None:
+                answers[index] = call.result()
                 continue
             if isinstance(err, RolloutServerAuthError) or self._health_problem(index) is None:
                 raise err
             self._mark_dead(index, str(err))
         if not self._live_indices():
-            raise RolloutEnginesLostError(self._lost_message("weights cannot be synced"))
+            raise RolloutEnginesLostError(self._lost_message(f"{route} cannot run"))
+        return answers
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

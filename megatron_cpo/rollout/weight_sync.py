@@ -7,7 +7,9 @@ Protocol:
    `send_from_pipeline_stages`, which also orders the stages): it packs its own layers into buckets and has every
    engine load each bucket; buckets from different stages may interleave because a layer is finalised once all of
    its tensors arrived, whoever sent them.
-3. After a barrier, rank 0's `RolloutManager.finish_weight_sync()` finalises the reload and clears the prefix cache.
+3. After a barrier, rank 0's `RolloutManager.finish_weight_sync()` finalises the reload and clears the prefix cache;
+   it returns each engine worker's reload report, which `reload_problem` reads (a parameter nothing filled, a tensor
+   sent twice).
 
 Transports (`rollout.weight_transport`):
 - "shm": buckets are files in /dev/shm that the engine workers map; engines must be on the sending rank's node. All
@@ -235,6 +237,27 @@ def close_weight_groups(engine_names: Iterable[str] | None = None) -> None:
     """Close this process's collective weight-sync groups (those reaching `engine_names`, or all). Safe to call
     when none is open; also runs at interpreter exit."""
     _open_groups.close_all(engine_names)
+
+
+def reload_problem(reports: dict[str, list[dict]]) -> str | None:
+    """One sentence naming what a push got wrong, from the engines' reload reports (`finish_weight_sync`): model
+    parameters that no received tensor filled (a sender left them out), tensor names that arrived more than once
+    (two senders exported the same tensor), or a prefix cache vLLM did not drop (it would serve keys and values of
+    the old weights); None when every engine received each parameter exactly once and dropped its cache."""
+    for engine, worker_reports in reports.items():
+        for report in worker_reports:
+            if report.get("prefix_cache_reset") is False:
+                return (f"rollout {engine} kept its prefix cache after the push (vLLM resets it only when no request "
+                        "holds cached blocks): its cached prompts would be served with keys and values of the old "
+                        "weights; push weights only while the engines are idle")
+            for key, what in (("missing", "received nothing for"), ("repeated", "received more than once")):
+                names = report.get(key) or []
+                if names:
+                    return (f"rollout {engine} {what} {len(names)} weight(s) in this push: {names[:6]}"
+                            f"{' ...' if len(names) > 6 else ''} ({report.get('tensors', 0)} tensors arrived); the "
+                            "trainer's export (models/weight_mapping.py iter_hf_weights) and the engine's model "
+                            "disagree on which tensors exist or which stage sends them")
+    return None
 
 
 def resolve_weight_transport(choice: str) -> str:

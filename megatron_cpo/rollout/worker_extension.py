@@ -9,14 +9,64 @@ Buckets arrive by one of two transports: `rollout_load_weight_bucket` maps a sha
 `rollout_receive_weight_bucket` receives the bytes by broadcast over a weight-sync group the worker joined with
 `rollout_join_weight_group` (see `collective.py`). Method names start with `rollout_` so they never clash with the
 worker's own methods.
+
+Two things vLLM's layerwise reload (`model_executor/model_loader/reload/layerwise.py`) leaves to its caller:
+- Tied layers. A layer whose parameter is another layer's (the output head of a model with
+  `tie_word_embeddings`: `ParallelLMHead.tie_weights` makes `lm_head.weight` the embedding's parameter) receives no
+  tensor of its own: the model's `load_weights` skips `lm_head.*` when tied. The reload then puts its old kernel
+  tensors back ("ParallelLMHead: Failed to load weights" in the engine log) without re-running its
+  `process_weights_after_loading`, so whatever that derived from the weight stays as it was: on CPU the
+  prepacked GEMM weight (`dispatch_cpu_unquantized_gemm` in `layers/utils.py`, called by
+  `UnquantizedEmbeddingMethod.process_weights_after_loading`), which the head's logits are computed with. The
+  embedding itself is updated, the logits are not. `rollout_finish_weight_reload` re-runs the processing of every
+  layer that shares a parameter with an earlier layer (a no-op for unquantized weights on GPU).
+- Completeness. vLLM checks at first load that every parameter came from the checkpoint, but only for layers
+  without a `quant_method`, and not at all on reload. Every reload here records which model parameters the
+  received tensors filled and which tensor names arrived more than once; `rollout_finish_weight_reload` returns
+  both (the trainer's push fails on either: a sender that skipped or repeated a tensor).
 """
 from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
 
 import torch
 
 from megatron_cpo.rollout.buckets import BucketSpec, entries_from_wire, read_bucket, unpack_bucket
 from megatron_cpo.rollout.collective import WeightGroup, connect_weight_store
 from megatron_cpo.rollout.moe_reload import prepack_cpu_experts_on_reload
+
+
+class ReloadLedger:
+    """What one reload received: tensor names (counted) and the model parameters they filled."""
+
+    def __init__(self, expected: Iterable[str]) -> None:
+        self.expected = set(expected)
+        self.received: Counter[str] = Counter()
+        self.filled: set[str] = set()
+
+    def record(self, tensor_names: Iterable[str], filled: set[str] | None) -> None:
+        self.received.update(tensor_names)
+        self.filled |= filled or set()
+
+    def report(self) -> dict:
+        """{"tensors": received count, "missing": parameters nothing filled, "repeated": names sent twice+}."""
+        return {"tensors": sum(self.received.values()), "missing": sorted(self.expected - self.filled),
+                "repeated": sorted(name for name, count in self.received.items() if count > 1)}
+
+
+def tied_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the layers (with a `quant_method`) whose parameter is the same tensor as an earlier layer's."""
+    owner: dict[int, str] = {}
+    followers = []
+    for name, module in model.named_modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        for param in module.parameters(recurse=False):
+            first = owner.setdefault(id(param), name)
+            if first != name and name not in followers:
+                followers.append(name)
+    return followers
 
 
 class WeightReloadExtension:
@@ -28,17 +78,25 @@ class WeightReloadExtension:
 
         model = self.model_runner.get_model()
         prepack_cpu_experts_on_reload(model)  # vLLM 0.32 prepacks CPU experts at the first load only
+        # before the reload moves layers to the meta device (and unties them there)
+        self._rollout_tied = tied_layers(model)
+        self._rollout_ledger = ReloadLedger(name for name, _ in model.named_parameters())
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
 
-    def rollout_load_weight_bucket(self, wire_spec: list) -> int:
-        """Load one bucket's HF-named full tensors (vLLM shards them for its own TP); returns the tensor count."""
+    def _rollout_load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         from vllm.config import set_current_vllm_config
 
-        spec = BucketSpec.from_wire(wire_spec)
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(read_bucket(spec))
-        return len(spec.entries)
+            filled = self.model_runner.get_model().load_weights(named_tensors)
+        ledger = self.__dict__.get("_rollout_ledger")
+        if ledger is not None:
+            ledger.record((name for name, _ in named_tensors), filled)
+        return len(named_tensors)
+
+    def rollout_load_weight_bucket(self, wire_spec: list) -> int:
+        """Load one bucket's HF-named full tensors (vLLM shards them for its own TP); returns the tensor count."""
+        return self._rollout_load(list(read_bucket(BucketSpec.from_wire(wire_spec))))
 
     def rollout_join_weight_group(self, name: str, host: str, port: int, first_rank: int, world_size: int,
                                   timeout_s: float) -> int:
@@ -53,8 +111,6 @@ class WeightReloadExtension:
 
     def rollout_receive_weight_bucket(self, name: str, wire_entries: list, nbytes: int) -> int:
         """Receive one bucket broadcast over group `name` and load it like `rollout_load_weight_bucket`."""
-        from vllm.config import set_current_vllm_config
-
         groups = self.__dict__.get("_rollout_weight_groups", {})
         if name not in groups:
             raise RuntimeError(f"this engine worker is not in weight-sync group {name!r} (joined: {sorted(groups)}); "
@@ -62,10 +118,7 @@ class WeightReloadExtension:
         group = groups[name]
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
         group.broadcast(buffer)
-        entries = entries_from_wire(wire_entries)
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(unpack_bucket(buffer, entries))
-        return len(entries)
+        return self._rollout_load(list(unpack_bucket(buffer, entries_from_wire(wire_entries))))
 
     def rollout_leave_weight_group(self, name: str | None = None) -> int:
         """Close weight-sync group `name` (every group when None); returns how many were closed."""
@@ -75,11 +128,18 @@ class WeightReloadExtension:
             groups.pop(group_name).close()
         return len(names)
 
-    def rollout_finish_weight_reload(self) -> None:
+    def rollout_finish_weight_reload(self) -> dict:
+        """Close the reload, re-derive tied layers, drop caches; returns the reload's `ReloadLedger.report()`."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
+        model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            for name in self.__dict__.get("_rollout_tied", []):
+                layer = model.get_submodule(name)
+                layer.quant_method.process_weights_after_loading(layer)
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
+        ledger = self.__dict__.pop("_rollout_ledger", None)
+        return ledger.report() if ledger is not None else {"tensors": 0, "missing": [], "repeated": []}

@@ -34,6 +34,7 @@ from megatron_cpo.trainer.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.policies import build_policies
 from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
 from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
+from megatron_cpo.trainer.sync_probe import EngineOutOfSyncError, SyncProbe
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,15 @@ class StopSignal:
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+@dataclass
+class PushOutcome:
+    """How a weight push ended: its metrics (the sync check's included), or why the run cannot go on: `lost` (no
+    engine left) or `out_of_sync` (the engines do not serve the pushed weights, `sync_probe.py`)."""
+    metrics: dict[str, float]
+    lost: str | None = None
+    out_of_sync: str | None = None
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Trainer:
         prepare_run_directory(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id
+        self.sync_probe = SyncProbe(config, tokenizer, self.pad_token_id)
         started = time.perf_counter()
         if dist.get_rank() == 0:
             _announce_engines(config, manager is not None)
@@ -133,14 +144,14 @@ class Trainer:
                 logger.warning("not training: the checkpoint of step %d already ends this %d-step run (raise "
                                "trainer.total_training_steps to train on)", start_step, total)
             return {}
-        self.push_weights_or_abort(start_step)
+        pushed = self.push_weights_or_abort(start_step)
         last: dict[str, float] = {}
         if self.config.trainer.val_before_train and start_step == 0:
             if lead:
                 logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
             last = self.validate()
             if lead:
-                lead.metric_logger.log(last, 0)
+                lead.metric_logger.log({**last, **_sync_check_metrics(pushed)}, 0)
         step = start_step
         while step < total:
             outcome = self.step(step + 1, stop)
@@ -173,17 +184,19 @@ class Trainer:
         log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 3
         advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 4
         metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config))        # 5
-        pushed, lost = self.push_weights()                                                          # 6
-        metrics.update(pushed)
+        if lead:
+            self.sync_probe.observe_mismatch(step, metrics)
+        pushed = self.push_weights(step)                                                            # 6
+        metrics.update(pushed.metrics)
         self.sync_reference(step)                                                                   # 7
         early_stopped = self.observe_early_stop(collected, metrics)                                 # 8
         stopping = any_rank(stop.received)
-        due = not lost and self._validation_due(step, last=step == self.total_steps or early_stopped)
+        healthy = pushed.lost is None and pushed.out_of_sync is None
+        due = healthy and self._validation_due(step, last=step == self.total_steps or early_stopped)
         validation = self.validate() if due else {}  # 9; the last step's row carries the final validation
         if lead:                                                                                    # 10
             metrics = lead.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)
-        if lost is not None:
-            self.abort_engines_lost(step)
+        self.abort_if_push_failed(step, pushed)
         # 11: metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
         # while the other order would lose its metrics; the last step is saved by `fit`
         if stopping or self._save_due(step):
@@ -202,9 +215,10 @@ class Trainer:
             self.abort_engines_lost(step - 1)
         return collected
 
-    def push_weights(self) -> tuple[dict[str, float], str | None]:
-        """Push the actor's weights to the live engines: (metrics, None), or ({}, why) when none is left. Rank 0
-        health-checks the engines first, so an engine that died since the last request is noticed here."""
+    def push_weights(self, step: int) -> PushOutcome:
+        """Push the actor's weights of step `step` to the live engines and check that they serve them
+        (`sync_probe.py`). Rank 0 health-checks the engines first, so an engine that died since the last request
+        is noticed here."""
         from megatron_cpo.rollout import RolloutEnginesLostError
 
         manager = self.lead.manager if self.lead else None
@@ -212,10 +226,10 @@ class Trainer:
         if manager is not None and manager.check_engines() == 0:
             lost = manager.last_engine_failure or "no engine answers"
         if broadcast_object(lost) is not None:
-            return {}, lost
+            return PushOutcome({}, lost=lost)
         alive = manager.num_engines_alive() if manager is not None else 0
         try:
-            return push_weights(self.actor.model, manager, self.config.async_training.in_flight), None
+            metrics, reports = push_weights(self.actor.model, manager, self.config.async_training.in_flight)
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 
@@ -224,11 +238,27 @@ class Trainer:
             if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
                     or manager.check_engines() == alive):
                 raise  # not an engine death
-            return {}, manager.last_engine_failure
+            return PushOutcome({}, lost=manager.last_engine_failure)
+        try:
+            metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports))
+        except EngineOutOfSyncError as err:
+            return PushOutcome({**metrics, **err.metrics}, out_of_sync=str(err))
+        return PushOutcome(metrics)
 
-    def push_weights_or_abort(self, step: int) -> None:
-        if self.push_weights()[1] is not None:
+    def push_weights_or_abort(self, step: int) -> PushOutcome:
+        pushed = self.push_weights(step)
+        self.abort_if_push_failed(step, pushed)
+        return pushed
+
+    def abort_if_push_failed(self, step: int, pushed: PushOutcome) -> None:
+        if pushed.lost is not None:
             self.abort_engines_lost(step)
+        if pushed.out_of_sync is not None:
+            saved = self._checkpoint_before_abort(step)
+            kept = (f"the trained weights are checkpointed in {saved}; resume with trainer.resume=auto once the engines "
+                    "take weights correctly" if saved else "nothing was trained yet")
+            raise RunAbortedError(f"{pushed.out_of_sync}; {kept} (actor_rollout_ref.rollout.sync_check.enable=false "
+                                  "trains on regardless)")
 
     def sync_reference(self, step: int) -> None:
         """verl's `ref.sync_ref_model`: mix the actor into the reference every `ref_model_sync_steps` steps."""
@@ -248,15 +278,19 @@ class Trainer:
 
     def abort_engines_lost(self, step: int) -> None:
         """Checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError` on every rank."""
-        saved = None
-        if step > 0:
-            saved = self.checkpoints.root / f"step_{step:06d}"
-            if self.checkpoints.saved_step != step:
-                saved = self.checkpoints.save(step)
+        saved = self._checkpoint_before_abort(step)
         manager = self.lead.manager if self.lead else None
         failure = manager.last_engine_failure if manager is not None else None
         engines = self.lead.engines() if self.lead else (0, 0)
         raise RunAbortedError(engines_lost_message(failure, engines, step, saved))
+
+    def _checkpoint_before_abort(self, step: int) -> Path | None:
+        """The checkpoint of the `step` trained steps (written now unless it exists); None before any step."""
+        if step <= 0:
+            return None
+        if self.checkpoints.saved_step != step:
+            return self.checkpoints.save(step)
+        return self.checkpoints.root / f"step_{step:06d}"
 
     def validate(self) -> dict[str, float]:
         """Rank 0 validates on the engines (metrics on rank 0, {} elsewhere); colocated, every rank's actor stays
@@ -333,6 +367,11 @@ def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
     dtype = getattr(torch, config.actor_rollout_ref.actor.megatron.params_dtype)
     return lambda out: export_hf_model(actor.model, actor.model.hf_config, config.actor_rollout_ref.model.path, out,
                                        dtype=dtype)
+
+
+def _sync_check_metrics(pushed: PushOutcome) -> dict[str, float]:
+    """The sync check's metrics of a push (they go to the row of the step whose weights were pushed)."""
+    return {k: v for k, v in pushed.metrics.items() if k.startswith(("rollout/sync_check", "timing/sync_check"))}
 
 
 def nothing_to_train_message(config: Config) -> str:

@@ -1,5 +1,5 @@
 """Shared rollout fixtures: one private Ray cluster and one two-engine manager for the whole session (an engine
-takes tens of seconds to start on CPU, so tests share them), serving the suite's tiny float32 model (`tiny_model_dir`, tests/conftest.py)."""
+takes tens of seconds to start on CPU, so tests share them), serving a tiny float32 Qwen2 with tied embeddings and qkv biases (`tied_qwen2_dir`, tests/conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -18,10 +18,10 @@ def tiny_rollout_config(model_dir, num_engines=2):
 
 
 @pytest.fixture(scope="session")
-def manager(ray_cluster, tiny_model_dir):
-    """Two float32 engines on the tiny model, shared by every test that leaves them idle and healthy."""
+def manager(ray_cluster, tied_qwen2_dir):
+    """Two float32 engines on the tied tiny Qwen2, shared by every test that leaves them idle and healthy."""
     from megatron_cpo.rollout import RolloutManager
 
-    rollout = RolloutManager(tiny_rollout_config(tiny_model_dir))
+    rollout = RolloutManager(tiny_rollout_config(tied_qwen2_dir))
     yield rollout
     rollout.shutdown()

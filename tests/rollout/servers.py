@@ -1,5 +1,5 @@
-"""Helpers of the server- and colocate-mode tests: start a `megatron-cpo rollout` process, end it, and check that
-engines generate exactly what transformers computes for a model directory."""
+"""Helpers of the engine tests: start a `megatron-cpo rollout` process, end it, check that engines generate exactly
+what transformers computes for a model directory, and that a training run's engine served every pushed weight."""
 from __future__ import annotations
 
 import os
@@ -53,6 +53,18 @@ def end_server(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: 
     for proc in alive:
         proc.kill()
     psutil.wait_procs(alive, timeout=10)
+
+
+def assert_engine_in_sync(metrics: dict[int, dict], steps, require_change: bool = True) -> bool:
+    """A run's metric rows (by step): after every push the engine's log-probs, of its samples and of the sync probe,
+    equal the trainer's (float32 noise). Returns whether the weights changed in between (so a stale engine could not
+    hide); with `require_change` that must be so."""
+    for step in steps:
+        row = metrics[step]
+        assert row["mismatch/log_probs_diff_max"] < 1e-4 and row["rollout/sync_check_max_abs_diff"] < 1e-4, (step, row)
+    changed = any(metrics[step]["actor/grad_norm"] > 0 for step in steps)
+    assert changed or not require_change, "no step changed the weights"
+    return changed
 
 
 def greedy_matches_transformers(manager, model_dir) -> float:

@@ -21,10 +21,10 @@ def _perturbed(model, seed):
 
 
 def test_collective_sync_reproduces_transformers_greedy_tokens_and_logprobs_and_reuses_its_group(manager,
-                                                                                                 tiny_model_dir):
+                                                                                                 tied_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
-    hf_model = _perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), 11)
+    hf_model = _perturbed(AutoModelForCausalLM.from_pretrained(tied_qwen2_dir, dtype=torch.float32), 11)
     first = manager.sync_weights(hf_model.state_dict().items(), transport="collective")
     _perturbed(hf_model, 12)  # change the weights again: the second sync must replace them over the same group
     second = manager.sync_weights(hf_model.state_dict().items(), transport="collective")

@@ -71,10 +71,10 @@ def test_cancel_all_drops_outstanding_work_and_engines_stay_healthy(manager):
     assert manager.health() == [True, True]
 
 
-def test_weights_synced_from_transformers_model_reproduce_its_greedy_tokens_and_logprobs(manager, tiny_model_dir):
+def test_weights_synced_from_transformers_model_reproduce_its_greedy_tokens_and_logprobs(manager, tied_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(tied_qwen2_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for param in hf_model.parameters():

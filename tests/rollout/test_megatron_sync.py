@@ -1,10 +1,13 @@
 """Megatron -> vLLM weight sync at TP=2/PP=1 and TP=1/PP=2 (real Megatron-Core over gloo, real engines on Ray), over
-shared memory and, at PP=2, over the collective transport (a gloo group per sending rank; stages take turns).
+shared memory and, at PP=2, over the collective transport (a gloo group per sending rank; stages take turns). The
+model has tied embeddings and qkv biases (`tied_qwen2_dir`): the first stage sends the embedding, which is also the
+engine's output head; the last stage keeps its own copy of it as Megatron's output layer and sends none of it.
 
 Every sending rank (TP rank 0 of each PP stage) pushes its own layers straight to the engines through
 `send_from_pipeline_stages`, as the trainer's `push_weights` does; the manager opens and closes the reload. After the
 sync the engines must generate, greedily, the tokens a transformers model holding the exported weights generates, and
-their log-probs must match the Megatron model's own within 1e-4 (float32).
+their log-probs must match the Megatron model's own within 1e-4 (float32), and every engine worker must report each
+of its parameters filled exactly once (`weight_sync.reload_problem`).
 """
 import pytest
 import torch
@@ -31,11 +34,14 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
     hf_config = load_hf_config(model_dir)
     model = build_gpt_model(hf_config, params_dtype=torch.float32)
     load_hf_weights(model, model_dir)
-    # Same noise stream on every TP rank of a stage, so replicated parameters (norms) stay identical across TP.
+    # Same noise stream on every TP rank of a stage, so replicated parameters (norms) stay identical across TP; the
+    # tied embedding and the last stage's copy of it (PP=2) get the same noise, as training keeps them equal.
     generator = torch.Generator().manual_seed(100 + parallel_state.get_pipeline_model_parallel_rank())
     with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+        for name, param in model.named_parameters():
+            shared = name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+            noise_from = torch.Generator().manual_seed(99) if shared else generator
+            param.add_(torch.randn(param.shape, generator=noise_from) * 0.05)
 
     exported = {}
 
@@ -66,15 +72,18 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
 @pytest.mark.parametrize("tp, pp, transport", [(2, 1, "shm"), (1, 2, "shm"), (1, 2, "collective")],
                          ids=["tp2-pp1-shm", "tp1-pp2-shm", "tp1-pp2-collective"])
 def test_megatron_weights_synced_into_engines_match_transformers_tokens_and_megatron_logprobs(
-        manager, tiny_model_dir, tp, pp, transport):
+        manager, tied_qwen2_dir, tp, pp, transport):
     from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.rollout.weight_sync import reload_problem
 
     manager.begin_weight_sync()
     try:
-        ranks = run_processes(_megatron_sender, 2, str(tiny_model_dir), tp, pp, manager.sender_spec(transport),
+        ranks = run_processes(_megatron_sender, 2, str(tied_qwen2_dir), tp, pp, manager.sender_spec(transport),
                               PROMPTS, MAX_NEW_TOKENS)
     finally:
-        manager.finish_weight_sync()
+        reports = manager.finish_weight_sync()
+    assert len(reports) == 2 and reload_problem(reports) is None, reports
 
     exported = {name: torch.from_numpy(array) for result in ranks for name, array in result["weights"].items()}
     if pp == 2:  # each stage sent only its own layers (over its own group with the collective transport)
@@ -83,8 +92,11 @@ def test_megatron_weights_synced_into_engines_match_transformers_tokens_and_mega
         assert not set(ranks[0]["weights"]) & set(ranks[1]["weights"])
     else:  # TP rank 1 gathers but does not send
         assert ranks[1]["metrics"]["tensors"] == 0
-    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    hf_model.load_state_dict(exported, strict=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(tied_qwen2_dir, dtype=torch.float32)
+    assert "lm_head.weight" not in exported  # tied: the embedding is the head
+    missing, unexpected = hf_model.load_state_dict(exported, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected
+    assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
     assert sum(r["metrics"]["bytes"] for r in ranks) == sum(t.numel() * 4 for t in exported.values())
     megatron_greedy = next(r["greedy"] for r in reversed(ranks) if r["greedy"] is not None)
 

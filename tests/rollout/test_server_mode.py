@@ -1,9 +1,10 @@
 """`rollout.mode=server`: real `megatron-cpo rollout` processes (vLLM on CPU) serving trainers over HTTP.
 
-Two servers start once for the module (each its own process tree, started together). Three trainers (the quickstart's
-GRPO, CPO and DAPO configs, shortened) run one after the other against the first server and push their weights over the
-gloo collective the server's engine joins; afterwards the server generates transformers' greedy tokens for each
-run's exported weights. A server killed while holding prompts has them served by the other, a wrong token is
+Two servers of a tiny Llama with tied embeddings start once for the module (each its own process tree, started
+together). Three trainers (the quickstart's GRPO, CPO and DAPO configs, shortened, at learning rate 3e-2) run one after
+the other against the first server and push their weights over the gloo collective the server's engine joins; after
+every push the engine's log-probs, of its samples and of the sync probe, equal the trainer's, and afterwards the
+server generates transformers' greedy tokens for each run's exported weights. A server killed while holding prompts has them served by the other, a wrong token is
 refused, and a port that accepts connections but never answers is an error naming its URL within the timeout.
 """
 import json
@@ -20,7 +21,8 @@ from megatron_cpo.rollout import RolloutEnginesLostError, SamplingParams
 from megatron_cpo.rollout.http_client import RolloutServerAuthError
 from megatron_cpo.rollout.server_client import ServerClientConfig, ServerRolloutManager
 from megatron_cpo.rollout.types import RolloutEngineStartError
-from tests.rollout.servers import end_server, greedy_matches_transformers, start_server, wait_url
+from tests.rollout.servers import (assert_engine_in_sync, end_server, greedy_matches_transformers, start_server,
+                                   wait_url)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -41,15 +43,15 @@ def restore_environment():
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Two servers of the quickstart's tiny model, started together; the token file they were given."""
+def servers(tmp_path_factory, tied_llama_dir):
+    """Two servers of the tied tiny Llama, started together; the token file they were given."""
     work = tmp_path_factory.mktemp("servers")
     token_file = work / "token"
     token_file.write_text(TOKEN + "\n")
-    processes = {name: start_server(TINY / "model", work, name, token_file) for name in ("a", "b")}
+    processes = {name: start_server(tied_llama_dir, work, name, token_file) for name in ("a", "b")}
     try:
         urls = {name: wait_url(process, work, name) for name, process in processes.items()}
-        yield {"urls": urls, "processes": processes, "token_file": token_file}
+        yield {"urls": urls, "processes": processes, "token_file": token_file, "model": tied_llama_dir}
     finally:
         for process in processes.values():
             end_server(process)
@@ -61,8 +63,8 @@ def _example_config(name, servers, data, out_dir):
     return load_config(TINY / name, [
         f"data.train_files={data['train']}", f"data.val_files={data['test']}", "data.train_batch_size=4",
         "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={TINY / 'model'}",
-        "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={servers['model']}",
+        "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
         f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
         "actor_rollout_ref.rollout.weight_transport=auto", "trainer.total_training_steps=2", "trainer.test_freq=-1",
         "algorithm.filter_groups.enable=false", "reward.overlong_buffer.len=4",
@@ -79,6 +81,7 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
 
     data = {k: str(v) for k, v in write_arith_parquet(tmp_path / "data", ArithConfig(num_train=32, num_test=4)).items()}
     ray_was_running = ray.is_initialized()
+    changed = []
     for name in ("grpo_arith.yaml", "cpo_arith.yaml", "dapo_arith.yaml"):  # the quickstart's three configs
         out = tmp_path / name.split(".")[0]
         started = time.perf_counter()
@@ -86,11 +89,13 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
         print(f"{name} against the server: {time.perf_counter() - started:.1f}s, weight push "
               f"{metrics['timing/weight_sync_s']:.3f}s")
         assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
-        steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert steps[-1] == 2
+        rows = {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+        assert max(rows) == 2
+        changed.append(assert_engine_in_sync(rows, (1, 2), require_change=False))
         with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["a"],), token=TOKEN)) as client:
             gap = greedy_matches_transformers(client, out / "checkpoints" / "step_000002" / "huggingface")
         print(f"{name}: the server reproduces the run's exported weights (max log-prob gap {gap:.1e})")
+    assert any(changed), "no run changed the weights (every group's rewards were equal)"
     assert ray.is_initialized() == ray_was_running, "server mode must not start Ray"
 
 

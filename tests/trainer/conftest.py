@@ -1,4 +1,5 @@
-"""Session-wide real components for the trainer tests: a tiny model, the arithmetic data, one vLLM engine."""
+"""Session-wide real components for the trainer tests: a tiny model (Llama with tied embeddings), the arithmetic
+data, one vLLM engine."""
 import os
 
 import pytest
@@ -17,9 +18,11 @@ def restore_environment():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_model_dir) -> str:
-    """The suite's tiny model (tests/conftest.py), as the path string configs take."""
-    return str(tiny_model_dir)
+def tiny_model(tied_llama_dir) -> str:
+    """The trainer tests' model: the tiny Llama with tied embeddings (tests/conftest.py), as the path string configs
+    take. Tied, so that a weight push that leaves the engine's output head behind shows in every run's
+    `mismatch/*` metrics and sync check (issue 24)."""
+    return str(tied_llama_dir)
 
 
 @pytest.fixture(scope="session")

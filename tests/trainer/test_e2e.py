@@ -1,7 +1,10 @@
 """Whole training runs on CPU with real Megatron, a real vLLM engine and the real grading pool.
 
-The runs share the session's engine; each run pushes its own weights to it before the first rollout.
+The runs share the session's engine; each run pushes its own weights to it before the first rollout. The model has
+tied embeddings and the GRPO run trains at a large learning rate, so an engine serving anything but the pushed
+weights shows in every step's `mismatch/*` and sync check; a run whose engine misses one push stops at that push.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -12,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from megatron_cpo.trainer.loop import run_training
+from tests.rollout.servers import assert_engine_in_sync
 
-VARYING = ("timing/", "timing_s/", "weight_sync/")  # timing_s/: verl's names for our timings
+VARYING = ("timing/", "timing_s/", "weight_sync/", "rollout/sync_check")  # timing_s/: verl's timings; noise
 
 
 pytestmark = pytest.mark.usefixtures("restore_environment")
@@ -46,13 +50,17 @@ def send_sigterm_after_first_step(run_dir: Path) -> threading.Thread:
 
 def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config, rollout_manager, tmp_path):
     """4 steps straight vs 2 steps, SIGTERM, resume, 2 steps: identical metrics. The early-stop monitor (on, but set
-    not to fire) is part of the resumed state: a fresh monitor would log another `early_stop/baseline` at step 3."""
+    not to fire) is part of the resumed state: a fresh monitor would log another `early_stop/baseline` at step 3.
+    Learning rate 3e-2 on the tied model: the engine must still agree with the trainer on every step."""
     straight_dir, preempted_dir = tmp_path / "straight", tmp_path / "preempted"
     overrides = ("trainer.total_training_steps=4", "trainer.val_before_train=true", "trainer.early_stop.enable=true",
-                 "trainer.early_stop.baseline_steps=2", "trainer.early_stop.window=2", "trainer.early_stop.ratio=1e-6")
+                 "trainer.early_stop.baseline_steps=2", "trainer.early_stop.window=2", "trainer.early_stop.ratio=1e-6",
+                 "actor_rollout_ref.actor.optim.lr=3e-2")
     run_training(make_config(*overrides, f"trainer.default_local_dir={straight_dir}"), rollout_manager)
     straight = read_metrics(straight_dir)
     assert "val/acc" in straight[0] and "val/acc" in straight[4]
+    assert straight[0]["rollout/sync_check_max_abs_diff"] < 1e-4  # the push before training
+    assert_engine_in_sync(straight, range(1, 5))
     assert straight[1]["filter/kept_prompts"] == 4 and straight[4]["actor/grad_norm"] > 0
     assert straight[1]["early_stop/baseline"] == 0 and straight[3]["early_stop/baseline"] == pytest.approx(
         (straight[1]["rollout/in_group_reward_std"] + straight[2]["rollout/in_group_reward_std"]) / 2)
@@ -74,6 +82,49 @@ def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config
         assert expected.keys() == got.keys()
         for key in expected:
             assert got[key] == pytest.approx(expected[key], abs=1e-6), (step, key)
+
+
+class SkipsOnePush:
+    """The session's manager (its real engine) leaving the engine stale once: weight push number `skip` (0: the one
+    before training) goes to no engine, as a transport or reload that silently fails would."""
+
+    def __init__(self, manager, skip: int) -> None:
+        self.manager, self.skip, self.pushes, self.skipping = manager, skip, 0, False
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def begin_weight_sync(self) -> None:
+        self.skipping, self.pushes = self.pushes == self.skip, self.pushes + 1
+        if not self.skipping:
+            self.manager.begin_weight_sync()
+
+    def sender_spec(self, transport=None):
+        spec = self.manager.sender_spec(transport)
+        return dataclasses.replace(spec, engine_names=()) if self.skipping else spec
+
+    def finish_weight_sync(self) -> dict:
+        return {} if self.skipping else self.manager.finish_weight_sync()
+
+
+def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rollout_manager, tmp_path):
+    from megatron_cpo.trainer.errors import RunAbortedError
+
+    run_dir = tmp_path / "stale"
+    config = make_config("trainer.total_training_steps=3", "trainer.val_before_train=false",
+                         "actor_rollout_ref.actor.optim.lr=3e-2", f"trainer.default_local_dir={run_dir}")
+    with pytest.raises(RunAbortedError) as err:
+        run_training(config, SkipsOnePush(rollout_manager, skip=1))
+    message = str(err.value)
+    print(message)
+    assert "\n" not in message
+    assert message.startswith("the engines do not serve the trainer's weights after the weight push of step 1: the "
+                              "largest |engine - trainer| log-prob difference on the sync probe is ")
+    assert "above the tolerance 0.0001 for float32" in message and "checkpoints/step_000001" in message
+    metrics = read_metrics(run_dir)
+    assert max(metrics) == 1 and metrics[1]["actor/grad_norm"] > 0  # the weights did change, the engine did not
+    assert metrics[1]["rollout/sync_check_max_abs_diff"] > 1e-3
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
 
 
 def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(make_config, rollout_manager, tmp_path):

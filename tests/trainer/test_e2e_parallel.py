@@ -5,12 +5,15 @@ Rank 0 drives the engine and broadcasts the batch; with PP=2 both pipeline stage
 the engine; with DP=2 only the first replica exports (a second copy of the weights would be loaded twice).
 The run must log the same first-step rollout metrics as the layout-independent controller would and finish with
 held-out accuracy, i.e. the collective protocol (batch broadcast, log-prob broadcast, weight push from two senders,
-checkpoint barrier) completes.
+checkpoint barrier) completes. The model has tied embeddings (with PP=2 the last stage keeps its own copy of the
+embedding as the output layer, which is never sent) and trains at learning rate 3e-2: after every push the engine's
+log-probs, of its samples and of the sync probe, equal the trainer's.
 """
 import json
 import os
 
 from tests.multiprocess import free_port, run_processes
+from tests.rollout.servers import assert_engine_in_sync
 
 
 LAYOUTS = {"pp2": 2, "dp2": 1}  # layout: pipeline_model_parallel_size (the other factor of the 2 ranks is DP)
@@ -29,7 +32,7 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, second_port):
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data['train']}",
         f"data.val_files={data['test']}", "data.train_batch_size=2", "data.max_prompt_length=384",
         "data.max_response_length=8", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=3e-2",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pipeline_size}",
         "actor_rollout_ref.rollout.ray_address=local",
         "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
@@ -55,8 +58,9 @@ def test_two_rank_training_runs(tiny_model, arith_data, tmp_path):
     for layout in LAYOUTS:
         run_dir = tmp_path / "run" / layout
         assert "val/acc" in results[0][layout] and results[1][layout] == {}, layout
-        steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert steps == [0, 1, 2], layout  # the last step's row carries the final validation
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == [0, 1, 2], layout  # the last step's row carries the final validation
+        assert_engine_in_sync({row["step"]: row for row in rows}, (1, 2))
         step_dir = run_dir / "checkpoints" / "step_000002"
         assert sorted(p.name for p in step_dir.iterdir()) == ["huggingface", "manifest.json", "rank_00000.pt",
                                                               "rank_00001.pt"]

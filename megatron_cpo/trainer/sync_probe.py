@@ -1,0 +1,134 @@
+"""The trainer's side of the sync check (rollout/sync_check.py): after a weight push, are the engines serving it?
+
+`SyncProbe.after_push` is collective, like the step's log-probs: rank 0 reads the engines' reload reports (a
+parameter nothing filled, a tensor sent twice) and, when the push is due for the probe, has every live engine
+continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`); it broadcasts both, every rank scores the
+engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank afterwards) and
+every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
+naming the push and the difference; the loop logs the step, checkpoints and stops.
+
+`SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
+the engine sampled): a jump from one step to the next means the push in between went wrong, which it says once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from megatron_cpo.config import Config
+from megatron_cpo.data.dataset import encode_texts, render_prompts
+from megatron_cpo.rollout import RolloutEnginesLostError
+from megatron_cpo.rollout.sync_check import compare_probe
+from megatron_cpo.rollout.weight_sync import reload_problem
+from megatron_cpo.trainer.collectives import broadcast_object
+from megatron_cpo.trainer.sequences import pack_sequences
+
+logger = logging.getLogger(__name__)
+
+JUMP_FACTOR = 10.0  # mismatch/log_probs_diff_mean growing this much from one step to the next is a jump
+
+
+class EngineOutOfSyncError(RuntimeError):
+    """A push left the engines serving other weights than the trainer's (one line, naming the push); `metrics`:
+    the check's metrics when the probe ran."""
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None) -> None:
+        super().__init__(message)
+        self.metrics = metrics or {}
+
+
+class SyncProbe:
+    """Checks pushes on every rank (`after_push`) and watches the mismatch metrics on rank 0 (`observe_mismatch`)."""
+
+    def __init__(self, config: Config, tokenizer: Any, pad_token_id: int) -> None:
+        self.settings = config.actor_rollout_ref.rollout.sync_check
+        self.dtype = config.actor_rollout_ref.actor.megatron.params_dtype
+        self.tolerance = self.settings.tolerance_for(self.dtype)
+        self.pad_token_id = pad_token_id
+        texts = [text for text in self.settings.prompts if text.strip()]
+        if getattr(tokenizer, "chat_template", None):
+            texts = render_prompts(tokenizer, [[{"role": "user", "content": text}] for text in texts])
+        self.prompts = [ids for ids in encode_texts(tokenizer, texts) if ids]
+        longest = max((len(ids) for ids in self.prompts), default=0)
+        limit = config.data.max_prompt_length + config.data.max_response_length
+        if self.settings.enable and longest + self.settings.max_tokens > limit:
+            raise ValueError(f"the longest sync-check probe prompt has {longest} tokens; with actor_rollout_ref."
+                             f"rollout.sync_check.max_tokens={self.settings.max_tokens} it exceeds the engines' "
+                             f"{limit} tokens (data.max_prompt_length + data.max_response_length); shorten "
+                             "actor_rollout_ref.rollout.sync_check.prompts or max_tokens")
+        self.pushes = 0
+        self._previous: tuple[int, float] | None = None
+        self._warned = False
+
+    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None) -> dict[str, float]:
+        """Collective, right after a push of the weights of step `step` (the start step for the push before
+        training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere). Returns the
+        check's metrics ({} when not due); raises `EngineOutOfSyncError` on every rank when the push is wrong."""
+        push, self.pushes = self.pushes, self.pushes + 1
+        if not self.settings.enable:
+            return {}
+        started = time.perf_counter()
+        payload = None
+        if manager is not None:
+            payload = (reload_problem(reports or {}),
+                       self._probe(manager) if self.settings.due(push) else [])
+        problem, rows = broadcast_object(payload)
+        where = _push_name(step, push)
+        if problem is not None:
+            raise EngineOutOfSyncError(f"the {where}: {problem}")
+        if not rows:
+            return {}
+        labels, prompts, responses, engine_log_probs = map(list, zip(*rows))
+        seqs = pack_sequences(prompts, responses, self.pad_token_id, self.settings.max_tokens)
+        trainer_log_probs, _ = actor.log_probs(seqs, 1.0)
+        gap = compare_probe(labels, engine_log_probs, trainer_log_probs)
+        metrics = {**gap.metrics(), "timing/sync_check_s": time.perf_counter() - started}
+        if not gap.max_abs_diff <= self.tolerance:
+            raise EngineOutOfSyncError(
+                f"the engines do not serve the trainer's weights after the {where}: the largest |engine - trainer| "
+                f"log-prob difference on the sync probe is {gap.max_abs_diff:.3g} ({gap.worst}), above the "
+                f"tolerance {self.tolerance:g} for {self.dtype} (actor_rollout_ref.rollout.sync_check.tolerance)",
+                metrics)
+        logger.log(logging.INFO if push == 0 else logging.DEBUG, "sync check of the %s: engines and trainer agree "
+                   "(max |engine - trainer| log-prob difference %.3g, tolerance %g)", where, gap.max_abs_diff,
+                   self.tolerance)
+        return metrics
+
+    def _probe(self, manager: Any) -> list[tuple[str, list[int], list[int], list[float]]]:
+        """Rank 0: (label, prompt, greedy tokens, engine log-probs) per live engine and probe prompt; [] when the
+        engines died meanwhile (the next rollout reports that)."""
+        try:
+            groups = manager.sync_probe(self.prompts, self.settings.max_tokens)
+        except RolloutEnginesLostError:
+            return []
+        return [(group.request_id, group.prompt_token_ids, group.samples[0].token_ids, group.samples[0].logprobs)
+                for group in groups]
+
+    def observe_mismatch(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0, once per step: warn (once per run) when the engine-vs-trainer mismatch of the sampled tokens
+        jumped since the previous step beyond what the dtype's noise explains. With asynchronous training only the
+        tokens sampled by the trained weights count (`mismatch/staleness_0/*`): older ones differ by the policy's
+        change since, not by a push gone wrong; a step without such tokens is not observed."""
+        split = any(key.startswith("mismatch/staleness_") for key in metrics)
+        prefix = "mismatch/staleness_0/" if split else "mismatch/"
+        mean, peak = metrics.get(prefix + "log_probs_diff_mean"), metrics.get(prefix + "log_probs_diff_max")
+        if mean is None or peak is None:
+            return
+        previous, self._previous = self._previous, (step, mean)
+        if self._warned or previous is None:
+            return
+        previous_step, previous_mean = previous
+        if mean > JUMP_FACTOR * previous_mean and peak > self.tolerance:
+            self._warned = True
+            logger.warning(
+                "mismatch/log_probs_diff_mean jumped from %.3g at step %d to %.3g at step %d (max %.3g, above the "
+                "%s sync-check tolerance %g): step %d sampled right after the weight push of step %d, so the "
+                "engines most likely do not serve the pushed weights (a layer their reload did not update, e.g. a "
+                "tied output head or MoE experts, or a push that missed an engine); see "
+                "rollout/sync_check_max_abs_diff and docs/launch.md, \"Is the engine in sync?\"", previous_mean,
+                previous_step, mean, step, peak, self.dtype, self.tolerance, step, previous_step)
+
+
+def _push_name(step: int, push: int) -> str:
+    return f"weight push before training (step {step})" if push == 0 else f"weight push of step {step}"
