@@ -25,7 +25,8 @@ def test_asynchronous_run_bounds_staleness_and_logs_its_metrics(make_config, rol
     assert sorted(metrics) == [1, 2, 3]
     assert "val/acc" in metrics[2] and "val/acc" in metrics[3]  # validated with training requests in flight
     for row in metrics.values():
-        assert row["filter/kept_prompts"] == 4 and row["actor/grad_norm"] > 0
+        assert row["filter/kept_prompts"] == 4
+        assert row["actor/grad_norm"] > 0 or row["filter/mean_metric_std"] == 0  # uniform groups: no gradient
         assert 0 <= row["async/staleness_mean"] <= row["async/staleness_max"] <= k
         assert 0 <= row["async/partial_rollout_frac"] <= 1
         assert row["async/buffered_groups"] + row["async/in_flight"] > 0  # the next batches were under way
@@ -33,6 +34,7 @@ def test_asynchronous_run_bounds_staleness_and_logs_its_metrics(make_config, rol
         assert "rollout_corr/masked_fraction" in row
     assert metrics[1]["async/staleness_max"] == 0 and "mismatch/staleness_0/k3_kl" in metrics[1]  # nothing older yet
     assert max(row["async/staleness_max"] for row in metrics.values()) >= 1
+    assert max(row["actor/grad_norm"] for row in metrics.values()) > 0
     assert any(key.startswith("mismatch/staleness_1/") for row in metrics.values() for key in row)
     assert "timing/engine_idle_s" in metrics[2] and metrics[2]["timing/weight_sync_s"] > 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
