@@ -15,8 +15,9 @@ commit in request order, so a prompt submitted with `held` prompts ahead of it t
 most (k + 1) batches from now, counting the batch that is waiting for its push; it is trained at most k weight
 versions after the one it started on, and every token it has is at least that new. A group a filter drops
 (filter-groups, RAGEN) leaves `held` when it is judged and frees its slot; filter-groups judges each group on its
-own, so a group it will drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 the rule would admit one batch at a time;
-the synchronous loop does better (it may request ahead, then cancels what it did not use), so k = 0 keeps it.
+own, so a group it will drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 the
+rule would admit one batch at a time; the synchronous loop does better (it may request ahead, then cancels what it
+did not use), so k = 0 keeps it.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class AsyncTrainingConfig:
                                        "synchronous training, k: samples at most k weight versions old)")
         check(self.partial_rollout or not self.in_flight_weight_updates,
               "async_training.in_flight_weight_updates=true continues requests across a push, which "
-              "async_training.partial_rollout=false forbids; set partial_rollout=true or in_flight_weight_updates=false")
+              "async_training.partial_rollout=false forbids; set partial_rollout=true or "
+              "in_flight_weight_updates=false")
 
     @property
     def enabled(self) -> bool:
