@@ -227,9 +227,12 @@ class VLLMEngine:
         """Close weight-sync group `name` (every group when None) on every worker."""
         await self.engine.collective_rpc("rollout_leave_weight_group", args=(name,))
 
-    async def finish_weight_reload(self, version: int | None = None) -> list[dict]:
+    async def finish_weight_reload(self, version: int | None = None, resume: bool = True) -> list[dict]:
         """Close the reload on every worker, drop the prefix cache (its keys and values were computed with the old
-        weights), label the tokens sampled from now on with `version`, and let paused or aborted requests go on.
+        weights), label the tokens sampled from now on with `version`, and let paused or aborted requests go on;
+        with `resume=False` the samples a `partial` push aborted wait for `resume_generation`, so that the sync
+        probe runs alone (vLLM's CPU kernels are not batch-invariant). The scheduler itself runs again either way
+        (the probe needs it), so requests a `keep` push froze in it go on at once.
         Returns each worker's reload report (`worker_extension.ReloadLedger.report`), with `prefix_cache_reset`:
         whether vLLM dropped the cache (it refuses while requests hold cached blocks; requests paused by
         `begin_weight_reload` hold none, their KV cache was cleared)."""
@@ -240,10 +243,16 @@ class VLLMEngine:
         if self._paused:
             await self.engine.resume_generation()
             self._paused = False
+        if resume:
+            await self.resume_generation()
+        return [{**report, "prefix_cache_reset": reset} for report in reports]
+
+    async def resume_generation(self) -> None:
+        """Let the samples a push aborted continue on the new weights (after `finish_weight_reload(resume=False)`
+        and the sync probe); nothing to do when none wait."""
         async with self._weights_changed:
             self._weights_ready = True
             self._weights_changed.notify_all()
-        return [{**report, "prefix_cache_reset": reset} for report in reports]
 
     async def shutdown(self) -> None:
         """Leave every weight-sync group (closing the workers' sockets cleanly), then stop the engine."""

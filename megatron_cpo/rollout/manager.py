@@ -163,14 +163,19 @@ class RolloutManager(RequestBook):
                                "between rounds: drain completed() or call cancel_all() first")
         self._call_live_engines("begin_weight_reload", in_flight)
 
-    def finish_weight_sync(self) -> dict[str, list[dict]]:
+    def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
         """Close the reload (layers that received no tensors keep their weights), clear the prefix cache, and count
-        the push: tokens sampled from now on carry `weight_version`. Returns each live engine's reload report per
-        worker (tensors received, parameters missing, names sent twice; see `weight_sync.reload_problem`), by
-        engine name."""
+        the push: tokens sampled from now on carry `weight_version`. With `resume=False` the requests the push
+        paused wait for `resume_generation` (the sync probe runs alone first). Returns each live engine's reload
+        report per worker (tensors received, parameters missing, names sent twice; see
+        `weight_sync.reload_problem`), by engine name."""
         self.weight_version += 1
-        reports = self._call_live_engines("finish_weight_reload", self.weight_version)
+        reports = self._call_live_engines("finish_weight_reload", self.weight_version, resume)
         return {f"engine {index}": worker_reports for index, worker_reports in reports.items()}
+
+    def resume_generation(self) -> None:
+        """Let the requests paused by a push finished with `resume=False` go on (`VLLMEngine.resume_generation`)."""
+        self._call_live_engines("resume_generation")
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Every live engine's greedy continuation of each prompt, with its log-probs (rollout/sync_check.py): one
@@ -206,16 +211,16 @@ class RolloutManager(RequestBook):
         return answers
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
-                     in_flight: str = "none") -> dict[str, float]:
+                     in_flight: str = "none", resume: bool = True) -> dict[str, float]:
         """Load HF-named full tensors (all of them from this rank) into every engine; returns bytes, seconds,
         buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`.
-        `transport` overrides the configured one (see `sender_spec`)."""
+        `transport` overrides the configured one (see `sender_spec`); `resume` as in `finish_weight_sync`."""
         start = time.perf_counter()
         self.begin_weight_sync(in_flight)
         live = self._live_indices()
         sender = WeightSender(self.sender_spec(transport), engine_handles=[self.engines[i] for i in live])
         metrics = sender.send(named_tensors)
-        self.finish_weight_sync()
+        self.finish_weight_sync(resume)
         metrics["seconds"] = time.perf_counter() - start
         return metrics
 

@@ -143,13 +143,18 @@ class ServerRolloutManager(RequestBook):
                                "between rounds: drain completed() or call cancel_all() first")
         self._call_live_servers(proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
 
-    def finish_weight_sync(self) -> dict[str, list[dict]]:
+    def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
         """Close the reload on every live server and count the push (`weight_version` labels the tokens sampled from
-        now on); each engine's reload report per worker, by "<url> engine <j>"."""
+        now on); `resume` as `RolloutManager.finish_weight_sync`. Each engine's reload report per worker, by
+        "<url> engine <j>"."""
         self.weight_version += 1
-        answers = self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version})
+        answers = self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version, "resume": resume})
         return {f"{self.engines[index]} engine {j}": reports for index, body in answers.items()
                 for j, reports in enumerate(body.get("reports", []))}
+
+    def resume_generation(self) -> None:
+        """Let the requests paused by a push finished with `resume=False` go on, on every live server."""
+        self._call_live_servers(proto.WEIGHTS_RESUME, {})
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Every live server's engines' greedy continuations of each prompt, with their log-probs (`RolloutManager.
@@ -162,12 +167,13 @@ class ServerRolloutManager(RequestBook):
                 for k, (prompt, sample) in enumerate(zip(prompts, samples)) if sample is not None]
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
-                     in_flight: str = "none") -> dict[str, float]:
-        """Load HF-named full tensors (all of them from this rank) into every live server."""
+                     in_flight: str = "none", resume: bool = True) -> dict[str, float]:
+        """Load HF-named full tensors (all of them from this rank) into every live server (`resume` as in
+        `finish_weight_sync`)."""
         start = time.perf_counter()
         self.begin_weight_sync(in_flight)
         metrics = HttpWeightSender(self.sender_spec(transport)).send(named_tensors)
-        self.finish_weight_sync()
+        self.finish_weight_sync(resume)
         metrics["seconds"] = time.perf_counter() - start
         return metrics
 

@@ -228,8 +228,10 @@ class Trainer:
         if broadcast_object(lost) is not None:
             return PushOutcome({}, lost=lost)
         alive = manager.num_engines_alive() if manager is not None else 0
+        in_flight = self.config.async_training.in_flight
+        hold = self.sync_probe.holds_paused_requests(in_flight)  # the probe runs before they go on
         try:
-            metrics, reports = push_weights(self.actor.model, manager, self.config.async_training.in_flight)
+            metrics, reports = push_weights(self.actor.model, manager, in_flight, resume=not hold)
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 
@@ -240,7 +242,7 @@ class Trainer:
                 raise  # not an engine death
             return PushOutcome({}, lost=manager.last_engine_failure)
         try:
-            metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports))
+            metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports, held=hold))
         except EngineOutOfSyncError as err:
             return PushOutcome({**metrics, **err.metrics}, out_of_sync=str(err))
         return PushOutcome(metrics)

@@ -2,7 +2,9 @@
 
 `SyncProbe.after_push` is collective, like the step's log-probs: rank 0 reads the engines' reload reports (a
 parameter nothing filled, a tensor sent twice) and, when the push is due for the probe, has every live engine
-continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`); it broadcasts both, every rank scores the
+continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`), with the requests the push paused still
+paused (asynchronous training: vLLM's CPU kernels are not batch-invariant, so the probe beside them measured up to
+1.3e-4 on an engine in sync), and lets those go on after it (`RolloutEngines.resume_generation`); it broadcasts both, every rank scores the
 engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank afterwards) and
 every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
 naming the push and the difference; the loop logs the step, checkpoints and stops.
@@ -61,18 +63,31 @@ class SyncProbe:
         self._previous: tuple[int, float] | None = None
         self._warned = False
 
-    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None) -> dict[str, float]:
+    def holds_paused_requests(self, in_flight: str) -> bool:
+        """Whether the next push, made with `in_flight` (types.IN_FLIGHT_POLICIES), is to leave the requests it
+        pauses paused until `after_push` has probed the engines (`RolloutEngines.finish_weight_sync(resume=False)`);
+        a synchronous push (`none`) pauses nothing."""
+        return in_flight != "none" and self.settings.due(self.pushes)
+
+    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None, held: bool = False
+                   ) -> dict[str, float]:
         """Collective, right after a push of the weights of step `step` (the start step for the push before
-        training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere). Returns the
-        check's metrics ({} when not due); raises `EngineOutOfSyncError` on every rank when the push is wrong."""
+        training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere); `held`: the push
+        left paused requests paused (`holds_paused_requests`), rank 0 resumes them once the probe has run, whatever
+        it found. Returns the check's metrics ({} when not due); raises `EngineOutOfSyncError` on every rank when
+        the push is wrong."""
         push, self.pushes = self.pushes, self.pushes + 1
         if not self.settings.enable:
             return {}
         started = time.perf_counter()
         payload = None
         if manager is not None:
-            payload = (reload_problem(reports or {}),
-                       self._probe(manager) if self.settings.due(push) else [])
+            try:
+                payload = (reload_problem(reports or {}),
+                           self._probe(manager) if self.settings.due(push) else [])
+            finally:
+                if held:
+                    _resume(manager)
         problem, rows = broadcast_object(payload)
         where = _push_name(step, push)
         if problem is not None:
@@ -128,6 +143,15 @@ class SyncProbe:
                 "tied output head or MoE experts, or a push that missed an engine); see "
                 "rollout/sync_check_max_abs_diff and docs/launch.md, \"Is the engine in sync?\"", previous_mean,
                 previous_step, mean, step, peak, self.dtype, self.tolerance, step, previous_step)
+
+
+def _resume(manager: Any) -> None:
+    """Rank 0: let the requests paused for the probe go on; nothing to do when every engine died meanwhile (the
+    next rollout reports that)."""
+    try:
+        manager.resume_generation()
+    except RolloutEnginesLostError:
+        pass
 
 
 def _push_name(step: int, push: int) -> str:

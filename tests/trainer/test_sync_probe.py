@@ -31,6 +31,17 @@ def test_probe_prompts_are_the_chat_templated_texts_and_must_fit_the_engines(mak
         make("actor_rollout_ref.rollout.sync_check.max_tokens=390")
 
 
+def test_only_a_push_with_requests_in_flight_that_is_probed_holds_them_for_the_probe(make_probe):
+    make = make_probe[0]
+    every_second = make("actor_rollout_ref.rollout.sync_check.every_n_pushes=2")
+    held = []
+    for _ in range(4):
+        held.append([every_second.holds_paused_requests(policy) for policy in ("none", "partial", "keep")])
+        every_second.pushes += 1  # as after_push counts them
+    assert held == [[False, True, True], [False, False, False]] * 2
+    assert not make("actor_rollout_ref.rollout.sync_check.enable=false").holds_paused_requests("partial")
+
+
 def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
     probe = make_probe[0]()
 
