@@ -2,11 +2,11 @@
 
 `SyncProbe.after_push` is collective, like the step's log-probs: rank 0 reads the engines' reload reports (a
 parameter nothing filled, a tensor sent twice) and, when the push is due for the probe, has every live engine
-continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`), with the requests the push paused still
-paused (asynchronous training: vLLM's CPU kernels are not batch-invariant, so the probe beside them measured up to
-1.3e-4 on an engine in sync), and lets those go on after it (`RolloutEngines.resume_generation`); it broadcasts both, every rank scores the
-engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank afterwards) and
-every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
+continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`) while the requests the push paused still
+wait (asynchronous training: vLLM's CPU kernels are not batch-invariant, and the probe beside them measured 1.3e-4
+on engines in sync), then lets them go on (`RolloutEngines.resume_generation`). It broadcasts both; every rank
+scores the engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank
+afterwards) and every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
 naming the push and the difference; the loop logs the step, checkpoints and stops.
 
 `SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
