@@ -6,8 +6,8 @@ continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`) while th
 wait (asynchronous training: vLLM's CPU kernels are not batch-invariant, and the probe beside them measured 1.3e-4
 on engines in sync), then lets them go on (`RolloutEngines.resume_generation`). It broadcasts both; every rank
 scores the engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank
-afterwards) and every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
-naming the push and the difference; the loop logs the step, checkpoints and stops.
+afterwards) and every rank reaches the same verdict. Over the tolerance the push is reported as
+`EngineOutOfSyncError`, one line naming the push and the difference; the loop logs the step, checkpoints and stops.
 
 `SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
 the engine sampled): a jump from one step to the next means the push in between went wrong, which it says once.
