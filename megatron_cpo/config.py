@@ -12,6 +12,7 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
 - `actor_rollout_ref.model.*`: `models/config.py`; `.actor.*`, `.ref.*` and `trainer.*`: `trainer/config.py`;
   `.rollout.*`: `rollout/config.py`, its `multi_turn.*`: `envs/config.py` (joined to the rollout section here, since
   `envs` sits above `rollout`).
+- `async_training.*`: `trainer/admission.py` (`AsyncTrainingConfig`).
 
 Each section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
 Every error names the offending value and says how to fix it. Accepted spellings (the seeds' names and verl's) are
@@ -34,6 +35,7 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.manager import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.trainer.admission import AsyncTrainingConfig
 from megatron_cpo.trainer.config import ActorConfig, RefConfig, TrainerConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
@@ -62,6 +64,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
@@ -94,6 +97,17 @@ class Config:
         check(not (rollout.multi_turn.enable and algo.shaper.needs_hint_contexts),
               f"algorithm.adv_estimator={algo.adv_estimator} puts a hint before one sampled answer, which a multi-turn "
               "episode does not have; use grpo with actor_rollout_ref.rollout.multi_turn.enable=true, or turn it off")
+        staleness = self.async_training.max_staleness
+        check(staleness == 0 or rollout.mode != "colocate", f"async_training.max_staleness={staleness} needs engines "
+              "that generate while the trainer updates; colocated engines share its devices (rollout.mode=colocate), "
+              "so use mode ray or server, or max_staleness=0")
+        check(not (algo.rollout_correction.explicit_is and actor.tis is not None),
+              f"algorithm.rollout_correction.rollout_is={algo.rollout_correction.rollout_is!r} and "
+              f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} both weight the loss by the "
+              "engine's log-probs; keep one (tis_imp_ratio_cap=-1, or rollout_is=null)")
+        check(not (rollout.multi_turn.enable and staleness > 0), f"async_training.max_staleness={staleness} with "
+              "actor_rollout_ref.rollout.multi_turn.enable=true: episodes do not yet carry the weight version of "
+              "each token across a push; set max_staleness=0 for multi-turn runs")
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)

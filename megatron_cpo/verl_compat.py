@@ -30,6 +30,12 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             "Megatron trainer splits the model with TP/PP"),
     NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _REF_OFFLOAD),
     NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
+    NoOpKey("actor_rollout_ref.rollout.calculate_log_probs", "the engines always return their log-probs", (True,)),
+    NoOpKey("algorithm.rollout_correction.bypass_mode", "the PPO ratio's old log-probs are the trainer's (decoupled "
+            "mode); the engine's serve the importance weights", (False,)),
+    NoOpKey("algorithm.rollout_correction.use_policy_gradient", "the loss is PPO's clipped objective", (False,)),
+    NoOpKey("algorithm.rollout_correction.rollout_is_batch_normalize", "importance weights are not normalised to "
+            "mean 1", (False,)),
     NoOpKey("data.return_raw_chat", "records always keep their chat messages"),
     NoOpKey("reward_model.reward_manager", "responses are graded per data source like verl's naive/dapo "
             "managers; DAPO's overlong penalty is reward.overlong_buffer", ("naive", "dapo")),
@@ -82,4 +88,6 @@ VERL_MOVED_HINTS: dict[str, str] = {
     "actor_rollout_ref.rollout.tensor_parallel_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.actor.megatron.tensor_parallel_size": "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
     "trainer.resume_from_path": "trainer.resume",
+    "async_training.staleness_threshold": "async_training.max_staleness",
+    "async_training.trigger_parameter_sync_step": "async_training.max_staleness",
 }

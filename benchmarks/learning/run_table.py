@@ -6,9 +6,10 @@
 
 Tables (priority order): (a) GRPO, DAPO, CPO (`negonly_mi3`) on the shipped task; (b) GRPO, CPO and DAPO on the
 harder variant (DAPO separates CPO's shaping from the filter-groups it inherits from DAPO); (c) the CPO rule
-ablation on the shipped task. Within a table the seeds go round-robin over the algorithms
-(seed 1 of every algorithm, then seed 2, ...) so a table cut short stays balanced. A run whose `run.json` says it
-finished is skipped, so re-running continues the table; `--rerun` runs it again.
+ablation on the shipped task; (d) the three algorithms of (a) with asynchronous training at k = 1. Within a table
+the seeds go round-robin over the algorithms (seed 1 of every algorithm, then seed 2, ...) so a table cut short
+stays balanced. A run whose `run.json` says it finished is skipped, so re-running continues the table; `--rerun`
+runs it again.
 
 Each run writes under `benchmarks/learning/runs/<task>/<algo>/seed<k>/`: the trainer's `metrics.jsonl` and
 `train.log`, and `run.json` (command, exit code, wall and CPU time, load average). Checkpoints (the trainer always

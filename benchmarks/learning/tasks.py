@@ -137,6 +137,11 @@ ALGOS = {
     "cpo": Algo("cpo", "examples/tiny/cpo_arith.yaml", ("algorithm.wrap_method=negonly_mi3",)),
     **{f"cpo_{rule}": Algo(f"cpo_{rule}", "examples/tiny/cpo_arith.yaml", (f"algorithm.wrap_method={rule}",))
        for rule in ("naive", "mi3", "mi_clamp_unify_difficulty", "tok_kl")},
+    # asynchronous training, one weight version of staleness at most (docs/async.md; the correction is on by default)
+    "grpo_k1": Algo("grpo_k1", "examples/tiny/grpo_arith.yaml", ("async_training.max_staleness=1",)),
+    "dapo_k1": Algo("dapo_k1", "examples/tiny/dapo_arith.yaml", ("async_training.max_staleness=1",)),
+    "cpo_k1": Algo("cpo_k1", "examples/tiny/cpo_arith.yaml",
+                   ("algorithm.wrap_method=negonly_mi3", "async_training.max_staleness=1")),
 }
 
 # table -> (task, algorithms); priority order.
@@ -144,6 +149,7 @@ TABLES = {
     "a": ("arith12", ("grpo", "dapo", "cpo")),
     "b": ("arith123", ("grpo", "cpo", "dapo")),
     "c": ("arith12", ("cpo_naive", "cpo_mi3", "cpo_mi_clamp_unify_difficulty", "cpo_tok_kl")),
+    "d": ("arith12", ("grpo_k1", "dapo_k1", "cpo_k1")),
 }
 
 

@@ -1,9 +1,11 @@
-"""`algorithm.*`: the advantage estimator and its shaping, DAPO's filter-groups and verl's KL-in-reward settings."""
+"""`algorithm.*`: the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings and the
+off-policy correction (`rollout_correction`, rollout_correction.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_cpo.algorithms.kl import KL_ESTIMATORS
+from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_checks import check, check_choice
 
@@ -50,7 +52,9 @@ class AlgorithmConfig:
     """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
     under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
     `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
-    summed over the response, from each response's score before the advantages (needs the reference model)."""
+    summed over the response, from each response's score before the advantages (needs the reference model).
+    `rollout_correction` (verl's section): importance weights and rejection against the engine's log-probs, on by
+    default when samples may be stale (`async_training.max_staleness` > 0; docs/async.md)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -58,6 +62,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     cpo: CPOConfig = field(default_factory=CPOConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
         check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATORS))

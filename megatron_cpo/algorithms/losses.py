@@ -18,6 +18,7 @@ import torch
 
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP, check_kl_kind, kl_penalty
 from megatron_cpo.algorithms.masked import masked_sum
+from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
     TISConfig,
     rollout_mismatch_metrics,
@@ -234,12 +235,14 @@ def policy_loss(
     rollout_log_probs: Optional[torch.Tensor] = None,
     global_tokens: Optional[float] = None,
     global_seqs: Optional[float] = None,
+    correction: Optional[RolloutCorrectionConfig] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total actor loss `pg - entropy_coeff * entropy + kl_loss_coef * kl` for one micro-batch, and its metrics.
 
     All per-token inputs are Tensor[N, T]; `mask` is the response (loss) mask. See `aggregate_loss` for the global
     counts. `rollout_log_probs` (the engine's log-probs of the sampled tokens) adds mismatch metrics, and TIS when
-    `config.tis` is set.
+    `config.tis` is set. `correction` (a resolved `algorithm.rollout_correction`, rollout_correction.py) weights the
+    policy-gradient term by its importance weights and drops the tokens it rejects from it.
     """
     pg_losses, metrics = clipped_policy_loss(
         log_probs, old_log_probs, advantages, mask,
@@ -251,15 +254,22 @@ def policy_loss(
             weights, tis_metrics = truncated_importance_weights(old_log_probs, rollout_log_probs, mask, config.tis)
             pg_losses = pg_losses * weights
             metrics.update(tis_metrics)
-    elif config.tis is not None:
-        raise ValueError("tis is enabled but rollout_log_probs is None; pass the engine's log-probs or set tis=None")
+    elif config.tis is not None or correction is not None:
+        raise ValueError("tis / rollout_correction is enabled but rollout_log_probs is None; pass the engine's "
+                         "log-probs or switch the correction off")
     pg_mask = mask.bool()
+    if correction is not None:
+        corrected = rollout_correction(old_log_probs, rollout_log_probs, mask, correction)
+        pg_losses = pg_losses * corrected.weights
+        pg_mask = corrected.keep
+        metrics.update(corrected.metrics)
     if config.top_entropy_quantile < 1.0:
         # The quantile is taken over this micro-batch; with token-mean and global counts, pass the kept-token count
         # as global_tokens to get ms-swift's mean over the kept tokens.
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy; pass entropy=")
-        pg_mask, threshold = entropy_mask(entropy, mask, config.top_entropy_quantile)
+        entropy_keep, threshold = entropy_mask(entropy, mask, config.top_entropy_quantile)
+        pg_mask = pg_mask & entropy_keep
         metrics["entropy/threshold"] = threshold
     pg_loss = aggregate_loss(pg_losses, pg_mask, config.loss_agg_mode, global_tokens, global_seqs)
     loss = pg_loss

@@ -1,4 +1,5 @@
-"""Rollout-engine vs trainer log-prob mismatch: metrics and truncated importance sampling (TIS).
+"""Rollout-engine vs trainer log-prob mismatch: metrics (also split by staleness) and truncated importance sampling
+(TIS).
 
 The rollout engine (vLLM) and the trainer (Megatron) compute slightly different probabilities for the same tokens
 (kernels, precision, batch invariance). The sampled data are then off-policy for the trainer. TIS (Yao et al., 2025,
@@ -78,3 +79,22 @@ def truncated_importance_weights(
             "tis/truncated_frac": float(masked_mean((ratio > config.threshold).to(mask_f.dtype), mask_f)),
         }
     return weights, metrics
+
+
+def mismatch_by_staleness(
+    trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor
+) -> dict[str, float]:
+    """`rollout_mismatch_metrics` of the tokens of each staleness (policy versions between the weights that sampled
+    a token and the trainer's), as `mismatch/staleness_<s>/<metric>`, and each staleness's token fraction as
+    `mismatch/staleness_<s>/token_frac`. Staleness 0 is the engine-vs-trainer difference of the same weights alone;
+    above it, the policy's change since the token was sampled adds to it."""
+    valid = mask.bool()
+    metrics: dict[str, float] = {}
+    total = max(int(valid.sum()), 1)
+    for value in torch.unique(staleness[valid]).tolist():
+        selected = valid & (staleness == value)
+        prefix = f"mismatch/staleness_{int(value)}/"
+        for key, number in rollout_mismatch_metrics(trainer_log_probs, rollout_log_probs, selected).items():
+            metrics[prefix + key.removeprefix("mismatch/")] = number
+        metrics[prefix + "token_frac"] = int(selected.sum()) / total
+    return metrics

@@ -245,9 +245,9 @@ class ColocatedRolloutManager(ServerRolloutManager):
         self._sleep_if_idle()
         return groups
 
-    def begin_weight_sync(self) -> None:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
         self._wake()
-        super().begin_weight_sync()
+        super().begin_weight_sync(in_flight)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -42,7 +42,8 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     the `rollout_filter_*` keys, off by default; docs/filters.md) and the sampling the trainer asks for. This class
     extends both, so the engines and the filter receive this object as is.
     `n` responses per prompt at `temperature` / `top_p` / `top_k`; `val_kwargs` is how validation samples.
-    `max_inflight_prompts` caps the prompts the controller keeps in flight (0: 2 * data.train_batch_size).
+    `max_inflight_prompts` caps the prompts the controller keeps in flight (0: 2 * data.train_batch_size, or the
+    k + 1 batches asynchronous training may hold, `async_training.max_staleness` = k).
     `log_prob_micro_batch_size_per_gpu`: responses per forward when the actor recomputes log-probs
     (0: `actor.ppo_micro_batch_size_per_gpu`).
     `free_cache_engine` (verl's name; `enable_sleep_mode` is accepted for it) puts colocated engines to sleep while
@@ -80,7 +81,8 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
         check(self.temperature >= 0, f"{prefix}temperature={self.temperature} must be >= 0")
         check(0 < self.top_p <= 1, f"{prefix}top_p={self.top_p} must be in (0, 1]")
         check(self.max_inflight_prompts >= 0, f"{prefix}max_inflight_prompts={self.max_inflight_prompts} must be "
-                                               ">= 0 (0 means 2 * data.train_batch_size)")
+                                               ">= 0 (0 means 2 * data.train_batch_size, or (k + 1) * "
+                                               "data.train_batch_size with async_training.max_staleness=k)")
         check_choice(prefix + "mode", self.mode, ROLLOUT_MODES)
         check(self.mode == "server" or not self.server_urls, f"{prefix}server_urls={self.server_urls} is only "
                f"used with {prefix}mode=server (mode={self.mode!r}); drop it or set mode=server")

@@ -23,6 +23,7 @@ WEIGHTS_JOIN = "/weights/join"
 WEIGHTS_RECEIVE = "/weights/receive"
 WEIGHTS_LEAVE = "/weights/leave"
 WEIGHTS_FINISH = "/weights/finish"
+WEIGHTS_RESUME = "/weights/resume"
 SYNC_PROBE = "/sync_probe"
 SLEEP = "/sleep"
 WAKE_UP = "/wake_up"
@@ -78,4 +79,4 @@ def group_from_wire(wire: dict, engine_index: int) -> RolloutGroup:
     """A group as the client sees it: `engine_index` is the server's position in `rollout.server_urls`."""
     samples = [sample_from_wire(sample) for sample in wire["samples"]]
     return RolloutGroup(request_id=wire["request_id"], prompt_token_ids=list(wire["prompt_token_ids"]),
-                        samples=samples, engine_index=engine_index)
+                        samples=samples, engine_index=engine_index, finished_at=wire.get("finished_at"))

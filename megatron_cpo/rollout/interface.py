@@ -24,6 +24,9 @@ class RolloutEngines(Protocol):
     """One handle per engine (an actor handle or a server URL); dead ones stay in the list."""
     last_engine_failure: str | None
     """Why the last engine that died did (None while every engine lives)."""
+    weight_version: int
+    """Weight pushes completed (`finish_weight_sync` counts them); every sampled token carries the version that
+    sampled it (`RolloutSample.policy_versions`)."""
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue one prompt for `params.n` samples."""
@@ -49,20 +52,29 @@ class RolloutEngines(Protocol):
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec | ServerSenderSpec:
         """What every sending trainer rank needs to push its layers to the live engines."""
 
-    def begin_weight_sync(self) -> None:
-        """Open an in-place reload on every live engine (nothing may be outstanding)."""
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
+        """Open an in-place reload on every live engine. `in_flight` (types.IN_FLIGHT_POLICIES) says what happens to
+        requests still outstanding: `none` (there may be none), `finish`, `partial` or `keep`."""
 
-    def finish_weight_sync(self) -> dict[str, list[dict]]:
-        """Close the reload: the engines serve the new weights. Returns each engine's workers' reload reports
-        (tensors received, parameters nothing filled, names sent twice, whether the prefix cache was dropped)."""
+    def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
+        """Close the reload: the engines serve the new weights, `weight_version` is one more. Returns each engine's
+        workers' reload reports (tensors received, parameters nothing filled, names sent twice, whether the prefix
+        cache was dropped). `resume=False`: the requests the push paused stay paused until `resume_generation`, so
+        that the sync probe runs alone (in `keep` mode vLLM's scheduler, which the probe needs, lets them go on)."""
+
+    def resume_generation(self) -> None:
+        """Let the requests paused by a push finished with `resume=False` go on."""
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Greedy `max_tokens` tokens of each prompt on every live engine, with their log-probs (the sync check of
-        rollout/sync_check.py); not outstanding requests: `finished()` never returns them."""
+        rollout/sync_check.py); not outstanding requests: `finished()` never returns them and `cancel_all()` never
+        aborts them, so they may run while training requests are in flight (asynchronous training: the trainer runs
+        them between `finish_weight_sync(resume=False)` and `resume_generation`)."""
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
-                     ) -> dict[str, float]:
-        """Load HF-named full tensors, all from this process, into every live engine; returns transfer metrics."""
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
+                     in_flight: str = "none", resume: bool = True) -> dict[str, float]:
+        """Load HF-named full tensors, all from this process, into every live engine (`in_flight` as in
+        `begin_weight_sync`, `resume` as in `finish_weight_sync`); returns transfer metrics."""
 
     def shutdown(self) -> None:
         """Release the engines (stop those this object started). Safe to call twice."""

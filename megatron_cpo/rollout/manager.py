@@ -66,6 +66,7 @@ class RolloutManager(RequestBook):
         self._pending: dict = {}  # Ray ObjectRef -> EngineRequest
         self._closed = False
         self.last_engine_failure: str | None = None
+        self.weight_version = 0  # weight pushes completed (finish_weight_sync)
         atexit.register(self.shutdown)
         try:
             self.weight_transport = resolve_weight_transport(config.engines.weight_transport)
@@ -154,19 +155,27 @@ class RolloutManager(RequestBook):
                                 workers_per_engine=self.config.engines.tensor_model_parallel_size,
                                 timeout_s=self.config.engines.weight_sync_timeout_s)
 
-    def begin_weight_sync(self) -> None:
-        """Open an in-place reload on every live engine; engines must be idle."""
-        if self._pending:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
+        """Open an in-place reload on every live engine. `in_flight` (types.IN_FLIGHT_POLICIES) says what happens to
+        the requests still outstanding; with `none` there must be none."""
+        if in_flight == "none" and self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        self._call_live_engines("begin_weight_reload")
+        self._call_live_engines("begin_weight_reload", in_flight)
 
-    def finish_weight_sync(self) -> dict[str, list[dict]]:
-        """Close the reload (layers that received no tensors keep their weights) and clear the prefix cache. Returns
-        each live engine's reload report per worker (tensors received, parameters missing, names sent twice; see
+    def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
+        """Close the reload (layers that received no tensors keep their weights), clear the prefix cache, and count
+        the push: tokens sampled from now on carry `weight_version`. With `resume=False` the requests the push
+        paused wait for `resume_generation` (the sync probe runs alone first). Returns each live engine's reload
+        report per worker (tensors received, parameters missing, names sent twice; see
         `weight_sync.reload_problem`), by engine name."""
-        reports = self._call_live_engines("finish_weight_reload")
+        self.weight_version += 1
+        reports = self._call_live_engines("finish_weight_reload", self.weight_version, resume)
         return {f"engine {index}": worker_reports for index, worker_reports in reports.items()}
+
+    def resume_generation(self) -> None:
+        """Let the requests paused by a push finished with `resume=False` go on (`VLLMEngine.resume_generation`)."""
+        self._call_live_engines("resume_generation")
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Every live engine's greedy continuation of each prompt, with its log-probs (rollout/sync_check.py): one
@@ -201,17 +210,17 @@ class RolloutManager(RequestBook):
                 f"{method} cannot run. Create a new RolloutManager")
         return answers
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
-                     ) -> dict[str, float]:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
+                     in_flight: str = "none", resume: bool = True) -> dict[str, float]:
         """Load HF-named full tensors (all of them from this rank) into every engine; returns bytes, seconds,
         buckets and tensors. With several sending ranks use begin/finish_weight_sync and `WeightSender`.
-        `transport` overrides the configured one (see `sender_spec`)."""
+        `transport` overrides the configured one (see `sender_spec`); `resume` as in `finish_weight_sync`."""
         start = time.perf_counter()
-        self.begin_weight_sync()
+        self.begin_weight_sync(in_flight)
         live = self._live_indices()
         sender = WeightSender(self.sender_spec(transport), engine_handles=[self.engines[i] for i in live])
         metrics = sender.send(named_tensors)
-        self.finish_weight_sync()
+        self.finish_weight_sync(resume)
         metrics["seconds"] = time.perf_counter() - start
         return metrics
 

@@ -10,8 +10,9 @@ event loop and answers the routes of `http_protocol`:
 - weights: `/weights/begin`, then buckets by shared memory (`/weights/load_shm`, the server on the sender's node) or
   by a gloo/NCCL group that the server's engine workers join at the sender's `host:port` (`/weights/join`, then one
   `/weights/receive` per broadcast bucket), then `/weights/finish` (answers the engines' reload reports); `/sync_probe`
-  then has every engine continue the trainer's probe prompts greedily (rollout/sync_check.py). A server takes weights from one trainer run at a
-  time: a run joining closes the groups of other runs (a trainer that died never left its group);
+  then has every engine continue the trainer's probe prompts greedily (rollout/sync_check.py), and `/weights/resume`
+  lets the requests that a push finished with `resume=false` held back go on. A server takes weights from one
+  trainer run at a time: a run joining closes the groups of other runs (a trainer that died never left its group);
 - `/sleep` and `/wake_up` (vLLM's sleep mode on GPUs; on CPU they do nothing and say so once in the log).
 Every route but `/health` needs the token given at start (`--token-file`). The server binds to 127.0.0.1 unless
 `--host` says otherwise. `--ready-file` receives the server's URL once the engines are up (with `--port 0` the OS
@@ -55,7 +56,7 @@ class RolloutServer:
                                (proto.WEIGHTS_BEGIN, self.weights_begin), (proto.WEIGHTS_LOAD_SHM, self.load_shm),
                                (proto.WEIGHTS_JOIN, self.join), (proto.WEIGHTS_RECEIVE, self.receive),
                                (proto.WEIGHTS_LEAVE, self.leave), (proto.WEIGHTS_FINISH, self.weights_finish),
-                               (proto.SYNC_PROBE, self.sync_probe),
+                               (proto.WEIGHTS_RESUME, self.weights_resume), (proto.SYNC_PROBE, self.sync_probe),
                                (proto.SLEEP, self.sleep), (proto.WAKE_UP, self.wake_up)):
             app.router.add_post(route, handler)
         return app
@@ -127,17 +128,29 @@ class RolloutServer:
         return await asyncio.gather(*(getattr(engine, method)(*args) for engine in self.engines))
 
     async def weights_begin(self, request):
+        """`in_flight` (types.IN_FLIGHT_POLICIES): what the reload does with the groups still generating."""
         from aiohttp import web
 
-        await self._on_every_engine("begin_weight_reload")
+        body = await _json_body(request)
+        await self._on_every_engine("begin_weight_reload", body.get("in_flight", "none"))
         return web.json_response({"ok": True})
 
     async def weights_finish(self, request):
-        """Closes every engine's reload; answers each engine's per-worker reload reports."""
+        """Closes every engine's reload; `version` labels the tokens sampled on the new weights (the client's
+        weight_version); `resume=false` leaves the requests the push paused waiting for `/weights/resume`.
+        Answers each engine's per-worker reload reports."""
         from aiohttp import web
 
-        reports = await self._on_every_engine("finish_weight_reload")
+        body = await _json_body(request)
+        reports = await self._on_every_engine("finish_weight_reload", body.get("version"), body.get("resume", True))
         return web.json_response({"ok": True, "reports": reports})
+
+    async def weights_resume(self, request):
+        """Lets the requests paused by a push finished with `resume=false` go on (`VLLMEngine.resume_generation`)."""
+        from aiohttp import web
+
+        await self._on_every_engine("resume_generation")
+        return web.json_response({"ok": True})
 
     async def sync_probe(self, request):
         """Every engine's greedy continuation of each probe prompt (`VLLMEngine.sync_probe`), per engine."""
@@ -211,6 +224,11 @@ class RolloutServer:
     async def close(self) -> None:
         for engine in self.engines:
             await engine.shutdown()
+
+
+async def _json_body(request) -> dict:
+    """The request's JSON object ({} when it has no body)."""
+    return await request.json() if request.can_read_body else {}
 
 
 async def serve(config: EngineLaunchConfig, data_parallel_size: int, token: str, host: str, port: int,

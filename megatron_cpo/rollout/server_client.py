@@ -64,6 +64,7 @@ class ServerRolloutManager(RequestBook):
         self.engine_names = tuple(config.urls)
         self.weight_transport = config.weight_transport
         self.last_engine_failure: str | None = None
+        self.weight_version = 0  # weight pushes completed (finish_weight_sync)
         self._session = uuid.uuid4().hex
         self._caller = HttpCaller(config.token)
         self._alive = [True] * len(self.engines)
@@ -135,17 +136,25 @@ class ServerRolloutManager(RequestBook):
                                 transport=transport or self.weight_transport,
                                 timeout_s=self.config.weight_sync_timeout_s, session=self._session)
 
-    def begin_weight_sync(self) -> None:
-        if self._pending:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
+        """Open an in-place reload on every live server; `in_flight` as `RolloutManager.begin_weight_sync`."""
+        if in_flight == "none" and self._pending:
             raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
                                "between rounds: drain completed() or call cancel_all() first")
-        self._call_live_servers(proto.WEIGHTS_BEGIN)
+        self._call_live_servers(proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
 
-    def finish_weight_sync(self) -> dict[str, list[dict]]:
-        """Close the reload on every live server; each engine's reload report per worker, by "<url> engine <j>"."""
-        answers = self._call_live_servers(proto.WEIGHTS_FINISH)
+    def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
+        """Close the reload on every live server and count the push (`weight_version` labels the tokens sampled from
+        now on); `resume` as `RolloutManager.finish_weight_sync`. Each engine's reload report per worker, by
+        "<url> engine <j>"."""
+        self.weight_version += 1
+        answers = self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version, "resume": resume})
         return {f"{self.engines[index]} engine {j}": reports for index, body in answers.items()
                 for j, reports in enumerate(body.get("reports", []))}
+
+    def resume_generation(self) -> None:
+        """Let the requests paused by a push finished with `resume=False` go on, on every live server."""
+        self._call_live_servers(proto.WEIGHTS_RESUME, {})
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Every live server's engines' greedy continuations of each prompt, with their log-probs (`RolloutManager.
@@ -157,13 +166,14 @@ class ServerRolloutManager(RequestBook):
                 for index, body in answers.items() for j, samples in enumerate(body["engines"])
                 for k, (prompt, sample) in enumerate(zip(prompts, samples)) if sample is not None]
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None
-                     ) -> dict[str, float]:
-        """Load HF-named full tensors (all of them from this rank) into every live server."""
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], transport: str | None = None,
+                     in_flight: str = "none", resume: bool = True) -> dict[str, float]:
+        """Load HF-named full tensors (all of them from this rank) into every live server (`resume` as in
+        `finish_weight_sync`)."""
         start = time.perf_counter()
-        self.begin_weight_sync()
+        self.begin_weight_sync(in_flight)
         metrics = HttpWeightSender(self.sender_spec(transport)).send(named_tensors)
-        self.finish_weight_sync()
+        self.finish_weight_sync(resume)
         metrics["seconds"] = time.perf_counter() - start
         return metrics
 
@@ -177,8 +187,9 @@ class ServerRolloutManager(RequestBook):
                   for url in self._live_urls()])
 
     def _call_live_servers(self, route: str, payload: dict | None = None) -> dict[int, dict]:
-        """Call `route` on every live server; returns each answer by server index. One that fails and is unhealthy
-        is marked dead (an error of a healthy one is raised); `RolloutEnginesLostError` when none is left."""
+        """Call `route` with `payload` on every live server; returns each answer by server index. One that fails and
+        is unhealthy is marked dead (an error of a healthy one is raised); `RolloutEnginesLostError` when none is
+        left."""
         live = self._live_indices()
         calls = [self._caller.spawn(self.engines[i], route, payload or {}, self.config.weight_sync_timeout_s)
                  for i in live]

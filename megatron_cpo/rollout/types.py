@@ -98,7 +98,9 @@ class EpisodeInfo:
 
 @dataclass
 class RolloutSample:
-    """One completion: generated token ids, the engine's log-prob of each of them, why it stopped.
+    """One completion: generated token ids, the engine's log-prob of each of them, why it stopped, and the weight
+    version (`RolloutEngines.weight_version` when it was pushed) that sampled each token: a sample that was
+    generating when weights were pushed carries two or more versions (docs/async.md).
 
     A multi-turn episode is one sample too: `token_ids` are every turn's sampled ids and the observations between
     them, `loss_mask` is 1 on the sampled ids and 0 on the observations (None: every token was sampled), the
@@ -110,6 +112,7 @@ class RolloutSample:
     truncated: bool  # True when generation hit max_tokens or the model's max length (an episode: a length limit)
     loss_mask: list[int] | None = None
     episode: EpisodeInfo | None = None
+    policy_versions: list[int] | None = None  # one per token; None: all sampled by the weights of the current push
 
 
 @dataclass
@@ -120,6 +123,17 @@ class RolloutGroup:
     prompt_token_ids: list[int]
     samples: list[RolloutSample]
     engine_index: int = -1
+    finished_at: float | None = None  # the engine's wall clock (time.time()) when the last sample finished
+
+
+IN_FLIGHT_POLICIES = ("none", "finish", "partial", "keep")
+"""What a weight push does with requests still generating (`RolloutEngines.begin_weight_sync(in_flight=...)`):
+`none`: there may be none (the synchronous loop); `finish`: they finish on the old weights, the reload waits for
+them; `partial`: they are aborted, their output so far kept, and continued (prompt + partial output) on the new
+weights; `keep`: they stay paused in the engine's scheduler and continue on the new weights (vLLM's
+`pause_generation(mode="keep")`). In every mode but `none` the engine's scheduler is paused from the first reload
+call to the last, so no decode step ever runs on half-loaded weights; and the KV cache is dropped, so a continued
+request recomputes its prefix under the new weights."""
 
 
 @dataclass

@@ -78,9 +78,11 @@ GroupFilter = GroupSelection | MetricFilter
 
 @dataclass
 class ScoredGroup:
-    """The n responses to one prompt, scored. `seq` is the prompt's position in this step's request order.
-    `overlong_penalty` is what the overlong shaping added to `scores` (None when it is off). Multi-turn episodes
-    carry `loss_mask` (1 on sampled, 0 on observation tokens) and `episodes` (how each went); None otherwise."""
+    """The n responses to one prompt, scored. `seq` is the prompt's position in request order (this step's; with
+    asynchronous training, the run's). `overlong_penalty` is what the overlong shaping added to `scores` (None when
+    it is off); `policy_versions` the weight version of each response token (None: unknown, all current).
+    Multi-turn episodes carry `loss_mask` (1 on sampled, 0 on observation tokens) and `episodes` (how each went);
+    None otherwise."""
     seq: int
     record: Any
     prompt_token_ids: list[int]
@@ -93,6 +95,7 @@ class ScoredGroup:
     overlong_penalty: torch.Tensor | None = None
     loss_mask: RaggedRows | None = None
     episodes: list[EpisodeInfo] | None = None
+    policy_versions: RaggedRows | None = None
     _ragged: tuple[RaggedRows, RaggedRows] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -159,19 +162,26 @@ class GroupAccumulator:
     With a windowed selection (RAGEN), committed groups wait in a window of `selection.window` groups that is
     decided at once; a window left incomplete when collection stops (data ran out) is decided on what it holds
     when `batch()` or `metrics()` is first called.
+
+    Asynchronous training carries requests from batch to batch: `start_seq` is then the first seq this batch
+    commits, and `pending` the groups that finished after the previous batch filled (already scored and shaped);
+    `leftover()` hands this batch's on to the next (`add([])` commits what `pending` already allows).
     """
 
-    def __init__(self, target_prompts: int, group_filter: GroupFilter | None = None, metric: str = "acc") -> None:
+    def __init__(self, target_prompts: int, group_filter: GroupFilter | None = None, metric: str = "acc",
+                 start_seq: int = 0, pending: dict[int, ScoredGroup] | None = None) -> None:
         if target_prompts < 1:
             raise ValueError(f"target_prompts={target_prompts} must be >= 1")
         self.target_prompts = target_prompts
+        self.start_seq = start_seq
         self.selection = (group_filter if isinstance(group_filter, GroupSelection)
                           else GroupSelection(metric_filter=group_filter))
         self.metric = metric
         self.kept: list[ScoredGroup] = []
         self.stats = AccumulatorStats()
-        self._pending: dict[int, ScoredGroup] = {}
+        self._pending: dict[int, ScoredGroup] = dict(pending or {})
         self._window: list[ScoredGroup] = []
+        self._drops_cache: dict[int, bool] = {}  # seq -> whether the filter drops it whatever comes before
 
     @property
     def full(self) -> bool:
@@ -179,8 +189,30 @@ class GroupAccumulator:
 
     @property
     def next_seq(self) -> int:
-        """The request-order position of the next group to commit (= prompts consumed so far)."""
+        """The request-order position of the next group to commit."""
+        return self.start_seq + self.consumed
+
+    @property
+    def consumed(self) -> int:
+        """Prompts this batch has consumed (committed, or waiting in an undecided window)."""
         return self.stats.committed + len(self._window)
+
+    @property
+    def dropping(self) -> int:
+        """Finished groups waiting to commit that the filter will drop whatever comes before them (a per-group
+        filter: DAPO's; RAGEN's compares groups, so it decides nothing early). They will never be trained."""
+        if self.selection.windowed or self.selection.metric_filter is None:
+            return 0
+        for seq, group in self._pending.items():
+            if seq not in self._drops_cache:
+                self._drops_cache[seq] = not bool(self.selection.keep(group.metric(self.metric)[None],
+                                                                      group.scores.float()[None])[0])
+        return sum(self._drops_cache[seq] for seq in self._pending)
+
+    def leftover(self) -> dict[int, ScoredGroup]:
+        """The groups that finished after the batch filled (by seq), for the next batch; they leave this one."""
+        leftover, self._pending = self._pending, {}
+        return leftover
 
     def add(self, groups: list[ScoredGroup]) -> None:
         """Take finished groups (any order); commit every group that is next in request order until full."""

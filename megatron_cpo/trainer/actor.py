@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import policy_loss
+from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)
@@ -36,12 +37,14 @@ from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
 
 @dataclass
 class UpdateInputs:
-    """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned); `old_log_probs` None: the
-    update's own forward gives them (`MegatronPolicy.update_on_policy`)."""
+    """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned), and the off-policy correction
+    that weights and masks the policy gradient by them (`algorithm.rollout_correction`, resolved; None: off).
+    `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`)."""
     advantages: torch.Tensor
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     rollout_log_probs: torch.Tensor | None
+    correction: RolloutCorrectionConfig | None = None
     routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
     first_row: int = 0                      # this mini-batch's first row in the step batch
 
@@ -316,7 +319,7 @@ class MegatronPolicy:
                 batch["seqs"].response_mask().to(device), self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
-                global_tokens=global_tokens, global_seqs=global_seqs)
+                global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction)
             return loss * scale, ({k: torch.tensor(float(v)) for k, v in metrics.items()}, log_probs.detach(),
                                   entropy.detach())
 

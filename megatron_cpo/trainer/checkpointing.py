@@ -86,8 +86,9 @@ def _megatron_rng_tracker() -> Any:
 
 
 class CheckpointManager:
-    """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data stream and `controls`:
-    named objects with `state_dict()` / `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor})."""
+    """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data position (`stream`: the
+    controller, whose state is the first prompt not yet trained) and `controls`: named objects with `state_dict()` /
+    `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor})."""
 
     def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None,
                  export_hf: Callable[[Path], Any] | None = None) -> None:

@@ -116,15 +116,17 @@ def broadcast_batch(batch: StepBatch | None) -> StepBatch | None:
     return StepBatch(**kwargs)
 
 
-def push_weights(actor_model: Any, manager: RolloutEngines | None
+def push_weights(actor_model: Any, manager: RolloutEngines | None, in_flight: str = "none", resume: bool = True
                  ) -> tuple[dict[str, float], dict[str, list[dict]] | None]:
     """Stream the actor's weights (HF names, full tensors) from each stage's exporting rank into the engines over the
-    configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere).
+    configured transport (rollout.weight_transport); `manager` is rank 0's rollout manager (None elsewhere);
+    `in_flight`: what the engines do with requests still generating (types.IN_FLIGHT_POLICIES; asynchronous
+    training); `resume=False` leaves them paused for the sync probe (`RolloutEngines.finish_weight_sync`).
     Returns the sync time and this rank's bytes, and on rank 0 the engines' reload reports (None elsewhere)."""
     start = time.perf_counter()
     payload = [None, None]
     if manager is not None:
-        manager.begin_weight_sync()
+        manager.begin_weight_sync(in_flight)
         payload = [manager.sender_spec(), {k: os.environ[k] for k in RAY_AUTH_VARIABLES if k in os.environ}]
     spec, ray_auth = broadcast_object(payload)
     if manager is None:
@@ -134,6 +136,6 @@ def push_weights(actor_model: Any, manager: RolloutEngines | None
                                      parallel_state.get_pipeline_model_parallel_world_size())
     if _distributed():
         dist.barrier()
-    reports = manager.finish_weight_sync() if manager is not None else None
+    reports = manager.finish_weight_sync(resume) if manager is not None else None
     return ({"timing/weight_sync_s": time.perf_counter() - start, "weight_sync/bytes": float(sent.get("bytes", 0))},
             reports)

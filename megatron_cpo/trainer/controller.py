@@ -13,6 +13,14 @@ stream. `max_num_gen_batches` caps the prompts requested (in units of
 `gen_batch_size`, verl's DAPO generation batch, by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
 Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
 keep-rate history is a speed hint that checkpoints need not hold.
+
+Asynchronous training (`async_training.max_staleness` k > 0, admission.py) keeps the same request order and commit
+rule but nothing is cancelled: unused prompts stay in flight (or finished, waiting) for the next batch, admission
+follows the staleness bound instead of the look-ahead, and before a batch is handed to the trainer the next batches'
+prompts are submitted, so the engines generate while the trainer updates. Submitting ahead at the hand-off is enough:
+the bound only gains room when weights are pushed (right before the next collection) or a filter drops a group, so a
+thread admitting during the update could add only the dropped groups' slots (docs/async.md measures this).
+A checkpoint saves the first prompt not yet trained (`state_dict`); what was in flight is generated again on resume.
 """
 from __future__ import annotations
 
@@ -26,9 +34,12 @@ import torch
 
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.generators import GroupGenerator
-from megatron_cpo.rollout.types import RolloutSample
+from megatron_cpo.rollout.types import RolloutGroup, RolloutSample
 from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
+from megatron_cpo.trainer.admission import (EngineIdleWatch, OpenRequests, Request, admission_capacity,
+                                            staleness_metrics)
 from megatron_cpo.trainer.prompt_stream import PromptStream, StreamPosition
+from megatron_cpo.trainer.ragged import RaggedRows
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +52,10 @@ class GenerationLimitError(RuntimeError):
 
 
 def inflight_cap(config: Config) -> int:
-    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch); finished
-    ones waiting to commit do not count."""
-    return config.actor_rollout_ref.rollout.max_inflight_prompts or 2 * config.data.train_batch_size
+    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch, or the
+    k + 1 batches asynchronous training may hold); finished ones waiting to commit do not count."""
+    batches = max(2, config.async_training.max_staleness + 1)
+    return config.actor_rollout_ref.rollout.max_inflight_prompts or batches * config.data.train_batch_size
 
 
 def prompt_limit(config: Config) -> int | None:
@@ -65,6 +77,7 @@ class CollectedBatch:
     data_exhausted: bool
     metrics: dict[str, float] = field(default_factory=dict)
     trainable: bool = True
+    policy_version: int | None = None  # the weight version the batch is trained with (the engines' when collected)
 
 
 # Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
@@ -89,7 +102,7 @@ def log_filter_progress(step: int, accumulator: GroupAccumulator, generation_bat
     """The seeds' per-generation-batch progress line, when the committed prompts complete one or more generation
     batches (the last, partial one once the batch is full); returns the batches reported so far. Batches completed
     by the same poll share one line (`gen batches 4-5`), so no two lines repeat the same counts."""
-    committed = accumulator.next_seq
+    committed = accumulator.consumed  # this batch's (with asynchronous training seq counts the run's)
     done = math.ceil(committed / generation_batch) if accumulator.full else committed // generation_batch
     if done <= logged:
         return logged
@@ -117,67 +130,91 @@ class KeepRateHistory:
         self.committed = self.decay * self.committed + committed
 
 
-@dataclass
-class _Request:
-    seq: int
-    position: StreamPosition
-    record: Any
-
-
 class RolloutController:
-    """Submits prompts to a group generator, scores and filters finished groups, returns one batch per call."""
+    """Submits prompts to a group generator, scores and filters finished groups, returns one batch per call.
+
+    With `async_training.max_staleness` > 0 (admission.py) the prompts it does not use stay in flight for the next
+    call instead of being cancelled, it submits ahead within the staleness bound before it returns a batch, and
+    groups received elsewhere meanwhile (validation shares the engines) are handed to it with `receive`."""
 
     def __init__(self, generator: GroupGenerator, stream: PromptStream, scorer: GroupScorer, config: Config,
                  group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any],
-                 poll_timeout_s: float = 600.0) -> None:
+                 poll_timeout_s: float = 600.0, max_staleness: int | None = None) -> None:
         self.generator = generator
         self.stream = stream
         self.scorer = scorer
-        self.config = config  # reads data.*, algorithm.filter_groups.*, rollout.max_inflight_prompts
+        self.config = config  # reads data.*, algorithm.filter_groups.*, rollout.max_inflight_prompts, async_training
         self.group_filter = group_filter
         self.sampling_params_for = sampling_params_for
         self.poll_timeout_s = poll_timeout_s
         self.keep_history = KeepRateHistory()
+        # None: the staleness bound of async_training (0: the synchronous loop). A test may run the asynchronous
+        # admission at 0, which must form exactly the synchronous loop's batches.
+        self.max_staleness = config.async_training.max_staleness if max_staleness is None else max_staleness
+        self.asynchronous = max_staleness is not None or self.max_staleness > 0
+        self.open = OpenRequests()
+        self.idle = EngineIdleWatch()
+        self._received: list[RolloutGroup] = []
+        self._handed_out: tuple[int, int | None] = (0, None)  # (prompts, weight version) of the last batch
 
-    def collect(self, step: int) -> CollectedBatch:
-        """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out."""
+    def collect(self, step: int, policy_version: int | None = None) -> CollectedBatch:
+        """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out.
+        `policy_version`: the engines' weight version now (`RolloutEngines.weight_version`), which is also the
+        version of the trainer's weights that will train the batch."""
         batch_size, groups_config = self.config.data.train_batch_size, self.config.algorithm.filter_groups
-        start = time.perf_counter()
-        accumulator = GroupAccumulator(batch_size, self.group_filter, groups_config.metric)
-        requests: list[_Request] = []
-        inflight: dict[str, _Request] = {}
+        start, started_at = time.perf_counter(), time.time()
+        if not self.asynchronous:
+            self.open = OpenRequests()  # each step starts afresh; the next `state_dict` is the stream's
+        open_ = self.open
+        accumulator = GroupAccumulator(batch_size, self.group_filter, groups_config.metric, start_seq=open_.first,
+                                       pending=open_.finished)
+        unpushed = self._handed_out[0] if policy_version is not None and policy_version == self._handed_out[1] else 0
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
                                 "timing/score_calls"), 0.0)
         logged_gen_batches = 0
         data_exhausted = False
+        arrived = self._take(self._received + self._poll())
+        self._received = []
+        idle = self.idle.idle_until(started_at)
+        accumulator.add(self._score(arrived, timing))
         while not accumulator.full:
-            data_exhausted = self._top_up(step, accumulator, requests, inflight) or data_exhausted
-            if not inflight:
+            data_exhausted = self._top_up(step, accumulator, unpushed) or data_exhausted
+            if not open_.running:
                 break
             waited = time.perf_counter()
-            finished = [(inflight.pop(group.request_id), group)
-                        for group in self.generator.finished(timeout=self.poll_timeout_s) if group.request_id in inflight]
+            finished = self._take(self.generator.finished(timeout=self.poll_timeout_s))
             scoring = time.perf_counter()
             accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
             logged_gen_batches = log_filter_progress(step, accumulator, self.config.data.generation_batch_size,
                                                      logged_gen_batches)
-        if inflight:
-            self.generator.cancel_all()
-        if accumulator.next_seq < len(requests):
-            self.stream.rewind(requests[accumulator.next_seq].position)
-            data_exhausted = False
+        batch = accumulator.batch() if accumulator.full else None
+        if self.asynchronous:
+            if batch is not None:
+                self._top_up(step, accumulator, unpushed=0)  # the next batches' prompts, while the trainer updates
+            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
+        else:
+            if open_.running:
+                self.generator.cancel_all()
+            if accumulator.next_seq < open_.issued:
+                self.stream.rewind(open_.by_seq[accumulator.next_seq].position)
+                data_exhausted = False
+            self.open = open_ = OpenRequests()
+        self._handed_out = (len(accumulator.kept), policy_version)
+        self.idle.hand_out(time.time(), open_.running)
         self.keep_history.update(accumulator.stats.kept, accumulator.stats.committed)
-        metrics = self._metrics(accumulator, len(requests), timing, time.perf_counter() - start)
-        if accumulator.full:
+        metrics = self._metrics(accumulator, open_.issued - accumulator.start_seq, timing,
+                                time.perf_counter() - start)
+        metrics.update(self._async_metrics(accumulator, policy_version, idle))
+        if batch is not None:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",
-                        step, sum(g.n for g in accumulator.batch()))
-            return CollectedBatch(accumulator.batch(), True, False, metrics)
+                        step, sum(g.n for g in batch))
+            return CollectedBatch(batch, True, False, metrics, policy_version=policy_version)
         use_partial = groups_config.on_limit == "use_partial"
         if not data_exhausted:
             generation_batch = self.config.data.generation_batch_size
-            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.next_seq / generation_batch)} >= "
+            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.consumed / generation_batch)} >= "
                        f"max_num_gen_batches={groups_config.max_num_gen_batches} with only "
                        f"{len(accumulator.kept)}/{batch_size} "
                        f"prompts kept after {prompt_limit(self.config)} prompts; the data may be too easy or too hard "
@@ -189,33 +226,80 @@ class RolloutController:
         else:
             logger.info("[filter_groups] step %d: data exhausted after epoch %d with %d/%d prompts kept",
                         step, self.stream.total_epochs, len(accumulator.kept), batch_size)
-        return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics, trainable=use_partial)
+        return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics, trainable=use_partial,
+                              policy_version=policy_version)
 
-    def _top_up(self, step: int, accumulator: GroupAccumulator, requests: list[_Request],
-                inflight: dict[str, _Request]) -> bool:
-        """Submit prompts while fewer than `inflight_cap` are on the engines and the uncommitted ones (running, or
-        finished and waiting for an earlier one to commit) are fewer than the observed keep rate needs; True when
-        data ran out. Counting only running prompts against the cap keeps the engines busy while a long response
-        holds up the commit order; the keep-rate bound keeps the look-ahead to what can still be used."""
-        keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
-        wanted = prompts_to_request(self.config.data.train_batch_size - len(accumulator.kept), keep_rate)
+    def receive(self, groups: list[RolloutGroup]) -> None:
+        """Groups of this controller's requests that someone else took from the engines (validation, which shares
+        them while training requests are in flight); the next `collect` uses them."""
+        self._received.extend(groups)
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position to resume from: the first prompt not yet trained (a prompt still in flight, or
+        finished and waiting, is generated again after a resume; none is lost or trained twice)."""
+        state = self.stream.state_dict()
+        position = self.open.first_position()
+        if position is not None:
+            state.update(epoch=position.epoch, offset=position.offset)
+        return state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a saved position with nothing in flight."""
+        self.stream.load_state_dict(state)
+        self.open = OpenRequests()
+
+    def _poll(self) -> list[RolloutGroup]:
+        """Groups that have finished by now, without waiting (asynchronous training: those finished while the
+        trainer updated, so their finish times are known before collecting starts)."""
+        if not self.open.running:
+            return []
+        try:
+            return self.generator.finished(timeout=0)
+        except TimeoutError:
+            return []
+
+    def _take(self, groups: list[RolloutGroup]) -> list[tuple[Request, RolloutGroup]]:
+        """This controller's requests among finished groups, now no longer running."""
+        taken = []
+        for group in groups:
+            request = self.open.running.pop(group.request_id, None)
+            if request is not None:
+                self.idle.finished(group.request_id, group.finished_at)
+                taken.append((request, group))
+        return taken
+
+    def _top_up(self, step: int, accumulator: GroupAccumulator, unpushed: int) -> bool:
+        """Submit prompts while the admission rule allows; True when data ran out. Synchronous: fewer than
+        `inflight_cap` are on the engines and the uncommitted prompts (running, or finished and waiting for an
+        earlier one to commit) are fewer than the observed keep rate needs; counting only running prompts against
+        the cap keeps the engines busy while a long response holds up the commit order. Asynchronous: the staleness
+        bound of admission.py has room (`unpushed`: prompts of the last batch whose weights are not pushed yet)."""
+        open_ = self.open
         cap, limit = inflight_cap(self.config), prompt_limit(self.config)
-        while len(requests) - accumulator.next_seq < wanted and len(inflight) < cap:
-            if limit is not None and len(requests) >= limit:
+        batch_size = self.config.data.train_batch_size
+        keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
+        wanted = prompts_to_request(batch_size - len(accumulator.kept), keep_rate)
+        counted_from = accumulator.next_seq if accumulator.full else accumulator.start_seq  # full: the next batch's
+        while len(open_.running) < cap:
+            uncommitted = open_.issued - accumulator.next_seq
+            if self.asynchronous:
+                held = unpushed + len(accumulator.kept) + uncommitted - accumulator.dropping
+                if admission_capacity(self.max_staleness, batch_size, held) <= 0:
+                    return False
+            elif uncommitted >= wanted:
+                return False
+            if limit is not None and open_.issued - counted_from >= limit:
                 return False
             item = self.stream.next()
             if item is None:
                 return True
             position, record = item
-            request = _Request(len(requests), position, record)
             request_id = f"step{step}-e{position.epoch}-o{position.offset}"
-            params = self.sampling_params_for(self._request_seed(step, position))
-            self.generator.submit(request_id, record, params)
-            requests.append(request)
-            inflight[request_id] = request
+            self.generator.submit(request_id, record, self.sampling_params_for(self._request_seed(step, position)))
+            open_.add(request_id, Request(open_.issued, position, record))
         return False
 
-    def _score(self, finished: list[tuple[_Request, Any]], timing: dict[str, float]) -> list[ScoredGroup]:
+    def _score(self, finished: list[tuple[Request, RolloutGroup]], timing: dict[str, float]) -> list[ScoredGroup]:
         """Score the finished groups in one scorer call (one round trip to the grading pool for all of them)."""
         if not finished:
             return []
@@ -227,11 +311,15 @@ class RolloutController:
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                            scores=scores, acc=accs, response_texts=texts, **episode_fields(group.samples))
+                            scores=scores, acc=accs, response_texts=texts,
+                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples))
                 for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
-        """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically."""
+        """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
+        k > 0 the step is left out: which step submits a prompt depends on how fast earlier groups finished (and
+        were dropped), and a prompt's samples must not."""
+        step = step if self.max_staleness == 0 else 0
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
     def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
@@ -240,10 +328,32 @@ class RolloutController:
         metrics = accumulator.metrics()
         metrics.update(timing)
         metrics.update({
-            "filter/num_gen_batches": float(math.ceil(accumulator.next_seq / size)),
+            "filter/num_gen_batches": float(math.ceil(accumulator.consumed / size)),
             "filter/target_prompts": float(size),
             "timing/requested_prompts": float(requested),
             "timing/gen_s": seconds,
             "timing/gen_tokens_per_s": timing["timing/generated_tokens"] / max(seconds, 1e-9),
         })
         return metrics
+
+    def _async_metrics(self, accumulator: GroupAccumulator, policy_version: int | None, engine_idle: float | None
+                       ) -> dict[str, float]:
+        """The engines' idle time since the last batch was handed out (`timing/engine_idle_s`; the trainer idles
+        for `timing/gen_s`), what waits for the next batches (`async/buffered_groups` finished, `async/in_flight`
+        generating), and the batch's staleness (admission.staleness_metrics)."""
+        metrics = {} if engine_idle is None else {"timing/engine_idle_s": engine_idle}
+        if self.asynchronous:
+            metrics.update({"async/buffered_groups": float(len(self.open.finished)),
+                            "async/in_flight": float(len(self.open.running))})
+        kept = accumulator.kept[: accumulator.target_prompts]
+        if policy_version is not None and kept and all(g.policy_versions is not None for g in kept):
+            metrics.update(staleness_metrics([row for g in kept for row in g.policy_versions.tolist()],
+                                             policy_version))
+        return metrics
+
+
+def _token_versions(samples: list[RolloutSample]) -> RaggedRows | None:
+    """The samples' per-token weight versions as ragged rows (None when an engine did not report them)."""
+    if any(sample.policy_versions is None for sample in samples):
+        return None
+    return RaggedRows.from_lists([sample.policy_versions for sample in samples])

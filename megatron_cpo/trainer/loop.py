@@ -122,8 +122,9 @@ class Trainer:
         # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
         self.offload = colocated_offload(self.actor, actor_cfg.megatron, config.actor_rollout_ref.rollout.mode)
         monitor = self.lead.monitor if self.lead else None
+        # the data position a checkpoint keeps is the controller's: the first prompt not yet trained
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
-                                             self.lead.stream if self.lead else None,
+                                             self.lead.controller if self.lead else None,
                                              {"early_stop": monitor} if monitor is not None else None,
                                              _hf_exporter(config, self.actor) if actor_cfg.checkpoint.hf_model else None)
 
@@ -227,8 +228,10 @@ class Trainer:
         if broadcast_object(lost) is not None:
             return PushOutcome({}, lost=lost)
         alive = manager.num_engines_alive() if manager is not None else 0
+        in_flight = self.config.async_training.in_flight
+        hold = self.sync_probe.holds_paused_requests(in_flight)  # the probe runs before they go on
         try:
-            metrics, reports = push_weights(self.actor.model, manager)
+            metrics, reports = push_weights(self.actor.model, manager, in_flight, resume=not hold)
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 
@@ -239,7 +242,7 @@ class Trainer:
                 raise  # not an engine death
             return PushOutcome({}, lost=manager.last_engine_failure)
         try:
-            metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports))
+            metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports, held=hold))
         except EngineOutOfSyncError as err:
             return PushOutcome({**metrics, **err.metrics}, out_of_sync=str(err))
         return PushOutcome(metrics)

@@ -15,6 +15,7 @@ from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
+from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
@@ -147,11 +148,13 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     temperature = rollout_cfg.temperature or 1.0
     width = config.data.max_response_length
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
+    correction = config.algorithm.rollout_correction.resolve(config.async_training.max_staleness,
+                                                             tis_on=actor_cfg.tis is not None)
     start = time.perf_counter()
     update_metrics: list[dict[str, float]] = []
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
-                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0))
+                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
     else:
@@ -161,7 +164,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
                 inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, lp.routing, begin)
+                                      engine_log_probs, correction, lp.routing, begin)
                 update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
     metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
@@ -180,4 +183,15 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.ref_log_probs is not None:
         kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
+    metrics.update(staleness_mismatch(batch, lp, config))
     return metrics
+
+
+def staleness_mismatch(batch: StepBatch, lp: BatchLogProbs, config: Config) -> dict[str, float]:
+    """With asynchronous training: the engine-vs-trainer log-prob mismatch of the batch's tokens, split by how many
+    weight versions each token is behind the trainer (staleness 0: the engine's difference alone)."""
+    if not config.async_training.enabled or batch.policy_versions is None or batch.policy_version is None:
+        return {}
+    width = config.data.max_response_length
+    staleness = batch.policy_version - batch.policy_versions.padded(width, batch.policy_version)
+    return mismatch_by_staleness(lp.old_log_probs, lp.rollout_log_probs.padded(width, 0.0), lp.mask, staleness)

@@ -47,12 +47,13 @@ class RankZero:
         self.generator = make_generator(config, self.manager, tokenizer)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.validator = Validator(config, val_data, self.generator, self.scorer,
-                                   training_sampling_params(config, eos, None, greedy=True))
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
         self.controller = RolloutController(self.generator, self.stream, self.scorer.score_groups, config,
                                             selection_from_config(config),
                                             lambda seed: training_sampling_params(config, eos, seed))
+        # with asynchronous training, validation shares the engines with training requests in flight
+        self.validator = Validator(config, val_data, self.generator, self.scorer,
+                                   training_sampling_params(config, eos, None, greedy=True), self.controller.receive)
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
 
@@ -66,19 +67,20 @@ class RankZero:
     # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
         """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
-        start of the step, so a resumed run collects the same prompts."""
-        position = self.stream.state_dict()
+        first prompt not yet trained, so a resumed run collects the same prompts."""
+        position = self.controller.state_dict()
         try:
-            return self.controller.collect(step), None
+            return self.controller.collect(step, self.manager.weight_version), None
         except RolloutEnginesLostError as err:
-            self.stream.load_state_dict(position)
+            self.controller.load_state_dict(position)
             return None, str(err)
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
         if collected is None or not collected.groups or not collected.trainable:
             return None
-        return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints)
+        return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints,
+                               collected.policy_version)
 
     # --- step 8: early stop -----------------------------------------------------------------------------------
     def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:

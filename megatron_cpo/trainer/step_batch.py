@@ -31,6 +31,8 @@ class StepBatch:
     hints_truncated: int = 0
     hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
     loss_mask: RaggedRows | None = None  # multi-turn: 1 on sampled, 0 on observation tokens (None: all sampled)
+    policy_versions: RaggedRows | None = None  # the weight version that sampled each response token
+    policy_version: int | None = None  # the version of the weights that train this batch
 
     def __post_init__(self) -> None:
         self.prompt_ids = RaggedRows.of(self.prompt_ids)
@@ -40,10 +42,14 @@ class StepBatch:
             self.hint_prompt_ids = RaggedRows.of(self.hint_prompt_ids)
         if self.loss_mask is not None:
             self.loss_mask = RaggedRows.of(self.loss_mask)
+        if self.policy_versions is not None:
+            self.policy_versions = RaggedRows.of(self.policy_versions)
 
 
-def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None) -> StepBatch:
-    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts."""
+def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None,
+                    policy_version: int | None = None) -> StepBatch:
+    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts;
+    `policy_version`: the weight version that trains it (the token versions travel when every group has them)."""
     hints = {}
     if hint_builder is not None:
         prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
@@ -58,7 +64,10 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         rollout_log_probs=RaggedRows.cat([g.ragged()[1] for g in groups]),
         scores=torch.cat([g.scores.float() for g in groups]), acc=torch.cat([g.acc.float() for g in groups]),
         group=group, truncated=torch.cat([g.truncated for g in groups]), kept_ratio=kept_ratio,
-        loss_mask=batch_loss_mask(groups), **hints)
+        loss_mask=batch_loss_mask(groups), **hints,
+        policy_versions=(RaggedRows.cat([g.policy_versions for g in groups])
+                         if all(g.policy_versions is not None for g in groups) else None),
+        policy_version=policy_version)
 
 
 def batch_loss_mask(groups: list[ScoredGroup]) -> RaggedRows | None:

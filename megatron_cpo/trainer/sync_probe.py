@@ -2,10 +2,12 @@
 
 `SyncProbe.after_push` is collective, like the step's log-probs: rank 0 reads the engines' reload reports (a
 parameter nothing filled, a tensor sent twice) and, when the push is due for the probe, has every live engine
-continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`); it broadcasts both, every rank scores the
-engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank afterwards) and
-every rank reaches the same verdict. Over the tolerance the push is reported as `EngineOutOfSyncError`, one line
-naming the push and the difference; the loop logs the step, checkpoints and stops.
+continue the fixed probe prompts greedily (`RolloutEngines.sync_probe`) while the requests the push paused still
+wait (asynchronous training: vLLM's CPU kernels are not batch-invariant, and the probe beside them measured 1.3e-4
+on engines in sync), then lets them go on (`RolloutEngines.resume_generation`). It broadcasts both; every rank
+scores the engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank
+afterwards) and every rank reaches the same verdict. Over the tolerance the push is reported as
+`EngineOutOfSyncError`, one line naming the push and the difference; the loop logs the step, checkpoints and stops.
 
 `SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
 the engine sampled): a jump from one step to the next means the push in between went wrong, which it says once.
@@ -61,18 +63,31 @@ class SyncProbe:
         self._previous: tuple[int, float] | None = None
         self._warned = False
 
-    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None) -> dict[str, float]:
+    def holds_paused_requests(self, in_flight: str) -> bool:
+        """Whether the next push, made with `in_flight` (types.IN_FLIGHT_POLICIES), is to leave the requests it
+        pauses paused until `after_push` has probed the engines (`RolloutEngines.finish_weight_sync(resume=False)`);
+        a synchronous push (`none`) pauses nothing."""
+        return in_flight != "none" and self.settings.due(self.pushes)
+
+    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None, held: bool = False
+                   ) -> dict[str, float]:
         """Collective, right after a push of the weights of step `step` (the start step for the push before
-        training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere). Returns the
-        check's metrics ({} when not due); raises `EngineOutOfSyncError` on every rank when the push is wrong."""
+        training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere); `held`: the push
+        left paused requests paused (`holds_paused_requests`), rank 0 resumes them once the probe has run, whatever
+        it found. Returns the check's metrics ({} when not due); raises `EngineOutOfSyncError` on every rank when
+        the push is wrong."""
         push, self.pushes = self.pushes, self.pushes + 1
         if not self.settings.enable:
             return {}
         started = time.perf_counter()
         payload = None
         if manager is not None:
-            payload = (reload_problem(reports or {}),
-                       self._probe(manager) if self.settings.due(push) else [])
+            try:
+                payload = (reload_problem(reports or {}),
+                           self._probe(manager) if self.settings.due(push) else [])
+            finally:
+                if held:
+                    _resume(manager)
         problem, rows = broadcast_object(payload)
         where = _push_name(step, push)
         if problem is not None:
@@ -107,8 +122,12 @@ class SyncProbe:
 
     def observe_mismatch(self, step: int, metrics: dict[str, float]) -> None:
         """Rank 0, once per step: warn (once per run) when the engine-vs-trainer mismatch of the sampled tokens
-        jumped since the previous step beyond what the dtype's noise explains."""
-        mean, peak = metrics.get("mismatch/log_probs_diff_mean"), metrics.get("mismatch/log_probs_diff_max")
+        jumped since the previous step beyond what the dtype's noise explains. With asynchronous training only the
+        tokens sampled by the trained weights count (`mismatch/staleness_0/*`): older ones differ by the policy's
+        change since, not by a push gone wrong; a step without such tokens is not observed."""
+        split = any(key.startswith("mismatch/staleness_") for key in metrics)
+        prefix = "mismatch/staleness_0/" if split else "mismatch/"
+        mean, peak = metrics.get(prefix + "log_probs_diff_mean"), metrics.get(prefix + "log_probs_diff_max")
         if mean is None or peak is None:
             return
         previous, self._previous = self._previous, (step, mean)
@@ -124,6 +143,15 @@ class SyncProbe:
                 "tied output head or MoE experts, or a push that missed an engine); see "
                 "rollout/sync_check_max_abs_diff and docs/launch.md, \"Is the engine in sync?\"", previous_mean,
                 previous_step, mean, step, peak, self.dtype, self.tolerance, step, previous_step)
+
+
+def _resume(manager: Any) -> None:
+    """Rank 0: let the requests paused for the probe go on; nothing to do when every engine died meanwhile (the
+    next rollout reports that)."""
+    try:
+        manager.resume_generation()
+    except RolloutEnginesLostError:
+        pass
 
 
 def _push_name(step: int, push: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -12,6 +13,7 @@ from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.rollout.generators import GroupGenerator
+from megatron_cpo.rollout.types import RolloutGroup
 from megatron_cpo.trainer.grading import ResponseScorer
 
 
@@ -19,12 +21,15 @@ class Validator:
     """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it."""
 
     def __init__(self, config: Config, val_data: PromptDataset | None, generator: GroupGenerator,
-                 scorer: ResponseScorer, greedy_params: SamplingParams) -> None:
+                 scorer: ResponseScorer, greedy_params: SamplingParams,
+                 other_groups: Callable[[list[RolloutGroup]], None] | None = None) -> None:
         self.config = config
         self.val_data = val_data
         self.generator = generator
         self.scorer = scorer
         self.greedy_params = greedy_params  # the training sampling's length and stop tokens, greedy
+        # where the groups of other requests go (training ones still in flight with asynchronous training)
+        self.other_groups = other_groups
 
     def params(self, index: int) -> SamplingParams:
         """verl's `rollout.val_kwargs`: greedy unless `do_sample`, then `n` seeded samples per prompt."""
@@ -51,7 +56,7 @@ class Validator:
             record = self.val_data[index]
             records[f"val-{index}"] = record
             self.generator.submit(f"val-{index}", record, self.params(index))
-        finished = {group.request_id: group for group in self.generator.completed(timeout=600)}
+        finished = self._wait_for(set(records))
         items = [(records[rid], finished[rid].samples) for rid in records]
         val_counts: Counter = Counter()
         scored = self.scorer.score_groups(items, val_counts)
@@ -66,3 +71,19 @@ class Validator:
                                         if sample.episode is not None], prefix="val/multi_turn"))
         metrics["timing/val_s"] = time.perf_counter() - start
         return metrics
+
+    def _wait_for(self, request_ids: set[str]) -> dict[str, RolloutGroup]:
+        """The groups of `request_ids`; any other group that finishes meanwhile goes to `other_groups`."""
+        finished: dict[str, RolloutGroup] = {}
+        while len(finished) < len(request_ids):
+            groups = self.generator.finished(timeout=600)
+            if not groups:
+                raise RuntimeError(f"validation lost {len(request_ids) - len(finished)} of its requests (nothing is "
+                                   "outstanding on the engines)")
+            others = [group for group in groups if group.request_id not in request_ids]
+            if others and self.other_groups is None:
+                raise RuntimeError(f"validation received groups it did not request: {[g.request_id for g in others]}")
+            if others:
+                self.other_groups(others)
+            finished.update((group.request_id, group) for group in groups if group.request_id in request_ids)
+        return finished

@@ -97,3 +97,84 @@ def greedy_log_prob_gap(model, groups) -> float:
         gap = (log_probs[positions, torch.tensor(sample.token_ids)] - torch.tensor(sample.logprobs)).abs().max()
         worst = max(worst, gap.item())
     return worst
+
+
+def push_interrupts_greedy_groups_without_changing_them(manager, model_dir, in_flight: str) -> None:
+    """Greedy groups that are generating while the engines take a push of the very weights they hold (`in_flight`
+    says how: finish / partial / keep) come out token for token as uninterrupted ones, and each token carries the
+    version that sampled it: the old one only (`finish`), or the old then the new one (`partial`, `keep`: at least
+    one sample must have been caught mid-way). The push starts once a one-token request sent after the long ones has
+    returned, so the long ones were generating by then. A `partial` push is finished as the trainer does before its
+    sync probe (`resume=False`): the probe runs while the aborted samples wait, and for as long again as the whole
+    uninterrupted run took no sample goes on (a group that finishes meanwhile has no token of the new version);
+    `resume_generation` lets them go on."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.rollout import SamplingParams
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    manager.sync_weights(state.items())  # a known state (other tests push other weights into shared engines)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=400)
+    straight_s = None
+
+    def generate(tag: str, push: bool) -> dict:
+        for index, prompt in enumerate(PROMPTS):
+            manager.submit(f"{tag}-{index}", prompt, params)
+        groups = {}
+        if push:
+            manager.submit(f"{tag}-probe", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
+            while f"{tag}-probe" not in groups:
+                groups.update((group.request_id, group) for group in manager.finished(timeout=120))
+            hold = in_flight == "partial"
+            manager.sync_weights(state.items(), in_flight=in_flight, resume=not hold)
+            if hold:
+                assert manager.sync_probe([PROMPTS[0]], 8), "the sync probe got no answer with samples held"
+                groups.update((group.request_id, group) for group in finished_until_quiet(manager, straight_s))
+                assert all(set(sample.policy_versions) <= {manager.weight_version - 1}
+                           for group in groups.values() for sample in group.samples), \
+                    "a held sample went on before resume_generation"
+                manager.resume_generation()
+        groups.update((group.request_id, group) for group in manager.completed(timeout=300))
+        groups.pop(f"{tag}-probe", None)
+        return groups
+
+    before = manager.weight_version
+    started = time.perf_counter()
+    straight = generate(f"straight-{in_flight}", push=False)
+    straight_s = time.perf_counter() - started
+    assert manager.weight_version == before
+    # Over HTTP the push can land before an engine has sampled a first token (then nothing spans it, and the
+    # attempt shows only that the tokens are unchanged): up to three attempts to catch a sample mid-way.
+    for attempt in range(3):
+        old = manager.weight_version
+        tag = f"interrupted-{in_flight}-{attempt}"
+        interrupted = generate(tag, push=True)
+        assert manager.weight_version == old + 1
+        spanning = 0
+        for index in range(len(PROMPTS)):
+            for plain, pushed in zip(straight[f"straight-{in_flight}-{index}"].samples,
+                                     interrupted[f"{tag}-{index}"].samples):
+                assert pushed.token_ids == plain.token_ids and pushed.finish_reason == plain.finish_reason
+                assert torch.allclose(torch.tensor(pushed.logprobs), torch.tensor(plain.logprobs), atol=1e-4)
+                assert plain.policy_versions == [before] * len(plain.token_ids)
+                versions = pushed.policy_versions
+                assert len(versions) == len(pushed.token_ids) and versions == sorted(versions)
+                assert set(versions) <= {old, old + 1}
+                spanning += len(set(versions)) == 2
+        if in_flight == "finish":
+            assert spanning == 0
+            return
+        if spanning:
+            return
+    raise AssertionError("no sample was generating when the weights were pushed, in 3 attempts")
+
+
+def finished_until_quiet(manager, quiet_s: float) -> list:
+    """The groups that finish until none has for `quiet_s` seconds (or none is outstanding)."""
+    groups = []
+    try:
+        while finished := manager.finished(timeout=quiet_s):
+            groups += finished
+    except TimeoutError:
+        pass
+    return groups

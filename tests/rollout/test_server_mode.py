@@ -188,3 +188,12 @@ def test_a_killed_servers_prompts_are_served_by_the_other_and_none_left_names_th
     finally:
         both.shutdown()
         only_b.shutdown()
+
+
+def test_a_push_with_groups_in_flight_leaves_greedy_samples_unchanged_on_a_server(servers):
+    """The in-flight policies reach the server's engines through /weights/begin and /weights/finish (the Ray
+    engines run the same check for every policy in test_in_flight_push.py)."""
+    from tests.rollout.servers import push_interrupts_greedy_groups_without_changing_them
+
+    with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["b"],), token=TOKEN)) as client:
+        push_interrupts_greedy_groups_without_changing_them(client, TINY / "model", "partial")

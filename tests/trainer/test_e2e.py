@@ -94,17 +94,17 @@ class SkipsOnePush:
     def __getattr__(self, name):
         return getattr(self.manager, name)
 
-    def begin_weight_sync(self) -> None:
+    def begin_weight_sync(self, in_flight: str = "none") -> None:
         self.skipping, self.pushes = self.pushes == self.skip, self.pushes + 1
         if not self.skipping:
-            self.manager.begin_weight_sync()
+            self.manager.begin_weight_sync(in_flight)
 
     def sender_spec(self, transport=None):
         spec = self.manager.sender_spec(transport)
         return dataclasses.replace(spec, engine_names=()) if self.skipping else spec
 
-    def finish_weight_sync(self) -> dict:
-        return {} if self.skipping else self.manager.finish_weight_sync()
+    def finish_weight_sync(self, resume: bool = True) -> dict:
+        return {} if self.skipping else self.manager.finish_weight_sync(resume)
 
 
 def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rollout_manager, tmp_path):

@@ -31,6 +31,17 @@ def test_probe_prompts_are_the_chat_templated_texts_and_must_fit_the_engines(mak
         make("actor_rollout_ref.rollout.sync_check.max_tokens=390")
 
 
+def test_only_a_push_with_requests_in_flight_that_is_probed_holds_them_for_the_probe(make_probe):
+    make = make_probe[0]
+    every_second = make("actor_rollout_ref.rollout.sync_check.every_n_pushes=2")
+    held = []
+    for _ in range(4):
+        held.append([every_second.holds_paused_requests(policy) for policy in ("none", "partial", "keep")])
+        every_second.pushes += 1  # as after_push counts them
+    assert held == [[False, True, True], [False, False, False]] * 2
+    assert not make("actor_rollout_ref.rollout.sync_check.enable=false").holds_paused_requests("partial")
+
+
 def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
     probe = make_probe[0]()
 
@@ -47,3 +58,26 @@ def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
         "mismatch/log_probs_diff_mean jumped from 5e-06 at step 2 to 0.2 at step 3 (max 0.99, above the float32 "
         "sync-check tolerance 0.0001): step 3 sampled right after the weight push of step 2, so the engines most "
         "likely do not serve the pushed weights (a layer their reload did not update, e.g. a tied output head")
+
+
+def test_with_stale_tokens_only_those_of_the_trained_weights_are_watched(make_probe, caplog):
+    """Asynchronous training: tokens sampled by older weights differ by the policy's change since, which is no sign
+    of a bad push; a jump of the staleness-0 tokens' mismatch still is."""
+    probe = make_probe[0]()
+
+    def observe(step, whole, fresh):
+        metrics = {"mismatch/log_probs_diff_mean": whole[0], "mismatch/log_probs_diff_max": whole[1]}
+        if fresh is not None:
+            metrics.update({"mismatch/staleness_0/log_probs_diff_mean": fresh[0],
+                            "mismatch/staleness_0/log_probs_diff_max": fresh[1]})
+        metrics["mismatch/staleness_1/log_probs_diff_mean"] = whole[0]
+        probe.observe_mismatch(step, metrics)
+
+    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.sync_probe"):
+        observe(1, (1e-7, 7e-7), (1e-7, 7e-7))
+        observe(2, (0.05, 0.9), (1e-7, 8e-7))  # stale tokens differ a lot: no warning
+        observe(3, (0.05, 0.9), None)          # no staleness-0 token: not observed
+        assert not caplog.records
+        observe(4, (0.2, 0.99), (0.2, 0.99))
+    (record,) = caplog.records
+    assert "jumped from 1e-07 at step 2 to 0.2 at step 4" in record.getMessage()
