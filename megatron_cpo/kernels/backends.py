@@ -57,10 +57,7 @@ def _chunks(total: int, size: int) -> list[tuple[int, int]]:
 class TorchChunkedBackend:
     """Plain torch over bounded tiles: ``tile_elements`` float32 values per tile (64 MiB by default).
 
-    The CPU path for real runs and a reference implementation on any device. The linear paths multiply in the
-    inputs' dtype and upcast each logit tile to float32 (bf16 matmuls are several times faster than float32 ones on
-    CPUs with bf16 instructions; the logits are then bf16-rounded, as the unfused bf16 lm-head makes them); the
-    softmax statistics and gradients of a tile are float32.
+    The CPU path for real runs and a reference implementation on any device.
     """
 
     tile_elements: int = 1 << 24
@@ -95,8 +92,8 @@ class TorchChunkedBackend:
         vocab_tile = min(self.vocab_tile, n_valid)
         per_chunk = []
         for b, e in _chunks(hidden.shape[0], self._token_chunk(vocab_tile)):
-            h = hidden[b:e]
-            parts = [tile_stats((h @ weight[vb:ve].T).float().mul_(inv_temp), local_targets[b:e] - vb)
+            h = hidden[b:e].float()
+            parts = [tile_stats((h @ weight[vb:ve].float().T).mul_(inv_temp), local_targets[b:e] - vb)
                      for vb, ve in _chunks(n_valid, vocab_tile)]
             per_chunk.append(combine_partials(SoftmaxStats(*(torch.stack(column) for column in zip(*parts)))))
         return SoftmaxStats(*(torch.cat(column) for column in zip(*per_chunk)))
@@ -108,14 +105,14 @@ class TorchChunkedBackend:
         vocab_tile = min(self.vocab_tile, max(n_valid, 1))
         for b, e in _chunks(hidden.shape[0], self._token_chunk(vocab_tile)):
             r = row_grads.rows(b, e)
-            h = hidden[b:e]
-            grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+            h = hidden[b:e].float()
+            grad_h = torch.zeros_like(h)
             for vb, ve in _chunks(n_valid, vocab_tile):
-                w = weight[vb:ve]
-                grad_z = grad_of_z((h @ w.T).float().mul_(inv_temp), r.local_targets - vb, r.max, r.log_sum_exp,
-                                   r.entropy, r.grad_log_probs, r.grad_entropy).mul_(inv_temp).to(h.dtype)
-                grad_h += (grad_z @ w).float()
-                grad_weight[vb:ve] += grad_z.T @ h
+                w = weight[vb:ve].float()
+                grad_z = grad_of_z((h @ w.T).mul_(inv_temp), r.local_targets - vb, r.max, r.log_sum_exp, r.entropy,
+                                   r.grad_log_probs, r.grad_entropy).mul_(inv_temp)
+                grad_h += grad_z @ w
+                grad_weight[vb:ve] += (grad_z.T @ h).to(weight.dtype)
             grad_hidden[b:e] = grad_h.to(hidden.dtype)
         return grad_hidden, grad_weight
 
