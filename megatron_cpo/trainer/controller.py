@@ -190,6 +190,7 @@ class RolloutController:
             logged_gen_batches = log_filter_progress(step, accumulator, self.config.data.generation_batch_size,
                                                      logged_gen_batches)
         batch = accumulator.batch() if accumulator.full else None
+        requested = open_.issued - accumulator.start_seq  # before the synchronous loop drops its requests below
         if self.asynchronous:
             if batch is not None:
                 self._top_up(step, accumulator, unpushed=0)  # the next batches' prompts, while the trainer updates
@@ -204,8 +205,7 @@ class RolloutController:
         self._handed_out = (len(accumulator.kept), policy_version)
         self.idle.hand_out(time.time(), open_.running)
         self.keep_history.update(accumulator.stats.kept, accumulator.stats.committed)
-        metrics = self._metrics(accumulator, open_.issued - accumulator.start_seq, timing,
-                                time.perf_counter() - start)
+        metrics = self._metrics(accumulator, requested, timing, time.perf_counter() - start)
         metrics.update(self._async_metrics(accumulator, policy_version, idle))
         if batch is not None:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",

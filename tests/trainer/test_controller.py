@@ -137,19 +137,19 @@ def test_only_prompts_on_the_engines_count_against_the_in_flight_cap(make_config
     controller = side.controller
     controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects ~1% kept: wants many prompts
     accumulator = GroupAccumulator(4, keep_varied_groups)
-    requests, inflight = [], {}
+    open_ = controller.open  # the controller's own bookkeeping: `issued` prompts, `running` on the engines
     try:
-        controller._top_up(1, accumulator, requests, inflight)
-        assert len(requests) == len(inflight) == 4
-        for request_id in list(inflight)[1:]:  # the three later prompts finished; the first still runs
-            del inflight[request_id]
-        controller._top_up(1, accumulator, requests, inflight)
-        assert (len(requests), len(inflight), accumulator.next_seq) == (7, 4, 0)
+        controller._top_up(1, accumulator, unpushed=0)
+        assert open_.issued == len(open_.running) == 4
+        for request_id in list(open_.running)[1:]:  # the three later prompts finished; the first still runs
+            del open_.running[request_id]
+        controller._top_up(1, accumulator, unpushed=0)
+        assert (open_.issued, len(open_.running), accumulator.next_seq) == (7, 4, 0)
         # expecting every group kept, 4 uncommitted prompts fill the batch; 7 are uncommitted, so none is requested
         controller.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
-        for request_id in list(inflight)[1:]:
-            del inflight[request_id]
-        controller._top_up(1, accumulator, requests, inflight)
-        assert (len(requests), len(inflight)) == (7, 1)
+        for request_id in list(open_.running)[1:]:
+            del open_.running[request_id]
+        controller._top_up(1, accumulator, unpushed=0)
+        assert (open_.issued, len(open_.running)) == (7, 1)
     finally:
         side.manager.cancel_all()
