@@ -241,9 +241,12 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     actor.log_probs = timer.wrap("log_probs", actor.log_probs)  # CPO's hinted pass
     actor.log_probs_and_routing = timer.wrap("log_probs", actor.log_probs_and_routing)  # the old log-probs
     actor.update = timer.wrap("update", actor.update)
+    actor.update_on_policy = timer.wrap("update", actor.update_on_policy)  # one epoch, one mini-batch
     for _ in range(2):
         timer.calls.clear()
         log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)  # steps 3-5 of Trainer.step
+        if log_probs.old_log_probs is None:  # on-policy: the update scores the batch itself; time that pass alone too
+            actor.log_probs_and_routing(log_probs.seqs, config.actor_rollout_ref.rollout.temperature or 1.0)
         advantages, metrics = compute_advantages(batch, log_probs, config)
         metrics.update(update_policy(actor, batch, log_probs, advantages, config))
     real_tokens = sum(totals)
