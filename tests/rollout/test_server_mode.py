@@ -195,5 +195,6 @@ def test_a_push_with_groups_in_flight_leaves_greedy_samples_unchanged_on_a_serve
     engines run the same check for every policy in test_in_flight_push.py)."""
     from tests.rollout.servers import push_interrupts_greedy_groups_without_changing_them
 
-    with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["b"],), token=TOKEN)) as client:
-        push_interrupts_greedy_groups_without_changing_them(client, TINY / "model", "partial")
+    # server a: the test before this one killed b
+    with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["a"],), token=TOKEN)) as client:
+        push_interrupts_greedy_groups_without_changing_them(client, servers["model"], "partial")
