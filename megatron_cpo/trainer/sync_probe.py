@@ -19,8 +19,10 @@ import time
 from typing import Any
 
 from megatron_cpo.config import Config
+from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.data.dataset import encode_texts, render_prompts
 from megatron_cpo.rollout import RolloutEnginesLostError
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
 from megatron_cpo.trainer.collectives import broadcast_object
@@ -55,7 +57,7 @@ class SyncProbe:
         longest = max((len(ids) for ids in self.prompts), default=0)
         limit = config.data.max_prompt_length + config.data.max_response_length
         if self.settings.enable and longest + self.settings.max_tokens > limit:
-            raise ValueError(f"the longest sync-check probe prompt has {longest} tokens; with actor_rollout_ref."
+            raise ConfigError(f"the longest sync-check probe prompt has {longest} tokens; with actor_rollout_ref."
                              f"rollout.sync_check.max_tokens={self.settings.max_tokens} it exceeds the engines' "
                              f"{limit} tokens (data.max_prompt_length + data.max_response_length); shorten "
                              "actor_rollout_ref.rollout.sync_check.prompts or max_tokens")
@@ -69,8 +71,8 @@ class SyncProbe:
         a synchronous push (`none`) pauses nothing."""
         return in_flight != "none" and self.settings.due(self.pushes)
 
-    def after_push(self, step: int, actor: Any, manager: Any | None, reports: dict | None, held: bool = False
-                   ) -> dict[str, float]:
+    def after_push(self, step: int, actor: Any, manager: RolloutEngines | None, reports: dict | None,
+                   held: bool = False) -> dict[str, float]:
         """Collective, right after a push of the weights of step `step` (the start step for the push before
         training). `manager`/`reports`: rank 0's engines and their reload reports (None elsewhere); `held`: the push
         left paused requests paused (`holds_paused_requests`), rank 0 resumes them once the probe has run, whatever
@@ -110,7 +112,7 @@ class SyncProbe:
                    self.tolerance)
         return metrics
 
-    def _probe(self, manager: Any) -> list[tuple[str, list[int], list[int], list[float]]]:
+    def _probe(self, manager: RolloutEngines) -> list[tuple[str, list[int], list[int], list[float]]]:
         """Rank 0: (label, prompt, greedy tokens, engine log-probs) per live engine and probe prompt; [] when the
         engines died meanwhile (the next rollout reports that)."""
         try:
@@ -145,7 +147,7 @@ class SyncProbe:
                 previous_step, mean, step, peak, self.dtype, self.tolerance, step, previous_step)
 
 
-def _resume(manager: Any) -> None:
+def _resume(manager: RolloutEngines) -> None:
     """Rank 0: let the requests paused for the probe go on; nothing to do when every engine died meanwhile (the
     next rollout reports that)."""
     try:
