@@ -189,8 +189,12 @@ class EngineLaunchConfig:
     plus the facts of the run (`model_path`, `dtype`, `max_model_len`, `seed`) and start-up details the YAML does
     not expose.
 
-    `logprobs_mode` is vLLM's: "raw_logprobs" are log-softmax of the model's logits (what the trainer recomputes);
-    "processed_logprobs" apply temperature/top-k/top-p first.
+    `logprobs_mode` is vLLM's. "processed_logprobs" (the default, as in verl and NeMo-RL) are the log-probs of the
+    distribution each token was sampled from: log-softmax of logits / temperature, after top-k/top-p (greedy requests
+    get the plain log-softmax). That is what the trainer recomputes at `rollout.temperature` (it does not truncate, so
+    with top-k/top-p the two differ by the truncation, which the importance weight then accounts for), and the
+    behaviour policy the off-policy correction needs. vLLM's own default, "raw_logprobs", is the log-softmax before
+    temperature: at any temperature but 1 every engine log-prob would differ from the trainer's.
     `max_num_seqs`: sequences one engine decodes at once (vLLM's scheduler limit; None keeps vLLM's default, 128 for
     an `AsyncLLM`). Each prompt in flight holds `n` of them, so the controller's look-ahead beyond
     max_num_seqs / n prompts only queues. On CPU each engine takes `cpus_per_engine` Ray CPU slots.
@@ -206,7 +210,7 @@ class EngineLaunchConfig:
     max_num_seqs: int | None = None
     cpus_per_engine: float = 1.0
     enable_prefix_caching: bool = True
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = "processed_logprobs"
     weight_sync_bucket_mb: float = 256.0
     ray_namespace: str = "megatron_cpo_rollout"
     engine_start_timeout_s: float = 600.0

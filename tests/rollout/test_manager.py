@@ -98,3 +98,23 @@ def test_weights_synced_from_transformers_model_reproduce_its_greedy_tokens_and_
         max_diff = max(max_diff, diff)
     print(f"max |engine - transformers| log-prob difference: {max_diff:.2e}")
     assert max_diff < 1e-4
+
+    # Sampled at temperature 0.7, the engine reports the log-probs of the distribution it sampled from,
+    # log_softmax(logits / 0.7): what the trainer recomputes (vLLM's default, raw_logprobs, would give T = 1's).
+    temperature, tempered_diff, untempered_gap = 0.7, 0.0, 0.0
+    for i, prompt in enumerate(PROMPTS[:2]):
+        manager.submit(f"tempered-{i}", prompt, SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=i))
+    for group in _collect(manager):
+        for sample in group.samples:
+            tokens = torch.tensor([group.prompt_token_ids + sample.token_ids])
+            with torch.no_grad():
+                logits = hf_model(tokens).logits[0].float()
+            positions = torch.arange(len(group.prompt_token_ids) - 1, tokens.shape[1] - 1)
+            rows, generated = logits[positions], torch.tensor(sample.token_ids)
+            engine = torch.tensor(sample.logprobs)
+            tempered = torch.log_softmax(rows / temperature, dim=-1)[torch.arange(len(generated)), generated]
+            untempered = torch.log_softmax(rows, dim=-1)[torch.arange(len(generated)), generated]
+            tempered_diff = max(tempered_diff, (tempered - engine).abs().max().item())
+            untempered_gap = max(untempered_gap, (untempered - engine).abs().max().item())
+    print(f"temperature {temperature}: max |engine - tempered| {tempered_diff:.2e}, vs untempered {untempered_gap:.2e}")
+    assert tempered_diff < 1e-4 and untempered_gap > 1e-2
