@@ -14,7 +14,9 @@ arm, counted in the wall time: validation shares the engine with the training re
 Reported per arm: wall time per step excluding validation (`timing/step_s - timing/val_s`, median over steps after the
 first), the run's wall time to each validation, and the time at which it first reaches the target accuracy (the k = 0
 pinned arm's final `val/acc`, mean over seeds, minus its seed spread). Results go to `--out` (JSON) and the
-console; `--smoke` makes a short run that proves the harness works (its numbers say nothing).
+console; `--smoke` makes a short run that proves the harness works (its numbers say nothing). A run that finished
+before (its `run.json` says so) is read, not run again (`--rerun` runs it again), so re-running continues a table cut
+short; a run that fails is named at the end and the others still run.
 
     python benchmarks/async/bench_async.py                      # the full table: 4 arms x 3 seeds x 40 steps
     python benchmarks/async/bench_async.py --smoke              # 2 arms x 1 seed x 4 steps, 40 held-out questions
@@ -127,6 +129,15 @@ def run_arm(arm: Arm, seed: int, steps: int, test_freq: int, data: Path, root: P
     return out
 
 
+def finished(out: Path, steps: int) -> bool:
+    """Whether `out` holds a run of `steps` steps that ended well (so re-running the benchmark continues it)."""
+    try:
+        run = json.loads((out / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return run.get("returncode") == 0 and run.get("steps") == steps
+
+
 def read_run(out: Path) -> dict:
     """Per-step wall times (without validation) and the validation curve (seconds since the run began -> acc)."""
     rows = {}
@@ -185,6 +196,7 @@ def main() -> int:
     parser.add_argument("--val-samples", type=int, default=-1, help="held-out questions per validation (-1: all 400)")
     parser.add_argument("--root", type=Path, default=REPO / "runs" / "async_bench")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--rerun", action="store_true", help="run again the arms whose run finished before")
     parser.add_argument("--smoke", action="store_true", help="k0_pinned and k1_pinned, seed 1, 4 steps, 40 questions")
     args = parser.parse_args()
     if args.smoke:
@@ -195,20 +207,33 @@ def main() -> int:
     data = args.root / "data"
     write_task("arith12", data)
     results: dict[str, dict[int, dict]] = {}
+    failed: list[str] = []
     for seed in args.seeds:  # arms round-robin, so a run cut short stays balanced
         for name in args.arms:
-            print(f"{name} seed {seed} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
-            out = run_arm(ARMS[name], seed, args.steps, args.test_freq, data, args.root, args.val_samples)
+            out = args.root / name / f"seed{seed}"
+            if not args.rerun and finished(out, args.steps):
+                print(f"{name} seed {seed}: finished before, read from {out}", flush=True)
+            else:
+                print(f"{name} seed {seed} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
+                try:
+                    run_arm(ARMS[name], seed, args.steps, args.test_freq, data, args.root, args.val_samples)
+                except RuntimeError as error:  # one failed run is reported, the others still run
+                    print(f"    FAILED: {error}", flush=True)
+                    failed.append(f"{name} seed {seed}: {error}")
+                    continue
             results.setdefault(name, {})[seed] = read_run(out)
             print(f"    step {results[name][seed]['step_s']:.2f} s, final val/acc "
                   f"{results[name][seed]['final_acc']:.3f}", flush=True)
     table = summarize(results)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **table}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **table, "failed": failed},
+                                   indent=1) + "\n")
     for name, row in table["arms"].items():
         print(f"{name}: step {row['step_s']:.2f} s (x{row.get('step_ratio_vs_k0_pinned', float('nan')):.2f}), final "
               f"acc {row['final_acc']:.3f} +- {row['final_acc_std']:.3f}, time to target {row['time_to_target_s']}, "
               f"engine idle {row['engine_idle_s']:.2f} s, trainer idle {row['trainer_idle_s']:.2f} s / step")
-    return 0
+    for line in failed:
+        print(f"failed: {line}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
