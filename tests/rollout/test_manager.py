@@ -1,5 +1,6 @@
 """Generation through two real vLLM engines on Ray: load balancing, streaming, seeds, stops, cancel, health, and a
-weight sync from a transformers model checked token-for-token and log-prob-for-log-prob."""
+weight sync from a transformers model checked token-for-token and log-prob-for-log-prob, greedy and sampled at a
+temperature (the engines report the tempered log-probs the trainer recomputes)."""
 import torch
 
 from megatron_cpo.rollout import SamplingParams
@@ -71,7 +72,7 @@ def test_cancel_all_drops_outstanding_work_and_engines_stay_healthy(manager):
     assert manager.health() == [True, True]
 
 
-def test_weights_synced_from_transformers_model_reproduce_its_greedy_tokens_and_logprobs(manager, tied_qwen2_dir):
+def test_synced_weights_give_transformers_greedy_tokens_and_log_probs_and_tempered_ones(manager, tied_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(tied_qwen2_dir, dtype=torch.float32)
