@@ -51,11 +51,12 @@ def send_sigterm_after_first_step(run_dir: Path) -> threading.Thread:
 def test_grpo_run_logs_val_acc_and_resumes_after_sigterm_identically(make_config, rollout_manager, tmp_path):
     """4 steps straight vs 2 steps, SIGTERM, resume, 2 steps: identical metrics. The early-stop monitor (on, but set
     not to fire) is part of the resumed state: a fresh monitor would log another `early_stop/baseline` at step 3.
-    Learning rate 3e-2 on the tied model: the engine must still agree with the trainer on every step."""
+    Learning rate 3e-2 on the tied model, sampling at temperature 0.7: the engine's log-probs of its samples (the
+    tempered ones) must still equal the trainer's on every step."""
     straight_dir, preempted_dir = tmp_path / "straight", tmp_path / "preempted"
     overrides = ("trainer.total_training_steps=4", "trainer.val_before_train=true", "trainer.early_stop.enable=true",
                  "trainer.early_stop.baseline_steps=2", "trainer.early_stop.window=2", "trainer.early_stop.ratio=1e-6",
-                 "actor_rollout_ref.actor.optim.lr=3e-2")
+                 "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.temperature=0.7")
     run_training(make_config(*overrides, f"trainer.default_local_dir={straight_dir}"), rollout_manager)
     straight = read_metrics(straight_dir)
     assert "val/acc" in straight[0] and "val/acc" in straight[4]
