@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollout.temperature)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights), as our bf16 actor")
     parser.add_argument("--out", default="benchmarks/trainer/trl_results.json")
     args = parser.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
         output_dir=str(Path(args.out).with_suffix("")) + "_run", use_cpu=True, bf16=args.bf16, seed=1,
         max_steps=args.steps, per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
         num_generations=args.n, steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
-        temperature=1.0, top_p=1.0, learning_rate=args.lr, warmup_steps=2, lr_scheduler_type="constant_with_warmup",
+        temperature=args.temperature, top_p=1.0, learning_rate=args.lr, warmup_steps=2,
+        lr_scheduler_type="constant_with_warmup",
         max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group", logging_steps=1,
         save_strategy="no", report_to=[], dataloader_num_workers=0, disable_dropout=True, gradient_checkpointing=False)
     timer = StepTimer()
