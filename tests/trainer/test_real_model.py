@@ -45,7 +45,7 @@ def test_two_grpo_steps_on_smollm2(tmp_path):
     assert "val/acc" in rows[0] and "val/acc" in rows[2]
     for step in (1, 2):
         assert math.isfinite(rows[step]["actor/grad_norm"]) and abs(rows[step]["actor/pg_loss"]) < 10
-        # 2 prompts x 4 samples at ~5% sampled accuracy: often every group is all wrong, its advantages 0, and so
+        # 2 prompts x 4 samples at 5-15% sampled accuracy: often every group is all wrong, its advantages 0, and so
         # is the gradient; a group with a correct sample must move the weights
         assert rows[step]["actor/grad_norm"] > 0 or rows[step]["advantages/abs_mean"] == 0
         assert "timing/old_log_prob_s" not in rows[step] and rows[step]["timing/update_actor_s"] > 0
