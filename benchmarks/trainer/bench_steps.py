@@ -2,8 +2,8 @@
 
 Runs `python -m megatron_cpo.trainer --config examples/tiny/grpo_arith.yaml` for `--steps` steps (no validation
 inside the run's steps, no checkpoints) and summarises its metrics JSONL: `timing/step_s` (generation, scoring,
-training and the weight push; engine start excluded), `timing/generated_tokens` and the phase times. The first
-`--warmup` steps are left out of the means.
+training and the weight push; engine start excluded, and the validation the run makes after its last step),
+`timing/generated_tokens` and the phase times. The first `--warmup` steps are left out of the means.
 
     python -m megatron_cpo.data.synthetic --out DIR --keep-levels 1 2
     python benchmarks/trainer/bench_steps.py --data DIR --steps 12
@@ -50,15 +50,17 @@ def main() -> None:
     def mean(key: str) -> float:
         return statistics.fmean(row[key] for row in steps)
 
+    # the run validates after its last step (test_freq=-1 too): that step's validation is not training time
+    step_s = [row["timing/step_s"] - row.get("timing/val_s", 0.0) for row in steps]
     result = {
         "command": " ".join(command[1:]), "load_1min_before_after": [load_before, load_after],
-        "measured_steps": len(steps), "step_s_mean": mean("timing/step_s"),
-        "step_s_median": statistics.median(row["timing/step_s"] for row in steps),
-        "tokens_per_s_mean": statistics.fmean(row["timing/generated_tokens"] / row["timing/step_s"] for row in steps),
+        "measured_steps": len(steps), "step_s_mean": statistics.fmean(step_s),
+        "step_s_median": statistics.median(step_s),
+        "tokens_per_s_mean": statistics.fmean(row["timing/generated_tokens"] / s for row, s in zip(steps, step_s)),
         "generated_tokens_mean": mean("timing/generated_tokens"),
-        "phases_s_mean": {key: mean(key) for key in ("timing/gen_s", "timing/weight_sync_s", "timing/score_s")
-                          if all(key in row for row in steps)},
-        "step_s_all": [row["timing/step_s"] for row in steps],
+        "phases_s_mean": {key: mean(key) for key in ("timing/gen_s", "timing/update_actor_s", "timing/weight_sync_s",
+                                                     "timing/score_s") if all(key in row for row in steps)},
+        "step_s_all": step_s,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "step_s_all"}), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
