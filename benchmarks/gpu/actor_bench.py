@@ -246,7 +246,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
         timer.calls.clear()
         log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)  # steps 3-5 of Trainer.step
         if log_probs.old_log_probs is None:  # on-policy: the update scores the batch itself; time that pass alone too
-            actor.log_probs_and_routing(log_probs.seqs, config.actor_rollout_ref.rollout.temperature or 1.0)
+            actor.log_probs_and_routing(log_probs.seqs, config.actor_rollout_ref.rollout.log_prob_temperature)
         advantages, metrics = compute_advantages(batch, log_probs, config)
         metrics.update(update_policy(actor, batch, log_probs, advantages, config))
     real_tokens = sum(totals)

@@ -69,6 +69,12 @@ class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
     server_token_file: str = ""
     sync_check: SyncCheckConfig = field(default_factory=SyncCheckConfig)
 
+    @property
+    def log_prob_temperature(self) -> float:
+        """The temperature the trainer scores responses at: the sampling one (the engines report log-probs at it);
+        greedy rollouts (temperature 0) are scored at 1."""
+        return self.temperature or 1.0
+
     def __post_init__(self) -> None:
         RolloutEngineConfig.__post_init__(self)
         RolloutFilterConfig.__post_init__(self)

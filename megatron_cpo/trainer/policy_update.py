@@ -88,7 +88,7 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
     and the hinted ones for CPO. The old pass is left to the update when `old_log_probs_from_update` holds and the
     actor tracks no routing (a mixture of experts records it in this pass)."""
-    temperature = config.actor_rollout_ref.rollout.temperature or 1.0
+    temperature = config.actor_rollout_ref.rollout.log_prob_temperature
     width = config.data.max_response_length
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     timing: dict[str, float] = {}
@@ -145,7 +145,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
     When the update computed the old log-probs and entropy itself, it fills them into `lp`."""
     rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
-    temperature = rollout_cfg.temperature or 1.0
+    temperature = rollout_cfg.log_prob_temperature
     width = config.data.max_response_length
     rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
     correction = config.algorithm.rollout_correction.resolve(config.async_training.max_staleness,

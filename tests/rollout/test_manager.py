@@ -4,6 +4,7 @@ temperature (the engines report the tempered log-probs the trainer recomputes)."
 import torch
 
 from megatron_cpo.rollout import SamplingParams
+from tests.rollout.servers import greedy_log_prob_gap
 
 PROMPTS = [[1, 40 + i, 50 + i, 60 + (i % 7)] for i in range(8)]
 
@@ -86,17 +87,7 @@ def test_synced_weights_give_transformers_greedy_tokens_and_log_probs_and_temper
 
     for i, prompt in enumerate(PROMPTS[:4]):
         manager.submit(f"synced-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10))
-    max_diff = 0.0
-    for group in _collect(manager):
-        sample = group.samples[0]
-        tokens = torch.tensor([group.prompt_token_ids + sample.token_ids])
-        with torch.no_grad():
-            log_probs = torch.log_softmax(hf_model(tokens).logits[0].float(), dim=-1)
-        positions = torch.arange(len(group.prompt_token_ids) - 1, tokens.shape[1] - 1)
-        generated = torch.tensor(sample.token_ids)
-        assert log_probs[positions].argmax(-1).tolist() == sample.token_ids
-        diff = (log_probs[positions, generated] - torch.tensor(sample.logprobs)).abs().max().item()
-        max_diff = max(max_diff, diff)
+    max_diff = greedy_log_prob_gap(hf_model, _collect(manager))  # asserts the greedy tokens are transformers' argmax
     print(f"max |engine - transformers| log-prob difference: {max_diff:.2e}")
     assert max_diff < 1e-4
 
