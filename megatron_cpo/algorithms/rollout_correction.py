@@ -119,10 +119,13 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
 
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor, threshold: float) -> float:
     """verl's ESS of importance weights, a fraction in (0, 1]: 1 / E[(w / E[w])^2] over the valid tokens, with the
-    weights first clamped to [1/C, C]."""
-    clamped = weights.clamp(min=1.0 / threshold, max=threshold)
+    weights first clamped to [1/C, C].
+
+    It is E[w]^2 / E[w^2], at most 1 by Cauchy-Schwarz; in float32 equal weights gave 1.0000001, so it is computed
+    in float64 and the last rounding is clamped to 1 (it can never exceed its bound)."""
+    clamped = weights.double().clamp(min=1.0 / threshold, max=threshold)
     normalized = clamped / (masked_mean(clamped, mask) + 1e-8)
-    return float(1.0 / masked_mean(normalized.square(), mask))
+    return min(float(1.0 / masked_mean(normalized.square(), mask)), 1.0)
 
 
 @torch.no_grad()

@@ -37,6 +37,19 @@ def test_token_is_truncates_each_ratio_and_reports_mean_max_ess():
                                                                          rel=1e-5)
     assert m["rollout_corr/masked_fraction"] == 0.0
 
+@pytest.mark.parametrize("seed", range(20))
+def test_ess_never_exceeds_one(seed):
+    """Equal weights gave 1.0000001 in float32 (test_async_e2e failed on an AVX2 CPU): the ESS is at most 1 exactly,
+    for equal weights of any value and for random ones, and 1 for equal weights."""
+    gen = torch.Generator().manual_seed(seed)
+    value = float(torch.empty(()).uniform_(0.3, 3.0, generator=gen))
+    mask = (torch.rand(64, 97, generator=gen) < 0.9).int()
+    equal = torch.full((64, 97), value)
+    assert effective_sample_size(equal, mask, threshold=2.0) == pytest.approx(1.0, abs=1e-12)
+    assert effective_sample_size(equal, mask, threshold=2.0) <= 1.0
+    random = torch.exp(torch.randn(64, 97, generator=gen) * 1e-4)  # near 1: where rounding could push it over
+    assert 0 < effective_sample_size(random, mask, threshold=2.0) <= 1.0
+
 
 def test_sequence_is_weights_every_token_by_the_truncated_product():
     old, rollout = log_ratios([0.5, 3.0, 1.0], [1.5, 1.0])
