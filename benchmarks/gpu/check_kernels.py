@@ -90,6 +90,22 @@ def _logits(gen: torch.Generator, case: Case) -> torch.Tensor:
     return logits.to(case.dtype).double()
 
 
+def _errors(lp, ent, grads, ref_lp, ref_ent, ref_grads, case: Case) -> dict[str, float | None]:
+    return {"log_probs": rel_error(lp, ref_lp), "entropy": rel_error(ent, ref_ent),
+            "grad_input": rel_error(grads[0], ref_grads[0]),
+            "grad_weight": rel_error(grads[1], ref_grads[1]) if case.kernel == "linear" else None}
+
+
+def _plain_torch(inputs64: list[torch.Tensor], targets: torch.Tensor, grad_lp: torch.Tensor, grad_ent: torch.Tensor,
+                 case: Case) -> tuple:
+    """The materialised computation in the case's dtype (matmul, softmax, autograd): what plain torch gets."""
+    inputs = [t.to(case.dtype).requires_grad_() for t in inputs64]
+    logits = inputs[0] if case.kernel == "logits" else inputs[0] @ inputs[1].T
+    lp, ent = materialized_log_probs_and_entropy(logits[:, : case.v], targets, case.temperature, IGNORE)
+    grads = torch.autograd.grad((lp.double() * grad_lp).sum() + (ent.double() * grad_ent).sum(), inputs)
+    return lp, ent, grads
+
+
 def check(case: Case, impl: object, device: torch.device, seed: int = 0) -> dict:
     """Errors of log-probs, entropy and the input gradients against float64, relative to the float64 magnitudes."""
     gen = torch.Generator().manual_seed(seed)
@@ -113,12 +129,15 @@ def check(case: Case, impl: object, device: torch.device, seed: int = 0) -> dict
         lp, ent = linear_log_probs_and_entropy(inputs[0], inputs[1], targets, case.temperature, ignore_index=IGNORE,
                                               vocab_size=case.v, impl=impl)
     grads = torch.autograd.grad((lp.double() * grad_lp).sum() + (ent.double() * grad_ent).sum(), inputs)
-    errors = {"log_probs": rel_error(lp, ref_lp), "entropy": rel_error(ent, ref_ent),
-              "grad_input": rel_error(grads[0], ref_grads[0]),
-              "grad_weight": rel_error(grads[1], ref_grads[1]) if case.kernel == "linear" else None}
+    errors = _errors(lp, ent, grads, ref_lp, ref_ent, ref_grads, case)
+    torch_errors = _errors(*_plain_torch(inputs64, targets, grad_lp, grad_ent, case), ref_lp, ref_ent, ref_grads, case)
     tolerance = TOLERANCE[case.dtype]
     finite = all(bool(torch.isfinite(t).all()) for t in (lp, ent, *grads))
-    passed = finite and all(e is not None and e < tolerance for e in errors.values() if e is not None)
+    # the bar: the dtype's tolerance; in float32, or twice the error of plain torch's float32 computation where that
+    # is larger (a float32 reduction over 50k vocabulary entries is off by ~1e-5 in any summation order). In bf16
+    # plain torch rounds the logits themselves (its error reaches 1 on +-1e4 logits): no bar to measure against.
+    passed = finite and all(e < (max(tolerance, 2 * torch_errors[k]) if case.dtype == torch.float32 else tolerance)
+                            for k, e in errors.items() if e is not None)
     padding_grad_zero = bool((grads[0][:, case.v:] == 0).all()) if case.kernel == "logits" else \
         bool((grads[1][case.v:] == 0).all())
     return {"kernel": "log_probs_and_entropy" if case.kernel == "logits" else "linear_log_probs_and_entropy",
@@ -126,6 +145,7 @@ def check(case: Case, impl: object, device: torch.device, seed: int = 0) -> dict
             "n": case.n, "h": case.h if case.kernel == "linear" else None, "v": case.v, "pad": case.pad,
             "temperature": case.temperature, "ignored_tokens": int((targets == IGNORE).sum()),
             **{f"err_{k}": v for k, v in errors.items()}, "tolerance": tolerance,
+            **{f"torch_err_{k}": v for k, v in torch_errors.items()},
             "padding_grad_zero": padding_grad_zero, "passed": passed and padding_grad_zero}
 
 

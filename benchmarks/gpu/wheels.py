@@ -25,6 +25,11 @@ PACKAGES = {
     "yaml": ("pyyaml", "megatron_cpo.config", True),
     "safetensors": ("safetensors", "the actor's random HF checkpoint", True),
     "transformers": ("transformers", "the actor's HF config and checkpoint", True),
+    # the actor and offload parts import the trainer's update, which imports the reward code (math grading); the
+    # first GPU run (2026-11-27, H200) stopped both parts with "No module named 'math_verify'"
+    "math_verify": ("math-verify==0.9.0", "megatron_cpo.rewards (the actor and offload parts)", True),
+    "latex2sympy2_extended": ("latex2sympy2_extended==1.11.0", "math-verify", True),
+    "antlr4": ("antlr4-python3-runtime==4.13.2", "latex2sympy2_extended", True),
 }
 
 

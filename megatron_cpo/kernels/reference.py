@@ -9,8 +9,9 @@ import torch
 
 def materialized_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log_softmax`` over a float32 copy of all logits, then gather and ``-sum p log p`` (autograd by torch)."""
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    """``log_softmax`` over a float32 copy of all logits (float64 ones stay float64), then gather and
+    ``-sum p log p`` (autograd by torch)."""
+    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     ignored = targets == ignore_index
     picked = log_p.gather(-1, targets.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
