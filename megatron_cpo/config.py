@@ -12,7 +12,7 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
 - `actor_rollout_ref.model.*`: `models/config.py`; `.actor.*`, `.ref.*` and `trainer.*`: `trainer/config.py`;
   `.rollout.*`: `rollout/config.py`, its `multi_turn.*`: `envs/config.py` (joined to the rollout section here, since
   `envs` sits above `rollout`).
-- `async_training.*`: `trainer/admission.py` (`AsyncTrainingConfig`).
+- `async_training.*`: `trainer/config.py` (`AsyncTrainingConfig`, read by `trainer/driver/admission.py`).
 
 Each section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
 Every error names the offending value and says how to fix it. Accepted spellings (the seeds' names and verl's) are
@@ -35,8 +35,7 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.manager import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
-from megatron_cpo.trainer.admission import AsyncTrainingConfig
-from megatron_cpo.trainer.config import ActorConfig, RefConfig, TrainerConfig
+from megatron_cpo.trainer.config import ActorConfig, AsyncTrainingConfig, RefConfig, TrainerConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 

@@ -116,9 +116,9 @@ class ClockedEngine:
 def simulate(k: int, keep_rate: float, train_s_per_token: float, args) -> dict:
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.generators import SingleTurnGenerator
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.controller import RolloutController
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.controller import RolloutController
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     engine = ClockedEngine(args.max_num_seqs, args.decode_step_s)
     filtering = keep_rate < 1.0

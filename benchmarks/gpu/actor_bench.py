@@ -1,7 +1,7 @@
 """The Megatron actor on the device: log-prob pass and one update on a length-skewed batch, through the trainer's code.
 
 A randomly initialised model of Qwen2.5-1.5B's shape (`--layers` fewer to fit a time budget) is written as an HF
-checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's steps 3-5 (`trainer/policy_update.py`) on a
+checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's steps 3-5 (`trainer/workers/policy_update.py`) on a
 `StepBatch` of prompts x samples with log-normal response lengths (the long tail of RL responses), with the actor's
 `log_probs` and `update` timed in place (the instance's methods are wrapped; nothing else changes). The first step
 warms up (kernel compilation, allocator); the next one is measured.
@@ -120,7 +120,7 @@ def lengths(shape: BatchShape, seed: int) -> tuple[list[int], list[int]]:
 
 def length_skewed_batch(shape: BatchShape, vocab: int, seed: int = 0):
     """A `StepBatch` of random tokens (ids >= 1; 0 pads) with log-normal lengths and mixed 0/1 scores per group."""
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     prompt_lengths, response_lengths = lengths(shape, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -215,8 +215,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     """Build the actor for one mode, run two trainer steps (warm-up, measured) and return the measured phases."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, model["vocab_size"])
     totals = (batch.prompt_ids.lengths() + batch.response_ids.lengths()).tolist()

@@ -2,7 +2,7 @@
 
 A randomly initialised model of Qwen2.5-1.5B's shape (8 of its layers by default, `--layers`) is written as an HF
 checkpoint and built twice by the trainer's `build_policies` (bf16, distributed Adam); both take one
-trainer step (log-probs, advantages, update), then one is offloaded with `trainer/offload.py` (all three parts, as
+trainer step (log-probs, advantages, update), then one is offloaded with `trainer/workers/offload.py` (all three parts, as
 `actor.megatron.{param,grad,optimizer}_offload=true` in `rollout.mode=colocate`) and reloaded. Recorded: the bytes
 of each part, the allocator's allocated memory before, while offloaded and after reload (the offloaded bytes must
 really leave the device and come back), the copy times and bandwidths, whether every parameter, gradient and
@@ -44,9 +44,9 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     """Build two identical actors, step both, offload and reload one, step both again; the record of it."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
+    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, vocab)
     config = build_config({}, [

@@ -75,7 +75,7 @@ def make_batch(prompts: int, n: int, prompt_len: int, seed: int):
     """A StepBatch of random tokens with the example's shape; response lengths spread evenly over 24..128."""
     import torch
 
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(seed)
     rows = prompts * n
@@ -99,9 +99,9 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
         torch.set_num_threads(int(options["threads"]))
     from megatron_cpo import platform
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer import policy_update
-    from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers import policy_update
+    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     if options.get("old_log_probs") != "from_update":
         # the separate pass, as before the predicate existed

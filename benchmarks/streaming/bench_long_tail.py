@@ -166,9 +166,9 @@ def main() -> None:
     from benchmarks.trainer.bench_controller import build_controller, group_scorer, untrained_setup
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
-    from megatron_cpo.trainer import controller as new_controller
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver import controller as new_controller
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     controllers = {"streaming": new_controller}
     if args.old_tree is not None:

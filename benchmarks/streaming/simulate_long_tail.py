@@ -116,9 +116,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.trainer.bench_controller import build_controller
-    from megatron_cpo.trainer import controller as new_controller
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver import controller as new_controller
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     if args.uncommitted_bound:
         as_shipped = new_controller.prompts_to_request

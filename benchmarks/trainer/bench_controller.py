@@ -50,7 +50,7 @@ def build_controller(module, manager, stream, scorer, batch_size: int, group_fil
 
 def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, step):
     """verl's loop: generate train_batch_size prompts at a time, wait for all, filter, accumulate, truncate."""
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
 
     kept, rollouts = 0, 0
     while kept < batch_size:
@@ -124,9 +124,9 @@ def main() -> None:
 
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer import controller as controller_module
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver import controller as controller_module
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     tokenizer, dataset, manager = untrained_setup("bench_controller_", max_num_seqs=args.max_num_seqs)
 

@@ -23,7 +23,7 @@ MODES = ("sequential", "old", "new")
 
 
 def load_old_controller(tree: Path):
-    spec = importlib.util.spec_from_file_location("old_controller", tree / "megatron_cpo/trainer/controller.py")
+    spec = importlib.util.spec_from_file_location("old_controller", tree / "megatron_cpo/trainer/driver/controller.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["old_controller"] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
@@ -43,9 +43,9 @@ def main() -> None:
     from benchmarks.trainer.bench_controller import build_controller, group_scorer, sequential_batch, untrained_setup
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
-    from megatron_cpo.trainer import controller as new_controller
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver import controller as new_controller
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     old_controller = load_old_controller(args.old_tree)
     tokenizer, dataset, manager = untrained_setup("bench_controller_ab_")

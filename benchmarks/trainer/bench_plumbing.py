@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def synthetic_groups(args: argparse.Namespace) -> list:
     """Kept groups as the controller produces them (Python lists from the engine)."""
-    from megatron_cpo.trainer.accumulator import ScoredGroup
+    from megatron_cpo.trainer.driver.accumulator import ScoredGroup
 
     rng = np.random.default_rng(0)
     sigma = 0.8
@@ -53,7 +53,8 @@ def synthetic_groups(args: argparse.Namespace) -> list:
 
 
 def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from megatron_cpo.trainer import collectives, policy_update, step_batch
+    from megatron_cpo.trainer.driver import batching
+    from megatron_cpo.trainer.workers import collectives, policy_update
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -67,7 +68,7 @@ def run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> No
         dist.barrier()
         cpu_start = time.process_time()
         start = time.perf_counter()
-        batch = step_batch.make_step_batch(groups, 1.0) if rank == 0 else None
+        batch = batching.make_step_batch(groups, 1.0) if rank == 0 else None
         built, cpu_built = time.perf_counter(), time.process_time()
         batch = collectives.broadcast_batch(batch)
         sent, cpu_sent = time.perf_counter(), time.process_time()

@@ -3,7 +3,7 @@
 After a weight push every live engine continues a few fixed probe prompts greedily and returns its log-probs of
 the tokens it chose (`RolloutEngines.sync_probe`: outside the request book, so the controller's `finished()` never
 returns these requests and its `cancel_all()` never aborts them); the trainer scores the same tokens with the
-actor it just pushed (`trainer/sync_probe.py`). The largest |engine - trainer| log-prob difference is
+actor it just pushed (`trainer/workers/sync_probe.py`). The largest |engine - trainer| log-prob difference is
 `rollout/sync_check_max_abs_diff`; above `tolerance` the run stops naming the push. A reload that leaves part of
 the engine's model behind (a layer vLLM did not re-process, a prefix cache serving keys of the old weights, a
 tensor the sender never sent) shows up as a difference far above the numerical noise of the dtype in use.

@@ -1,11 +1,16 @@
-"""The training loop: rank-0 filter-accumulate controller, Megatron actor and reference, the step, checkpoints.
+"""The training loop: `loop.py` is the step; around it three sides, each its own package.
 
-One step, in reading order: `loop.py` (`Trainer.step`, the numbered list of docs/architecture.md), `rank_zero.py`
-(rank 0's data, engines, validation and logging), `controller.py` + `accumulator.py` (how a batch is filled from
-streaming rollouts), `step_batch.py` (the batch rank 0 broadcasts), `collectives.py` (the batch broadcast, the weight
-push, every other collective), `policy_update.py` (log-probs, advantages, CPO shaping, PPO update), `actor.py`
-(Megatron forward/backward), `checkpointing.py`. `config.py` holds the trainer's sections (`actor.*`, `ref.*`,
-`trainer.*`).
+- `driver/` (rank 0 only): the prompt stream, the filter-accumulate controller and its admission rule, grading,
+  the batch it builds, validation and the loggers;
+- `workers/` (every rank): the Megatron actor and reference, the log-prob / advantage / update steps, the sync
+  probe's scoring and every collective of a step (`collectives.py`);
+- `batch/`: the batch a step trains on and its sequence layout (ragged rows, packing, micro-batches), which both
+  sides build on;
+- `run/`: the run's plumbing (preflight, the process layout, run-directory guards, checkpoints and resume, errors).
+`config.py` holds the trainer's sections (`actor.*`, `ref.*`, `trainer.*`, `async_training.*`); `command.py` is
+`megatron-cpo train`. One step, in reading order: `loop.py` (`Trainer.step`, the numbered list of
+docs/architecture.md), `driver/rank_zero.py`, `driver/controller.py`, `workers/policy_update.py`,
+`workers/actor.py`, `run/checkpointing.py`.
 Entry points: `megatron-cpo train --config ...` and `run_training(config)`.
 
 `Trainer` and `run_training` load on first use, so that the trainer's config sections (`trainer/config.py`) load

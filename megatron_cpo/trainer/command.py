@@ -28,7 +28,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def dry_run_report(config_path: str, overrides: list[str]) -> str:
     """The resolved config as YAML, the ignored verl keys and the layout; raises `ConfigError` on any problem."""
-    from megatron_cpo.trainer.preflight import preflight
+    from megatron_cpo.trainer.run.preflight import preflight
 
     resolved = resolve_config(config_path, overrides)
     plan = preflight(resolved.config, planning=True)
@@ -48,13 +48,13 @@ def run_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         print(dry_run_report(args.config, args.overrides), flush=True)
         return
-    from megatron_cpo.trainer.preflight import preflight
+    from megatron_cpo.trainer.run.preflight import preflight
 
     config = load_config(args.config, args.overrides)
     preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
-    from megatron_cpo.trainer.errors import RunAbortedError
+    from megatron_cpo.trainer.run.errors import RunAbortedError
     from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
     try:
         final = run_training(config, checked=True)

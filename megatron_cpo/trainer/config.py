@@ -1,14 +1,15 @@
 """The trainer's sections: `actor_rollout_ref.actor.*` (loss, optimizer, Megatron layout, batch sizes,
-checkpoint contents), `actor_rollout_ref.ref.*` (the frozen reference) and `trainer.*` (run length, evaluation,
-checkpoints, logging, early stop), under verl's names."""
+checkpoint contents), `actor_rollout_ref.ref.*` (the frozen reference), `trainer.*` (run length, evaluation,
+checkpoints, logging, early stop) and `async_training.*` (bounded staleness: driver/admission.py), under verl's
+names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_cpo.algorithms.filters import FILTER_LOSS_SCALINGS
 from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.early_stop import EarlyStopConfig
 from megatron_cpo.config_checks import check, check_choice
-from megatron_cpo.trainer.early_stop import EarlyStopConfig
 
 
 @dataclass
@@ -94,7 +95,7 @@ class MegatronConfig:
     `param_offload` / `grad_offload` / `optimizer_offload` (verl's names) move the actor's parameters, gradients
     (DDP's grad buffers) and optimizer state (Adam's moments, fp32 main parameters) to host memory while colocated
     engines generate (`rollout.mode=colocate`), and back before training; they do nothing when the engines have
-    GPUs of their own (trainer/offload.py).
+    GPUs of their own (trainer/workers/offload.py).
     A mixture of experts splits its experts over `expert_model_parallel_size` (EP) ranks and each expert over
     `expert_tensor_parallel_size` (ETP, null: the same as TP) ranks, inside each pipeline stage: world / PP must be a
     multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
@@ -178,7 +179,7 @@ ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 @dataclass
 class RouterReplayConfig:
     """verl's `actor_rollout_ref.actor.router_replay`: make the update route every token of a mixture of experts as
-    an earlier pass did (trainer/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
+    an earlier pass did (trainer/workers/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
     replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same experts
     (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
     returns routed experts only on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is
@@ -297,3 +298,41 @@ class TrainerConfig:
         for sink in self.logger:
             check_choice("trainer.logger entry", sink, ("console", "jsonl", "tensorboard", "wandb"))
         check(self.log_completions >= 0, f"trainer.log_completions={self.log_completions} must be >= 0 (rows/step)")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training` (verl's section; NeMo-RL calls `max_staleness` `max_trajectory_age_steps`).
+
+    max_staleness: k, the most weight versions a trained sample may lag behind the trainer (0: synchronous).
+    partial_rollout (verl's name): what a weight push does with requests still generating: true keeps what they
+        generated so far and continues them on the new weights, so a sample may carry tokens of two versions; false
+        lets them finish on the old weights first (the push waits for the longest).
+    in_flight_weight_updates (NeMo-RL's name; needs partial_rollout): continue them inside the engine, paused in its
+        scheduler during the reload (vLLM's pause_generation(mode="keep")), instead of aborting and resubmitting
+        prompt + partial output. Both recompute the prefix's KV cache under the new weights.
+    """
+    max_staleness: int = 0
+    partial_rollout: bool = True
+    in_flight_weight_updates: bool = False
+
+    def __post_init__(self) -> None:
+        check(self.max_staleness >= 0, f"async_training.max_staleness={self.max_staleness} must be >= 0 (0: "
+                                       "synchronous training, k: samples at most k weight versions old)")
+        check(self.partial_rollout or not self.in_flight_weight_updates,
+              "async_training.in_flight_weight_updates=true continues requests across a push, which "
+              "async_training.partial_rollout=false forbids; set partial_rollout=true or "
+              "in_flight_weight_updates=false")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_staleness > 0
+
+    @property
+    def in_flight(self) -> str:
+        """What a weight push does with requests in flight (rollout/types.py IN_FLIGHT_POLICIES)."""
+        if not self.enabled:
+            return "none"
+        if not self.partial_rollout:
+            return "finish"
+        return "keep" if self.in_flight_weight_updates else "partial"

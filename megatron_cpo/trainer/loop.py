@@ -25,16 +25,16 @@ from megatron_cpo import platform
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
-from megatron_cpo.trainer.checkpointing import CheckpointManager
-from megatron_cpo.trainer.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
+from megatron_cpo.trainer.run.checkpointing import CheckpointManager
+from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                               broadcast_object, push_weights)
-from megatron_cpo.trainer.controller import CollectedBatch
-from megatron_cpo.trainer.errors import RunAbortedError
-from megatron_cpo.trainer.offload import colocated_offload, offloaded_during
-from megatron_cpo.trainer.policies import build_policies
-from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
-from megatron_cpo.trainer.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
-from megatron_cpo.trainer.sync_probe import EngineOutOfSyncError, SyncProbe
+from megatron_cpo.trainer.driver.controller import CollectedBatch
+from megatron_cpo.trainer.run.errors import RunAbortedError
+from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
+from megatron_cpo.trainer.workers.policies import build_policies
+from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
+from megatron_cpo.trainer.run.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
+from megatron_cpo.trainer.workers.sync_probe import EngineOutOfSyncError, SyncProbe
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Trainer:
     def _build(self, manager: RolloutEngines | None) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_cpo.trainer.rank_zero import RankZero
+        from megatron_cpo.trainer.driver.rank_zero import RankZero
 
         config = self.config
         megatron = config.actor_rollout_ref.actor.megatron
@@ -337,7 +337,7 @@ def run_training(config: Config, manager: RolloutEngines | None = None, checked:
     SIGTERM during start-up raises `RunAbortedError` after the engines are stopped.
     `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
     """
-    from megatron_cpo.trainer.preflight import preflight
+    from megatron_cpo.trainer.run.preflight import preflight
 
     if not checked:
         preflight(config)  # model, layout, data, graders, output folder, sinks: fail before anything starts or loads

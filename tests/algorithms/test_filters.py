@@ -13,7 +13,7 @@ from megatron_cpo.algorithms.filters import (
     scale_advantages,
 )
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
-from megatron_cpo.trainer.early_stop import EarlyStopConfig, EarlyStopMonitor
+from megatron_cpo.algorithms.early_stop import EarlyStopConfig, EarlyStopMonitor
 
 
 def test_filter_groups_hand_computed():

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from megatron_cpo.config import build_config
 from megatron_cpo.rewards import registry
-from megatron_cpo.trainer.preflight import data_problems
+from megatron_cpo.trainer.run.preflight import data_problems
 
 
 def _rows(sources):

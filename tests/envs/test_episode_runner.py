@@ -189,9 +189,9 @@ def test_the_controller_cancels_episodes_in_flight_and_the_next_step_regenerates
     """The batch fills while prompt 3's episodes are mid-way (their first step is held): they are cancelled, the data
     stream goes back to prompt 3, and the next step runs its episodes from turn 0; no part of them was trained."""
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.accumulator import keep_varied_groups
-    from megatron_cpo.trainer.controller import RolloutController
-    from megatron_cpo.trainer.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.controller import RolloutController
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     from tests.envs.scripted import HeldUntilReleased
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_cpo.config import ConfigError, build_config, load_config
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
-from megatron_cpo.trainer.preflight import data_problems
+from megatron_cpo.trainer.run.preflight import data_problems
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "multi_turn"
 PREFIX = "actor_rollout_ref.rollout.multi_turn."

@@ -61,7 +61,7 @@ SMOLLM2 = sorted(EXAMPLES.glob("smollm2-135m/*.yaml"))
 def test_smollm2_examples_use_the_fast_cpu_settings(path):
     """The real-model example: bf16 actor, token budgets that fit the prompt + response, an on-policy update (no
     separate old-log-prob pass) except for CPO, whose shaping reads the log-probs before the update."""
-    from megatron_cpo.trainer.policy_update import old_log_probs_from_update
+    from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
     config = load_config(path)
     actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from megatron_cpo.config import build_config
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.rewards import ARITH_DATA_SOURCE, RemoteRewardError
-from megatron_cpo.trainer.grading import ResponseScorer
+from megatron_cpo.trainer.driver.grading import ResponseScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "tiny" / "model"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_cpo.progress import eta_seconds, format_duration
-from megatron_cpo.trainer.loggers import ConsoleSink, MetricLogger
+from megatron_cpo.trainer.driver.loggers import ConsoleSink, MetricLogger
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from plot_metrics import main, read_metrics, smooth, smoothing_for  # noqa: E402
 
-from megatron_cpo.trainer.loggers import JsonlSink  # noqa: E402
+from megatron_cpo.trainer.driver.loggers import JsonlSink  # noqa: E402
 
 
 def write_run(path: Path, steps: int = 12, resumed_at: int = 8) -> None:

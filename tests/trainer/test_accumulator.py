@@ -6,13 +6,13 @@ import torch
 from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.algorithms.filters import RolloutFilterConfig
 from megatron_cpo.algorithms.overlong import OverlongBufferConfig
-from megatron_cpo.trainer.accumulator import (
+from megatron_cpo.trainer.driver.accumulator import (
     GroupAccumulator,
     GroupSelection,
     ScoredGroup,
     keep_varied_groups,
 )
-from megatron_cpo.trainer.prompt_stream import PromptStream
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_w
 
 def test_ragen_length_metric_and_options_from_the_config(tokenizer):
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.accumulator import selection_from_config
+    from megatron_cpo.trainer.driver.accumulator import selection_from_config
 
     config = build_config({"data": {"train_batch_size": 4}, "actor_rollout_ref": {
         "actor": {"ppo_mini_batch_size": 4}, "rollout": {
@@ -156,14 +156,14 @@ def test_overlong_penalty_shapes_scores_before_the_filter(tokenizer):
 def test_filter_progress_prints_a_line_only_when_a_generation_batch_completes(tokenizer, caplog):
     """Generation batches of 2 prompts, 3 kept wanted: a poll that completes two batches prints one line for both,
     a poll that completes none prints nothing, the partial last batch is reported once the batch is full."""
-    from megatron_cpo.trainer.controller import log_filter_progress
+    from megatron_cpo.trainer.driver.controller import log_filter_progress
 
     accumulator = GroupAccumulator(3, keep_varied_groups, "acc")
     mixed, uniform = ["4", "5"], ["4", "4"]
     polls = [[0, 1, 2, 3], [5], [4], [6, 7]]  # seq 5 finishes before seq 4: nothing new is committed by that poll
     answers = {0: mixed, 1: uniform, 2: uniform, 3: mixed, 4: uniform, 5: mixed, 6: uniform, 7: mixed}
     logged = 0
-    with caplog.at_level("INFO", logger="megatron_cpo.trainer.controller"):
+    with caplog.at_level("INFO", logger="megatron_cpo.trainer.driver.controller"):
         for seqs in polls:
             accumulator.add([scored_group(tokenizer, seq, answers[seq]) for seq in seqs])
             logged = log_filter_progress(9, accumulator, 2, logged)

@@ -1,4 +1,4 @@
-"""Asynchronous training's admission and commit rules (trainer/admission.py, trainer/controller.py) on a scripted
+"""Asynchronous training's admission and commit rules (trainer/driver/admission.py, trainer/driver/controller.py) on a scripted
 engine.
 
 Why a scripted engine: these properties are about schedules, so the test must choose them: which request finishes
@@ -24,9 +24,9 @@ import torch
 from megatron_cpo.config import build_config
 from megatron_cpo.rollout.generators import SingleTurnGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams
-from megatron_cpo.trainer.accumulator import keep_varied_groups
-from megatron_cpo.trainer.controller import RolloutController
-from megatron_cpo.trainer.prompt_stream import PromptStream
+from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+from megatron_cpo.trainer.driver.controller import RolloutController
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
 BATCH = 4
 

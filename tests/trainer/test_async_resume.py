@@ -28,8 +28,8 @@ def epoch_prompts(config) -> list[str]:
     """The prompts of the run's first epoch, in the order its data stream yields them."""
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.prompt_stream import PromptStream
-    from megatron_cpo.trainer.rollout_side import load_dataset
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
+    from megatron_cpo.trainer.driver.rollout_side import load_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     stream = PromptStream(load_dataset(config.data.train_files, tokenizer, config), 1, config.trainer.seed,

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.sequences import IGNORE_INDEX, pack_sequences
+from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, pack_sequences
 from tests.multiprocess import run_processes
 
 I = IGNORE_INDEX
@@ -44,8 +44,8 @@ def test_pack_sequences_errors_name_the_fix():
 
 def _round_trip(rank, world_size):
     from megatron_cpo import platform
-    from megatron_cpo.trainer.collectives import broadcast_batch
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.workers.collectives import broadcast_batch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     platform.init_distributed(1, 1, seed=1)
     batch = None

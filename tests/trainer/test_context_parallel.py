@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_cpo.trainer.context_parallel import chunk_index
+from megatron_cpo.trainer.batch.context_parallel import chunk_index
 
 
 def test_each_rank_holds_chunk_r_and_its_mirror():

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megatron_cpo.trainer.accumulator import GroupAccumulator, keep_varied_groups
-from megatron_cpo.trainer.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
-from megatron_cpo.trainer.rank_zero import RankZero
+from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, keep_varied_groups
+from megatron_cpo.trainer.driver.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
+from megatron_cpo.trainer.driver.rank_zero import RankZero
 
 
 @pytest.fixture

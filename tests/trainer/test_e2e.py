@@ -109,7 +109,7 @@ class SkipsOnePush:
 
 
 def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rollout_manager, tmp_path):
-    from megatron_cpo.trainer.errors import RunAbortedError
+    from megatron_cpo.trainer.run.errors import RunAbortedError
 
     run_dir = tmp_path / "stale"
     config = make_config("trainer.total_training_steps=3", "trainer.val_before_train=false",

@@ -7,10 +7,10 @@ import torch
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.algorithms.overlong import OverlongBufferConfig
 from megatron_cpo.rollout.types import RolloutSample
-from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupSelection, ScoredGroup, episode_fields
-from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.sequences import pack_sequences
-from megatron_cpo.trainer.step_batch import make_step_batch
+from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupSelection, ScoredGroup, episode_fields
+from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.batch.sequences import pack_sequences
+from megatron_cpo.trainer.driver.batching import make_step_batch
 
 # two episodes: model tokens (mask 1) around an observation (mask 0); and a plain answer (no mask) in another group
 EPISODES = [RolloutSample([5, 6, 7, 8, 9], [-1.0, -1.0, 0.0, 0.0, -1.0], "stop", False, loss_mask=[1, 1, 0, 0, 1]),

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from megatron_cpo.trainer.micro_batches import (balance_rows, fixed_plan, token_budget_micro_batches,
+from megatron_cpo.trainer.batch.micro_batches import (balance_rows, fixed_plan, token_budget_micro_batches,
                                                 token_budget_plan)
-from megatron_cpo.trainer.sequences import pack_sequences
+from megatron_cpo.trainer.batch.sequences import pack_sequences
 
 
 def test_balance_rows_evens_tokens_longest_first():

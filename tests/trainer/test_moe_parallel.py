@@ -22,7 +22,7 @@ LR = 1e-2
 
 
 def _batch(scores):
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(4, 12, (1,), generator=generator)),),
@@ -58,9 +58,9 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
-    from megatron_cpo.trainer.routing import moe_routers
+    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers.routing import moe_routers
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_cpo.trainer.actor as actor_module
+import megatron_cpo.trainer.workers.actor as actor_module
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
 from megatron_cpo.trainer.loop import run_training
 from tests.trainer.test_e2e import read_metrics

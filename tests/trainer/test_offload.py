@@ -1,4 +1,4 @@
-"""trainer/offload.py on a real Megatron actor (DDP grad buffers, distributed Adam) over gloo, DP=2.
+"""trainer/workers/offload.py on a real Megatron actor (DDP grad buffers, distributed Adam) over gloo, DP=2.
 
 On CPU the offload target is a separate host buffer: the test offloads after one update, checks every storage of
 the offloaded parts is really released (0 bytes), reloads, checks parameters, gradients and optimizer state are
@@ -16,7 +16,7 @@ from tests.multiprocess import run_processes
 
 
 def _batch():
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(2, 10, (1,), generator=generator)),),
@@ -35,9 +35,9 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.policies import build_policies
-    from megatron_cpo.trainer.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
+    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -117,8 +117,8 @@ def test_offload_round_trip_is_bit_identical_and_training_continues_unchanged(ti
 
 def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer import offload as offload_module
-    from megatron_cpo.trainer.offload import ActorOffload, colocated_offload, configured_parts, offloaded_during
+    from megatron_cpo.trainer.workers import offload as offload_module
+    from megatron_cpo.trainer.workers.offload import ActorOffload, colocated_offload, configured_parts, offloaded_during
 
     config = build_config({}, ["actor_rollout_ref.actor.megatron.param_offload=true",
                                "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
@@ -128,7 +128,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
 
     model = torch.nn.Linear(3, 2)  # a plain module: parameters only, no DDP buffers or optimizer
     policy = SimpleNamespace(model=model, ddp_model=None, optimizer=None)
-    with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
+    with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.workers.offload"):
         assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "ray") is None
         assert colocated_offload(policy, build_config({}, []).actor_rollout_ref.actor.megatron, "colocate") is None
     assert [r.getMessage() for r in caplog.records] == [
@@ -140,7 +140,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
     weight = model.weight.detach().clone()
     offload = ActorOffload(model, parts=("params",))
     offload_module._cpu_notice_logged = False
-    with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.offload"):
+    with caplog.at_level(logging.INFO, logger="megatron_cpo.trainer.workers.offload"):
         assert offload.offload() == (6 + 2) * 4
         assert offload.offload() == 0  # already out
         assert offload.is_offloaded("params")

@@ -14,7 +14,7 @@ from tests.multiprocess import run_processes
 
 
 def _batch():
-    from megatron_cpo.trainer.step_batch import StepBatch
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(2, 12, (1,), generator=generator)),),
@@ -37,8 +37,8 @@ def _compare(model_dir, pp):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer import policy_update
-    from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.workers import policy_update
+    from megatron_cpo.trainer.workers.policies import build_policies
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
@@ -79,8 +79,8 @@ def _compare(model_dir, pp):
 
 
 def _bf16_update(bf16_config, batch):
-    from megatron_cpo.trainer import policy_update
-    from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.workers import policy_update
+    from megatron_cpo.trainer.workers.policies import build_policies
 
     actor, _ = build_policies(bf16_config, pad_token_id=0, total_updates=4)
     before = [p.detach().float().clone() for p in actor.model.parameters()]
@@ -115,7 +115,7 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.policy_update import old_log_probs_from_update
+    from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
     base = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
     assert old_log_probs_from_update(build_config({}, base))

@@ -1,8 +1,8 @@
 """Padding-free packing: where the sequences of a micro-batch land in the packed rows, and the way back."""
 import torch
 
-from megatron_cpo.trainer.packing import first_fit_rows, pack_rows
-from megatron_cpo.trainer.sequences import IGNORE_INDEX, pack_sequences
+from megatron_cpo.trainer.batch.packing import first_fit_rows, pack_rows
+from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, pack_sequences
 
 
 def _seqs():

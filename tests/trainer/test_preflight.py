@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_cpo.config import ConfigError, build_config
-from megatron_cpo.trainer.preflight import preflight
+from megatron_cpo.trainer.run.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "tiny" / "model"  # num_attention_heads 4, num_key_value_heads 2, 2 layers

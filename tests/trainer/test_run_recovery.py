@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from megatron_cpo.config import ConfigError, load_config
-from megatron_cpo.trainer.checkpoint_files import CheckpointError
+from megatron_cpo.trainer.run.checkpoint_files import CheckpointError
 from megatron_cpo.trainer.loop import run_training
 
 REPO = Path(__file__).resolve().parents[2]
@@ -281,7 +281,7 @@ def test_resumed_sinks_forget_what_an_earlier_attempt_logged_after_the_checkpoin
     pytest.importorskip("tensorboard", reason="the tools extra installs tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_cpo.trainer.loggers import MetricLogger
+    from megatron_cpo.trainer.driver.loggers import MetricLogger
 
     first = MetricLogger(["jsonl", "tensorboard"], tmp_path, 3, "project", "run", {})
     for step in (1, 2, 3):

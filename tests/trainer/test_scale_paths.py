@@ -38,7 +38,7 @@ LOSS_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm
 
 
 def _batch():
-    from megatron_cpo.trainer.sequences import pack_sequences
+    from megatron_cpo.trainer.batch.sequences import pack_sequences
 
     generator = torch.Generator().manual_seed(0)
     prompt_lengths = [3, 6, 4, 5, 3, 4, 6, 5]
@@ -52,7 +52,7 @@ def _batch():
 
 
 def _results(actor, reference, config):
-    from megatron_cpo.trainer.actor import UpdateInputs
+    from megatron_cpo.trainer.workers.actor import UpdateInputs
 
     seqs, advantages, mask = _batch()
     log_probs, entropy = actor.log_probs(seqs, temperature=0.7)
@@ -79,7 +79,7 @@ def _compare_modes(model_dir, tp, pp, modes):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.policies import build_policies
+    from megatron_cpo.trainer.workers.policies import build_policies
 
     base = [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from megatron_cpo.trainer.sync_probe import SyncProbe
+from megatron_cpo.trainer.workers.sync_probe import SyncProbe
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
     def observe(step, mean, peak):
         probe.observe_mismatch(step, {"mismatch/log_probs_diff_mean": mean, "mismatch/log_probs_diff_max": peak})
 
-    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.sync_probe"):
+    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.workers.sync_probe"):
         observe(1, 1e-7, 7e-7)
         observe(2, 5e-6, 9e-5)  # 50x, but below the tolerance: no warning
         observe(3, 0.2, 0.99)
@@ -73,7 +73,7 @@ def test_with_stale_tokens_only_those_of_the_trained_weights_are_watched(make_pr
         metrics["mismatch/staleness_1/log_probs_diff_mean"] = whole[0]
         probe.observe_mismatch(step, metrics)
 
-    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.sync_probe"):
+    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.workers.sync_probe"):
         observe(1, (1e-7, 7e-7), (1e-7, 7e-7))
         observe(2, (0.05, 0.9), (1e-7, 8e-7))  # stale tokens differ a lot: no warning
         observe(3, (0.05, 0.9), None)          # no staleness-0 token: not observed

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_cpo.config import build_config
-from megatron_cpo.trainer.controller import prompt_limit
-from megatron_cpo.trainer.policy_update import scores_with_kl_penalty
-from megatron_cpo.trainer.verl_metrics import with_verl_names
+from megatron_cpo.trainer.driver.controller import prompt_limit
+from megatron_cpo.trainer.workers.policy_update import scores_with_kl_penalty
+from megatron_cpo.trainer.driver.verl_metrics import with_verl_names
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 
@@ -49,8 +49,8 @@ def test_gen_batch_size_is_the_unit_of_max_num_gen_batches():
 
 
 def test_val_kwargs_choose_the_validation_sampling():
-    from megatron_cpo.trainer.rollout_side import training_sampling_params
-    from megatron_cpo.trainer.validation import Validator
+    from megatron_cpo.trainer.driver.rollout_side import training_sampling_params
+    from megatron_cpo.trainer.driver.validation import Validator
 
     def params(*overrides, index=5):
         config = build_config({}, list(overrides))
@@ -69,7 +69,7 @@ def test_val_kwargs_choose_the_validation_sampling():
 def test_data_keys_reach_the_dataset(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.rollout_side import load_dataset
+    from megatron_cpo.trainer.driver.rollout_side import load_dataset
 
     def rows(texts):
         return [{"question": [{"role": "user", "content": t}], "data_source": "math",
@@ -106,7 +106,7 @@ def test_verl_metric_names_are_added_beside_ours():
 def test_metric_logger_writes_verl_names_to_files_not_the_console(tmp_path, capsys):
     import json
 
-    from megatron_cpo.trainer.loggers import MetricLogger
+    from megatron_cpo.trainer.driver.loggers import MetricLogger
 
     metric_logger = MetricLogger(["console", "jsonl"], tmp_path, 10, "p", "n", {}, verl_names=True)
     metric_logger.log({"reward/mean": 0.5}, 1)
@@ -122,7 +122,7 @@ def test_metric_logger_writes_verl_names_to_files_not_the_console(tmp_path, caps
 
 
 def test_val_max_samples_caps_the_validation_set():
-    from megatron_cpo.trainer.validation import Validator
+    from megatron_cpo.trainer.driver.validation import Validator
 
     def size(*overrides):
         return Validator(build_config({}, list(overrides)), list(range(10)), None, None, None).size()
@@ -138,7 +138,7 @@ def test_hint_instruction_reaches_the_hint_context():
     from transformers import AutoTokenizer
 
     from megatron_cpo.data.dataset import PromptRecord
-    from megatron_cpo.trainer.rollout_side import HintContextBuilder
+    from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     config = build_config({}, ["algorithm.adv_estimator=cpo", "data.max_prompt_length=512",

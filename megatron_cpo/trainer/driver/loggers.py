@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_cpo.progress import bar, eta_seconds, format_duration
-from megatron_cpo.trainer.verl_metrics import with_verl_names
+from megatron_cpo.trainer.driver.verl_metrics import with_verl_names
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 the world size (and the model family's own checks, `models.builder.check_hf_config`), verl's
 `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
 for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
-trainer/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
+trainer/run/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
 first, so a bad layout fails in a second instead of after the engines have started.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from megatron_cpo.config import Config, ConfigError
 from megatron_cpo.envs.registry import check_rows
-from megatron_cpo.trainer.layout import Layout
+from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.rollout.modes import rollout_mode_problems
-from megatron_cpo.trainer.loggers import sink_package_problems
-from megatron_cpo.trainer.run_guards import mixing_problem
+from megatron_cpo.trainer.driver.loggers import sink_package_problems
+from megatron_cpo.trainer.run.run_guards import mixing_problem
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
+from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
 LAYOUTS = ("rows", "thd")
 

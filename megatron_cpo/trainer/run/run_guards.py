@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_cpo.config import Config, ConfigError
-from megatron_cpo.trainer.errors import RunAbortedError
+from megatron_cpo.trainer.run.errors import RunAbortedError
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from megatron_cpo import platform
 from megatron_cpo.models import iter_hf_weights
 from megatron_cpo.rollout import send_from_pipeline_stages
 from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.step_batch import StepBatch
+from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.batch.step_batch import StepBatch
 
 # Ray's token authentication settings of the cluster rank 0 started; other ranks need them to connect to it.
 RAY_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")

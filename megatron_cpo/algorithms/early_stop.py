@@ -2,7 +2,7 @@
 no longer differ, since GRPO then has nothing left to compare.
 
 The run's rank 0 feeds the monitor one value per step, `rollout/in_group_reward_std` (the mean in-group reward std of
-every group judged for the step, filtered ones included, see trainer/accumulator.py); the monitor's state is
+every group judged for the step, filtered ones included, see trainer/driver/accumulator.py); the monitor's state is
 checkpointed with the run, so a resumed run continues (or stays stopped) where it was.
 """
 from __future__ import annotations

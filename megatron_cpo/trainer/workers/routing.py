@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.trainer.packing import PackedRows
-from megatron_cpo.trainer.sequences import PackedSequences
+from megatron_cpo.trainer.batch.packing import PackedRows
+from megatron_cpo.trainer.batch.sequences import PackedSequences
 
 
 def moe_routers(model: Any) -> list[Any]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.batch.ragged import RaggedRows
 
 IGNORE_INDEX = -100
 

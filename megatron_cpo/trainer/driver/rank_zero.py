@@ -18,15 +18,16 @@ from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.modes import build_rollout_manager
-from megatron_cpo.trainer.accumulator import selection_from_config
-from megatron_cpo.trainer.controller import CollectedBatch, RolloutController
-from megatron_cpo.trainer.early_stop import EarlyStopMonitor
-from megatron_cpo.trainer.grading import ResponseScorer
-from megatron_cpo.trainer.loggers import MetricLogger
-from megatron_cpo.trainer.prompt_stream import PromptStream
-from megatron_cpo.trainer.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
-from megatron_cpo.trainer.step_batch import StepBatch, make_step_batch
-from megatron_cpo.trainer.validation import Validator
+from megatron_cpo.trainer.driver.accumulator import selection_from_config
+from megatron_cpo.trainer.driver.controller import CollectedBatch, RolloutController
+from megatron_cpo.algorithms.early_stop import EarlyStopMonitor
+from megatron_cpo.trainer.driver.grading import ResponseScorer
+from megatron_cpo.trainer.driver.loggers import MetricLogger
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream
+from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
+from megatron_cpo.trainer.batch.step_batch import StepBatch
+from megatron_cpo.trainer.driver.batching import make_step_batch
+from megatron_cpo.trainer.driver.validation import Validator
 
 logger = logging.getLogger(__name__)
 

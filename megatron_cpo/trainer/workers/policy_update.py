@@ -19,11 +19,11 @@ from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
 from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
-from megatron_cpo.trainer.actor import MegatronPolicy, UpdateInputs
-from megatron_cpo.trainer.ragged import RaggedRows
-from megatron_cpo.trainer.routing import RecordedRouting
-from megatron_cpo.trainer.sequences import PackedSequences, pack_sequences
-from megatron_cpo.trainer.step_batch import StepBatch
+from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
+from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.workers.routing import RecordedRouting
+from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
+from megatron_cpo.trainer.batch.step_batch import StepBatch
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:

@@ -10,9 +10,9 @@ import torch
 from megatron_cpo.config import Config
 from megatron_cpo.models import build_gpt_model, load_hf_config, load_hf_weights
 from megatron_cpo.models.families import family_of
-from megatron_cpo.trainer.actor import MegatronPolicy
-from megatron_cpo.trainer.optimizer import build_optimizer, wrap_ddp
-from megatron_cpo.trainer.routing import RouterTracker, freeze_routers
+from megatron_cpo.trainer.workers.actor import MegatronPolicy
+from megatron_cpo.trainer.workers.optimizer import build_optimizer, wrap_ddp
+from megatron_cpo.trainer.workers.routing import RouterTracker, freeze_routers
 
 logger = logging.getLogger(__name__)
 

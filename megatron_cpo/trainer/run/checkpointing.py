@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.trainer.checkpoint_files import (HF_DIR, LATEST, TMP_SUFFIX, CheckpointError, file_digest,
+from megatron_cpo.trainer.run.checkpoint_files import (HF_DIR, LATEST, TMP_SUFFIX, CheckpointError, file_digest,
                                                    read_latest, step_dir_name, step_dirs, verify_checkpoint,
                                                    write_latest, write_manifest)
 

@@ -19,7 +19,7 @@ from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, 
 from megatron_cpo.algorithms.overlong import OverlongBufferConfig, overlong_reward_penalty
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.types import EpisodeInfo, RolloutSample
-from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.batch.ragged import RaggedRows
 
 MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 """Maps a [groups, n] metric matrix to a bool [groups] keep mask (vectorised over the groups)."""

@@ -35,11 +35,11 @@ import torch
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample
-from megatron_cpo.trainer.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
-from megatron_cpo.trainer.admission import (EngineIdleWatch, OpenRequests, Request, admission_capacity,
+from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
+from megatron_cpo.trainer.driver.admission import (EngineIdleWatch, OpenRequests, Request, admission_capacity,
                                             staleness_metrics)
-from megatron_cpo.trainer.prompt_stream import PromptStream, StreamPosition
-from megatron_cpo.trainer.ragged import RaggedRows
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
+from megatron_cpo.trainer.batch.ragged import RaggedRows
 
 logger = logging.getLogger(__name__)
 

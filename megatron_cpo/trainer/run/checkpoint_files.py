@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from megatron_cpo.trainer.errors import RunAbortedError
+from megatron_cpo.trainer.run.errors import RunAbortedError
 
 LATEST = "latest"
 HF_DIR = "huggingface"

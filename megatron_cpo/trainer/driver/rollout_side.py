@@ -8,7 +8,7 @@ from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.data.hints import HintReader, HintTemplate, build_hint_contexts
 from megatron_cpo.rollout import SamplingParams
-from megatron_cpo.trainer.accumulator import ScoredGroup
+from megatron_cpo.trainer.driver.accumulator import ScoredGroup
 
 
 def load_dataset(files: list[str], tokenizer: Any, config: Config) -> PromptDataset:

@@ -14,7 +14,7 @@ from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.types import RolloutGroup
-from megatron_cpo.trainer.grading import ResponseScorer
+from megatron_cpo.trainer.driver.grading import ResponseScorer
 
 
 class Validator:

@@ -27,46 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_cpo.config_checks import check
-from megatron_cpo.trainer.prompt_stream import StreamPosition
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """`async_training` (verl's section; NeMo-RL calls `max_staleness` `max_trajectory_age_steps`).
-
-    max_staleness: k, the most weight versions a trained sample may lag behind the trainer (0: synchronous).
-    partial_rollout (verl's name): what a weight push does with requests still generating: true keeps what they
-        generated so far and continues them on the new weights, so a sample may carry tokens of two versions; false
-        lets them finish on the old weights first (the push waits for the longest).
-    in_flight_weight_updates (NeMo-RL's name; needs partial_rollout): continue them inside the engine, paused in its
-        scheduler during the reload (vLLM's pause_generation(mode="keep")), instead of aborting and resubmitting
-        prompt + partial output. Both recompute the prefix's KV cache under the new weights.
-    """
-    max_staleness: int = 0
-    partial_rollout: bool = True
-    in_flight_weight_updates: bool = False
-
-    def __post_init__(self) -> None:
-        check(self.max_staleness >= 0, f"async_training.max_staleness={self.max_staleness} must be >= 0 (0: "
-                                       "synchronous training, k: samples at most k weight versions old)")
-        check(self.partial_rollout or not self.in_flight_weight_updates,
-              "async_training.in_flight_weight_updates=true continues requests across a push, which "
-              "async_training.partial_rollout=false forbids; set partial_rollout=true or "
-              "in_flight_weight_updates=false")
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_staleness > 0
-
-    @property
-    def in_flight(self) -> str:
-        """What a weight push does with requests in flight (rollout/types.py IN_FLIGHT_POLICIES)."""
-        if not self.enabled:
-            return "none"
-        if not self.partial_rollout:
-            return "finish"
-        return "keep" if self.in_flight_weight_updates else "partial"
+from megatron_cpo.trainer.driver.prompt_stream import StreamPosition
 
 
 def admission_capacity(max_staleness: int, batch_size: int, held: int) -> int:

@@ -25,8 +25,8 @@ from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
-from megatron_cpo.trainer.collectives import broadcast_object
-from megatron_cpo.trainer.sequences import pack_sequences
+from megatron_cpo.trainer.workers.collectives import broadcast_object
+from megatron_cpo.trainer.batch.sequences import pack_sequences
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)
-from megatron_cpo.trainer.context_parallel import chunk_index, gather_positions
+from megatron_cpo.trainer.batch.context_parallel import chunk_index, gather_positions
 from megatron_cpo.trainer.config import ActorConfig
-from megatron_cpo.trainer.micro_batches import Plan, fixed_plan, token_budget_plan
-from megatron_cpo.trainer.packing import PackedRows, pack_rows
-from megatron_cpo.trainer.routing import RecordedRouting, RouterTracker, aux_loss_metrics
-from megatron_cpo.trainer.sequences import IGNORE_INDEX, PackedSequences
+from megatron_cpo.trainer.batch.micro_batches import Plan, fixed_plan, token_budget_plan
+from megatron_cpo.trainer.batch.packing import PackedRows, pack_rows
+from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
+from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
 
 @dataclass
@@ -67,7 +67,7 @@ class MegatronPolicy:
     `log_prob_max_token_len_per_gpu` (scoring). `log_prob_micro_batch_size`: rows of a fixed scoring micro-batch
     (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`).
     `routing` (a mixture of experts' actor): records the old-log-prob pass's routing and replays or compares it in
-    the update (trainer/routing.py)."""
+    the update (trainer/workers/routing.py)."""
 
     def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
                  ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
