@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
-from megatron_cpo.algorithms.filters import RolloutFilterConfig
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig
+from megatron_cpo.algorithms.config import OverlongBufferConfig, RolloutFilterConfig
 from megatron_cpo.trainer.driver.accumulator import (
     GroupAccumulator,
     GroupSelection,

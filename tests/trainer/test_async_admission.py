@@ -1,5 +1,5 @@
-"""Asynchronous training's admission and commit rules (trainer/driver/admission.py, trainer/driver/controller.py) on a scripted
-engine.
+"""Asynchronous training's admission and commit rules (trainer/driver/admission.py, trainer/driver/controller.py) on
+a scripted engine.
 
 Why a scripted engine: these properties are about schedules, so the test must choose them: which request finishes
 when, relative to the others and to the weight pushes, over thousands of random orders. A real engine cannot be

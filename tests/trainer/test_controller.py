@@ -136,7 +136,8 @@ def test_only_prompts_on_the_engines_count_against_the_in_flight_cap(make_config
     side = side_for(make_config("algorithm.filter_groups.enable=true",
                                 "actor_rollout_ref.rollout.max_inflight_prompts=4"))
     controller = side.controller
-    controller.admission.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects ~1% kept: wants many prompts
+    # expects ~1% kept: wants many prompts
+    controller.admission.keep_history = KeepRateHistory(kept=0.0, committed=100.0)
     accumulator = GroupAccumulator(4, keep_varied_groups)
     open_ = controller.open  # the controller's own bookkeeping: `issued` prompts, `running` on the engines
     try:

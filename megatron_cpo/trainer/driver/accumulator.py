@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_cpo.algorithms.config import FilterGroupsConfig
-from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig, overlong_reward_penalty
+from megatron_cpo.algorithms.config import FilterGroupsConfig, OverlongBufferConfig, RolloutFilterConfig
+from megatron_cpo.algorithms.filters import filter_groups, ragen_filter
+from megatron_cpo.algorithms.overlong import overlong_reward_penalty
 from megatron_cpo.rollout.types import EpisodeInfo, RolloutSample
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 

@@ -33,8 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_cpo.algorithms.config import FilterGroupsConfig
-from megatron_cpo.algorithms.filters import RolloutFilterConfig
+from megatron_cpo.algorithms.config import FilterGroupsConfig, RolloutFilterConfig
 from megatron_cpo.data.config import DataConfig
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample

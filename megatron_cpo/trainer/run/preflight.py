@@ -24,7 +24,7 @@ from megatron_cpo.data.config import DataConfig
 from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.registry import check_rows
 from megatron_cpo.models.config import ModelConfig
-from megatron_cpo.rewards.manager import RewardConfig
+from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
 from megatron_cpo.trainer.config import ActorConfig, MegatronConfig, TrainerConfig
@@ -226,7 +226,7 @@ def data_problems(data: DataConfig, reward: RewardConfig, multi_turn: MultiTurnC
     source has a grader (`reward.*`, or the row's environment scores itself with `multi_turn.enable`); returns the
     problems and the number of training rows (None when unreadable)."""
     from megatron_cpo.data.dataset import DataValidationError, read_rows
-    from megatron_cpo.rewards.registry import missing_grader_message
+    from megatron_cpo.rewards.registry import missing_grader_message, sources_without_grader
 
     if not data.train_files:
         return ["data.train_files is empty; set it to one or more parquet files (verl schema, see docs/data.md)"], None
@@ -256,7 +256,7 @@ def data_problems(data: DataConfig, reward: RewardConfig, multi_turn: MultiTurnC
         found, self_scored = check_rows(multi_turn, all_rows, reward.sandbox)
         problems += found
         sources = Counter({source: count for source, count in sources.items() if source not in self_scored})
-    missing = reward.sources_without_grader(sources)
+    missing = sources_without_grader(reward, sources)
     if missing:
         counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)
         problems.append(missing_grader_message(missing, f"data.train_files / data.val_files ({counts})"))

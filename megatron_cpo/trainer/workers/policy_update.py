@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.config import AlgorithmConfig
+from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
-from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.config import ActorConfig

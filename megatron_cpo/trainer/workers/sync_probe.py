@@ -22,7 +22,8 @@ from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.data.dataset import encode_texts, render_prompts
 from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.rollout.sync_check import SyncCheckConfig, compare_probe
+from megatron_cpo.rollout.config import SyncCheckConfig
+from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
 from megatron_cpo.trainer.workers.collectives import broadcast_object
 from megatron_cpo.trainer.batch.sequences import pack_sequences
