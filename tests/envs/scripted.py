@@ -23,8 +23,10 @@ class Request:
 class ScriptedEngines:
     """`script(request, turn)` -> (sampled ids, finish_reason); log-prob of the k-th sampled id of a turn is
     -(turn + 1) - k / 100, so every log-prob says where it came from. `max_tokens` is honoured like an engine: the
-    ids are cut and the finish reason becomes "length"."""
+    ids are cut and the finish reason becomes "length". Every sampled id carries `version`, the weight version the
+    engines serve now (a test bumps it to play a weight push)."""
     script: Callable[[Request, int], tuple[list[int], str]]
+    version: int = 0
     requests: list[Request] = field(default_factory=list)
     cancelled: int = 0
     _done: list[RolloutGroup] = field(default_factory=list)
@@ -41,7 +43,8 @@ class ScriptedEngines:
         with self._lock:
             self.requests.append(request)
             self._done.append(RolloutGroup(request_id, list(prompt_token_ids),
-                                           [RolloutSample(ids, logprobs, reason, reason == "length")]))
+                                           [RolloutSample(ids, logprobs, reason, reason == "length",
+                                                          policy_versions=[self.version] * len(ids))]))
 
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         with self._lock:
@@ -135,3 +138,75 @@ class HeldUntilReleased(TextEnvironment):
 
     def score(self) -> float:
         return 0.0
+
+
+class Counted:
+    """A mixin that counts the environments made and how often each was closed (class-wide: every environment must
+    be closed exactly once, whatever ended its episode)."""
+    made: list = []
+    closes: dict[int, int] = {}
+    lock = threading.Lock()
+
+    @classmethod
+    def reset_counts(cls) -> None:
+        Counted.made, Counted.closes = [], {}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        with Counted.lock:
+            Counted.made.append(self)
+            Counted.closes[id(self)] = 0
+
+    def close(self) -> None:
+        with Counted.lock:
+            Counted.closes[id(self)] += 1
+        super().close()
+
+    @classmethod
+    def closed_once(cls, made: int | None = None) -> bool:
+        """Every environment made was closed exactly once (and `made` of them were made, when given)."""
+        with Counted.lock:
+            return (made is None or len(Counted.made) == made) and all(c == 1 for c in Counted.closes.values())
+
+
+class CountedHeld(Counted, HeldUntilReleased):
+    pass
+
+
+class CountedCountdown(Counted, CountdownEnvironment):
+    pass
+
+
+class HoldsFirstStep(Counted, TextEnvironment):
+    """The first environment to step waits there until `release` is set; every step ends its episode."""
+    release = threading.Event()
+    taken = threading.Lock()
+
+    def step(self, action_text: str) -> StepResult:
+        if HoldsFirstStep.taken.acquire(blocking=False):
+            HoldsFirstStep.release.wait(10)
+        return StepResult([], reward=1.0, done=True)
+
+    def score(self) -> float:
+        return 0.0
+
+
+class SlowScore(Counted, TextEnvironment):
+    """Its final score takes until `release` is set (past any short call timeout)."""
+    release = threading.Event()
+
+    def step(self, action_text: str) -> StepResult:
+        return StepResult([], reward=1.0, done=True)
+
+    def score(self) -> float:
+        SlowScore.release.wait(10)
+        return 0.0
+
+
+class Diverging(CountdownEnvironment):
+    """Starts each episode from a conversation of its own (breaking the rule that a group starts from one)."""
+    made = 0
+
+    def reset(self, record, seed):
+        Diverging.made += 1
+        return [user(f"start {Diverging.made}")]
