@@ -105,9 +105,6 @@ class Config:
               f"algorithm.rollout_correction.rollout_is={algo.rollout_correction.rollout_is!r} and "
               f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} both weight the loss by the "
               "engine's log-probs; keep one (tis_imp_ratio_cap=-1, or rollout_is=null)")
-        check(not (rollout.multi_turn.enable and staleness > 0), f"async_training.max_staleness={staleness} with "
-              "actor_rollout_ref.rollout.multi_turn.enable=true: episodes do not yet carry the weight version of "
-              "each token across a push; set max_staleness=0 for multi-turn runs")
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)

@@ -4,10 +4,12 @@ answers every n=1 request at once from a script; everything else the runner does
 template of the tiny model's tokenizer, limits) is real."""
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
 from megatron_cpo.envs.base import StepResult, TextEnvironment, user
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams
 
@@ -210,3 +212,72 @@ class Diverging(CountdownEnvironment):
     def reset(self, record, seed):
         Diverging.made += 1
         return [user(f"start {Diverging.made}")]
+
+
+class NumberedRetry(Counted, ArithmeticRetryEnvironment):
+    """`arith_retry` whose feedback names the environment and its step ("Wrong (env 7, step 1). Try again."), so an
+    episode's text shows which environment stepped each of its turns, and in which order."""
+    serial = itertools.count()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.number = next(NumberedRetry.serial)
+
+    def step(self, action_text: str) -> StepResult:
+        result = super().step(action_text)
+        if not result.done:
+            result.messages = [user(f"Wrong (env {self.number}, step {self.attempts}). Try again.")]
+        return result
+
+
+class Misbehaving(Counted, ArithmeticRetryEnvironment):
+    """`arith_retry` whose first step misbehaves by the row's index % 5: 0 raises, 1 returns text instead of a
+    `StepResult`, 2 answers with a 200,000-character observation, 3 blocks until `release` is set (the first such
+    environment to step only: one worker thread is held) and 4 behaves."""
+    release = threading.Event()
+    blocking = threading.Lock()
+
+    def reset(self, record, seed):
+        self.kind = record.index % 5
+        return super().reset(record, seed)
+
+    def step(self, action_text: str):
+        if self.attempts == 0 and self.kind == 0:
+            self.attempts += 1
+            raise RuntimeError("the tool server is down")
+        if self.attempts == 0 and self.kind == 1:
+            self.attempts += 1
+            return "not a StepResult"
+        if self.attempts == 0 and self.kind == 2:
+            self.attempts += 1
+            return StepResult([user("x" * 200_000)])
+        if self.attempts == 0 and self.kind == 3 and Misbehaving.blocking.acquire(blocking=False):
+            Misbehaving.release.wait(600)
+        return super().step(action_text)
+
+
+class PausingRetry(ArithmeticRetryEnvironment):
+    """`arith_retry` with a cue point for tests that kill a run mid-episode: with $PAUSE_DIR set, once the run's
+    metrics.jsonl ($PAUSE_RUN_DIR) holds step $PAUSE_AFTER_STEP, every step writes $PAUSE_DIR/paused and waits (at
+    most 300 s) for $PAUSE_DIR/go, so the episodes in flight stop after a turn, their environments mid-way."""
+
+    def step(self, action_text: str) -> StepResult:
+        import json
+        import os
+        import time
+        from pathlib import Path
+
+        if os.environ.get("PAUSE_DIR"):
+            pause_dir, metrics = Path(os.environ["PAUSE_DIR"]), Path(os.environ["PAUSE_RUN_DIR"]) / "metrics.jsonl"
+            steps = set()
+            for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+                try:
+                    steps.add(json.loads(line)["step"])
+                except ValueError:
+                    pass
+            if int(os.environ["PAUSE_AFTER_STEP"]) in steps:
+                (pause_dir / "paused").touch()
+                deadline = time.monotonic() + 300
+                while not (pause_dir / "go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return super().step(action_text)
