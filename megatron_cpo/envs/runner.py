@@ -214,7 +214,8 @@ class EpisodeRunner:
             self._driving = False
             if due or groups:
                 self._last_progress = time.monotonic()
-            self._changed.notify_all()
+            if due or groups or self._holds:  # a group may be done; a hold may be waiting for the driver
+                self._changed.notify_all()
         return True
 
     def _finished_turns(self, wait: float) -> list[RolloutGroup]:

@@ -1,7 +1,9 @@
 """Scripted stand-ins for the rollout engines and environments of the episode-runner unit tests (the issue asks for
 them: mask, log-prob and prefix checks with known token ids need an engine whose output is known). The engine
 answers every n=1 request at once from a script; everything else the runner does (threads, timeouts, the chat
-template of the tiny model's tokenizer, limits) is real."""
+template of the tiny model's tokenizer, limits) is real. The environments after `Counted` are also run by the
+end-to-end tests (tests/trainer/test_multi_turn_e2e.py): they count what they make and close, say which of them
+stepped an episode, misbehave, or pause a run where a test kills it."""
 from __future__ import annotations
 
 import itertools
