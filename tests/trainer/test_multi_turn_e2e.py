@@ -232,7 +232,7 @@ def test_a_run_killed_mid_episode_resumes_and_trains_every_prompt_once(small_run
     job = TrainProcess([*run, "actor_rollout_ref.rollout.ray_address=local"], job_dir,
                        {"PAUSE_DIR": str(job_dir), "PAUSE_RUN_DIR": str(run_dir), "PAUSE_AFTER_STEP": "2"})
     try:
-        job.wait_for((job_dir / "paused").exists, "an episode's step paused after step 2")
+        job.wait_for((job_dir / "paused").exists, "an episode's step paused after step 2", timeout=1200)
         job.wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file() and latest(run_dir) == "step_000002",
                      "step 2's checkpoint")
         job.descendants()  # remembered, for kill_all below
