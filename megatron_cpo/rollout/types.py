@@ -90,6 +90,7 @@ class EpisodeInfo:
     env_timeouts: int = 0
     env_seconds: float = 0.0
     template_check: str = "off"  # off, same, retokenized (same text, other ids), differs (other text)
+    non_finite_rewards: list[str] = field(default_factory=list)  # NaN / inf rewards refused (scored 0), described
 
     @property
     def env_reward(self) -> float:

@@ -5,7 +5,8 @@
   refused unless `trainer.overwrite=true`, which moves the earlier run aside (archived, never deleted).
 - `StartupSignal`: SIGTERM while the model loads and the engines start raises `RunAbortedError` in the main thread,
   so the normal unwinding stops the engines (and their worker processes) and the process exits with status 143.
-- `engines_lost_message`: the one line a run ends with when no rollout engine is left.
+- `engines_lost_message`, `rewards_refused_message`, `nothing_to_train_message`: the one line a run ends with when no
+  rollout engine is left, when a reward is not finite (`reward.non_finite=error`), when step 1 has no batch.
 """
 from __future__ import annotations
 
@@ -110,3 +111,18 @@ def engines_lost_message(failure: str | None, engines: tuple[int, int], step: in
             f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
             "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
             "actor_rollout_ref.rollout.num_engines), then continue with trainer.resume=auto")
+
+
+def rewards_refused_message(refused: str, step: int, checkpoint: Path | None) -> str:
+    """One line: the non-finite reward that stopped step `step` before its update (`refused`), and what was kept."""
+    kept = (f"the training up to step {step - 1} is checkpointed in {checkpoint}" if checkpoint is not None
+            else "nothing was trained")
+    return f"step {step} stopped before its update: {refused}; {kept}"
+
+
+def nothing_to_train_message(config: Config) -> str:
+    """Why a run that has not trained a single step stops (instead of exiting 0 with nothing done)."""
+    return ("no training batch could be formed at step 1: the filters dropped every group before "
+            f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
+            "because the ground truths are empty or the task is too easy/hard); check the data's "
+            "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")

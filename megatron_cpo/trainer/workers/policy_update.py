@@ -2,7 +2,9 @@
 
 `compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
 prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling) and `update_policy` (the
-PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
+PPO epochs over mini-batches). `Trainer.step()` calls them one by one. Each stage's results are probed for NaN and
+infinity as they are made (`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first
+non-finite value appeared.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 
@@ -64,6 +67,7 @@ class BatchLogProbs:
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
+    finite: FiniteProbe = field(default_factory=FiniteProbe)  # the step's finiteness flags, stage by stage
 
 
 def old_log_probs_from_update(config: Config) -> bool:
@@ -108,8 +112,11 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
                                      old_log_probs)
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
-    return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs, routing, routing_metrics, timing)
+    lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
+                       hint_log_probs, routing, routing_metrics, timing)
+    for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
+        lp.finite.observe("log-probs", log_probs, lp.mask)
+    return lp
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
@@ -137,6 +144,8 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
     metrics.update(shaping_metrics)
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
+    lp.finite.observe("rewards", scores)
+    lp.finite.observe("advantages", advantages, mask)
     return advantages, metrics
 
 
@@ -154,7 +163,8 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     update_metrics: list[dict[str, float]] = []
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
-                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction)
+                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
+                              probe=lp.finite)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
     else:
@@ -164,7 +174,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
                 inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, correction, lp.routing, begin)
+                                      engine_log_probs, correction, lp.routing, begin, lp.finite)
                 update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
     metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
