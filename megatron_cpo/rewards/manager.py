@@ -236,7 +236,8 @@ class RewardManager:
         if self.remote is not None:
             scores, remote_metrics, remote_refused = self._remote_scores(
                 scores, details, prompts, solution_strs, data_sources, ground_truths, extra_infos, rows)
-            refused = {**remote_refused, **refused}
+            # the rule graders' own score is not trained when the model's replaces it (their `acc` still counts)
+            refused = remote_refused if self.remote.config.combine == "replace" else {**remote_refused, **refused}
         for index, description in refused.items():
             details[index]["non_finite"] = description
         metrics = reward_metrics(scores, acc, [d["status"] for d in details], list(data_sources),
