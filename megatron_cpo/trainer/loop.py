@@ -14,7 +14,6 @@ row for non-finite values (trainer/workers/update_guard.py). No checkpoint holds
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,26 +35,12 @@ from megatron_cpo.trainer.run.errors import RunAbortedError
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.workers.policies import build_policies
 from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
-from megatron_cpo.trainer.run.run_guards import (StartupSignal, engines_lost_message, nothing_to_train_message,
-                                                  prepare_run_directory, rewards_refused_message)
+from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
+                                                  nothing_to_train_message, prepare_run_directory,
+                                                  rewards_refused_message, weights_not_finite_message)
 from megatron_cpo.trainer.workers.sync_probe import EngineOutOfSyncError, SyncProbe, TrainerNotFiniteError
 
 logger = logging.getLogger(__name__)
-
-
-class StopSignal:
-    """Remembers a SIGTERM (SLURM preemption) so the loop can checkpoint and stop after the current step."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
-        self.received = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclass
@@ -272,10 +257,7 @@ class Trainer:
         if pushed.lost is not None:
             self.abort_engines_lost(step)
         if pushed.trainer_not_finite:  # no checkpoint may hold these weights: the last one written is the last good one
-            last = self.checkpoints.saved_path
-            raise RunAbortedError(f"{pushed.out_of_sync}; nothing was checkpointed from them, " + (
-                f"the last good checkpoint is {last} (trainer.resume=auto resumes from it)" if last else
-                "and no checkpoint was written before (check the model's weights in actor_rollout_ref.model.path)"))
+            raise RunAbortedError(weights_not_finite_message(pushed.out_of_sync, self.checkpoints.saved_path))
         if pushed.out_of_sync is not None:
             saved = self._checkpoint_before_abort(step)
             kept = (f"the trained weights are checkpointed in {saved}; resume with trainer.resume=auto once the engines "
@@ -286,14 +268,13 @@ class Trainer:
     def abort_if_updates_skipped(self, step: int) -> None:
         """Every rank ends the run (checkpointed: the weights are those of the last applied update) once the actor's
         guard has skipped `max_consecutive_skipped_updates` optimizer steps in a row (`update_guard.py`)."""
-        if not self.actor.guard.exhausted:
-            return
-        try:
-            kept = (f"checkpointed in {self._checkpoint_before_abort(step)} (resume with trainer.resume=auto once the "
-                    "cause is fixed)")
-        except CheckpointError as err:  # the weights themselves are not finite: nothing is written
-            kept = str(err)
-        raise RunAbortedError(f"{self.actor.guard.abort_message(step)}; {kept}")
+        if self.actor.guard.exhausted:
+            try:
+                kept = f"checkpointed in {self._checkpoint_before_abort(step)} (resume with trainer.resume=auto once " \
+                       "the cause is fixed)"
+            except CheckpointError as err:  # the weights themselves are not finite: nothing is written
+                kept = str(err)
+            raise RunAbortedError(f"{self.actor.guard.abort_message(step)}; {kept}")
 
     def sync_reference(self, step: int) -> None:
         """verl's `ref.sync_ref_model`: mix the actor into the reference every `ref_model_sync_steps` steps."""

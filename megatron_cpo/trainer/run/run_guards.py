@@ -5,8 +5,11 @@
   refused unless `trainer.overwrite=true`, which moves the earlier run aside (archived, never deleted).
 - `StartupSignal`: SIGTERM while the model loads and the engines start raises `RunAbortedError` in the main thread,
   so the normal unwinding stops the engines (and their worker processes) and the process exits with status 143.
-- `engines_lost_message`, `rewards_refused_message`, `nothing_to_train_message`: the one line a run ends with when no
-  rollout engine is left, when a reward is not finite (`reward.non_finite=error`), when step 1 has no batch.
+- `StopSignal`: SIGTERM once training runs (SLURM preemption) is remembered, so the loop checkpoints and stops after
+  the current step.
+- `engines_lost_message`, `rewards_refused_message`, `weights_not_finite_message`, `nothing_to_train_message`: the one
+  line a run ends with when no rollout engine is left, when a reward is not finite (`reward.non_finite=error`), when
+  the trainer's own weights are not finite (the sync check), when step 1 has no batch.
 """
 from __future__ import annotations
 
@@ -100,6 +103,21 @@ class StartupSignal:
             self._previous = None
 
 
+class StopSignal:
+    """Remembers a SIGTERM (SLURM preemption) so the loop can checkpoint and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
 def engines_lost_message(failure: str | None, engines: tuple[int, int], step: int, checkpoint: Path | None) -> str:
     """One line: which engine died, what was kept, how to go on. `engines`: (alive, started)."""
     alive, started = engines
@@ -118,6 +136,15 @@ def rewards_refused_message(refused: str, step: int, checkpoint: Path | None) ->
     kept = (f"the training up to step {step - 1} is checkpointed in {checkpoint}" if checkpoint is not None
             else "nothing was trained")
     return f"step {step} stopped before its update: {refused}; {kept}"
+
+
+def weights_not_finite_message(problem: str, last_checkpoint: Path | None) -> str:
+    """One line: the sync check's `problem` with the trainer's own weights, and the checkpoint to go back to."""
+    if last_checkpoint is None:
+        return (f"{problem}; nothing was checkpointed from them, and no checkpoint was written before (check the "
+                "model's weights in actor_rollout_ref.model.path)")
+    return (f"{problem}; nothing was checkpointed from them, the last good checkpoint is {last_checkpoint} "
+            "(trainer.resume=auto resumes from it)")
 
 
 def nothing_to_train_message(config: Config) -> str:
