@@ -13,8 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-NON_FINITE_POLICIES = ("error", "zero")
-
 
 class NonFiniteRewardError(ValueError):
     """A reward source gave a non-finite score and `reward.non_finite=error`; one line naming it and the fix."""

@@ -93,9 +93,9 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager
     from megatron_cpo.trainer.workers.offload import actor_tensors
-    from megatron_cpo.trainer.workers.policies import build_policies
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     config = build_config({}, [
@@ -103,16 +103,16 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3", f"actor_rollout_ref.actor.megatron.params_dtype={dtype}"])
     platform.init_distributed(1, 1, seed=1)
-    actor, _ = build_policies(config, pad_token_id=0, total_updates=10)
-    rank = dist.get_rank()
+    actor, _ = policies_for(config, pad_token_id=0, total_updates=10)
+    settings, rank = policy_update_config(config), dist.get_rank()
 
     def update(scores, poison_rank=None):
         batch = _batch(torch.tensor(scores))
-        log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
-        advantages, _ = compute_advantages(batch, log_probs, config)
+        log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
+        advantages, _ = compute_advantages(batch, log_probs, settings)
         if rank == poison_rank:
             advantages = torch.where(log_probs.mask.bool(), torch.full_like(advantages, float("nan")), advantages)
-        metrics = update_policy(actor, batch, log_probs, advantages, config)
+        metrics = update_policy(actor, batch, log_probs, advantages, settings)
         return metrics["actor/update_skipped"], actor.guard.consecutive, list(actor.guard.first_stages)
 
     def snapshot():

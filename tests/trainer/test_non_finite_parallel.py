@@ -52,7 +52,7 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, ports):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.loop import engine_launch_config, run_training
     from megatron_cpo.trainer.run.errors import RunAbortedError
 
     def config(layout, pipeline_size, steps):
@@ -75,7 +75,8 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, ports):
     try:
         for index, (layout, pipeline_size) in enumerate(LAYOUTS.items()):
             if manager is None and rank == 0:
-                manager = build_rollout_manager(config(layout, pipeline_size, 3))
+                first = config(layout, pipeline_size, 3)
+                manager = build_rollout_manager(first.actor_rollout_ref.rollout, engine_launch_config(first))
             if index:
                 os.environ["MASTER_PORT"] = str(next(port))
             counter["update"] = 0
