@@ -1,12 +1,14 @@
-"""`algorithm.*`: the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings and the
-off-policy correction (`rollout_correction`, rollout_correction.py)."""
+"""`algorithm.*`: the advantage estimator (advantages.py) and its shaping, DAPO's filter-groups, verl's KL-in-reward
+settings and the off-policy correction (`rollout_correction`, rollout_correction.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_ALIASES, Estimator, estimator
 from megatron_cpo.algorithms.kl import KL_ESTIMATORS
 from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
-from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
+from megatron_cpo.algorithms.shapers import (ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper,
+                                             shaped_estimator)
 from megatron_cpo.config_checks import check, check_choice
 
 FILTER_METRICS = ("acc", "score", "seq_reward")
@@ -49,14 +51,19 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
-    under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
+    """Advantage estimator and its shaping: `adv_estimator` names an estimator of advantages.py under verl's names
+    (`grpo`, `rloo`, `reinforce_plus_plus`, `remax`, ...; docs/algorithms.md), or `cpo`: CPO's shaping rule on the
+    advantages of `algorithm.cpo.base_estimator` (its settings under `algorithm.cpo`, algorithms/shapers.py,
+    docs/cpo.md). `gamma` / `lam`: the discount and GAE's lambda (REINFORCE++'s returns; GAE).
+    `norm_adv_by_std_in_grpo`: GRPO's and grpo_passk's division by the group's std (false: Dr.GRPO).
     `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
     summed over the response, from each response's score before the advantages (needs the reference model).
     `rollout_correction` (verl's section): importance weights and rejection against the engine's log-probs, on by
     default when samples may be stale (`async_training.max_staleness` > 0; docs/async.md)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
@@ -66,7 +73,19 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATORS))
-        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
+        check_choice("algorithm.adv_estimator", self.adv_estimator,
+                     (*ADVANTAGE_ESTIMATORS, *ESTIMATOR_ALIASES, *ADVANTAGE_SHAPERS))
+        check(not self.estimator.needs_critic, f"algorithm.adv_estimator={self.adv_estimator} needs a critic "
+              "(critic.enable / critic.model.path), which is not available in this version; use a critic-free "
+              "estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ... "
+              "(docs/algorithms.md)")
+        check(0.0 <= self.gamma <= 1.0, f"algorithm.gamma={self.gamma} must be in [0, 1] (1: no discount)")
+        check(0.0 <= self.lam <= 1.0, f"algorithm.lam={self.lam} must be in [0, 1] (GAE's lambda)")
+
+    @property
+    def estimator(self) -> Estimator:
+        """The estimator whose advantages the run computes (`algorithm.cpo.base_estimator` under CPO)."""
+        return estimator(shaped_estimator(self.adv_estimator, self.cpo))
 
     @property
     def shaper(self) -> AdvantageShaper:

@@ -1,8 +1,10 @@
-"""Clipped policy loss (PPO / GRPO / DAPO), loss aggregation, entropy bonus and entropy mask, KL loss, TIS.
+"""The actor's loss: the policy-gradient term of the selected mode, loss aggregation, entropy bonus and entropy mask,
+KL loss, TIS and the off-policy correction.
 
-- PPO clip (Schulman et al., 2017) with separate lower / upper ranges: DAPO's clip-higher (Yu et al., 2025) sets
-  `clip_ratio_high` (e.g. 0.28) above `clip_ratio_low` (0.2). Dual-clip (Ye et al., 2020) bounds the loss of
-  negative-advantage tokens by `clip_ratio_c * |A|`. The log-ratio is clamped to +-20 as in verl.
+- The policy-gradient term is `policy_loss.loss_mode`'s (policy_losses.py): `vanilla` is PPO's clip (Schulman et al.,
+  2017) with separate lower / upper ranges (DAPO's clip-higher, Yu et al., 2025, sets `clip_ratio_high` e.g. 0.28
+  above `clip_ratio_low` 0.2) and dual-clip (Ye et al., 2020: the loss of negative-advantage tokens bounded by
+  `clip_ratio_c * |A|`); GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov are the others.
 - Aggregation modes are verl's names plus `token-sum`. Given the global token / sequence counts of the whole batch
   (all micro-batches on all data-parallel ranks), each call returns this micro-batch's share: the shares SUM to the
   loss of the whole batch, so the result does not depend on how the batch is split. A trainer whose data-parallel
@@ -11,13 +13,14 @@
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP, check_kl_kind, kl_penalty
+from megatron_cpo.algorithms.kl import check_kl_kind, kl_penalty
 from megatron_cpo.algorithms.masked import masked_sum
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossMode
 from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
     TISConfig,
@@ -112,60 +115,31 @@ def entropy_mask(
     return valid & (entropy.detach() >= threshold), threshold
 
 
-def clipped_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token PPO loss with asymmetric clip and dual-clip, Tensor[N, T], and its clip statistics.
+@dataclass
+class PolicyLossModeConfig:
+    """verl's `actor_rollout_ref.actor.policy_loss`: the mode of the policy-gradient term (policy_losses.py,
+    docs/algorithms.md) and the settings of Clip-Cov and KL-Cov.
 
-    Metrics: verl's `pg_clipfrac`, `pg_clipfrac_lower`, `ppo_kl` (token means) and ms-swift's per-response clip
-    fractions `clip_ratio/{low_mean, low_min, high_mean, high_max, region_mean}` (low: ratio < 1 - low with A < 0;
-    high: ratio > 1 + high with A > 0).
+    loss_mode: vanilla (PPO's clip), gspo, sapo, cispo, geo_mean (GMPO), gpg, clip_cov or kl_cov.
+    clip_cov_ratio / clip_cov_lb / clip_cov_ub: the fraction of tokens Clip-Cov may detach, among those whose
+        advantage-log-prob covariance lies in (lb, ub).
+    kl_cov_ratio / ppo_kl_coef: the fraction of highest-covariance tokens KL-Cov penalises, and the penalty's weight.
     """
-    valid = mask.bool()
-    # Padding may hold anything (NaN included): zero it before the arithmetic, so that neither the loss nor its
-    # gradient (d loss / d ratio = -A) can pick a NaN up from a padded position.
-    advantages = torch.where(valid, advantages, 0.0)
-    log_ratio = torch.where(valid, log_probs - old_log_probs, 0.0)
-    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    neg_advantages = -advantages
-    loss_unclipped = neg_advantages * ratio
-    loss_clipped = neg_advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    dual_bound = neg_advantages * clip_ratio_c
-    negative = advantages < 0
-    losses = torch.where(negative, torch.minimum(dual_bound, loss_ppo), loss_ppo)
-    with torch.no_grad():
-        seq_tokens = valid.sum(-1)
-        tokens = seq_tokens.sum().clamp(min=1)
-        nonempty = seq_tokens > 0
-        low = (ratio < 1.0 - clip_ratio_low) & negative & valid
-        high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0) & valid
-        low_count, high_count = low.sum(-1), high.sum(-1)
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
 
-        def per_seq(count: torch.Tensor) -> torch.Tensor:
-            return (count / seq_tokens.clamp(min=1))[nonempty]
+    def __post_init__(self) -> None:
+        if self.loss_mode not in POLICY_LOSS_MODES:
+            raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={self.loss_mode!r} is not supported; "
+                             f"choose one of {', '.join(map(repr, POLICY_LOSS_MODES))}")
 
-        # low and high never overlap (they need opposite advantage signs), so the region count is their sum
-        low_seq, high_seq, region_seq = per_seq(low_count), per_seq(high_count), per_seq(low_count + high_count)
-        any_seq = bool(nonempty.any())
-        metrics = {
-            "pg_clipfrac": float(((loss_clipped > loss_unclipped) & valid).sum() / tokens),
-            "pg_clipfrac_lower": float(((loss_ppo > dual_bound) & negative & valid).sum() / tokens),
-            "ppo_kl": float(-torch.where(valid, log_ratio, 0.0).sum() / tokens),
-            "clip_ratio/low_mean": float(low_seq.mean()) if any_seq else 0.0,
-            "clip_ratio/low_min": float(low_seq.min()) if any_seq else 0.0,
-            "clip_ratio/high_mean": float(high_seq.mean()) if any_seq else 0.0,
-            "clip_ratio/high_max": float(high_seq.max()) if any_seq else 0.0,
-            "clip_ratio/region_mean": float(region_seq.mean()) if any_seq else 0.0,
-        }
-    return losses, metrics
+    @property
+    def mode(self) -> PolicyLossMode:
+        return POLICY_LOSS_MODES[self.loss_mode]
 
 
 @dataclass
@@ -175,9 +149,13 @@ class PolicyLossConfig:
     GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
     `loss_agg_mode="seq-mean-token-sum-norm"`.
 
-    clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high].
-    clip_ratio_c: dual-clip bound for negative advantages (> 1).
-    loss_agg_mode: one of LOSS_AGGREGATIONS.
+    policy_loss: the mode of the policy-gradient term and its settings (`PolicyLossModeConfig`).
+    clip_ratio_low / clip_ratio_high: the clip range [1 - low, 1 + high] of the modes that clip the ratio (GSPO's
+    paper uses 3e-4 / 4e-4; GMPO clips the log-ratio to [-low, high]; CISPO accepts low >= 1: no lower clip).
+    clip_ratio_c: dual-clip bound for negative advantages (> 1; vanilla only).
+    loss_agg_mode: one of LOSS_AGGREGATIONS that the mode allows (gspo, sapo and geo_mean average per sequence:
+    seq-mean-token-mean).
+    tau_pos / tau_neg: SAPO's gate temperatures for positive / other advantages.
     entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
     top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
     policy-gradient term (1.0 = all).
@@ -186,10 +164,13 @@ class PolicyLossConfig:
     engine's log-probs, truncated at this cap; needs them. <= 0: off.
     """
 
+    policy_loss: PolicyLossModeConfig = field(default_factory=PolicyLossModeConfig)
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     entropy_coeff: float = 0.0
     top_entropy_quantile: float = 1.0
     use_kl_loss: bool = False
@@ -199,8 +180,10 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.actor."
-        if not 0 <= self.clip_ratio_low < 1:
-            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
+        mode, mode_name = self.policy_loss.mode, self.policy_loss.loss_mode
+        if self.clip_ratio_low < 0 or (mode.ratio_clip and self.clip_ratio_low >= 1):
+            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1) (the ratio's lower "
+                             f"clip 1 - low of policy_loss.loss_mode={mode_name})")
         if self.clip_ratio_high < 0:
             raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
         if self.clip_ratio_c <= 1.0:
@@ -208,6 +191,12 @@ class PolicyLossConfig:
         if self.loss_agg_mode not in LOSS_AGGREGATIONS:
             raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
                              f"{', '.join(map(repr, LOSS_AGGREGATIONS))}")
+        if self.loss_agg_mode not in mode.aggregations:
+            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not defined for "
+                             f"policy_loss.loss_mode={mode_name}, whose objective averages over sequences; set "
+                             f"{prefix}loss_agg_mode={mode.aggregations[0]}")
+        for problem in mode.check(self):
+            raise ValueError(problem)
         try:
             check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
         except ValueError as error:
@@ -236,23 +225,23 @@ def policy_loss(
     global_tokens: Optional[float] = None,
     global_seqs: Optional[float] = None,
     correction: Optional[RolloutCorrectionConfig] = None,
+    generator: Optional[torch.Generator] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total actor loss `pg - entropy_coeff * entropy + kl_loss_coef * kl` for one micro-batch, and its metrics.
 
     All per-token inputs are Tensor[N, T]; `mask` is the response (loss) mask. See `aggregate_loss` for the global
     counts. `rollout_log_probs` (the engine's log-probs of the sampled tokens) adds mismatch metrics, and TIS when
     `config.tis` is set. `correction` (a resolved `algorithm.rollout_correction`, rollout_correction.py) weights the
-    policy-gradient term by its importance weights and drops the tokens it rejects from it.
+    policy-gradient term by its importance weights and drops the tokens it rejects from it. `generator` draws the
+    random choices of a mode that makes any (Clip-Cov's tokens).
     """
-    pg_losses, metrics = clipped_policy_loss(
-        log_probs, old_log_probs, advantages, mask,
-        config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-    )
+    mode = config.policy_loss.mode
+    pg_losses, metrics = mode.losses(log_probs, old_log_probs, advantages, mask, config, generator)
     if rollout_log_probs is not None:
         metrics.update(rollout_mismatch_metrics(old_log_probs, rollout_log_probs, mask))
         if config.tis is not None:
             weights, tis_metrics = truncated_importance_weights(old_log_probs, rollout_log_probs, mask, config.tis)
-            pg_losses = pg_losses * weights
+            pg_losses = mode.weighted(pg_losses, weights, mask)
             metrics.update(tis_metrics)
     elif config.tis is not None or correction is not None:
         raise ValueError("tis / rollout_correction is enabled but rollout_log_probs is None; pass the engine's "
@@ -260,7 +249,7 @@ def policy_loss(
     pg_mask = mask.bool()
     if correction is not None:
         corrected = rollout_correction(old_log_probs, rollout_log_probs, mask, correction)
-        pg_losses = pg_losses * corrected.weights
+        pg_losses = mode.weighted(pg_losses, corrected.weights, mask)
         pg_mask = corrected.keep
         metrics.update(corrected.metrics)
     if config.top_entropy_quantile < 1.0:

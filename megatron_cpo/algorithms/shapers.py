@@ -1,24 +1,31 @@
-"""Advantage shapers: what happens to the group-relative advantages before the policy update, one small class per
-`algorithm.adv_estimator`, registered in `ADVANTAGE_SHAPERS`.
+"""Advantage shapers: what happens to the estimator's advantages (advantages.py) before the policy update: nothing,
+or CPO's rule when `algorithm.adv_estimator=cpo` (registered in `ADVANTAGE_SHAPERS`).
 
 A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
 the hinted log-prob pass only for a shaper that asks for them, and passes the resulting signals to `shape`. It also
 says whether it reads the actor's log-probs or entropy (`needs_log_probs`): only then must they be computed before
 the update (otherwise an on-policy update takes them from its own forward).
 
-- `grpo` (also DAPO, Dr.GRPO: those differ in the filters and the loss, not here): the GRPO advantages as they are.
+- every estimator of advantages.py (`grpo`, `rloo`, ...; DAPO and Dr.GRPO differ in the filters and the loss): its
+  advantages as they are.
 - `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
-  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda].
+  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda], applied to the
+  advantages of the group estimator `algorithm.cpo.base_estimator` (`grpo`, `rloo` or
+  `reinforce_plus_plus_baseline`: CPO's difficulty levels and MI signals are read per prompt group).
 """
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 
+from megatron_cpo.algorithms.advantages import ESTIMATOR_ALIASES, estimator_name
 from megatron_cpo.algorithms.cpo import difficulty_mask, known_rules, shape_advantages
 
 if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
     from megatron_cpo.kernels.hint_signals import HintSignals
+
+CPO_BASE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+"""The group estimators whose advantages CPO's rule shapes."""
 
 
 @dataclass
@@ -31,6 +38,8 @@ class CPOConfig:
     gold_as_hint: show the data's worked solution as the hint (`data.hint_key`); off: no response gets a hint.
     cpo_lambda: the hint ratio is clamped to [1/cpo_lambda, cpo_lambda] (>= 1).
     pos_alpha / neg_alpha: the weights `a+` / `a-` of the rule's terms (0: the term does nothing).
+    base_estimator: the group estimator whose advantages the rule shapes (`grpo`, `rloo`,
+        `reinforce_plus_plus_baseline`; verl's `*_vectorized` spellings too).
     """
 
     wrap_method: str = "negonly_mi3"
@@ -38,8 +47,15 @@ class CPOConfig:
     cpo_lambda: float = 5.0
     pos_alpha: float = 0.05
     neg_alpha: float = 0.1
+    base_estimator: str = "grpo"
 
     def __post_init__(self) -> None:
+        bases = [*CPO_BASE_ESTIMATORS, *(alias for alias, name in ESTIMATOR_ALIASES.items()
+                                        if name in CPO_BASE_ESTIMATORS)]
+        if self.base_estimator not in bases:
+            raise ValueError(f"algorithm.cpo.base_estimator={self.base_estimator!r} cannot carry CPO's shaping: the "
+                             "rule reads each prompt group's difficulty; choose grpo, rloo or "
+                             "reinforce_plus_plus_baseline")
         rules = known_rules()
         if self.wrap_method not in rules:
             raise ValueError(f"algorithm.cpo.wrap_method={self.wrap_method!r} is not a CPO shaping rule; choose one "
@@ -49,7 +65,7 @@ class CPOConfig:
 
 
 class AdvantageShaper:
-    """The GRPO advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
+    """The estimator's advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
     signals (the trainer then builds hinted prompts and scores the responses under them); `needs_log_probs`: whether
     it reads `log_probs` / `entropy` (None is passed otherwise)."""
 
@@ -89,13 +105,18 @@ class CPOShaper(AdvantageShaper):
         return shaped, metrics
 
 
-ADVANTAGE_SHAPERS = {"grpo": lambda cpo: AdvantageShaper(), "cpo": CPOShaper}
-"""`algorithm.adv_estimator` -> the shaper, built from `algorithm.cpo` (adding a variant touches this table)."""
+ADVANTAGE_SHAPERS = {"cpo": CPOShaper}
+"""`algorithm.adv_estimator` values that shape an estimator's advantages -> the shaper, built from `algorithm.cpo`
+(adding a variant touches this table). Every other value is an estimator of advantages.py, left as it is."""
 
 
 def build_shaper(adv_estimator: str, cpo: CPOConfig) -> AdvantageShaper:
-    """The shaper `algorithm.adv_estimator` selects."""
-    if adv_estimator not in ADVANTAGE_SHAPERS:
-        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of "
-                         f"{', '.join(map(repr, ADVANTAGE_SHAPERS))}")
-    return ADVANTAGE_SHAPERS[adv_estimator](cpo)
+    """The shaper `algorithm.adv_estimator` selects (none for a plain estimator)."""
+    shaper = ADVANTAGE_SHAPERS.get(adv_estimator)
+    return shaper(cpo) if shaper is not None else AdvantageShaper()
+
+
+def shaped_estimator(adv_estimator: str, cpo: CPOConfig) -> str:
+    """The estimator whose advantages a run computes: `algorithm.cpo.base_estimator` under a shaper, else
+    `adv_estimator` itself (verl's aliases resolved)."""
+    return estimator_name(cpo.base_estimator if adv_estimator in ADVANTAGE_SHAPERS else adv_estimator)

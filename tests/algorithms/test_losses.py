@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from megatron_cpo.algorithms.kl import kl_in_reward
+from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 from megatron_cpo.algorithms.losses import (
     PolicyLossConfig,
     TISConfig,
     aggregate_loss,
-    clipped_policy_loss,
     entropy_mask,
     kl_penalty,
     policy_loss,

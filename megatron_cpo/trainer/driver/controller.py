@@ -304,16 +304,20 @@ class RolloutController:
         if not finished:
             return []
         responses = [[sample.token_ids for sample in group.samples] for _, group in finished]
-        scored = self.scorer([(request.record, group.samples) for request, group in finished])
+        # ReMax's greedy answer is graded in the same call, after the group's samples (not trained on)
+        scored = self.scorer([(request.record, group.samples + ([group.greedy_baseline] if group.greedy_baseline
+                                                                 else [])) for request, group in finished])
         timing["timing/score_calls"] += 1
         timing["timing/generated_tokens"] += sum(len(r) for group_responses in responses for r in group_responses)
         return [ScoredGroup(seq=request.seq, record=request.record, prompt_token_ids=list(group.prompt_token_ids),
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                            scores=scores, acc=accs, response_texts=texts,
-                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples))
-                for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
+                            scores=scores[:group_n], acc=accs[:group_n], response_texts=texts[:group_n],
+                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples),
+                            greedy_score=float(scores[group_n]) if group.greedy_baseline else None)
+                for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)
+                for group_n in [len(group.samples)]]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With

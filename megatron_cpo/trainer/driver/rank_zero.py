@@ -16,7 +16,7 @@ from megatron_cpo.envs import EnvironmentRegistry, EpisodeRunner
 from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
+from megatron_cpo.rollout.generators import GreedyBaselineGenerator, GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.trainer.driver.accumulator import selection_from_config
 from megatron_cpo.trainer.driver.controller import CollectedBatch, RolloutController
@@ -45,7 +45,10 @@ class RankZero:
         self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
         self.owns_manager = manager is None
         self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
-        self.generator = make_generator(config, self.manager, tokenizer)
+        self.sampler = make_generator(config, self.manager, tokenizer)
+        # ReMax: each prompt's greedy answer too, as its baseline (validation samples without it)
+        self.generator = (GreedyBaselineGenerator(self.sampler) if config.algorithm.estimator.needs_greedy_baseline
+                          else self.sampler)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
         self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
@@ -53,7 +56,7 @@ class RankZero:
                                             selection_from_config(config),
                                             lambda seed: training_sampling_params(config, eos, seed))
         # with asynchronous training, validation shares the engines with training requests in flight
-        self.validator = Validator(config, val_data, self.generator, self.scorer,
+        self.validator = Validator(config, val_data, self.sampler, self.scorer,
                                    training_sampling_params(config, eos, None, greedy=True), self.controller.receive)
         self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
@@ -140,8 +143,8 @@ class RankZero:
         if self.metric_logger is not None:
             self.metric_logger.close()
         self.scorer.close()
-        if isinstance(self.generator, EpisodeRunner):
-            self.generator.close()
+        if isinstance(self.sampler, EpisodeRunner):
+            self.sampler.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:
