@@ -20,7 +20,7 @@ import torch
 
 from megatron_cpo.algorithms.kl import check_kl_kind, kl_penalty
 from megatron_cpo.algorithms.masked import masked_sum
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossMode
+from megatron_cpo.algorithms.policy_losses import PolicyLossModeConfig
 from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
     TISConfig,
@@ -113,33 +113,6 @@ def entropy_mask(
     high = min(low + 1, values.numel() - 1)
     threshold = float(values[low] + (position - low) * (values[high] - values[low]))
     return valid & (entropy.detach() >= threshold), threshold
-
-
-@dataclass
-class PolicyLossModeConfig:
-    """verl's `actor_rollout_ref.actor.policy_loss`: the mode of the policy-gradient term (policy_losses.py,
-    docs/algorithms.md) and the settings of Clip-Cov and KL-Cov.
-
-    loss_mode: vanilla (PPO's clip), gspo, sapo, cispo, geo_mean (GMPO), gpg, clip_cov or kl_cov.
-    clip_cov_ratio / clip_cov_lb / clip_cov_ub: the fraction of tokens Clip-Cov may detach, among those whose
-        advantage-log-prob covariance lies in (lb, ub).
-    kl_cov_ratio / ppo_kl_coef: the fraction of highest-covariance tokens KL-Cov penalises, and the penalty's weight.
-    """
-    loss_mode: str = "vanilla"
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.loss_mode not in POLICY_LOSS_MODES:
-            raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={self.loss_mode!r} is not supported; "
-                             f"choose one of {', '.join(map(repr, POLICY_LOSS_MODES))}")
-
-    @property
-    def mode(self) -> PolicyLossMode:
-        return POLICY_LOSS_MODES[self.loss_mode]
 
 
 @dataclass

@@ -14,15 +14,13 @@ arithmetic, so neither the loss nor its gradient can pick a NaN up from a padded
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
-
-if TYPE_CHECKING:  # the config class lives in losses.py, which imports this module
-    from megatron_cpo.algorithms.losses import PolicyLossConfig
 
 ALL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SEQUENCE_MEAN = ("seq-mean-token-mean",)
@@ -95,6 +93,43 @@ def clipped_policy_loss(
     return losses, metrics
 
 
+@dataclass
+class PolicyLossModeConfig:
+    """verl's `actor_rollout_ref.actor.policy_loss`: the mode of the policy-gradient term (policy_losses.py,
+    docs/algorithms.md) and the settings of Clip-Cov and KL-Cov.
+
+    loss_mode: vanilla (PPO's clip), gspo, sapo, cispo, geo_mean (GMPO), gpg, clip_cov or kl_cov.
+    clip_cov_ratio / clip_cov_lb / clip_cov_ub: the fraction of tokens Clip-Cov may detach, among those whose
+        advantage-log-prob covariance lies in (lb, ub).
+    kl_cov_ratio / ppo_kl_coef: the fraction of highest-covariance tokens KL-Cov penalises, and the penalty's weight.
+    """
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.loss_mode not in POLICY_LOSS_MODES:
+            raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={self.loss_mode!r} is not supported; "
+                             f"choose one of {', '.join(map(repr, POLICY_LOSS_MODES))}")
+
+    @property
+    def mode(self) -> "PolicyLossMode":
+        return POLICY_LOSS_MODES[self.loss_mode]
+
+
+class LossSettings(Protocol):
+    """What a mode reads of the actor's loss settings (`losses.PolicyLossConfig`, which the actor's config extends)."""
+    policy_loss: PolicyLossModeConfig
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    tau_pos: float
+    tau_neg: float
+
+
 class PolicyLossMode(ABC):
     """A policy-loss mode: `losses` gives the per-token losses and metrics. `aggregations`: the `loss_agg_mode`s its
     objective allows; `ratio_clip`: whether it clips the ratio to [1 - clip_ratio_low, 1 + clip_ratio_high] (then
@@ -103,13 +138,13 @@ class PolicyLossMode(ABC):
     aggregations: ClassVar[tuple[str, ...]] = ALL_AGGREGATIONS
     ratio_clip: ClassVar[bool] = True
 
-    def check(self, config: "PolicyLossConfig") -> list[str]:
+    def check(self, config: "LossSettings") -> list[str]:
         """This mode's problems with `config` (each a message naming the key and the fix)."""
         return []
 
     @abstractmethod
     def losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor, config: "PolicyLossConfig", generator: Optional[torch.Generator] = None
+               mask: torch.Tensor, config: "LossSettings", generator: Optional[torch.Generator] = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-token losses [N, T] (0 on padding) and metrics; `generator` draws a mode's random choices."""
 

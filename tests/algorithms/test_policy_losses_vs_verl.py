@@ -11,8 +11,8 @@ batch is split into micro-batches).
 import pytest
 import torch
 
-from megatron_cpo.algorithms.losses import PolicyLossConfig, PolicyLossModeConfig, policy_loss
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
+from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossModeConfig
 from megatron_cpo.config import ConfigError, build_config
 
 SEEDS = range(6)

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_cpo.algorithms.losses import PolicyLossModeConfig
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossModeConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environment")]
 
