@@ -12,6 +12,10 @@ mode": clip on pi / pi_old as usual, times an importance weight on pi_old / pi_r
 - Rejection (`rollout_rs`): tokens (`token`), whole responses by the product of their ratios (`sequence`) or by its
   geometric mean (`geometric`) whose ratio leaves the band [lower, upper] drop out of the policy-gradient term
   (upper = `rollout_rs_threshold`, default the IS threshold; lower = `rollout_rs_threshold_lower`, default 1/upper).
+  verl's names of the same bands are accepted: `token_k1`, `seq_sum_k1`, `seq_mean_k1`. verl's divergence bounds
+  drop what a KL estimate of `log r` puts above `rollout_rs_threshold`: `k2` = (log r)^2 / 2, `k3` = r - 1 - log r,
+  per token (`token_k2`, `token_k3`) or over a response's tokens summed, averaged or at their maximum (`seq_sum_*`,
+  `seq_mean_*`, `seq_max_*`). One criterion per run (verl's comma-separated lists are refused).
 - Veto (`rollout_token_veto_threshold`): a response with any token ratio below it is dropped whole.
 
 Ratios are formed in log space and bounded to exp(+-20) before exponentiating (verl's safety bound). Weights are
@@ -32,6 +36,9 @@ from megatron_cpo.config_checks import check
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
+VERL_RATIO_RS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+DIVERGENCE_RS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                 "seq_max_k3")
 AUTO = "auto"
 
 
@@ -48,8 +55,10 @@ class RolloutCorrectionConfig:
         samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
         the loss, off otherwise.
     rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
-    rollout_rs: `token`, `sequence`, `geometric` or null (off): which ratios must stay inside the band.
-    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal).
+    rollout_rs: `token`, `sequence`, `geometric` (verl: `token_k1`, `seq_sum_k1`, `seq_mean_k1`) or null (off): which
+        ratios must stay inside the band; or one of verl's divergence bounds (`token_k2` ... `seq_max_k3`).
+    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal);
+        for a divergence bound, its upper end (required, e.g. 0.01 for k3).
     rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
     """
     rollout_is: Optional[str] = AUTO
@@ -62,15 +71,25 @@ class RolloutCorrectionConfig:
     def __post_init__(self) -> None:
         prefix = "algorithm.rollout_correction."
         self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
+        self.rollout_rs = VERL_RATIO_RS.get(self.rollout_rs, self.rollout_rs)
         check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
               "token, sequence, auto (token when training on stale samples) or null (off)")
-        check(self.rollout_rs in (None, *RS_LEVELS), f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose "
-              "token, sequence, geometric or null (off)")
+        check("," not in str(self.rollout_rs), f"{prefix}rollout_rs={self.rollout_rs!r}: combining rejection criteria "
+              "(verl's comma-separated list) is not built; choose one")
+        check(self.rollout_rs in (None, *RS_LEVELS, *DIVERGENCE_RS), f"{prefix}rollout_rs={self.rollout_rs!r} is "
+              f"unknown; choose token, sequence, geometric (ratio bands), one of {', '.join(DIVERGENCE_RS)} "
+              "(divergence bounds) or null (off)")
+        if self.rollout_rs in DIVERGENCE_RS:
+            check(self.rollout_rs_threshold is not None and self.rollout_rs_threshold > 0 and
+                  self.rollout_rs_threshold_lower is None, f"{prefix}rollout_rs={self.rollout_rs} bounds a divergence "
+                  f"from above: set {prefix}rollout_rs_threshold > 0 (e.g. 0.01) and leave rollout_rs_threshold_lower "
+                  "null")
         check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
               "(typical 1.5-5)")
         upper, lower = self.rs_band
-        check(upper > 0 and 0 <= lower < upper, f"{prefix}rollout_rs_threshold_lower={lower} and "
-              f"rollout_rs_threshold={upper} must satisfy 0 <= lower < upper (the band of ratios kept)")
+        check(self.rollout_rs in DIVERGENCE_RS or (upper > 0 and 0 <= lower < upper),
+              f"{prefix}rollout_rs_threshold_lower={lower} and rollout_rs_threshold={upper} must satisfy "
+              "0 <= lower < upper (the band of ratios kept)")
         veto = self.rollout_token_veto_threshold
         check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
               "1e-4, or null")
@@ -117,6 +136,23 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def divergence(log_ratio: torch.Tensor, valid: torch.Tensor, option: str) -> torch.Tensor:
+    """verl's divergence statistic `option` (DIVERGENCE_RS) of each token, broadcast to [N, T]: k2 or k3 of the
+    log-ratio (bounded to +-20), the token's own or its response's sum, mean or maximum (0 for an empty one)."""
+    aggregate, estimator = option.rsplit("_", 1)
+    bounded = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    per_token = 0.5 * bounded.square() if estimator == "k2" else torch.exp(bounded) - 1.0 - bounded
+    if aggregate == "token":
+        return per_token
+    if aggregate == "seq_sum":
+        per_response = masked_sum(per_token, valid, -1)
+    elif aggregate == "seq_mean":
+        per_response = masked_mean(per_token, valid, -1)
+    else:
+        per_response = torch.where(valid, per_token, float("-inf")).max(-1).values.clamp(min=0.0)
+    return per_response[:, None].expand_as(per_token)
+
+
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor, threshold: float) -> float:
     """verl's ESS of importance weights, a fraction in (0, 1]: 1 / E[(w / E[w])^2] over the valid tokens, with the
     weights first clamped to [1/C, C].
@@ -143,10 +179,12 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     if config.rollout_is in IS_LEVELS:
         weights = torch.where(valid, ratio.clamp(max=threshold), weights)
     keep = valid.clone()
-    if config.rollout_rs is not None:
+    if config.rollout_rs in RS_LEVELS:
         upper, lower = config.rs_band
         rs_ratio = torch.exp(_level_log_ratio(raw, valid, config.rollout_rs))
         keep &= (rs_ratio >= lower) & (rs_ratio <= upper)
+    elif config.rollout_rs is not None:
+        keep &= divergence(raw, valid, config.rollout_rs) <= config.rollout_rs_threshold
     rs_dropped = valid & ~keep
     vetoed = torch.zeros(len(raw), dtype=torch.bool)
     if config.rollout_token_veto_threshold is not None:
