@@ -313,11 +313,9 @@ class RolloutController:
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                            scores=scores[:group_n], acc=accs[:group_n], response_texts=texts[:group_n],
-                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples),
-                            greedy_score=float(scores[group_n]) if group.greedy_baseline else None)
-                for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)
-                for group_n in [len(group.samples)]]
+                            **_split_greedy_score(len(group.samples), *graded),
+                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples))
+                for (request, group), group_responses, graded in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
@@ -354,6 +352,13 @@ class RolloutController:
             metrics.update(staleness_metrics([row for g in kept for row in g.policy_versions.tolist()],
                                              policy_version))
         return metrics
+
+
+def _split_greedy_score(n: int, scores: torch.Tensor, acc: torch.Tensor, texts: list[str]) -> dict[str, Any]:
+    """A group's grading as ScoredGroup fields: its `n` samples', and the greedy answer's score graded after them
+    (ReMax's baseline; None when the group has none)."""
+    return {"scores": scores[:n], "acc": acc[:n], "response_texts": texts[:n],
+            "greedy_score": float(scores[n]) if len(scores) > n else None}
 
 
 def _token_versions(samples: list[RolloutSample]) -> RaggedRows | None:

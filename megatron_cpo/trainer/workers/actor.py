@@ -49,7 +49,7 @@ class UpdateInputs:
     first_row: int = 0                      # this mini-batch's first row in the step batch
 
 
-LOSS_GENERATOR_SEED = 20250702
+LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -2,8 +2,7 @@
 
 `compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (the
 estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss
-scaling) and `update_policy` (the
-PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
+scaling) and `update_policy` (the PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
 """
 from __future__ import annotations
 
@@ -125,7 +124,7 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
     token_rewards, metrics = token_rewards_of(batch, lp, config)
     inputs = AdvantageInputs(token_rewards, mask, batch.group, gamma=algo.gamma, lam=algo.lam,
                              norm_by_std=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
-    advantages, _ = algo.estimator.compute(inputs)  # the returns are a critic's targets; no estimator here has one
+    advantages, _ = algo.estimator.compute(inputs)  # the returns are targets for a critic (none in this version)
     if batch.reward_baselines is not None:
         metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
     shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
