@@ -5,21 +5,17 @@ KL loss, TIS and the off-policy correction.
   2017) with separate lower / upper ranges (DAPO's clip-higher, Yu et al., 2025, sets `clip_ratio_high` e.g. 0.28
   above `clip_ratio_low` 0.2) and dual-clip (Ye et al., 2020: the loss of negative-advantage tokens bounded by
   `clip_ratio_c * |A|`); GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov are the others.
-- Aggregation modes are verl's names plus `token-sum`. Given the global token / sequence counts of the whole batch
-  (all micro-batches on all data-parallel ranks), each call returns this micro-batch's share: the shares SUM to the
-  loss of the whole batch, so the result does not depend on how the batch is split. A trainer whose data-parallel
-  reduction averages gradients multiplies by the DP size. `seq-mean-token-sum-norm` is Dr.GRPO's
-  `sum_i sum_t loss / (num_seqs * L)` with L the constant generation budget (verl omits the 1/num_seqs).
+- Aggregation (`loss_agg_mode`, aggregation.py): verl's modes plus `token-sum`, as additive shares of the batch loss.
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from megatron_cpo.algorithms.kl import check_kl_kind, kl_penalty
-from megatron_cpo.algorithms.masked import masked_sum
 from megatron_cpo.algorithms.policy_losses import PolicyLossModeConfig
 from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
@@ -27,71 +23,6 @@ from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the 
     rollout_mismatch_metrics,
     truncated_importance_weights,
 )
-
-
-def _token_mean(values, mask, global_tokens, global_seqs, norm_length):
-    return masked_sum(values, mask) / (global_tokens if global_tokens is not None else mask.sum().clamp(min=1))
-
-
-def _token_sum(values, mask, global_tokens, global_seqs, norm_length):
-    return masked_sum(values, mask)
-
-
-def _seq_count(mask, global_seqs):
-    return global_seqs if global_seqs is not None else (mask.sum(-1) > 0).sum().clamp(min=1)
-
-
-def _seq_mean_token_sum(values, mask, global_tokens, global_seqs, norm_length):
-    return masked_sum(values, mask) / _seq_count(mask, global_seqs)
-
-
-def _seq_mean_token_mean(values, mask, global_tokens, global_seqs, norm_length):
-    per_seq = masked_sum(values, mask, -1) / mask.sum(-1).clamp(min=1)
-    return per_seq.sum() / _seq_count(mask, global_seqs)
-
-
-def _seq_mean_token_sum_norm(values, mask, global_tokens, global_seqs, norm_length):
-    length = norm_length if norm_length is not None else mask.shape[-1]
-    return masked_sum(values, mask) / (_seq_count(mask, global_seqs) * length)
-
-
-LOSS_AGGREGATIONS: dict[str, Callable] = {
-    "token-mean": _token_mean,
-    "token-sum": _token_sum,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
-
-
-def check_loss_agg_mode(mode: str) -> None:
-    """Raise a clear error for an unknown aggregation mode."""
-    if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {sorted(LOSS_AGGREGATIONS)}")
-
-
-def aggregate_loss(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    norm_length: Optional[int] = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss Tensor[N, T] to a scalar with `mode`.
-
-    global_tokens / global_seqs: counts over the whole batch (all micro-batches, all DP ranks); with them the result
-    is this micro-batch's additive share, without them the local loss. Sequences with no unmasked token do not count.
-    norm_length: the constant L of `seq-mean-token-sum-norm` (default T, the padded response length).
-    Padded positions are ignored whatever they hold (NaN / inf included; `masked.masked_sum`).
-    """
-    check_loss_agg_mode(mode)
-    if global_tokens is not None and global_tokens <= 0:
-        raise ValueError(f"global_tokens={global_tokens} must be > 0 (the unmasked tokens of the whole batch)")
-    if global_seqs is not None and global_seqs <= 0:
-        raise ValueError(f"global_seqs={global_seqs} must be > 0 (the non-empty responses of the whole batch)")
-    mask = mask.to(values.dtype)
-    return LOSS_AGGREGATIONS[mode](values, mask, global_tokens, global_seqs, norm_length)
 
 
 def entropy_mask(

@@ -19,10 +19,10 @@ from typing import ClassVar, Optional, Protocol
 
 import torch
 
+from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 
-ALL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SEQUENCE_MEAN = ("seq-mean-token-mean",)
 GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's combined log-ratio
 
@@ -135,7 +135,7 @@ class PolicyLossMode(ABC):
     objective allows; `ratio_clip`: whether it clips the ratio to [1 - clip_ratio_low, 1 + clip_ratio_high] (then
     clip_ratio_low must stay below 1)."""
 
-    aggregations: ClassVar[tuple[str, ...]] = ALL_AGGREGATIONS
+    aggregations: ClassVar[tuple[str, ...]] = tuple(LOSS_AGGREGATIONS)
     ratio_clip: ClassVar[bool] = True
 
     def check(self, config: "LossSettings") -> list[str]:
