@@ -56,8 +56,9 @@ class AlgorithmConfig:
     advantages of `algorithm.cpo.base_estimator` (its settings under `algorithm.cpo`, algorithms/shapers.py,
     docs/cpo.md). `gamma` / `lam`: the discount and GAE's lambda (REINFORCE++'s returns; GAE).
     `norm_adv_by_std_in_grpo`: GRPO's and grpo_passk's division by the group's std (false: Dr.GRPO).
-    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
-    summed over the response, from each response's score before the advantages (needs the reference model).
+    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference)
+    from every token's reward (the response's score sits on its last sampled token) before the advantages (needs the
+    reference model); the outcome estimators sum these token rewards.
     `rollout_correction` (verl's section): importance weights and rejection against the engine's log-probs, on by
     default when samples may be stale (`async_training.max_staleness` > 0; docs/async.md)."""
     adv_estimator: str = "grpo"
