@@ -10,7 +10,7 @@ when to use each: docs/algorithms.md.
 Each equals verl's `core_algos` definition (tests/algorithms/test_estimators_vs_verl.py), groups of one included:
 with no peer to compare with, a lone response's baseline is 0 (GRPO then divides by a std of 1, RLOO passes the
 score through), as in verl's reference loops. verl's `*_vectorized` names are accepted as aliases and mean the same
-estimators (verl's `rloo_vectorized` alone differs there: it gives a lone response 0).
+estimators (config.ESTIMATOR_ALIASES; verl's `rloo_vectorized` alone differs there: it gives a lone response 0).
 """
 from __future__ import annotations
 
@@ -185,42 +185,16 @@ def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return masked_whiten(advantages, inputs.mask).to(dtype), returns.to(dtype)
 
 
-@dataclass(frozen=True)
-class Estimator:
-    """One row of the table. grouped: compares the responses of a prompt (needs `rollout.n >= 2`);
-    needs_critic: reads the critic's values; needs_greedy_baseline: reads each prompt's greedy answer's score."""
-    compute: Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
-    grouped: bool = False
-    needs_critic: bool = False
-    needs_greedy_baseline: bool = False
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(grpo, grouped=True),
-    "grpo_passk": Estimator(grpo_passk, grouped=True),
-    "rloo": Estimator(rloo, grouped=True),
-    "opo": Estimator(opo, grouped=True),
-    "gpg": Estimator(gpg, grouped=True),
-    "reinforce_plus_plus_baseline": Estimator(reinforce_plus_plus_baseline, grouped=True),
-    "reinforce_plus_plus": Estimator(reinforce_plus_plus),
-    "remax": Estimator(remax, needs_greedy_baseline=True),
-    "gae": Estimator(gae, needs_critic=True),
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo": grpo,
+    "grpo_passk": grpo_passk,
+    "rloo": rloo,
+    "opo": opo,
+    "gpg": gpg,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "remax": remax,
+    "gae": gae,
 }
-"""`algorithm.adv_estimator` -> its row (adding an estimator: one function above and one row here)."""
-
-ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
-"""verl's vectorised implementations of the same estimators."""
-
-
-def estimator_name(name: str) -> str:
-    """The table's name for `name` (verl's `*_vectorized` aliases resolved)."""
-    return ESTIMATOR_ALIASES.get(name, name)
-
-
-def estimator(name: str) -> Estimator:
-    """The row of `algorithm.adv_estimator=name`."""
-    canonical = estimator_name(name)
-    if canonical not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not an advantage estimator; choose one of "
-                         f"{', '.join(map(repr, [*ADVANTAGE_ESTIMATORS, *ESTIMATOR_ALIASES]))}")
-    return ADVANTAGE_ESTIMATORS[canonical]
+"""`algorithm.adv_estimator` -> its function, keyed by config.ADVANTAGE_ESTIMATOR_NEEDS (which says what each needs;
+adding an estimator: one function above, one row here and one there)."""

@@ -39,7 +39,7 @@ def _seq_mean_token_sum_norm(values, mask, global_tokens, global_seqs, norm_leng
     return masked_sum(values, mask) / (_seq_count(mask, global_seqs) * length)
 
 
-LOSS_AGGREGATIONS: dict[str, Callable] = {
+LOSS_AGGREGATIONS: dict[str, Callable] = {  # keyed by config.LOSS_AGGREGATION_MODES
     "token-mean": _token_mean,
     "token-sum": _token_sum,
     "seq-mean-token-sum": _seq_mean_token_sum,

@@ -9,17 +9,16 @@ KL loss, TIS and the off-policy correction.
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss
-from megatron_cpo.algorithms.kl import check_kl_kind, kl_penalty
-from megatron_cpo.algorithms.policy_losses import PolicyLossModeConfig
-from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss  # noqa: F401  (the table: re-exported)
+from megatron_cpo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
+from megatron_cpo.algorithms.kl import kl_penalty
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
+from megatron_cpo.algorithms.rollout_correction import rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
-    TISConfig,
     rollout_mismatch_metrics,
     truncated_importance_weights,
 )
@@ -46,76 +45,6 @@ def entropy_mask(
     return valid & (entropy.detach() >= threshold), threshold
 
 
-@dataclass
-class PolicyLossConfig:
-    """Everything that selects the policy-loss variant, under verl's names. The actor's config
-    (`actor_rollout_ref.actor`, configs/actor_rollout_ref.py) extends this class, so the trainer passes it as is.
-    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
-    `loss_agg_mode="seq-mean-token-sum-norm"`.
-
-    policy_loss: the mode of the policy-gradient term and its settings (`PolicyLossModeConfig`).
-    clip_ratio_low / clip_ratio_high: the clip range [1 - low, 1 + high] of the modes that clip the ratio (GSPO's
-    paper uses 3e-4 / 4e-4; GMPO clips the log-ratio to [-low, high]; CISPO accepts low >= 1: no lower clip).
-    clip_ratio_c: dual-clip bound for negative advantages (> 1; vanilla only).
-    loss_agg_mode: one of LOSS_AGGREGATIONS that the mode allows (gspo, sapo and geo_mean average per sequence:
-    seq-mean-token-mean).
-    tau_pos / tau_neg: SAPO's gate temperatures for positive / other advantages.
-    entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
-    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
-    policy-gradient term (1.0 = all).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
-    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
-    engine's log-probs, truncated at this cap; needs them. <= 0: off.
-    """
-
-    policy_loss: PolicyLossModeConfig = field(default_factory=PolicyLossModeConfig)
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    entropy_coeff: float = 0.0
-    top_entropy_quantile: float = 1.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    tis_imp_ratio_cap: float = -1.0
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.actor."
-        mode, mode_name = self.policy_loss.mode, self.policy_loss.loss_mode
-        if self.clip_ratio_low < 0 or (mode.ratio_clip and self.clip_ratio_low >= 1):
-            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1) (the ratio's lower "
-                             f"clip 1 - low of policy_loss.loss_mode={mode_name})")
-        if self.clip_ratio_high < 0:
-            raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; default 3.0)")
-        if self.loss_agg_mode not in LOSS_AGGREGATIONS:
-            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
-                             f"{', '.join(map(repr, LOSS_AGGREGATIONS))}")
-        if self.loss_agg_mode not in mode.aggregations:
-            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not defined for "
-                             f"policy_loss.loss_mode={mode_name}, whose objective averages over sequences; set "
-                             f"{prefix}loss_agg_mode={mode.aggregations[0]}")
-        for problem in mode.check(self):
-            raise ValueError(problem)
-        try:
-            check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
-        except ValueError as error:
-            raise ValueError(f"{prefix}kl_loss_type={self.kl_loss_type!r}: {error}") from None
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
-                             "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
-                             "all, e.g. 0.2 for the top 20%)")
-
-    @property
-    def tis(self) -> Optional[TISConfig]:
-        """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
-        return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None
-
-
 def policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -139,7 +68,7 @@ def policy_loss(
     policy-gradient term by its importance weights and drops the tokens it rejects from it. `generator` draws the
     random choices of a mode that makes any (Clip-Cov's tokens).
     """
-    mode = config.policy_loss.mode
+    mode = POLICY_LOSS_MODES[config.policy_loss.loss_mode]
     pg_losses, metrics = mode.losses(log_probs, old_log_probs, advantages, mask, config, generator)
     if rollout_log_probs is not None:
         metrics.update(rollout_mismatch_metrics(old_log_probs, rollout_log_probs, mask))

@@ -3,9 +3,10 @@ registered in `POLICY_LOSS_MODES`.
 
 A mode turns the per-token log-probs (current and old), advantages and response mask [N, T] into per-token
 policy-gradient losses (0 on padding) and its metrics; losses.py weights them (TIS, off-policy correction), masks
-them (entropy mask, rejection) and aggregates them with `loss_agg_mode`. A mode says which aggregations define its
-objective (`aggregations`; the config refuses the others) and checks its own settings (`check`). Formulas and when
-to use each: docs/algorithms.md. Each equals verl's `core_algos` loss of the same name
+them (entropy mask, rejection) and aggregates them with `loss_agg_mode`. Which aggregations define a mode's objective
+and which clip ranges it takes are data of the config (config.py `POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so
+a config that asks for something a mode does not define is refused when it loads. Formulas and when to use each:
+docs/algorithms.md. Each equals verl's `core_algos` loss of the same name
 (tests/algorithms/test_policy_losses_vs_verl.py).
 
 Padding may hold anything (NaN included): every mode zeroes the log-ratio and the advantage there before the
@@ -14,16 +15,14 @@ arithmetic, so neither the loss nor its gradient can pick a NaN up from a padded
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar, Optional, Protocol
+from typing import Optional
 
 import torch
 
-from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS
+from megatron_cpo.algorithms.config import PolicyLossConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 
-SEQUENCE_MEAN = ("seq-mean-token-mean",)
 GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's combined log-ratio
 
 
@@ -93,58 +92,13 @@ def clipped_policy_loss(
     return losses, metrics
 
 
-@dataclass
-class PolicyLossModeConfig:
-    """verl's `actor_rollout_ref.actor.policy_loss`: the mode of the policy-gradient term (policy_losses.py,
-    docs/algorithms.md) and the settings of Clip-Cov and KL-Cov.
-
-    loss_mode: vanilla (PPO's clip), gspo, sapo, cispo, geo_mean (GMPO), gpg, clip_cov or kl_cov.
-    clip_cov_ratio / clip_cov_lb / clip_cov_ub: the fraction of tokens Clip-Cov may detach, among those whose
-        advantage-log-prob covariance lies in (lb, ub).
-    kl_cov_ratio / ppo_kl_coef: the fraction of highest-covariance tokens KL-Cov penalises, and the penalty's weight.
-    """
-    loss_mode: str = "vanilla"
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.loss_mode not in POLICY_LOSS_MODES:
-            raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={self.loss_mode!r} is not supported; "
-                             f"choose one of {', '.join(map(repr, POLICY_LOSS_MODES))}")
-
-    @property
-    def mode(self) -> "PolicyLossMode":
-        return POLICY_LOSS_MODES[self.loss_mode]
-
-
-class LossSettings(Protocol):
-    """What a mode reads of the actor's loss settings (`losses.PolicyLossConfig`, which the actor's config extends)."""
-    policy_loss: PolicyLossModeConfig
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    tau_pos: float
-    tau_neg: float
-
-
 class PolicyLossMode(ABC):
-    """A policy-loss mode: `losses` gives the per-token losses and metrics. `aggregations`: the `loss_agg_mode`s its
-    objective allows; `ratio_clip`: whether it clips the ratio to [1 - clip_ratio_low, 1 + clip_ratio_high] (then
-    clip_ratio_low must stay below 1)."""
-
-    aggregations: ClassVar[tuple[str, ...]] = tuple(LOSS_AGGREGATIONS)
-    ratio_clip: ClassVar[bool] = True
-
-    def check(self, config: "LossSettings") -> list[str]:
-        """This mode's problems with `config` (each a message naming the key and the fix)."""
-        return []
+    """A policy-loss mode: `losses` gives the per-token losses and metrics, `weighted` applies importance weights.
+    What the mode allows (aggregations, clip ranges) is config.POLICY_LOSS_MODE_RULES, checked when a config loads."""
 
     @abstractmethod
     def losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor, config: "LossSettings", generator: Optional[torch.Generator] = None
+               mask: torch.Tensor, config: PolicyLossConfig, generator: Optional[torch.Generator] = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-token losses [N, T] (0 on padding) and metrics; `generator` draws a mode's random choices."""
 
@@ -165,8 +119,6 @@ class GSPO(PolicyLossMode):
     """GSPO (Zheng et al., 2025): one importance ratio per sequence, the geometric mean of its token ratios, clipped
     (typically to [1 - 3e-4, 1 + 4e-4]); each token carries it with its own gradient (`s_i * pi_t / sg(pi_t)`)."""
 
-    aggregations = SEQUENCE_MEAN
-
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
         log_ratio, advantages = _valid_inputs(log_probs, old_log_probs, advantages, valid)
@@ -184,13 +136,6 @@ class SAPO(PolicyLossMode):
     """SAPO (Gao et al., 2025): a smooth sigmoid gate `4 / tau * sigmoid(tau (r - 1))` in place of the hard clip,
     with `tau_pos` for positive and `tau_neg` for other advantages."""
 
-    aggregations = SEQUENCE_MEAN
-    ratio_clip = False
-
-    def check(self, config):
-        return [f"actor_rollout_ref.actor.{name}={getattr(config, name)} must be > 0 (SAPO's gate temperature)"
-                for name in ("tau_pos", "tau_neg") if getattr(config, name) <= 0]
-
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
         log_ratio, advantages = _valid_inputs(log_probs, old_log_probs, advantages, valid)
@@ -204,8 +149,6 @@ class SAPO(PolicyLossMode):
 class CISPO(PolicyLossMode):
     """CISPO (MiniMax, 2025): REINFORCE on `log pi` weighted by the clipped, detached ratio, so clipped tokens still
     get a gradient (`clip_ratio_low` >= 1 leaves the ratio unbounded below)."""
-
-    ratio_clip = False
 
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
@@ -221,9 +164,6 @@ class GeometricMean(PolicyLossMode):
     """GMPO (Zhao et al., 2025): the geometric mean of the token ratios, each clipped in log space to
     [-clip_ratio_low, clip_ratio_high] on the side its advantage's sign pushes, times the sequence's mean advantage;
     one loss per sequence (spread over its tokens, so the sequence mean aggregates it)."""
-
-    aggregations = SEQUENCE_MEAN
-    ratio_clip = False
 
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
@@ -251,8 +191,6 @@ class GPG(PolicyLossMode):
     """GPG (Chu et al., 2025): plain policy gradient `-A log pi`, no ratio and no clip (pair it with the gpg
     estimator)."""
 
-    ratio_clip = False
-
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
         log_ratio, advantages = _valid_inputs(log_probs, old_log_probs, advantages, valid)
@@ -268,15 +206,6 @@ class ClipCov(PolicyLossMode):
     """Clip-Cov (Cui et al., 2025): PPO's clip, plus a random `clip_cov_ratio` of the tokens whose covariance between
     advantage and log-prob lies in (clip_cov_lb, clip_cov_ub) get no gradient, which keeps entropy from
     collapsing."""
-
-    def check(self, config):
-        loss = config.policy_loss
-        problems = [] if loss.clip_cov_ratio > 0 else [
-            f"actor_rollout_ref.actor.policy_loss.clip_cov_ratio={loss.clip_cov_ratio} must be > 0 (e.g. 0.0002)"]
-        if loss.clip_cov_lb >= loss.clip_cov_ub:
-            problems.append(f"actor_rollout_ref.actor.policy_loss.clip_cov_lb={loss.clip_cov_lb} must be below "
-                            f"clip_cov_ub={loss.clip_cov_ub}")
-        return problems
 
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
@@ -299,16 +228,6 @@ class ClipCov(PolicyLossMode):
 class KLCov(PolicyLossMode):
     """KL-Cov (Cui et al., 2025): the unclipped surrogate, plus `ppo_kl_coef * |log r|` on the `kl_cov_ratio` of the
     tokens with the largest covariance between advantage and log-prob."""
-
-    ratio_clip = False
-
-    def check(self, config):
-        loss = config.policy_loss
-        problems = [] if loss.kl_cov_ratio > 0 else [
-            f"actor_rollout_ref.actor.policy_loss.kl_cov_ratio={loss.kl_cov_ratio} must be > 0 (e.g. 0.0002)"]
-        if loss.ppo_kl_coef < 0:
-            problems.append(f"actor_rollout_ref.actor.policy_loss.ppo_kl_coef={loss.ppo_kl_coef} must be >= 0")
-        return problems
 
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
@@ -336,4 +255,5 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
     "clip_cov": ClipCov(),
     "kl_cov": KLCov(),
 }
-"""`policy_loss.loss_mode` -> the mode (adding a mode: one class above and one row here)."""
+"""`policy_loss.loss_mode` -> the mode, keyed by config.POLICY_LOSS_MODE_RULES (adding a mode: one class above, one
+row here and one there)."""

@@ -25,97 +25,13 @@ token count, so a rejected fraction f scales the step by 1 - f, where verl divid
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 
+from megatron_cpo.algorithms.config import IS_LEVELS, RS_LEVELS, RolloutCorrectionConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
-from megatron_cpo.config_checks import check
-
-IS_LEVELS = ("token", "sequence")
-RS_LEVELS = ("token", "sequence", "geometric")
-VERL_RATIO_RS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
-DIVERGENCE_RS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
-                 "seq_max_k3")
-AUTO = "auto"
-
-
-def _off(value: Optional[str]) -> Optional[str]:
-    """YAML's null and the spellings "none" / "null" all mean off."""
-    return None if value is None or str(value).lower() in ("none", "null", "") else value
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """`algorithm.rollout_correction` (verl's names).
-
-    rollout_is: `token`, `sequence`, null (off) or `auto` (the default): token level when the run trains on stale
-        samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
-        the loss, off otherwise.
-    rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
-    rollout_rs: `token`, `sequence`, `geometric` (verl: `token_k1`, `seq_sum_k1`, `seq_mean_k1`) or null (off): which
-        ratios must stay inside the band; or one of verl's divergence bounds (`token_k2` ... `seq_max_k3`).
-    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal);
-        for a divergence bound, its upper end (required, e.g. 0.01 for k3).
-    rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
-    """
-    rollout_is: Optional[str] = AUTO
-    rollout_is_threshold: float = 2.0
-    rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Optional[float] = None
-    rollout_rs_threshold_lower: Optional[float] = None
-    rollout_token_veto_threshold: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        prefix = "algorithm.rollout_correction."
-        self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
-        self.rollout_rs = VERL_RATIO_RS.get(self.rollout_rs, self.rollout_rs)
-        check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
-              "token, sequence, auto (token when training on stale samples) or null (off)")
-        check("," not in str(self.rollout_rs), f"{prefix}rollout_rs={self.rollout_rs!r}: combining rejection criteria "
-              "(verl's comma-separated list) is not built; choose one")
-        check(self.rollout_rs in (None, *RS_LEVELS, *DIVERGENCE_RS), f"{prefix}rollout_rs={self.rollout_rs!r} is "
-              f"unknown; choose token, sequence, geometric (ratio bands), one of {', '.join(DIVERGENCE_RS)} "
-              "(divergence bounds) or null (off)")
-        if self.rollout_rs in DIVERGENCE_RS:
-            check(self.rollout_rs_threshold is not None and self.rollout_rs_threshold > 0 and
-                  self.rollout_rs_threshold_lower is None, f"{prefix}rollout_rs={self.rollout_rs} bounds a divergence "
-                  f"from above: set {prefix}rollout_rs_threshold > 0 (e.g. 0.01) and leave rollout_rs_threshold_lower "
-                  "null")
-        check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
-              "(typical 1.5-5)")
-        upper, lower = self.rs_band
-        check(self.rollout_rs in DIVERGENCE_RS or (upper > 0 and 0 <= lower < upper),
-              f"{prefix}rollout_rs_threshold_lower={lower} and rollout_rs_threshold={upper} must satisfy "
-              "0 <= lower < upper (the band of ratios kept)")
-        veto = self.rollout_token_veto_threshold
-        check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
-              "1e-4, or null")
-
-    @property
-    def rs_band(self) -> tuple[float, float]:
-        """(upper, lower) ends of the rejection band."""
-        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
-        return upper, lower
-
-    @property
-    def explicit_is(self) -> bool:
-        """Whether the importance weights were switched on by name (not by `auto`)."""
-        return self.rollout_is in IS_LEVELS
-
-    def resolve(self, max_staleness: int, tis_on: bool) -> Optional["RolloutCorrectionConfig"]:
-        """The correction a run applies (None: nothing to do): `auto` becomes token-level IS when the samples may
-        be stale (`max_staleness` > 0) and the actor's TIS is off, and is off otherwise."""
-        level = self.rollout_is
-        if level == AUTO:
-            level = "token" if max_staleness > 0 and not tis_on else None
-        if level is None and self.rollout_rs is None and self.rollout_token_veto_threshold is None:
-            return None
-        return replace(self, rollout_is=level)
-
 
 @dataclass
 class RolloutCorrection:
@@ -137,8 +53,8 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
 
 
 def divergence(log_ratio: torch.Tensor, valid: torch.Tensor, option: str) -> torch.Tensor:
-    """verl's divergence statistic `option` (DIVERGENCE_RS) of each token, broadcast to [N, T]: k2 or k3 of the
-    log-ratio (bounded to +-20), the token's own or its response's sum, mean or maximum (0 for an empty one)."""
+    """verl's divergence statistic `option` (config.DIVERGENCE_RS) of each token, broadcast to [N, T]: k2 or k3 of
+    the log-ratio (bounded to +-20), the token's own or its response's sum, mean or maximum (0 for an empty one)."""
     aggregate, estimator = option.rsplit("_", 1)
     bounded = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     per_token = 0.5 * bounded.square() if estimator == "k2" else torch.exp(bounded) - 1.0 - bounded

@@ -11,21 +11,22 @@ the update (otherwise an on-policy update takes them from its own forward).
 - `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
   `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda], applied to the
   advantages of the group estimator `algorithm.cpo.base_estimator` (`grpo`, `rloo` or
-  `reinforce_plus_plus_baseline`: CPO's difficulty levels and MI signals are read per prompt group).
+  `reinforce_plus_plus_baseline`: CPO's difficulty levels are read per prompt group; algorithms/config.py checks it).
+
+Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`), so this module imports no torch:
+a shaper's math (cpo.py) loads when it first shapes a batch.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-import torch
+from megatron_cpo.algorithms.cpo_rules import known_rules
 
-from megatron_cpo.algorithms.advantages import ESTIMATOR_ALIASES, estimator_name
-from megatron_cpo.algorithms.cpo import difficulty_mask, known_rules, shape_advantages
+if TYPE_CHECKING:  # tensors, and the signals of the trainer's kernels.hint_mi_signals: annotations only
+    import torch
 
-if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
     from megatron_cpo.kernels.hint_signals import HintSignals
-
-CPO_BASE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-"""The group estimators whose advantages CPO's rule shapes."""
 
 
 @dataclass
@@ -50,12 +51,6 @@ class CPOConfig:
     base_estimator: str = "grpo"
 
     def __post_init__(self) -> None:
-        bases = [*CPO_BASE_ESTIMATORS, *(alias for alias, name in ESTIMATOR_ALIASES.items()
-                                        if name in CPO_BASE_ESTIMATORS)]
-        if self.base_estimator not in bases:
-            raise ValueError(f"algorithm.cpo.base_estimator={self.base_estimator!r} cannot carry CPO's shaping: the "
-                             "rule reads each prompt group's difficulty; choose grpo, rloo or "
-                             "reinforce_plus_plus_baseline")
         rules = known_rules()
         if self.wrap_method not in rules:
             raise ValueError(f"algorithm.cpo.wrap_method={self.wrap_method!r} is not a CPO shaping rule; choose one "
@@ -74,7 +69,7 @@ class AdvantageShaper:
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
               log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+              signals: Optional[HintSignals] = None) -> tuple[torch.Tensor, dict[str, float]]:
         """(advantages to train on, metrics); all per-token tensors [N, T], `correct` / `group` [N]."""
         return advantages, {}
 
@@ -90,7 +85,9 @@ class CPOShaper(AdvantageShaper):
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
               log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+              signals: Optional[HintSignals] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+
         if hint_log_probs is None or signals is None:
             raise ValueError("the cpo shaper needs hint_log_probs and the hint signals (kernels.hint_mi_signals)")
         cfg, on = self.config, mask.bool()
@@ -114,9 +111,3 @@ def build_shaper(adv_estimator: str, cpo: CPOConfig) -> AdvantageShaper:
     """The shaper `algorithm.adv_estimator` selects (none for a plain estimator)."""
     shaper = ADVANTAGE_SHAPERS.get(adv_estimator)
     return shaper(cpo) if shaper is not None else AdvantageShaper()
-
-
-def shaped_estimator(adv_estimator: str, cpo: CPOConfig) -> str:
-    """The estimator whose advantages a run computes: `algorithm.cpo.base_estimator` under a shaper, else
-    `adv_estimator` itself (verl's aliases resolved)."""
-    return estimator_name(cpo.base_estimator if adv_estimator in ADVANTAGE_SHAPERS else adv_estimator)

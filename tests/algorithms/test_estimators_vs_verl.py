@@ -12,7 +12,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_ALIASES, AdvantageInputs, estimator
+from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from megatron_cpo.algorithms.config import ESTIMATOR_ALIASES, AlgorithmConfig
 from megatron_cpo.algorithms.returns import reverse_linear_scan
 
 SEEDS = range(12)
@@ -173,7 +174,7 @@ def random_batch(seed: int, width: int = 7, singletons: bool = True) -> dict:
 def run(name: str, b: dict, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = AdvantageInputs(b["rewards"], b["mask"], b["group"], gamma=b["gamma"], lam=b["lam"],
                              values=b["values"], reward_baselines=b["baselines"], **overrides)
-    return estimator(name).compute(inputs)
+    return ADVANTAGE_ESTIMATORS[name](inputs)
 
 
 def assert_on_mask(ours: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor) -> None:
@@ -253,7 +254,7 @@ def test_gae_hand_computed():
     # A: 0.4; -0.1 + 0.25*0.4 = 0; 0 + 0.25*0 = 0 -> returns A + V = (0.2, 0.4, 1.0)
     inputs = AdvantageInputs(torch.tensor([[0.0, 0.0, 1.0]]), torch.ones(1, 3), torch.tensor([0]), gamma=0.5,
                              lam=0.5, values=torch.tensor([[0.2, 0.4, 0.6]]))
-    _, returns = estimator("gae").compute(inputs)
+    _, returns = ADVANTAGE_ESTIMATORS["gae"](inputs)
     torch.testing.assert_close(returns, torch.tensor([[0.2, 0.4, 1.0]]))
 
 
@@ -272,18 +273,18 @@ def test_the_scan_solves_its_recurrence_for_long_rows():
 def test_verls_vectorized_names_are_the_same_estimators():
     assert ESTIMATOR_ALIASES == {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
     for alias, name in ESTIMATOR_ALIASES.items():
-        assert estimator(alias) is ADVANTAGE_ESTIMATORS[name]
-    with pytest.raises(ValueError, match="'ppo' is not an advantage estimator"):
-        estimator("ppo")
+        assert AlgorithmConfig(adv_estimator=alias).estimator_name == name
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo' is not supported"):
+        AlgorithmConfig(adv_estimator="ppo")
 
 
 def test_float32_inputs_give_float32_advantages():
     b = random_batch(3)
     inputs = AdvantageInputs(b["rewards"].float(), b["mask"].float(), b["group"], values=b["values"].float(),
                              reward_baselines=b["baselines"].float())
-    for name, row in ADVANTAGE_ESTIMATORS.items():
+    for name, compute in ADVANTAGE_ESTIMATORS.items():
         if name == "grpo_passk":
             continue
-        advantages, returns = row.compute(inputs)
+        advantages, returns = compute(inputs)
         assert advantages.dtype == returns.dtype == torch.float32, name
         assert torch.isfinite(advantages).all(), name

@@ -11,8 +11,9 @@ batch is split into micro-batches).
 import pytest
 import torch
 
-from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossModeConfig
+from megatron_cpo.algorithms.config import POLICY_LOSS_MODE_RULES, PolicyLossConfig, PolicyLossModeConfig
+from megatron_cpo.algorithms.losses import policy_loss
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 from megatron_cpo.config import ConfigError, build_config
 
 SEEDS = range(6)
@@ -158,7 +159,7 @@ def config_for(mode: str, agg: str, settings: dict) -> PolicyLossConfig:
 
 
 CASES = [(mode, agg, index) for mode in ORACLES for agg in TOKEN_AGGREGATIONS
-         if agg in POLICY_LOSS_MODES[mode].aggregations for index in range(len(SETTINGS[mode]))]
+         if agg in POLICY_LOSS_MODE_RULES[mode].aggregations for index in range(len(SETTINGS[mode]))]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -204,7 +205,7 @@ def test_nan_on_padding_reaches_neither_loss_nor_gradient(mode):
     old, advantages = old.masked_fill(padding, float("nan")), advantages.masked_fill(padding, float("nan"))
     log_probs = log_probs.clone().requires_grad_()
     settings = {**SETTINGS.get(mode, [{}])[0]}
-    agg = POLICY_LOSS_MODES[mode].aggregations[-1] if mode != "vanilla" else "token-mean"
+    agg = POLICY_LOSS_MODE_RULES[mode].aggregations[-1] if mode != "vanilla" else "token-mean"
     loss, metrics = policy_loss(log_probs, old, advantages, mask, config_for(mode, agg, settings),
                                 generator=torch.Generator().manual_seed(0))
     loss.backward()
@@ -255,4 +256,4 @@ def test_verls_keys_load_and_cispo_takes_an_open_lower_clip():
     gspo = build_config({}, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
                              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
                              "actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"])
-    assert gspo.actor_rollout_ref.actor.policy_loss.mode is POLICY_LOSS_MODES["gspo"]
+    assert gspo.actor_rollout_ref.actor.policy_loss.rules is POLICY_LOSS_MODE_RULES["gspo"]

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES, PolicyLossModeConfig
+from megatron_cpo.algorithms.config import PolicyLossModeConfig
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environment")]
 
@@ -48,8 +49,8 @@ def test_every_loss_mode_updates_the_megatron_actor(tiny_model_dir):
     from megatron_cpo import platform
     from megatron_cpo.algorithms.losses import policy_loss
     from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
-    from megatron_cpo.trainer.workers.policies import build_policies
 
     assert set(MODE_SETTINGS) == set(POLICY_LOSS_MODES)
     base = build_config({}, [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_batch_size=2",
@@ -61,14 +62,15 @@ def test_every_loss_mode_updates_the_megatron_actor(tiny_model_dir):
     try:
         for mode in MODE_SETTINGS:
             config = _with_mode(base, mode)
-            actor, _ = build_policies(config, pad_token_id=0, total_updates=2)
+            settings = policy_update_config(config)
+            actor, _ = policies_for(config, pad_token_id=0, total_updates=2)
             start = [p.detach().clone() for p in actor.model.parameters()]
-            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
-            advantages, _ = policy_update.compute_advantages(batch, lp, config)
-            first = policy_update.update_policy(actor, batch, lp, advantages, config)  # fills lp.old_log_probs
+            lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
+            advantages, _ = policy_update.compute_advantages(batch, lp, settings)
+            first = policy_update.update_policy(actor, batch, lp, advantages, settings)  # fills lp.old_log_probs
             expected, _ = policy_loss(lp.old_log_probs, lp.old_log_probs, advantages, lp.mask,
                                       config.actor_rollout_ref.actor, generator=torch.Generator().manual_seed(0))
-            second = policy_update.update_policy(actor, batch, lp, advantages, config)
+            second = policy_update.update_policy(actor, batch, lp, advantages, settings)
             moved = max(float((p.detach() - s).abs().max()) for p, s in zip(actor.model.parameters(), start))
             results[mode] = (first, second, float(expected), moved)
     finally:

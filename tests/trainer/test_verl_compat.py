@@ -116,10 +116,10 @@ def test_the_algorithm_scripts_select_their_estimator_and_loss():
     """verl's GPG (estimator and loss) and REINFORCE++ (with KL in the reward) scripts run those algorithms here."""
     gpg = resolve_config(RECIPES / "grpo.yaml", overrides_of("gpg_qwen2_7b_math_megatron.txt")).config
     assert (gpg.algorithm.adv_estimator, gpg.actor_rollout_ref.actor.policy_loss.loss_mode) == ("gpg", "gpg")
-    assert gpg.algorithm.estimator.grouped
+    assert gpg.algorithm.estimator_needs.grouped
     rf = resolve_config(RECIPES / "grpo.yaml", overrides_of("reinforce_plus_plus_qwen2_7b_math.txt")).config
     assert rf.algorithm.adv_estimator == "reinforce_plus_plus" and rf.algorithm.use_kl_in_reward
-    assert not rf.algorithm.estimator.grouped and rf.needs_reference_model
+    assert not rf.algorithm.estimator_needs.grouped and rf.needs_reference_model
 
 
 @pytest.mark.parametrize("override, expected", [
