@@ -17,6 +17,6 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
   config.
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling.
 - overlong.py: DAPO overlong reward shaping.
-- config.py: the algorithms' settings, torch-free (`algorithm.*`, the policy loss, RAGEN's filter, the overlong
-  buffer), the names each accepts, what each estimator needs and what each loss mode defines.
+- config.py: the algorithms' settings, torch-free (`algorithm.*`, RAGEN's filter, the overlong buffer), the names
+  each accepts and what each estimator needs; loss_config.py: the policy loss's (its modes and what each defines, TIS).
 """

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss  # noqa: F401  (the table: re-exported)
-from megatron_cpo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
+from megatron_cpo.algorithms.config import RolloutCorrectionConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.kl import kl_penalty
 from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 from megatron_cpo.algorithms.rollout_correction import rollout_correction

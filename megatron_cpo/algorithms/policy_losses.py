@@ -4,7 +4,7 @@ registered in `POLICY_LOSS_MODES`.
 A mode turns the per-token log-probs (current and old), advantages and response mask [N, T] into per-token
 policy-gradient losses (0 on padding) and its metrics; losses.py weights them (TIS, off-policy correction), masks
 them (entropy mask, rejection) and aggregates them with `loss_agg_mode`. Which aggregations define a mode's objective
-and which clip ranges it takes are data of the config (config.py `POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so
+and which clip ranges it takes are data of the config (loss_config.py `POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so
 a config that asks for something a mode does not define is refused when it loads. Formulas and when to use each:
 docs/algorithms.md. Each equals verl's `core_algos` loss of the same name
 (tests/algorithms/test_policy_losses_vs_verl.py).
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_cpo.algorithms.config import PolicyLossConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 
@@ -94,7 +94,8 @@ def clipped_policy_loss(
 
 class PolicyLossMode(ABC):
     """A policy-loss mode: `losses` gives the per-token losses and metrics, `weighted` applies importance weights.
-    What the mode allows (aggregations, clip ranges) is config.POLICY_LOSS_MODE_RULES, checked when a config loads."""
+    What the mode allows (aggregations, clip ranges) is loss_config.POLICY_LOSS_MODE_RULES, checked when a config
+    loads."""
 
     @abstractmethod
     def losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -255,5 +256,5 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
     "clip_cov": ClipCov(),
     "kl_cov": KLCov(),
 }
-"""`policy_loss.loss_mode` -> the mode, keyed by config.POLICY_LOSS_MODE_RULES (adding a mode: one class above, one
+"""`policy_loss.loss_mode` -> the mode, keyed by loss_config.POLICY_LOSS_MODE_RULES (adding a mode: one class above, one
 row here and one there)."""

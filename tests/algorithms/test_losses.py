@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_cpo.algorithms.config import PolicyLossConfig, TISConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig, TISConfig
 from megatron_cpo.algorithms.kl import kl_in_reward
 from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 from megatron_cpo.algorithms.losses import (

@@ -11,7 +11,7 @@ batch is split into micro-batches).
 import pytest
 import torch
 
-from megatron_cpo.algorithms.config import POLICY_LOSS_MODE_RULES, PolicyLossConfig, PolicyLossModeConfig
+from megatron_cpo.algorithms.loss_config import POLICY_LOSS_MODE_RULES, PolicyLossConfig, PolicyLossModeConfig
 from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 from megatron_cpo.config import ConfigError, build_config

@@ -1,8 +1,8 @@
 """Every variant name a setting accepts (declared torch-free in algorithms/config.py and cpo_rules.py, so that
 loading a config needs no torch) has its implementation in the table of the math module, and every implementation
 is reachable by a name: the two lists cannot drift apart."""
-from megatron_cpo.algorithms import (advantages, config, cpo, cpo_rules, filters, kl, losses, policy_losses,
-                                    rollout_correction)
+from megatron_cpo.algorithms import (advantages, config, cpo, cpo_rules, filters, kl, loss_config, losses,
+                                    policy_losses, rollout_correction)
 
 
 def test_each_table_implements_exactly_the_names_its_setting_accepts():
@@ -12,12 +12,12 @@ def test_each_table_implements_exactly_the_names_its_setting_accepts():
     assert set(filters.FILTER_LOSS_SCALINGS) == set(config.FILTER_LOSS_SCALING_MODES)
     assert set(config.RAGEN_FILTER_METRICS.values()) == set(filters.GROUP_SCORES)
     assert set(advantages.ADVANTAGE_ESTIMATORS) == set(config.ADVANTAGE_ESTIMATOR_NEEDS)
-    assert set(policy_losses.POLICY_LOSS_MODES) == set(config.POLICY_LOSS_MODE_RULES)
+    assert set(policy_losses.POLICY_LOSS_MODES) == set(loss_config.POLICY_LOSS_MODE_RULES)
     assert set(config.ESTIMATOR_ALIASES.values()) <= set(config.ADVANTAGE_ESTIMATOR_NEEDS)
     assert set(config.CPO_BASE_ESTIMATORS) <= {name for name, needs in config.ADVANTAGE_ESTIMATOR_NEEDS.items()
                                                if needs.grouped}
-    assert set(config.LOSS_MODE_CHECKS) <= set(config.POLICY_LOSS_MODE_RULES)
-    for rules in config.POLICY_LOSS_MODE_RULES.values():
+    assert set(loss_config.LOSS_MODE_CHECKS) <= set(loss_config.POLICY_LOSS_MODE_RULES)
+    for rules in loss_config.POLICY_LOSS_MODE_RULES.values():
         assert set(rules.aggregations) <= set(config.LOSS_AGGREGATION_MODES)
 
 

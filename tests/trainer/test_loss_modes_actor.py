@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_cpo.algorithms.config import PolicyLossModeConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossModeConfig
 from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environment")]
