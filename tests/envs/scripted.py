@@ -233,14 +233,14 @@ class NumberedRetry(Counted, ArithmeticRetryEnvironment):
 
 
 class Misbehaving(Counted, ArithmeticRetryEnvironment):
-    """`arith_retry` whose first step misbehaves by the row's index % 5: 0 raises, 1 returns text instead of a
+    """`arith_retry` whose first step misbehaves by the row's index % 6: 0 raises, 1 returns text instead of a
     `StepResult`, 2 answers with a 200,000-character observation, 3 blocks until `release` is set (the first such
-    environment to step only: one worker thread is held) and 4 behaves."""
+    environment to step only: one worker thread is held), 4 gives a NaN reward, and 5 behaves."""
     release = threading.Event()
     blocking = threading.Lock()
 
     def reset(self, record, seed):
-        self.kind = record.index % 5
+        self.kind = record.index % 6
         return super().reset(record, seed)
 
     def step(self, action_text: str):
@@ -255,6 +255,9 @@ class Misbehaving(Counted, ArithmeticRetryEnvironment):
             return StepResult([user("x" * 200_000)])
         if self.attempts == 0 and self.kind == 3 and Misbehaving.blocking.acquire(blocking=False):
             Misbehaving.release.wait(600)
+        if self.attempts == 0 and self.kind == 4:
+            self.attempts += 1
+            return StepResult([user(self.feedback)], reward=float("nan"))
         return super().step(action_text)
 
 
@@ -283,3 +286,19 @@ class PausingRetry(ArithmeticRetryEnvironment):
                 while not (pause_dir / "go").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
         return super().step(action_text)
+
+
+class NonFiniteRewards(TextEnvironment):
+    """A game whose reward arithmetic goes wrong: NaN for the first step, +inf for the second (then done), and a
+    final score of -inf."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, action_text: str) -> StepResult:
+        self.steps += 1
+        return StepResult([user("again")], reward=float("nan") if self.steps == 1 else float("inf"),
+                          done=self.steps >= 2)
+
+    def score(self) -> float:
+        return float("-inf")

@@ -179,11 +179,12 @@ def test_agent_episodes_under_k1_keep_their_environment_and_each_token_its_weigh
 def test_environments_that_raise_block_or_flood_under_k1_stall_nothing_and_are_closed_once(make_config, warm_engine,
                                                                                            tmp_path):
     """Issue 36's bad input under asynchronous training (k = 1, in-flight weight updates): rows whose environment's
-    first step raises, returns text instead of a StepResult, answers with a 200,000-character observation, or blocks
-    past multi_turn.call_timeout_s (tests/envs/scripted.py: Misbehaving) go on as under k = 0 (error observations,
-    the episode ended by observation_length or env_timeout). The blocked step is still blocked when the 3-step run
-    returns: it held up neither the other episodes nor an update. No optimizer step saw a NaN, and every environment
-    made is closed once (the blocked one once its step returns)."""
+    first step raises, returns text instead of a StepResult, answers with a 200,000-character observation, blocks
+    past multi_turn.call_timeout_s, or gives a NaN reward (tests/envs/scripted.py: Misbehaving) go on as under k = 0
+    (error observations, the episode ended by observation_length or env_timeout, the NaN refused and trained as 0
+    with reward.non_finite=zero). The blocked step is still blocked when the 3-step run returns: it held up neither
+    the other episodes nor an update. No optimizer step saw a NaN, and every environment made is closed once (the
+    blocked one once its step returns)."""
     Counted.reset_counts()
     Misbehaving.release, Misbehaving.blocking = threading.Event(), threading.Lock()
     run_dir = tmp_path / "run"
@@ -193,9 +194,10 @@ def test_environments_that_raise_block_or_flood_under_k1_stall_nothing_and_are_c
         "actor_rollout_ref.rollout.multi_turn.default_agent=tests.envs.scripted:Misbehaving",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
         "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24",
-        "actor_rollout_ref.rollout.multi_turn.call_timeout_s=2", "async_training.max_staleness=1",
-        "async_training.in_flight_weight_updates=true", "trainer.total_training_steps=3", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", f"trainer.default_local_dir={run_dir}")
+        "actor_rollout_ref.rollout.multi_turn.call_timeout_s=2", "reward.non_finite=zero",
+        "async_training.max_staleness=1", "async_training.in_flight_weight_updates=true",
+        "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={run_dir}")
     try:
         run_training(config, warm_engine)
         assert Misbehaving.blocking.locked() and not Misbehaving.release.is_set()  # still blocked
@@ -204,9 +206,10 @@ def test_environments_that_raise_block_or_flood_under_k1_stall_nothing_and_are_c
     metrics = read_metrics(run_dir)
     assert sorted(metrics) == [1, 2, 3]
     totals = {key: sum(row[f"multi_turn/{key}"] for row in metrics.values())
-              for key in ("env_errors", "env_timeouts", "stop/observation_length", "stop/env_timeout")}
+              for key in ("env_errors", "env_timeouts", "stop/observation_length", "stop/env_timeout",
+                          "non_finite_rewards")}
     assert totals["env_errors"] >= 2 and totals["env_timeouts"] >= 1 and totals["stop/env_timeout"] >= 1, totals
-    assert totals["stop/observation_length"] >= 1, totals
+    assert totals["stop/observation_length"] >= 1 and totals["non_finite_rewards"] >= 1, totals
     for row in metrics.values():
         assert all(math.isfinite(row[key]) for key in row if key.startswith(("actor/", "advantages/", "reward")))
         assert row["async/staleness_max"] <= 1
@@ -246,3 +249,28 @@ def test_a_run_killed_mid_episode_resumes_and_trains_every_prompt_once(small_run
     steps = trained_prompts(run_dir)
     assert [len(prompts) for prompts in steps] == [4] * 4
     assert [p for prompts in steps for p in prompts] == epoch_prompts(load_config(EXAMPLE, run))[:16]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_an_environment_returning_nan_or_inf_stops_the_run_before_the_update(make_config, warm_engine, tmp_path,
+                                                                             staleness):
+    """Issue 39: an environment whose step rewards and final score are NaN / infinite (tests/envs/scripted.py)
+    stops the run at step 1 with one line naming it and the row (`reward.non_finite=error`, the default): nothing
+    trained, nothing checkpointed; the same under asynchronous training (issue 36)."""
+    from megatron_cpo.trainer.run.errors import RunAbortedError
+
+    run_dir = tmp_path / "run"
+    config = make_config(
+        f"actor_rollout_ref.model.path={WARM_MODEL}", "data.max_response_length=64",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.default_agent=tests.envs.scripted:NonFiniteRewards",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=16", "trainer.total_training_steps=2",
+        f"async_training.max_staleness={staleness}", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={run_dir}")
+    with pytest.raises(RunAbortedError) as error:
+        run_training(config, warm_engine)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        "step 1 stopped before its update: environment 'tests.envs.scripted:NonFiniteRewards' (NonFiniteRewards.")
+    assert "(data_source 'megatron_cpo/arith')" in message and message.endswith("nothing was trained")
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
