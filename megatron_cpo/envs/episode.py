@@ -75,9 +75,9 @@ class Episode:
                  versions: list[int] | None = None) -> None:
         """The engine's sampled ids, their log-probs and the weight version of each (`RolloutSample`'s), exactly as
         they came."""
-        if len(logprobs) != len(ids) or (versions is not None and len(versions) != len(ids)):
-            raise ValueError(f"{self.engine_request_id()}: {len(ids)} sampled ids but {len(logprobs)} log-probs and "
-                             f"{'no' if versions is None else len(versions)} weight versions")
+        for name, values in (("log-probs", logprobs), ("weight versions", versions)):
+            if values is not None and len(values) != len(ids):
+                raise ValueError(f"{self.engine_request_id()}: {len(ids)} sampled ids but {len(values)} {name}")
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += [float(value) for value in logprobs]
