@@ -21,7 +21,7 @@ def engine_config(config: Any) -> EngineLaunchConfig:
     data, rollout = config.data, config.actor_rollout_ref.rollout
     return EngineLaunchConfig(
         model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
+        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
         max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
         enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
 

@@ -19,8 +19,9 @@ import torch
 
 from megatron_cpo.config_checks import check
 
-# Default tolerance per dtype of the weights (trainer and engine use the same: actor.megatron.params_dtype), in
-# log-prob units (nats) on the probe's greedy tokens; measurements in docs/launch.md, "Is the engine in sync?".
+# Default tolerance per dtype of the weights (trainer and engine use the same: actor.megatron.params_dtype with `auto`
+# resolved), in log-prob units (nats) on the probe's greedy tokens; measurements in docs/launch.md, "Is the engine in
+# sync?".
 # float32: engines in sync differ by <= 1e-6 (tiny models) and <= 3.1e-5 (SmolLM2-135M); an engine that kept its
 # tied head showed 0.33 after the first push at lr 3e-2 (tiny) and 2.6e-4 after the first push at lr 1e-6
 # (SmolLM2). 16-bit: engines in sync differ by up to 0.03 (tiny) and 0.11 (SmolLM2-135M), since the two sides'

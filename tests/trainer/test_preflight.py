@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_cpo.compute_dtype import resolve_dtype
 from megatron_cpo.config import ConfigError, build_config
 from megatron_cpo.trainer.run.preflight import preflight
 
@@ -214,6 +215,9 @@ def test_dry_run_prints_config_ignored_keys_and_layout(files, tmp_path, capsys, 
     assert "# 1 verl setting(s) accepted but not used here: actor_rollout_ref.rollout.name='vllm'" in out
     assert "# trainer: 1 process(es) (a single process) = TP 1 x PP 1 x DP 1" in out
     assert "# per step: 16 responses in 1 optimizer step(s)" in out  # 2 prompts x n=8
+    chosen = resolve_dtype("auto")  # the example's params_dtype; tests/foundation/test_compute_dtype.py: the rule
+    assert (f"# dtype of the actor and the engines: {chosen.name} (actor_rollout_ref.actor.megatron.params_dtype=auto: "
+            f"{chosen.reason})") in out
     assert not (tmp_path / "run").exists(), "a dry run writes nothing"
 
 

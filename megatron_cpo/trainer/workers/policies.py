@@ -49,7 +49,7 @@ def build_policies(config: Config, pad_token_id: int, total_updates: int
     actor_cfg, model_cfg = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
     hf_config = load_hf_config(model_cfg.path)
     moe = family_of(hf_config).moe(hf_config) is not None
-    dtype = getattr(torch, actor_cfg.megatron.params_dtype)
+    dtype = getattr(torch, actor_cfg.megatron.compute_dtype)
     kernels = {"use_fused_kernels": model_cfg.use_fused_kernels, "use_remove_padding": model_cfg.use_remove_padding}
 
     model = build_gpt_model(hf_config, params_dtype=dtype,

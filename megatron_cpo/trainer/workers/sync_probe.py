@@ -47,7 +47,7 @@ class SyncProbe:
 
     def __init__(self, config: Config, tokenizer: Any, pad_token_id: int) -> None:
         self.settings = config.actor_rollout_ref.rollout.sync_check
-        self.dtype = config.actor_rollout_ref.actor.megatron.params_dtype
+        self.dtype = config.actor_rollout_ref.actor.megatron.compute_dtype
         self.tolerance = self.settings.tolerance_for(self.dtype)
         self.pad_token_id = pad_token_id
         texts = [text for text in self.settings.prompts if text.strip()]
