@@ -17,13 +17,15 @@ from megatron_cpo.rollout.types import EngineLaunchConfig
 
 def engine_config(config: Any) -> EngineLaunchConfig:
     """The engines' launch settings for a run's `Config`: the user's `actor_rollout_ref.rollout` as given, plus the
-    model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`."""
+    model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`, and
+    engines that generate while the trainer trains (asynchronous training) know it."""
     data, rollout = config.data, config.actor_rollout_ref.rollout
     return EngineLaunchConfig(
         model_path=config.actor_rollout_ref.model.path, engines=rollout,
         dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
         max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
-        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
+        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine,
+        overlaps_training=config.async_training.max_staleness > 0)
 
 
 def build_rollout_manager(config: Any) -> RolloutEngines:

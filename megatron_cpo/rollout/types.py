@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_cpo import platform
+from megatron_cpo.rollout.cpu_resources import auto_kv_cache_gib, available_memory_bytes
 
 _MASK64 = (1 << 64) - 1
 
@@ -142,7 +143,9 @@ class RolloutEngineConfig:
     class): how many engines, their layout and memory, where they run and how weights reach them.
 
     `tensor_model_parallel_size`: GPUs per engine (vLLM's tensor parallelism). On CPU each engine takes
-    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB); on GPU `gpu_memory_utilization` of its GPUs' memory.
+    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB; `auto`: what its sequences can fill, within a quarter of
+    the memory free when the engines start, rollout/cpu_resources.py); on GPU `gpu_memory_utilization` of its GPUs'
+    memory.
     `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process) are vLLM's options
     on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step (see engine.py).
     `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
@@ -156,7 +159,7 @@ class RolloutEngineConfig:
 
     num_engines: int = 1
     tensor_model_parallel_size: int = 1
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | str = "auto"
     gpu_memory_utilization: float = 0.6
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 8192
@@ -170,8 +173,15 @@ class RolloutEngineConfig:
             raise ValueError(f"{prefix}num_engines={self.num_engines} must be >= 1")
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"{prefix}tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"{prefix}kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB of KV cache per CPU engine)")
+        if self.kv_cache_gib != "auto":
+            given = self.kv_cache_gib
+            try:
+                self.kv_cache_gib = float(given)
+            except (TypeError, ValueError):
+                self.kv_cache_gib = 0.0
+            if not self.kv_cache_gib > 0:
+                raise ValueError(f"{prefix}kv_cache_gib={given!r} must be > 0 (GiB of KV cache per CPU engine) or "
+                                 "auto (sized from the model and the free memory)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.max_num_batched_tokens < 1:
@@ -200,6 +210,8 @@ class EngineLaunchConfig:
     max_num_seqs / n prompts only queues. On CPU each engine takes `cpus_per_engine` Ray CPU slots.
     `enable_sleep_mode` starts the engines able to sleep (free their memory) while colocated training runs, where
     vLLM's platform has sleep mode (not the CPU build: there sleep and wake-up do nothing; rollout/sleep_mode.py).
+    `overlaps_training`: the engines generate while the trainer trains (asynchronous training); CPU engines then
+    take half the machine's cores instead of all (rollout/cpu_resources.py).
     """
 
     model_path: str
@@ -217,6 +229,7 @@ class EngineLaunchConfig:
     health_timeout_s: float = 30.0
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
+    overlaps_training: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):
@@ -239,7 +252,11 @@ class EngineLaunchConfig:
 
     @property
     def kv_cache_space_gib(self) -> int:
-        """vLLM's CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB): `engines.kv_cache_gib` rounded up."""
+        """vLLM's CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB): `engines.kv_cache_gib` rounded up, or for
+        `auto` sized for this model and the memory free now (rollout/cpu_resources.py)."""
+        if self.engines.kv_cache_gib == "auto":
+            return auto_kv_cache_gib(self.model_path, self.dtype, self.max_model_len, self.max_num_seqs,
+                                     self.engines.num_engines, available_memory_bytes())
         return max(1, math.ceil(self.engines.kv_cache_gib))
 
     @property

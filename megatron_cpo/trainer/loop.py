@@ -22,16 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.compute_dtype import resolve_dtype
-from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.config import Config
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
-from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY
 from megatron_cpo.trainer.run.checkpointing import CheckpointManager
 from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                               broadcast_object, push_weights)
 from megatron_cpo.trainer.driver.controller import CollectedBatch
 from megatron_cpo.trainer.run.errors import RunAbortedError
+from megatron_cpo.trainer.run.machine import check_dtype, leave_cores_to_engines
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.workers.policies import build_policies
 from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
@@ -81,6 +80,7 @@ class Trainer:
         self.config = config
         self.lead = None
         self.colocated_engines = None  # what this rank started for mode=colocate (rank 0: the manager), else None
+        self.torch_threads = torch.get_num_threads()  # restored by close(): a run may train on fewer (machine.py)
         try:
             self._build(manager)
         except BaseException:
@@ -99,7 +99,8 @@ class Trainer:
                                   expert_model_parallel_size=megatron.expert_model_parallel_size,
                                   expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config)
-        _check_dtype(megatron.params_dtype)
+        check_dtype(megatron.params_dtype)
+        leave_cores_to_engines(config)
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         self.pad_token_id = tokenizer.pad_token_id
         self.sync_probe = SyncProbe(config, tokenizer, self.pad_token_id)
@@ -328,6 +329,7 @@ class Trainer:
             if self.lead is not None:
                 self.lead.close()
         finally:
+            torch.set_num_threads(self.torch_threads)
             if self.colocated_engines is not None:
                 self.colocated_engines.shutdown()
 
@@ -385,17 +387,6 @@ def nothing_to_train_message(config: Config) -> str:
             f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
             "because the ground truths are empty or the task is too easy/hard); check the data's "
             "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
-
-
-def _check_dtype(params_dtype: str) -> None:
-    """Collective: every rank computes in the same dtype (`auto` resolves on each machine: machines that differ in
-    bf16 support would disagree); rank 0 says which dtype and why, and warns of an explicit bf16 that is slow here."""
-    chosen = resolve_dtype(params_dtype)
-    if params_dtype == "auto" and len(set(all_gather_object(chosen.name))) > 1:
-        raise ConfigError(f"{PARAMS_DTYPE_KEY}=auto chose different dtypes on different ranks (their machines differ "
-                          "in bf16 support); set it to bfloat16 or float32")
-    if dist.get_rank() == 0:
-        chosen.announce(logger, "the actor and the engines", PARAMS_DTYPE_KEY)
 
 
 def _announce_engines(config: Config, given: bool) -> None:
