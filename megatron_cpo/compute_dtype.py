@@ -21,8 +21,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
-
 DTYPES = ("float32", "bfloat16", "float16")
 PARAMS_DTYPES = ("auto", *DTYPES)
 # oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA) that leave out the bf16 instructions
@@ -44,6 +42,8 @@ class Bf16Support:
 @functools.cache
 def bf16_support() -> Bf16Support:
     """Native bf16 on this machine's GPU, or on its CPU when it has no GPU (see the module docstring)."""
+    import torch  # here: loading a config (which names `PARAMS_DTYPES`) imports no torch
+
     if torch.cuda.is_available():
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         return Bf16Support(native, f"{torch.cuda.get_device_name()} {'has' if native else 'lacks'} bf16 arithmetic")

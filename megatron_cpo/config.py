@@ -8,13 +8,14 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
 
 - `data.*`: `data/config.py` (`DataConfig`);
 - `algorithm.*`: `algorithms/config.py` (`AlgorithmConfig`);
-- `reward.*`: `rewards/manager.py` (`RewardConfig`);
+- `reward.*`: `rewards/config.py` (`RewardConfig`);
 - `actor_rollout_ref.model.*`: `models/config.py`; `.actor.*`, `.ref.*` and `trainer.*`: `trainer/config.py`;
   `.rollout.*`: `rollout/config.py`, its `multi_turn.*`: `envs/config.py` (joined to the rollout section here, since
   `envs` sits above `rollout`).
 - `async_training.*`: `trainer/config.py` (`AsyncTrainingConfig`, read by `trainer/driver/admission.py`).
 
-Each section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
+Every section's module is torch-free, so loading a config imports no torch (tests/trainer/test_config.py). Each
+section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
 Every error names the offending value and says how to fix it. Accepted spellings (the seeds' names and verl's) are
 rewritten to the canonical names when the file is loaded (`ALIASES`); verl's keys that do not apply here, or must
 repeat one of ours, are data in `verl_compat.py`. Parsing, coercion and building live in `config_loader.py`;
@@ -33,7 +34,7 @@ from megatron_cpo.config_loader import ConfigLoader, Resolved, known_names, pars
 from megatron_cpo.data.config import DataConfig
 from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.models.config import ModelConfig
-from megatron_cpo.rewards.manager import RewardConfig
+from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
 from megatron_cpo.trainer.config import ActorConfig, AsyncTrainingConfig, RefConfig, TrainerConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS

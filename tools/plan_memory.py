@@ -240,7 +240,8 @@ def _from_recipe(path: str, trainer_gpus: int) -> tuple[dict, Layout, Batch]:
 
     config = load_config(path)
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
-    layout = Layout.from_config(config, trainer_gpus)
+    layout = Layout.from_sections(config.actor_rollout_ref.model, actor, rollout, config.needs_reference_model,
+                                  trainer_gpus)
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,

@@ -117,6 +117,7 @@ def simulate(k: int, keep_rate: float, train_s_per_token: float, args) -> dict:
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.generators import SingleTurnGenerator
     from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.admission import admission_for
     from megatron_cpo.trainer.driver.controller import RolloutController
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
@@ -132,8 +133,10 @@ def simulate(k: int, keep_rate: float, train_s_per_token: float, args) -> dict:
             seed, args.median_tokens, args.sigma, args.min_tokens, args.max_tokens_cap))
 
     stream = PromptStream([Record(i) for i in range(100_000)], total_epochs=1, seed=args.seed)
-    controller = RolloutController(SingleTurnGenerator(engine), stream, scorer_for(keep_rate), config,
-                                   keep_varied_groups if filtering else None, params_for)
+    controller = RolloutController(SingleTurnGenerator(engine), stream, scorer_for(keep_rate),
+                                   admission_for(config.async_training, args.batch_size),
+                                   keep_varied_groups if filtering else None, params_for, config.data,
+                                   config.algorithm.filter_groups)
     steps, update_idle, update_total, collect_s, staleness, freed = [], 0.0, 0.0, [], [], 0
     for step in range(1, args.steps + 1):
         start = engine.now

@@ -215,7 +215,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     """Build the actor for one mode, run two trainer steps (warm-up, measured) and return the measured phases."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, model["vocab_size"])
@@ -235,7 +235,8 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
                  *switches]
     platform.init_distributed(1, 1, seed=1)
     config = build_config({}, overrides)
-    actor, reference = build_policies(config, pad_token_id=0, total_updates=4)
+    actor, reference = policies_for(config, pad_token_id=0, total_updates=4)
+    settings = policy_update_config(config)
     device = platform.device()
     timer = PhaseTimer(device)
     actor.log_probs = timer.wrap("log_probs", actor.log_probs)  # CPO's hinted pass
@@ -244,11 +245,11 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     actor.update_on_policy = timer.wrap("update", actor.update_on_policy)  # one epoch, one mini-batch
     for _ in range(2):
         timer.calls.clear()
-        log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)  # steps 3-5 of Trainer.step
+        log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=0)  # steps 3-5 of Trainer.step
         if log_probs.old_log_probs is None:  # on-policy: the update scores the batch itself; time that pass alone too
             actor.log_probs_and_routing(log_probs.seqs, config.actor_rollout_ref.rollout.log_prob_temperature)
-        advantages, metrics = compute_advantages(batch, log_probs, config)
-        metrics.update(update_policy(actor, batch, log_probs, advantages, config))
+        advantages, metrics = compute_advantages(batch, log_probs, settings)
+        metrics.update(update_policy(actor, batch, log_probs, advantages, settings))
     real_tokens = sum(totals)
     flops_real = forward_flops(model, totals)
     flops_padded = forward_flops(model, [padded_length] * len(totals))

@@ -45,7 +45,7 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, vocab)
@@ -58,14 +58,15 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
         "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
         "actor_rollout_ref.actor.megatron.optimizer_offload=true", "algorithm.adv_estimator=grpo"])
     platform.init_distributed(1, 1, seed=1)
-    offloaded, _ = build_policies(config, pad_token_id=0, total_updates=4)
-    plain, _ = build_policies(config, pad_token_id=0, total_updates=4)
+    offloaded, _ = policies_for(config, pad_token_id=0, total_updates=4)
+    plain, _ = policies_for(config, pad_token_id=0, total_updates=4)
+    settings = policy_update_config(config)
     offload = colocated_offload(offloaded, config.actor_rollout_ref.actor.megatron, "colocate")
 
     def train(actor):  # steps 3-5 of Trainer.step, without a reference
-        log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
-        advantages, metrics = compute_advantages(batch, log_probs, config)
-        metrics.update(update_policy(actor, batch, log_probs, advantages, config))
+        log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, settings)
+        metrics.update(update_policy(actor, batch, log_probs, advantages, settings))
         return {k: v for k, v in metrics.items() if not k.startswith("timing/")}  # wall times differ
 
     for actor in (offloaded, plain):

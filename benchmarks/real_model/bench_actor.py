@@ -100,17 +100,18 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
     from megatron_cpo import platform
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.workers import policy_update
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     if options.get("old_log_probs") != "from_update":
         # the separate pass, as before the predicate existed
-        policy_update.old_log_probs_from_update = lambda config: False
+        policy_update.old_log_probs_from_update = lambda settings: False
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     config = load_config(str(CONFIG), [f"actor_rollout_ref.model.path={MODEL}", *BASE, *overrides])
     platform.init_distributed(1, 1, seed=1)
-    actor, reference = build_policies(config, pad_token_id=2, total_updates=repeats + 1)
+    actor, reference = policies_for(config, pad_token_id=2, total_updates=repeats + 1)
+    settings = policy_update_config(config)
     batch = make_batch(config.data.train_batch_size, config.actor_rollout_ref.rollout.n, 52, seed=0)
     steps = []
     for index in range(repeats + 1):
@@ -118,10 +119,10 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
         for part in ("log_probs", "update"):
             times[part] = (time.perf_counter(), _cpu_seconds())
             if part == "log_probs":
-                log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=2)
-                advantages, _ = compute_advantages(batch, log_probs, config)
+                log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=2)
+                advantages, _ = compute_advantages(batch, log_probs, settings)
             else:
-                metrics = update_policy(actor, batch, log_probs, advantages, config)
+                metrics = update_policy(actor, batch, log_probs, advantages, settings)
             start_wall, start_cpu = times[part]
             times[part] = (time.perf_counter() - start_wall, _cpu_seconds() - start_cpu)
         if index:

@@ -45,7 +45,7 @@ def start_server(work: Path) -> tuple[subprocess.Popen, str, float]:
 def run_mode(mode: str, args: argparse.Namespace, data: dict, work: Path) -> dict:
     from megatron_cpo.config import load_config
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.loop import engine_launch_config, run_training
 
     extra, server = [], None
     start_s = 0.0
@@ -67,7 +67,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: dict, work: Path) -> dic
     try:
         if mode != "server":
             started = time.perf_counter()
-            manager = build_rollout_manager(config)
+            manager = build_rollout_manager(config.actor_rollout_ref.rollout, engine_launch_config(config))
             start_s = time.perf_counter() - started
         else:
             manager = None

@@ -121,8 +121,10 @@ def main() -> None:
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     if args.uncommitted_bound:
-        as_shipped = new_controller.prompts_to_request
-        new_controller.prompts_to_request = lambda needed, rate: min(as_shipped(needed, rate), args.uncommitted_bound)
+        from megatron_cpo.trainer.driver import admission as new_admission
+
+        as_shipped = new_admission.prompts_to_request
+        new_admission.prompts_to_request = lambda needed, rate: min(as_shipped(needed, rate), args.uncommitted_bound)
     modules = {"streaming": new_controller}
     if args.old_tree is not None:
         from benchmarks.trainer.bench_controller_ab import load_old_controller

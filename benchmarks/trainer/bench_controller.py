@@ -31,8 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def build_controller(module, manager, stream, scorer, batch_size: int, group_filter, params_for,
                      max_inflight_prompts: int = 0):
     """`module.RolloutController` filling batches of `batch_size` prompts. A controller of an older tree (it took its
-    settings as `ControllerSettings`, before it read the run's config; or it took the engines, before it submitted to a
-    group generator) is built the way it expects, so the A/B benchmarks still compare against commits from before."""
+    settings as `ControllerSettings`, before it read the run's config; it took the run's config, before it asked an
+    `Admission`; or it took the engines, before it submitted to a group generator) is built the way it expects, so
+    the A/B benchmarks still compare against commits from before."""
+    import sys
+
     from megatron_cpo.config import build_config
 
     if hasattr(module, "ControllerSettings"):
@@ -45,6 +48,11 @@ def build_controller(module, manager, stream, scorer, batch_size: int, group_fil
         from megatron_cpo.rollout.generators import SingleTurnGenerator
 
         manager = SingleTurnGenerator(manager)
+    if hasattr(module, "Admission"):  # a tree whose controller asks an admission strategy, given its sections
+        admission = sys.modules[module.Admission.__module__].admission_for(settings.async_training, batch_size,
+                                                                           max_inflight_prompts)
+        return module.RolloutController(manager, stream, scorer, admission, group_filter, params_for, settings.data,
+                                        settings.algorithm.filter_groups)
     return module.RolloutController(manager, stream, scorer, settings, group_filter, params_for)
 
 

@@ -64,14 +64,14 @@ def throughput_mode(args: argparse.Namespace) -> dict:
     from megatron_cpo.models.tiny import write_tiny_model
     from megatron_cpo.trainer.workers.actor import UpdateInputs
     from megatron_cpo.trainer.batch.sequences import pack_sequences
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "model", max_position_embeddings=8192)
     config = build_config({}, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=1e-5",
                                "data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1"])
     platform.init_distributed(1, 1, seed=1)
-    actor, _ = build_policies(config, pad_token_id=0, total_updates=10)
+    actor, _ = policies_for(config, pad_token_id=0, total_updates=10)
     generator = torch.Generator().manual_seed(0)
     sigma = 0.8
     mu = math.log(args.mean_response) - sigma * sigma / 2

@@ -1,13 +1,44 @@
-"""`algorithm.*`: the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings and the
-off-policy correction (`rollout_correction`, rollout_correction.py)."""
+"""The settings of the algorithms, torch-free so that loading a config imports no torch: the `algorithm.*` section
+(the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings, the off-policy
+correction), and the parts of other sections that select a pure-math variant: the policy loss
+(`actor_rollout_ref.actor`, `PolicyLossConfig`), RAGEN's rollout filter (`actor_rollout_ref.rollout`,
+`RolloutFilterConfig`) and DAPO's overlong buffer (`reward.overlong_buffer`).
+
+Each variant table lives with its math (kl.py `KL_ESTIMATORS`, losses.py `LOSS_AGGREGATIONS`, filters.py
+`RAGEN_STRATEGIES` and `FILTER_LOSS_SCALINGS`, shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the
+names a setting accepts are declared here next to the setting, and tests/algorithms/test_variant_names.py checks that
+every table implements exactly them.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
-from megatron_cpo.algorithms.kl import KL_ESTIMATORS
-from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
 from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_checks import check, check_choice
+
+KL_ESTIMATOR_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+"""Every KL estimator name (verl's) -> the estimator it is (kl.py); a trailing `+` names the straight-through
+variant."""
+LOSS_AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                          "seq-mean-token-sum-norm")
+"""`actor.loss_agg_mode` (losses.py `LOSS_AGGREGATIONS`)."""
+RAGEN_STRATEGY_NAMES = ("top_p", "top_k", "min_p")
+"""`rollout.rollout_filter_strategy` besides `none` (filters.py `RAGEN_STRATEGIES`)."""
+FILTER_LOSS_SCALING_MODES = ("none", "linear", "sqrt")
+"""`actor.filter_loss_scaling` (filters.py `FILTER_LOSS_SCALINGS`)."""
+
+
+def known_kl_kinds() -> list[str]:
+    """Every accepted KL `kind`, straight-through variants included."""
+    return sorted(KL_ESTIMATOR_KINDS) + sorted(f"{name}+" for name in KL_ESTIMATOR_KINDS)
+
+
+def check_kl_kind(kind: str) -> None:
+    """Raise a clear error for an unknown KL estimator name."""
+    if kind.removesuffix("+") not in KL_ESTIMATOR_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {known_kl_kinds()}")
+
 
 FILTER_METRICS = ("acc", "score", "seq_reward")
 ON_LIMIT = ("error", "use_partial")
@@ -47,6 +78,74 @@ class KLControlConfig:
         check(self.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef={self.kl_coef} must be >= 0")
 
 
+IS_LEVELS = ("token", "sequence")
+RS_LEVELS = ("token", "sequence", "geometric")
+AUTO = "auto"
+
+
+def _off(value: Optional[str]) -> Optional[str]:
+    """YAML's null and the spellings "none" / "null" all mean off."""
+    return None if value is None or str(value).lower() in ("none", "null", "") else value
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """`algorithm.rollout_correction` (verl's names).
+
+    rollout_is: `token`, `sequence`, null (off) or `auto` (the default): token level when the run trains on stale
+        samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
+        the loss, off otherwise.
+    rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
+    rollout_rs: `token`, `sequence`, `geometric` or null (off): which ratios must stay inside the band.
+    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal).
+    rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
+    """
+    rollout_is: Optional[str] = AUTO
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None
+    rollout_rs_threshold_lower: Optional[float] = None
+    rollout_token_veto_threshold: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        prefix = "algorithm.rollout_correction."
+        self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
+        check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
+              "token, sequence, auto (token when training on stale samples) or null (off)")
+        check(self.rollout_rs in (None, *RS_LEVELS), f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose "
+              "token, sequence, geometric or null (off)")
+        check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
+              "(typical 1.5-5)")
+        upper, lower = self.rs_band
+        check(upper > 0 and 0 <= lower < upper, f"{prefix}rollout_rs_threshold_lower={lower} and "
+              f"rollout_rs_threshold={upper} must satisfy 0 <= lower < upper (the band of ratios kept)")
+        veto = self.rollout_token_veto_threshold
+        check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
+              "1e-4, or null")
+
+    @property
+    def rs_band(self) -> tuple[float, float]:
+        """(upper, lower) ends of the rejection band."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return upper, lower
+
+    @property
+    def explicit_is(self) -> bool:
+        """Whether the importance weights were switched on by name (not by `auto`)."""
+        return self.rollout_is in IS_LEVELS
+
+    def resolve(self, max_staleness: int, tis_on: bool) -> Optional["RolloutCorrectionConfig"]:
+        """The correction a run applies (None: nothing to do): `auto` becomes token-level IS when the samples may
+        be stale (`max_staleness` > 0) and the actor's TIS is off, and is off otherwise."""
+        level = self.rollout_is
+        if level == AUTO:
+            level = "token" if max_staleness > 0 and not tis_on else None
+        if level is None and self.rollout_rs is None and self.rollout_token_veto_threshold is None:
+            return None
+        return replace(self, rollout_is=level)
+
+
 @dataclass
 class AlgorithmConfig:
     """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
@@ -65,10 +164,185 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
-        check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATORS))
+        check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATOR_KINDS))
         check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
 
     @property
     def shaper(self) -> AdvantageShaper:
         """The advantage shaper `adv_estimator` selects; ask it whether hint contexts are needed."""
         return build_shaper(self.adv_estimator, self.cpo)
+
+
+TIS_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class TISConfig:
+    """Truncated importance sampling on the policy loss.
+
+    level: `token` truncates each token's ratio; `sequence` truncates the product of a response's token ratios.
+    threshold: the truncation C (weights are min(ratio, C)); 2.0 is the value the TIS authors recommend.
+    """
+
+    level: str = "token"
+    threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.level not in TIS_LEVELS:
+            raise ValueError(f"tis.level={self.level!r} is unknown; choose one of {list(TIS_LEVELS)}")
+        if not self.threshold > 0:
+            raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Everything that selects the policy-loss variant, under verl's names. The actor's config
+    (`actor_rollout_ref.actor`, trainer/config.py) extends this class, so the trainer passes it as is.
+    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
+    `loss_agg_mode="seq-mean-token-sum-norm"`.
+
+    clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high].
+    clip_ratio_c: dual-clip bound for negative advantages (> 1).
+    loss_agg_mode: one of LOSS_AGGREGATION_MODES.
+    entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
+    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
+    policy-gradient term (1.0 = all).
+    use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
+    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
+    engine's log-probs, truncated at this cap; needs them. <= 0: off.
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    top_entropy_quantile: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    tis_imp_ratio_cap: float = -1.0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.actor."
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
+        if self.clip_ratio_high < 0:
+            raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; default 3.0)")
+        if self.loss_agg_mode not in LOSS_AGGREGATION_MODES:
+            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
+                             f"{', '.join(map(repr, LOSS_AGGREGATION_MODES))}")
+        try:
+            check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
+        except ValueError as error:
+            raise ValueError(f"{prefix}kl_loss_type={self.kl_loss_type!r}: {error}") from None
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
+                             "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
+                             "all, e.g. 0.2 for the top 20%)")
+
+    @property
+    def tis(self) -> Optional[TISConfig]:
+        """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
+        return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None
+
+
+TOP_P_PROB_MODES = ("linear", "softmax")
+
+
+RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
+                        "reward_sum": "sum", "length": "length"}
+"""`rollout_filter_metric` (RAGEN's names) -> the group score of `GROUP_SCORES` (RAGEN's `reward_variance` is its
+in-group std)."""
+
+
+@dataclass
+class RolloutFilterConfig:
+    """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`, whose config extends this
+    class; the option mapping is in docs/filters.md). Within every generation batch of `data.train_batch_size`
+    prompts, rank the groups by `rollout_filter_metric` and keep those that `rollout_filter_strategy` selects.
+
+    rollout_filter_strategy: `none` (the default) turns the filter off; `top_p` (value >= 1 keeps every candidate;
+    else by `rollout_filter_top_p_prob_mode`: `linear` (RAGEN's default) keeps the best groups until their scores sum
+    to `value` of the total (minus `rollout_filter_selection_eps`), `softmax` the smallest set whose softmax mass
+    reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the `value` best groups; at least one)
+    or `min_p` (score >= value * best; `smallest`: score <= best / value).
+    rollout_filter_type: `largest` ranks high scores first, `smallest` low ones.
+    rollout_filter_include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is
+    exactly 0) may be kept.
+    rollout_filter_metric: `reward_std` (= RAGEN's `reward_variance`, the in-group reward std), `reward_mean`
+    (`reward`), `reward_sum` or `length` (mean response length; `ragen_filter` is then given the lengths).
+    Groups accumulate until `data.train_batch_size` are kept, bounded by `algorithm.filter_groups.max_num_gen_batches`
+    / `on_limit` like DAPO's filter (see docs/filters.md).
+    """
+
+    rollout_filter_strategy: str = "none"
+    rollout_filter_value: float = 1.0
+    rollout_filter_type: str = "largest"
+    rollout_filter_include_zero: bool = True
+    rollout_filter_metric: str = "reward_std"
+    rollout_filter_top_p_prob_mode: str = "linear"
+    rollout_filter_selection_eps: float = 0.01
+
+    @property
+    def rollout_filter_enabled(self) -> bool:
+        return self.rollout_filter_strategy != "none"
+
+    @property
+    def group_score(self) -> str:
+        """The `GROUP_SCORES` entry (filters.py) `rollout_filter_metric` names."""
+        return RAGEN_FILTER_METRICS[self.rollout_filter_metric]
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout."
+        strategy, value = self.rollout_filter_strategy, self.rollout_filter_value
+        if strategy != "none" and strategy not in RAGEN_STRATEGY_NAMES:
+            raise ValueError(f"{prefix}rollout_filter_strategy={strategy!r} is not supported; choose one of "
+                             f"{', '.join(map(repr, ['none', *RAGEN_STRATEGY_NAMES]))}")
+        if self.rollout_filter_type not in ("largest", "smallest"):
+            raise ValueError(f"{prefix}rollout_filter_type={self.rollout_filter_type!r} is not supported; choose "
+                             "one of 'largest', 'smallest'")
+        if self.rollout_filter_metric not in RAGEN_FILTER_METRICS:
+            raise ValueError(f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose "
+                             f"one of {', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a "
+                             "trainer forward pass on every generated group and are not offered)")
+        if self.rollout_filter_top_p_prob_mode not in TOP_P_PROB_MODES:
+            raise ValueError(f"{prefix}rollout_filter_top_p_prob_mode={self.rollout_filter_top_p_prob_mode!r} is not "
+                             f"supported; choose one of {', '.join(map(repr, TOP_P_PROB_MODES))}")
+        if self.rollout_filter_selection_eps < 0:
+            raise ValueError(f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 "
+                             "(RAGEN: 0.01)")
+        if strategy == "top_p" and not 0.0 < value <= 1.0:
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability "
+                             "mass to keep)")
+        whole = value >= 1 and float(value).is_integer()
+        if strategy == "top_k" and not (0.0 < value < 1.0 or whole):
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to "
+                             "keep per generation batch of data.train_batch_size prompts) or a fraction in (0, 1) "
+                             "of that batch's groups")
+        if strategy == "min_p" and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best "
+                             "score)")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """`reward.overlong_buffer.*`, DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`, accepted as
+    an alias): a response longer than `data.max_response_length - len` tokens gets
+    `-(length - (max - len)) / len * penalty_factor` added to its score, before the group filters and the advantages
+    see it (`acc` is unchanged). `log: true` logs `overlong/reward_mean` (mean penalty) and `overlong/frac` (share of
+    penalised responses) per step."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer.penalty_factor={self.penalty_factor} must be >= 0")
+        if self.enable and self.len <= 0:
+            raise ValueError(f"reward.overlong_buffer.len={self.len} must be > 0 when the buffer is enabled (tokens "
+                             "before data.max_response_length where the penalty ramps up; DAPO uses "
+                             "max_response_length / 5)")

@@ -4,7 +4,7 @@ The policy scores each sampled response twice: as sampled (`log_probs`) and with
 (`hint_log_probs`). Where the hint makes a token much more (or less) likely, the token carries information the model
 lacked; the shaping rules move the GRPO advantage of such tokens, weighted by the model's uncertainty.
 
-The 18 rules of the reference are rows of data (`SHAPING_RULES`): each rule is a few `Term`s, a term is
+The 18 rules of the reference are rows of data (`SHAPING_RULES`, cpo_rules.py): each rule is a few `Term`s, a term is
 "on responses/tokens selected by these selectors, add alpha times the product of these signals, in this way", plus a
 sign-clamp flag. Every term's change is computed from the GRPO advantage and the changes are summed; within each rule
 the terms select disjoint tokens or only add, so this equals applying them one after another.
@@ -18,11 +18,11 @@ spec's `yw`), every term that selects wrong responses also requires it (the refe
 that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
 correctness.
 """
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, resolve_rule
 from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
 
 if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals
 MI_CLAMP = 10.0
 KL_CLAMP = 10.0
 CONFIDENT_PROB = 0.1
-LEGACY_SUFFIX = "_qwen3"
 
 
 def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3) -> torch.Tensor:
@@ -54,26 +53,6 @@ def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3)
         level = torch.where(4 * c <= n, -1, level)
         return torch.where(c == 0, -2, level).long()
     raise ValueError(f"difficulty levels={levels} is not supported; use 3 (-1/0/+1) or 5 (-2..2)")
-
-
-@dataclass(frozen=True)
-class Term:
-    """One part of a shaping rule: on tokens where all `where` selectors hold, change A by
-    `apply(alpha * prod(factors), A)`. `alpha` is "pos" (pos_alpha) or "neg" (neg_alpha)."""
-
-    alpha: str
-    where: tuple[str, ...]
-    factors: tuple[str, ...]
-    apply: str = "add"
-
-
-@dataclass(frozen=True)
-class ShapingRule:
-    """A named shaping rule: its terms and whether the GRPO sign is restored afterwards (sign clamp)."""
-
-    name: str
-    terms: tuple[Term, ...]
-    sign_clamp: bool
 
 
 class _Inputs:
@@ -147,53 +126,6 @@ APPLY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _mi3_wrong(where: tuple[str, ...] = ("wrong",), apply: str = "add", negative_part: bool = True) -> tuple:
-    """The wrong-response half of the mi3 family: mi * u where mi >= 0, mi * (1 - u) where mi < 0."""
-    terms = (Term("neg", where + ("mi_nonneg",), ("mi", "u"), apply),)
-    if negative_part:
-        terms += (Term("neg", where + ("mi_neg",), ("mi", "1-u"), apply),)
-    return terms
-
-
-_BONUS_U = Term("pos", ("correct",), ("u",))
-_NAIVE = (Term("pos", ("hint_raises",), ("H",)), Term("neg", ("hint_lowers",), ("H_gap",), "sub"))
-
-SHAPING_RULES: dict[str, ShapingRule] = {rule.name: rule for rule in (
-    ShapingRule("naive", _NAIVE, sign_clamp=False),
-    ShapingRule("naive_qwen3", (Term("pos", ("correct", "hint_raises"), ("H",)),
-                                Term("neg", ("wrong", "hint_lowers"), ("H_gap",), "sub")), sign_clamp=True),
-    ShapingRule("noaccmask_qwen3", _NAIVE, sign_clamp=True),
-    ShapingRule("mi_qwen3", (Term("pos", ("mi_nonneg",), ("mi", "u")),
-                             Term("neg", ("mi_neg",), ("mi", "1-u"))), sign_clamp=True),
-    ShapingRule("mi_accmask_qwen3", (Term("pos", ("correct", "mi_nonneg"), ("mi", "1+u")),
-                                     Term("neg", ("wrong", "mi_neg"), ("mi", "2-u"))), sign_clamp=True),
-    ShapingRule("mi_unify_qwen3", (Term("pos", ("correct",), ("mi", "1-u")),
-                                   Term("neg", ("wrong",), ("mi", "1-u"))), sign_clamp=True),
-    ShapingRule("mi_clamp_unify_qwen3", (Term("pos", ("correct",), ("mi_clamped", "1-u")),
-                                         Term("neg", ("wrong",), ("mi_clamped", "1-u"))), sign_clamp=True),
-    ShapingRule("mi_clamp_unify_difficulty_qwen3", (Term("pos", ("not_mixed",), ("mi_clamped", "1-u")),
-                                                    Term("neg", ("mixed",), ("mi_clamped", "1-u"))), sign_clamp=False),
-    ShapingRule("mi3_qwen3", (_BONUS_U,) + _mi3_wrong(), sign_clamp=False),
-    ShapingRule("negonly_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(("wrong", "all_wrong")), sign_clamp=False),
-    ShapingRule("negonly_mi_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("mi",))), sign_clamp=False),
-    ShapingRule("reverse_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(apply="sub"), sign_clamp=False),
-    ShapingRule("addition_mi3_qwen3", (_BONUS_U,) + _mi3_wrong(negative_part=False), sign_clamp=False),
-    ShapingRule("mi2_qwen3", (_BONUS_U, Term("neg", ("wrong",), ("mi",))), sign_clamp=False),
-    ShapingRule("negonly_seq_kl_qwen3", (Term("pos", ("correct",), ("s",)),
-                                         Term("neg", ("wrong", "all_wrong"), ("s",))), sign_clamp=False),
-    ShapingRule("seq_kl_qwen3", (Term("pos", ("correct", "all_correct"), ("ubar",)),
-                                 Term("pos", ("correct", "not_all_correct"), ("ubar",), "add_floor_half_abs"),
-                                 Term("neg", ("wrong", "all_wrong"), ("s",)),
-                                 Term("neg", ("wrong", "not_all_wrong"), ("s",), "add_cap_half_abs")),
-                sign_clamp=False),
-    ShapingRule("negonly_tok_kl_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("kl_clamped",))),
-                sign_clamp=False),
-    ShapingRule("tok_kl_qwen3", (_BONUS_U, Term("neg", ("wrong", "all_wrong"), ("kl_clamped",)),
-                                 Term("neg", ("wrong", "not_all_wrong"), ("kl_clamped",), "add_cap_half_abs")),
-                sign_clamp=False),
-)}
-
-
 def _check_rule_table() -> None:
     """Fail at import, naming the part, if a rule refers to a selector, factor, alpha or apply that does not exist."""
     for rule in SHAPING_RULES.values():
@@ -206,21 +138,6 @@ def _check_rule_table() -> None:
 
 
 _check_rule_table()
-
-
-def known_rules() -> list[str]:
-    """Every accepted rule name: the spec's names and the same names without the historical `_qwen3` suffix."""
-    short = {name.removesuffix(LEGACY_SUFFIX) for name in SHAPING_RULES} - set(SHAPING_RULES)
-    return sorted(set(SHAPING_RULES) | short)
-
-
-def resolve_rule(name: str) -> ShapingRule:
-    """Look a rule up by name; the exact name wins (`naive` and `naive_qwen3` are different rules), else the name
-    with the `_qwen3` suffix added."""
-    rule = SHAPING_RULES.get(name) or SHAPING_RULES.get(name + LEGACY_SUFFIX)
-    if rule is None:
-        raise ValueError(f"unknown CPO shaping rule (algorithm.wrap_method) {name!r}; known rules: {known_rules()}")
-    return rule
 
 
 def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,

@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_cpo.algorithms.config import RolloutFilterConfig
+
 from megatron_cpo.algorithms.groups import (
     check_group,
     group_count,
@@ -148,7 +150,7 @@ def _group_std_exact(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return torch.where(constant, 0.0, group_std(values, group, unbiased=True))
 
 
-RAGEN_STRATEGIES: dict[str, Callable] = {
+RAGEN_STRATEGIES: dict[str, Callable] = {  # keyed by config.RAGEN_STRATEGY_NAMES
     "top_p": _top_p,
     "top_k": _top_k,
     "min_p": _min_p,
@@ -159,82 +161,6 @@ GROUP_SCORES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
     "sum": group_sum,
     "length": group_mean,  # mean response length: the filter is given lengths instead of rewards
 }
-TOP_P_PROB_MODES = ("linear", "softmax")
-
-
-RAGEN_FILTER_METRICS = {"reward_std": "std", "reward_variance": "std", "reward_mean": "mean", "reward": "mean",
-                        "reward_sum": "sum", "length": "length"}
-"""`rollout_filter_metric` (RAGEN's names) -> the group score of `GROUP_SCORES` (RAGEN's `reward_variance` is its
-in-group std)."""
-
-
-@dataclass
-class RolloutFilterConfig:
-    """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`, whose config extends this
-    class; the option mapping is in docs/filters.md). Within every generation batch of `data.train_batch_size`
-    prompts, rank the groups by `rollout_filter_metric` and keep those that `rollout_filter_strategy` selects.
-
-    rollout_filter_strategy: `none` (the default) turns the filter off; `top_p` (value >= 1 keeps every candidate;
-    else by `rollout_filter_top_p_prob_mode`: `linear` (RAGEN's default) keeps the best groups until their scores sum
-    to `value` of the total (minus `rollout_filter_selection_eps`), `softmax` the smallest set whose softmax mass
-    reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the `value` best groups; at least one)
-    or `min_p` (score >= value * best; `smallest`: score <= best / value).
-    rollout_filter_type: `largest` ranks high scores first, `smallest` low ones.
-    rollout_filter_include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is
-    exactly 0) may be kept.
-    rollout_filter_metric: `reward_std` (= RAGEN's `reward_variance`, the in-group reward std), `reward_mean`
-    (`reward`), `reward_sum` or `length` (mean response length; `ragen_filter` is then given the lengths).
-    Groups accumulate until `data.train_batch_size` are kept, bounded by `algorithm.filter_groups.max_num_gen_batches`
-    / `on_limit` like DAPO's filter (see docs/filters.md).
-    """
-
-    rollout_filter_strategy: str = "none"
-    rollout_filter_value: float = 1.0
-    rollout_filter_type: str = "largest"
-    rollout_filter_include_zero: bool = True
-    rollout_filter_metric: str = "reward_std"
-    rollout_filter_top_p_prob_mode: str = "linear"
-    rollout_filter_selection_eps: float = 0.01
-
-    @property
-    def rollout_filter_enabled(self) -> bool:
-        return self.rollout_filter_strategy != "none"
-
-    @property
-    def group_score(self) -> str:
-        """The `GROUP_SCORES` entry `rollout_filter_metric` names."""
-        return RAGEN_FILTER_METRICS[self.rollout_filter_metric]
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.rollout."
-        strategy, value = self.rollout_filter_strategy, self.rollout_filter_value
-        if strategy != "none" and strategy not in RAGEN_STRATEGIES:
-            raise ValueError(f"{prefix}rollout_filter_strategy={strategy!r} is not supported; choose one of "
-                             f"{', '.join(map(repr, ['none', *RAGEN_STRATEGIES]))}")
-        if self.rollout_filter_type not in ("largest", "smallest"):
-            raise ValueError(f"{prefix}rollout_filter_type={self.rollout_filter_type!r} is not supported; choose "
-                             "one of 'largest', 'smallest'")
-        if self.rollout_filter_metric not in RAGEN_FILTER_METRICS:
-            raise ValueError(f"{prefix}rollout_filter_metric={self.rollout_filter_metric!r} is not supported; choose "
-                             f"one of {', '.join(map(repr, RAGEN_FILTER_METRICS))} (RAGEN's 'entropy' metrics need a "
-                             "trainer forward pass on every generated group and are not offered)")
-        if self.rollout_filter_top_p_prob_mode not in TOP_P_PROB_MODES:
-            raise ValueError(f"{prefix}rollout_filter_top_p_prob_mode={self.rollout_filter_top_p_prob_mode!r} is not "
-                             f"supported; choose one of {', '.join(map(repr, TOP_P_PROB_MODES))}")
-        if self.rollout_filter_selection_eps < 0:
-            raise ValueError(f"{prefix}rollout_filter_selection_eps={self.rollout_filter_selection_eps} must be >= 0 "
-                             "(RAGEN: 0.01)")
-        if strategy == "top_p" and not 0.0 < value <= 1.0:
-            raise ValueError(f"{prefix}rollout_filter_value={value} must be in (0, 1] for top_p (the probability "
-                             "mass to keep)")
-        whole = value >= 1 and float(value).is_integer()
-        if strategy == "top_k" and not (0.0 < value < 1.0 or whole):
-            raise ValueError(f"{prefix}rollout_filter_value={value} must be a whole number >= 1 for top_k (groups to "
-                             "keep per generation batch of data.train_batch_size prompts) or a fraction in (0, 1) "
-                             "of that batch's groups")
-        if strategy == "min_p" and not 0.0 <= value <= 1.0:
-            raise ValueError(f"{prefix}rollout_filter_value={value} must be in [0, 1] for min_p (fraction of the best "
-                             "score)")
 
 
 def ragen_group_scores(
@@ -272,7 +198,7 @@ def ragen_filter(
     return _result(keep_group, present, group, group_std(rewards.float(), group, unbiased=True))
 
 
-FILTER_LOSS_SCALINGS: dict[str, Callable[[float], float]] = {
+FILTER_LOSS_SCALINGS: dict[str, Callable[[float], float]] = {  # keyed by config.FILTER_LOSS_SCALING_MODES
     "none": lambda kept_ratio: 1.0,
     "linear": lambda kept_ratio: kept_ratio,
     "sqrt": math.sqrt,

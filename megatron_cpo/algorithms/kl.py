@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from megatron_cpo.algorithms.config import KL_ESTIMATOR_KINDS, check_kl_kind
 from megatron_cpo.algorithms.masked import masked_select_zero, masked_sum
 
 LOG_RATIO_CLAMP = 20.0
@@ -38,26 +39,10 @@ def _k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.expm1(log_ratio) - log_ratio, 0.0, K3_CLAMP)
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": _k1,
-    "kl": _k1,
-    "abs": _abs,
-    "k2": _k2,
-    "mse": _k2,
-    "k3": _k3,
-    "low_var_kl": _k3,
-}
-
-
-def known_kl_kinds() -> list[str]:
-    """Every accepted `kind`, straight-through variants included."""
-    return sorted(KL_ESTIMATORS) + sorted(f"{name}+" for name in KL_ESTIMATORS)
-
-
-def check_kl_kind(kind: str) -> None:
-    """Raise a clear error for an unknown KL estimator name."""
-    if kind.removesuffix("+") not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {known_kl_kinds()}")
+_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": _k1, "abs": _abs, "k2": _k2, "k3": _k3}
+KL_ESTIMATORS = {name: _ESTIMATORS[estimator] for name, estimator in KL_ESTIMATOR_KINDS.items()}
+"""Every accepted name (config.py `KL_ESTIMATOR_KINDS`: verl's, with its aliases) -> its estimator."""
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

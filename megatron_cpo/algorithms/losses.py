@@ -11,16 +11,15 @@
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP, check_kl_kind, kl_penalty
+from megatron_cpo.algorithms.config import PolicyLossConfig, RolloutCorrectionConfig
+from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP, kl_penalty
 from megatron_cpo.algorithms.masked import masked_sum
-from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from megatron_cpo.algorithms.rollout_correction import rollout_correction
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
-    TISConfig,
     rollout_mismatch_metrics,
     truncated_importance_weights,
 )
@@ -52,7 +51,7 @@ def _seq_mean_token_sum_norm(values, mask, global_tokens, global_seqs, norm_leng
     return masked_sum(values, mask) / (_seq_count(mask, global_seqs) * length)
 
 
-LOSS_AGGREGATIONS: dict[str, Callable] = {
+LOSS_AGGREGATIONS: dict[str, Callable] = {  # keyed by config.LOSS_AGGREGATION_MODES
     "token-mean": _token_mean,
     "token-sum": _token_sum,
     "seq-mean-token-sum": _seq_mean_token_sum,
@@ -166,61 +165,6 @@ def clipped_policy_loss(
             "clip_ratio/region_mean": float(region_seq.mean()) if any_seq else 0.0,
         }
     return losses, metrics
-
-
-@dataclass
-class PolicyLossConfig:
-    """Everything that selects the policy-loss variant, under verl's names. The actor's config
-    (`actor_rollout_ref.actor`, configs/actor_rollout_ref.py) extends this class, so the trainer passes it as is.
-    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
-    `loss_agg_mode="seq-mean-token-sum-norm"`.
-
-    clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high].
-    clip_ratio_c: dual-clip bound for negative advantages (> 1).
-    loss_agg_mode: one of LOSS_AGGREGATIONS.
-    entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
-    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
-    policy-gradient term (1.0 = all).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
-    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
-    engine's log-probs, truncated at this cap; needs them. <= 0: off.
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    top_entropy_quantile: float = 1.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    tis_imp_ratio_cap: float = -1.0
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.actor."
-        if not 0 <= self.clip_ratio_low < 1:
-            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
-        if self.clip_ratio_high < 0:
-            raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; default 3.0)")
-        if self.loss_agg_mode not in LOSS_AGGREGATIONS:
-            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
-                             f"{', '.join(map(repr, LOSS_AGGREGATIONS))}")
-        try:
-            check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
-        except ValueError as error:
-            raise ValueError(f"{prefix}kl_loss_type={self.kl_loss_type!r}: {error}") from None
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
-                             "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
-                             "all, e.g. 0.2 for the top 20%)")
-
-    @property
-    def tis(self) -> Optional[TISConfig]:
-        """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
-        return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None
 
 
 def policy_loss(

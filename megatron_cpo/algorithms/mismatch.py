@@ -7,33 +7,11 @@ The rollout engine (vLLM) and the trainer (Megatron) compute slightly different 
 `pi_trainer / pi_rollout`, truncated at C so that a few tokens cannot dominate: per token, or once per sequence from
 the product of the token ratios.
 """
-from dataclasses import dataclass
-
 import torch
 
+from megatron_cpo.algorithms.config import TISConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
-
-TIS_LEVELS = ("token", "sequence")
-
-
-@dataclass
-class TISConfig:
-    """Truncated importance sampling on the policy loss.
-
-    level: `token` truncates each token's ratio; `sequence` truncates the product of a response's token ratios.
-    threshold: the truncation C (weights are min(ratio, C)); 2.0 is the value the TIS authors recommend.
-    """
-
-    level: str = "token"
-    threshold: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.level not in TIS_LEVELS:
-            raise ValueError(f"tis.level={self.level!r} is unknown; choose one of {list(TIS_LEVELS)}")
-        if not self.threshold > 0:
-            raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
-
 
 def rollout_mismatch_metrics(
     trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor

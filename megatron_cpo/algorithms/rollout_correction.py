@@ -21,82 +21,13 @@ token count, so a rejected fraction f scales the step by 1 - f, where verl divid
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 
+from megatron_cpo.algorithms.config import IS_LEVELS, RolloutCorrectionConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
-from megatron_cpo.config_checks import check
-
-IS_LEVELS = ("token", "sequence")
-RS_LEVELS = ("token", "sequence", "geometric")
-AUTO = "auto"
-
-
-def _off(value: Optional[str]) -> Optional[str]:
-    """YAML's null and the spellings "none" / "null" all mean off."""
-    return None if value is None or str(value).lower() in ("none", "null", "") else value
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """`algorithm.rollout_correction` (verl's names).
-
-    rollout_is: `token`, `sequence`, null (off) or `auto` (the default): token level when the run trains on stale
-        samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
-        the loss, off otherwise.
-    rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
-    rollout_rs: `token`, `sequence`, `geometric` or null (off): which ratios must stay inside the band.
-    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal).
-    rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
-    """
-    rollout_is: Optional[str] = AUTO
-    rollout_is_threshold: float = 2.0
-    rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Optional[float] = None
-    rollout_rs_threshold_lower: Optional[float] = None
-    rollout_token_veto_threshold: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        prefix = "algorithm.rollout_correction."
-        self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
-        check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
-              "token, sequence, auto (token when training on stale samples) or null (off)")
-        check(self.rollout_rs in (None, *RS_LEVELS), f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose "
-              "token, sequence, geometric or null (off)")
-        check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
-              "(typical 1.5-5)")
-        upper, lower = self.rs_band
-        check(upper > 0 and 0 <= lower < upper, f"{prefix}rollout_rs_threshold_lower={lower} and "
-              f"rollout_rs_threshold={upper} must satisfy 0 <= lower < upper (the band of ratios kept)")
-        veto = self.rollout_token_veto_threshold
-        check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
-              "1e-4, or null")
-
-    @property
-    def rs_band(self) -> tuple[float, float]:
-        """(upper, lower) ends of the rejection band."""
-        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
-        return upper, lower
-
-    @property
-    def explicit_is(self) -> bool:
-        """Whether the importance weights were switched on by name (not by `auto`)."""
-        return self.rollout_is in IS_LEVELS
-
-    def resolve(self, max_staleness: int, tis_on: bool) -> Optional["RolloutCorrectionConfig"]:
-        """The correction a run applies (None: nothing to do): `auto` becomes token-level IS when the samples may
-        be stale (`max_staleness` > 0) and the actor's TIS is off, and is off otherwise."""
-        level = self.rollout_is
-        if level == AUTO:
-            level = "token" if max_staleness > 0 and not tis_on else None
-        if level is None and self.rollout_rs is None and self.rollout_token_veto_threshold is None:
-            return None
-        return replace(self, rollout_is=level)
-
 
 @dataclass
 class RolloutCorrection:

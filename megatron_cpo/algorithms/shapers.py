@@ -9,15 +9,20 @@ the update (otherwise an on-policy update takes them from its own forward).
 - `grpo` (also DAPO, Dr.GRPO: those differ in the filters and the loss, not here): the GRPO advantages as they are.
 - `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
   `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda].
+
+Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`), so this module imports no torch:
+a shaper's math (cpo.py) loads when it first shapes a batch.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-import torch
+from megatron_cpo.algorithms.cpo_rules import known_rules
 
-from megatron_cpo.algorithms.cpo import difficulty_mask, known_rules, shape_advantages
+if TYPE_CHECKING:  # tensors, and the signals of the trainer's kernels.hint_mi_signals: annotations only
+    import torch
 
-if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
     from megatron_cpo.kernels.hint_signals import HintSignals
 
 
@@ -58,7 +63,7 @@ class AdvantageShaper:
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
               log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+              signals: Optional[HintSignals] = None) -> tuple[torch.Tensor, dict[str, float]]:
         """(advantages to train on, metrics); all per-token tensors [N, T], `correct` / `group` [N]."""
         return advantages, {}
 
@@ -74,7 +79,9 @@ class CPOShaper(AdvantageShaper):
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
               log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional["HintSignals"] = None) -> tuple[torch.Tensor, dict[str, float]]:
+              signals: Optional[HintSignals] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+
         if hint_log_probs is None or signals is None:
             raise ValueError("the cpo shaper needs hint_log_probs and the hint signals (kernels.hint_mi_signals)")
         cfg, on = self.config, mask.bool()

@@ -10,7 +10,6 @@ implementation may block; it is never called twice at once for one episode.
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -90,23 +89,6 @@ def scores_itself(environment_class: type) -> bool:
 
 def user(text: str) -> Message:
     return {"role": "user", "content": text}
-
-
-def import_object(path: str, where: str) -> Any:
-    """The object `pkg.module:Name` or `pkg.module.Name` names; errors say which setting named it (`where`)."""
-    module_name, separator, name = path.partition(":")
-    if not separator:
-        module_name, _, name = path.rpartition(".")
-    if not module_name or not name:
-        raise ValueError(f"{where}={path!r} must look like 'pkg.module:Name' or 'pkg.module.Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"{where}={path!r}: cannot import {module_name!r} ({error}); make sure it is on "
-                         "PYTHONPATH") from error
-    if not hasattr(module, name):
-        raise ValueError(f"{where}={path!r}: module {module_name!r} has no {name!r}")
-    return getattr(module, name)
 
 
 def yaml_entries(path: str | Path, setting: str, key: str, fields: str) -> tuple[str, list[dict]]:

@@ -22,7 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from megatron_cpo.envs.base import Message, import_object, yaml_entries
+from megatron_cpo.envs.base import Message, yaml_entries
+from megatron_cpo.import_paths import import_object
 
 
 class AsyncCalls:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
-from megatron_cpo.envs.base import SingleTurnEnvironment, import_object, scores_itself
+from megatron_cpo.envs.base import SingleTurnEnvironment, scores_itself
 from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.frozen_lake import FrozenLakeEnvironment
 from megatron_cpo.envs.interactions import AsyncCalls, Interaction, load_interactions
 from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.envs.tool_agent import ToolAgentEnvironment
 from megatron_cpo.envs.tools import Tool, load_tools
+from megatron_cpo.import_paths import import_object
 from megatron_cpo.rewards.sandbox import SandboxConfig
 
 BUILTIN_AGENTS: dict[str, type] = {

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_cpo.envs.base import import_object, yaml_entries
+from megatron_cpo.envs.base import yaml_entries
+from megatron_cpo.import_paths import import_object
 from megatron_cpo.rewards.answer_graders import compute_gsm8k_score
 from megatron_cpo.rewards.sandbox import SandboxConfig, SandboxLimits, configure_sandbox, run_python
 

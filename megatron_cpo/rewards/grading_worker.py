@@ -10,7 +10,8 @@ import resource
 import sys
 from multiprocessing.connection import Connection
 
-from megatron_cpo.rewards.registry import compute_score, load_callable, normalise_result, register_custom_graders
+from megatron_cpo.import_paths import import_callable
+from megatron_cpo.rewards.registry import compute_score, normalise_result, register_custom_graders
 from megatron_cpo.rewards.sandbox import configure_sandbox
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 
@@ -25,7 +26,8 @@ def serve(connection: Connection, custom_graders: dict[str, str], custom_reward_
     if memory_limit_mb:  # soft limit only: sandboxed children set their own, possibly larger, limits
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_mb << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
     register_custom_graders(custom_graders)  # this worker's registry: the one place they are registered
-    override = load_callable(custom_reward_function) if custom_reward_function else None
+    override = (import_callable(custom_reward_function, "reward.custom_reward_function") if custom_reward_function
+                else None)
     connection.send("ready")
     while True:
         message = connection.recv()

@@ -9,101 +9,16 @@ reward sits on the last valid response token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig
+from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
-from megatron_cpo.rewards.registry import get_grader, load_callable, missing_graders
-from megatron_cpo.rewards.sandbox import SandboxConfig, configure_sandbox, sandbox_metrics
-from megatron_cpo.rewards.remote import RemoteRewardConfig, RemoteRewardModel
-
-
-@dataclass
-class RewardConfig:
-    """`reward.*`: the grading process pool, what grades each response, the code sandbox, a remote reward model and
-    DAPO's overlong buffer (applied by the trainer's group selection).
-
-    num_workers: grading processes (the pool is bounded; keep it at or below the free cores).
-    timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced (code graders need their
-        total_timeout_s plus process start-up).
-    custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
-        grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info`
-        keywords and returns a score or a dict with `score` and `acc`. A bare "file.py" grades with its function
-        `custom_reward_function_name`. verl's top-level `custom_reward_function.path` / `.name` are accepted for
-        these two keys. `reward_function` is the resulting "module:function" ("" when unset).
-    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources, in the trainer
-        (data check) and in every grading worker.
-    custom_failure_score: score given when a custom grader fails.
-    grader_kwargs: `{data_source: {kwarg: value}}` passed to that source's grader over its defaults, e.g.
-        `{math500: {wrong_score: 0.0}}` for 1/0 math rewards or `{apps: {continuous: false}}`.
-    worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
-        MemoryError instead of exhausting the host); 0 for no limit.
-    sandbox: which backend runs model-written code (`SandboxConfig`, rewards/sandbox.py); batches with code samples
-        log `reward/sandbox_weak`.
-    remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
-    """
-
-    num_workers: int = 2
-    timeout_s: float = 10.0
-    custom_reward_function: str = ""
-    custom_reward_function_name: str = "compute_score"
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    custom_graders: dict[str, str] = field(default_factory=dict)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
-    custom_failure_score: float = 0.0
-    grader_kwargs: dict[str, dict] = field(default_factory=dict)
-    worker_memory_limit_mb: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1")
-        if not self.timeout_s > 0:
-            raise ValueError(f"reward.timeout_s={self.timeout_s} must be > 0 (seconds; code graders need their "
-                             "total_timeout_s plus process start-up)")
-        if self.worker_memory_limit_mb and self.worker_memory_limit_mb < 512:
-            raise ValueError(f"reward.worker_memory_limit_mb={self.worker_memory_limit_mb} cannot hold sympy and the "
-                             "graders; use >= 512, or 0 for no limit")
-        function, name = self.custom_reward_function, self.custom_reward_function_name
-        if function and not function.endswith(".py") and name != "compute_score":
-            raise ValueError(f"reward.custom_reward_function={function!r} names its function, but "
-                             f"reward.custom_reward_function_name (verl: custom_reward_function.name)={name!r} names "
-                             "another; give the .py file alone (verl: custom_reward_function.path) or drop the name")
-        if function.endswith(".py") and not name:
-            raise ValueError(f"custom_reward_function.name is empty; name the function in {function!r} that computes "
-                             "the score (verl: compute_score)")
-        for source, path in self.custom_graders.items():
-            if not (isinstance(path, str) and ":" in path):
-                raise ValueError(f"reward.custom_graders[{source!r}]={path!r} must be 'pkg.module:function' or "
-                                 "'file.py:function'")
-        for source, kwargs in self.grader_kwargs.items():
-            if not isinstance(kwargs, dict):
-                raise ValueError(f"reward.grader_kwargs[{source!r}]={kwargs!r} must be a mapping of the grader's "
-                                 "keyword arguments, e.g. {wrong_score: 0.0}")
-
-    @property
-    def reward_function(self) -> str:
-        """The function that grades every response ("pkg.module:fn" or "file.py:fn"), "" when the grader of each
-        response's data source grades it."""
-        if self.custom_reward_function.endswith(".py"):
-            return f"{self.custom_reward_function}:{self.custom_reward_function_name}"
-        return self.custom_reward_function
-
-    @property
-    def needs_ground_truth(self) -> bool:
-        """Whether every data row needs a `reward_model.ground_truth`: the grader of its data source compares each
-        response with it; one `reward_function` for every response may not read it (verl's reward-model data)."""
-        return not self.reward_function
-
-    def sources_without_grader(self, data_sources: Iterable[str]) -> list[str]:
-        """The distinct sources among `data_sources` that nothing grades, sorted: none with a `reward_function`,
-        else those with neither a `custom_graders` entry nor a registered grader."""
-        if self.reward_function:
-            return []
-        return missing_graders(source for source in data_sources if source not in self.custom_graders)
+from megatron_cpo.import_paths import import_callable
+from megatron_cpo.rewards.registry import get_grader
+from megatron_cpo.rewards.remote import RemoteRewardModel
+from megatron_cpo.rewards.sandbox import configure_sandbox, sandbox_metrics
 
 
 @dataclass
@@ -161,9 +76,11 @@ class RewardManager:
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        for path in [*config.custom_graders.values(), config.reward_function]:
-            if path:
-                load_callable(path)  # a missing module or function fails here, naming it, before any worker starts
+        # a missing module or function fails here, naming it, before any worker starts
+        for source, path in config.custom_graders.items():
+            import_callable(path, f"reward.custom_graders[{source!r}]")
+        if config.reward_function:
+            import_callable(config.reward_function, "reward.custom_reward_function")
         self._pool = GraderPool(config.num_workers, dict(config.custom_graders), config.reward_function or None,
                                 dict(config.grader_kwargs), config.worker_memory_limit_mb or None, config.sandbox)
         configure_sandbox(config.sandbox, resolve=False)  # this process resolves it too, for the log and metric

@@ -35,10 +35,8 @@ megatron_cpo/addition, whose answer is the response's last number: the real-mode
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from megatron_cpo.rewards.answer_graders import (
     compute_geometry_score,
@@ -46,7 +44,9 @@ from megatron_cpo.rewards.answer_graders import (
     compute_last_number_score,
     compute_multiple_choice_score,
 )
+from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.code_grader import compute_code_score
+from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rewards.dataset_graders import compute_dapo_score, compute_qa_exact_match_score
 from megatron_cpo.rewards.math_grader import compute_math_score, compute_strict_math_score
 
@@ -62,47 +62,6 @@ class Grader:
     failure_score: float
     name: str
     defaults: dict = field(default_factory=dict)
-
-
-def _load_module_file(file_path: str, dotted_path: str) -> object:
-    """Import a Python file by path (verl's ``custom_reward_function.path``)."""
-    import importlib.util
-
-    path = Path(file_path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"reward function file {file_path!r} (from {dotted_path!r}) does not exist; give the path "
-                         "of a .py file")
-    spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(str(path.resolve())))}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        raise ValueError(f"cannot import reward function file {file_path!r}: {type(error).__name__}: {error}") \
-            from error
-    return module
-
-
-def load_callable(dotted_path: str) -> Callable:
-    """Import ``pkg.module:fn`` (or ``pkg.module.fn``), or ``path/to/file.py:fn`` (verl's custom reward file);
-    errors name the path and what is missing."""
-    module_name, separator, attribute = dotted_path.rpartition(":") if ".py:" in dotted_path else \
-        dotted_path.partition(":")
-    if not separator:
-        module_name, _, attribute = dotted_path.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(f"grader path {dotted_path!r} must look like 'pkg.module:function' or 'file.py:function'")
-    if module_name.endswith(".py"):
-        module = _load_module_file(module_name, dotted_path)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(f"cannot import module {module_name!r} of grader {dotted_path!r}: {error}; "
-                             "make sure it is on PYTHONPATH") from error
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"module {module_name!r} has no callable {attribute!r} (grader {dotted_path!r})")
-    return function
 
 
 def _builtin(fn: Callable, failure_score: float, **defaults) -> Grader:
@@ -137,7 +96,7 @@ _registered: dict[str, Grader] = dict(_BUILTIN_GRADERS)
 def register_grader(data_source: str, grader: Callable | str, failure_score: float = 0.0,
                     overwrite: bool = False) -> Grader:
     """Register ``grader`` (a callable or a ``pkg.module:fn`` path) for ``data_source`` in this process."""
-    function = load_callable(grader) if isinstance(grader, str) else grader
+    function = import_callable(grader, f"reward.custom_graders[{data_source!r}]") if isinstance(grader, str) else grader
     if data_source in _registered and not overwrite:
         raise ValueError(f"data_source {data_source!r} already has grader {_registered[data_source].name!r}; "
                          "pass overwrite=True to replace it")
@@ -150,7 +109,7 @@ def register_grader(data_source: str, grader: Callable | str, failure_score: flo
 def register_custom_graders(custom_graders: dict[str, str], failure_score: float = 0.0) -> None:
     """Register ``reward.custom_graders`` (``{data_source: "pkg.module:fn" | "file.py:fn"}``) in this process,
     replacing built-ins of the same name. Each grading worker does this once at start; the trainer's process never
-    does (its data check reads ``reward.custom_graders`` as it is, ``RewardConfig.sources_without_grader``)."""
+    does (its data check reads ``reward.custom_graders`` as it is, ``sources_without_grader``)."""
     for source, path in custom_graders.items():
         register_grader(source, path, failure_score=failure_score, overwrite=True)
 
@@ -171,6 +130,14 @@ def missing_graders(data_sources: Iterable[str]) -> list[str]:
     """The distinct sources among ``data_sources`` with no grader in this process (register custom graders first),
     sorted; empty when every source can be graded."""
     return sorted({str(source) for source in data_sources if _lookup(str(source)) is None})
+
+
+def sources_without_grader(reward: RewardConfig, data_sources: Iterable[str]) -> list[str]:
+    """The distinct sources among ``data_sources`` that nothing in the ``reward`` section grades, sorted: none with
+    a ``reward_function``, else those with neither a ``custom_graders`` entry nor a registered grader."""
+    if reward.reward_function:
+        return []
+    return missing_graders(source for source in data_sources if source not in reward.custom_graders)
 
 
 def missing_grader_message(missing: list[str], where: str | None = None) -> str:

@@ -20,10 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.config_loader import ConfigError
-
-COMBINE_MODES = ("replace", "add")
-ON_ERROR_MODES = ("raise", "failure_score")
+from megatron_cpo.config_checks import ConfigError
+from megatron_cpo.rewards.config import RemoteRewardConfig
 
 
 class RemoteRewardError(RuntimeError):
@@ -32,51 +30,6 @@ class RemoteRewardError(RuntimeError):
 
 class _Retryable(Exception):
     pass
-
-
-@dataclass
-class RemoteRewardConfig:
-    """A reward model served over HTTP (`reward.remote`), scoring every graded response.
-
-    enable: call the server (verl's `reward_model.enable`, for a model behind a URL instead of in-process).
-    url: the server's base URL; `/score` is appended (`python -m megatron_cpo.rewards.reward_server` serves one).
-    combine: `replace` (the model's score is the reward, as in verl when `rm_scores` are present) or `add` (rule
-        score + model score). The rule graders still run either way: `acc` (accuracy metrics,
-        `filter_groups.metric=acc`, validation) comes from them.
-    batch_size / max_concurrent: items per request and requests in flight (verl's `sandbox_fusion.max_concurrent`).
-    timeout_s / max_retries / backoff_s / backoff_multiplier: per-request timeout and the retry schedule.
-    on_error: `raise` stops training with an error naming the URL; `failure_score` gives the samples of a batch
-        that failed every attempt `failure_score` as their model score, counts them in `reward/remote/failed` and
-        trains on.
-    """
-
-    enable: bool = False
-    url: str = ""
-    combine: str = "replace"
-    batch_size: int = 64
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    backoff_multiplier: float = 2.0
-    max_concurrent: int = 4
-    on_error: str = "raise"
-    failure_score: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.enable and not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"reward.remote.url={self.url!r} must start with http:// or https://, e.g. "
-                              "http://127.0.0.1:8000 (or set reward.remote.enable=false)")
-        for name, value, choices in (("combine", self.combine, COMBINE_MODES),
-                                     ("on_error", self.on_error, ON_ERROR_MODES)):
-            if value not in choices:
-                raise ConfigError(f"reward.remote.{name}={value!r} is not supported; choose one of {choices}")
-        if self.batch_size < 1 or self.max_concurrent < 1:
-            raise ConfigError(f"reward.remote.batch_size={self.batch_size} and reward.remote.max_concurrent="
-                              f"{self.max_concurrent} must be >= 1")
-        if self.timeout_s <= 0 or self.max_retries < 0 or self.backoff_s < 0 or self.backoff_multiplier < 1:
-            raise ConfigError(f"reward.remote.timeout_s={self.timeout_s} must be > 0, max_retries="
-                              f"{self.max_retries} and backoff_s={self.backoff_s} >= 0, backoff_multiplier="
-                              f"{self.backoff_multiplier} >= 1")
 
 
 def _jsonable(value: Any) -> Any:

@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron_cpo.rewards.registry import compute_score, load_callable
+from megatron_cpo.import_paths import import_callable
+from megatron_cpo.rewards.registry import compute_score
 
 ScoreFn = Callable[[list[dict]], list[float]]
 MAX_REQUEST_BYTES = 64 << 20
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--scorer", default=None, help="pkg.module:fn taking a list of items, returning scores")
     arguments = parser.parse_args()
-    score_fn = load_callable(arguments.scorer) if arguments.scorer else verifiable_scores
+    score_fn = import_callable(arguments.scorer, "--scorer") if arguments.scorer else verifiable_scores
     server = RewardServer(score_fn, arguments.host, arguments.port).start()
     print(f"reward server on {server.url}", flush=True)
     try:

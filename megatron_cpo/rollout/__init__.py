@@ -21,16 +21,26 @@ then has every engine continue fixed prompts greedily, outside the outstanding r
 `rollout.mode` picks where engines run (`modes.build_rollout_manager`): Ray actors (above), running
 `megatron-cpo rollout` HTTP servers (`server.py`, client `server_client.ServerRolloutManager`), or engine servers
 colocated on the trainer's devices (`colocate.py`); all three share the manager interface shown here.
+Names load on first use, so that loading a config (which reads `config.py` here) imports no torch.
 """
-from megatron_cpo.rollout.manager import RolloutManager
-from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineConfig, RolloutEngineStartError,
-                                        RolloutEnginesLostError, RolloutGroup, RolloutSample, SamplingParams,
-                                        derive_sample_seeds)
-from megatron_cpo.rollout.collective import WeightGroupJoinError
-from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
-                                              send_from_pipeline_stages)
 
-__all__ = ["EngineLaunchConfig", "RolloutEngineConfig", "RolloutEngineStartError", "RolloutEnginesLostError",
-           "RolloutGroup", "RolloutManager", "RolloutSample", "SamplingParams", "WeightGroupJoinError", "WeightSender",
-           "WeightSenderSpec",
-           "close_weight_groups", "derive_sample_seeds", "send_from_pipeline_stages"]
+import importlib
+
+_LAZY = {
+    "RolloutManager": "megatron_cpo.rollout.manager",
+    "RolloutEngineConfig": "megatron_cpo.rollout.config",
+    **dict.fromkeys(("EngineLaunchConfig", "RolloutEngineStartError", "RolloutEnginesLostError", "RolloutGroup",
+                     "RolloutSample", "SamplingParams", "derive_sample_seeds"),
+                    "megatron_cpo.rollout.types"),
+    "WeightGroupJoinError": "megatron_cpo.rollout.collective",
+    **dict.fromkeys(("WeightSender", "WeightSenderSpec", "close_weight_groups", "send_from_pipeline_stages"),
+                    "megatron_cpo.rollout.weight_sync"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,13 +1,122 @@
-"""`actor_rollout_ref.rollout.*`: the engines' settings, RAGEN's rollout filter, and the sampling the trainer asks
-the engines for (training and validation)."""
+"""`actor_rollout_ref.rollout.*`: the engines' settings (`RolloutEngineConfig`), RAGEN's rollout filter, the
+sampling the trainer asks the engines for (training and validation) and the sync check (`SyncCheckConfig`, applied
+by sync_check.py). Torch-free: loading a config imports no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.filters import RolloutFilterConfig
+from megatron_cpo.algorithms.config import RolloutFilterConfig
 from megatron_cpo.config_checks import check, check_choice
-from megatron_cpo.rollout.sync_check import SyncCheckConfig
-from megatron_cpo.rollout.types import RolloutEngineConfig
+
+# Default tolerance per dtype of the weights (trainer and engine use the same: actor.megatron.params_dtype with `auto`
+# resolved), in log-prob units (nats) on the probe's greedy tokens; measurements in docs/launch.md, "Is the engine in
+# sync?".
+# float32: engines in sync differ by <= 1e-6 (tiny models) and <= 3.1e-5 (SmolLM2-135M); an engine that kept its
+# tied head showed 0.33 after the first push at lr 3e-2 (tiny) and 2.6e-4 after the first push at lr 1e-6
+# (SmolLM2). 16-bit: engines in sync differ by up to 0.03 (tiny) and 0.11 (SmolLM2-135M), since the two sides'
+# kernels round differently; only a stale engine whose weights moved far stands out (float16: not measured here,
+# the bfloat16 value, which has fewer mantissa bits, is kept).
+DEFAULT_TOLERANCES = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.5}
+
+DEFAULT_PROMPTS = ("Compute 17 + 25.", "Write one sentence about a lighthouse.")
+
+
+@dataclass
+class SyncCheckConfig:
+    """`actor_rollout_ref.rollout.sync_check`: compare the engines with the trainer on a fixed probe after pushes.
+
+    `enable`: run the check (and fail a push whose engines report a trainer tensor missing or sent twice).
+    `every_n_pushes`: check the push before training and then every n-th push (1: every push; the probe costs a
+    few greedy tokens per engine and one small forward of the actor: ~0.1 s on the tiny models, ~1-2 s on
+    SmolLM2-135M on CPU, see docs/launch.md).
+    `prompts`: the probe's prompts (chat template applied when the tokenizer has one); `max_tokens`: greedy tokens
+    per prompt (the end-of-sequence token does not stop them).
+    `tolerance`: the largest |engine - trainer| log-prob difference accepted; 0 takes the default of the weights'
+    dtype (`DEFAULT_TOLERANCES`).
+    """
+    enable: bool = True
+    every_n_pushes: int = 1
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    max_tokens: int = 8
+    tolerance: float = 0.0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout.sync_check."
+        check(self.every_n_pushes >= 1,
+              f"{prefix}every_n_pushes={self.every_n_pushes} must be >= 1 (1: check every push)")
+        check(self.max_tokens >= 1, f"{prefix}max_tokens={self.max_tokens} must be >= 1")
+        check(not self.enable or any(text.strip() for text in self.prompts),
+              f"{prefix}prompts is empty; give at least one prompt or set {prefix}enable=false")
+        check(self.tolerance >= 0, f"{prefix}tolerance={self.tolerance} must be >= 0 (0: the default of the dtype)")
+
+    def tolerance_for(self, dtype: str) -> float:
+        """The configured tolerance, or the default for weights of `dtype` ("float32", "bfloat16", "float16")."""
+        if self.tolerance > 0:
+            return self.tolerance
+        check(dtype in DEFAULT_TOLERANCES, f"no default sync-check tolerance for dtype {dtype!r}; set "
+                                           "actor_rollout_ref.rollout.sync_check.tolerance")
+        return DEFAULT_TOLERANCES[dtype]
+
+    def due(self, push: int) -> bool:
+        """Whether push number `push` (0: the push before training) is checked."""
+        return self.enable and push % self.every_n_pushes == 0
+
+
+@dataclass
+class RolloutEngineConfig:
+    """The user's settings of the rollout engines (keys of `actor_rollout_ref.rollout`, whose config extends this
+    class): how many engines, their layout and memory, where they run and how weights reach them.
+
+    `tensor_model_parallel_size`: GPUs per engine (vLLM's tensor parallelism). On CPU each engine takes
+    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB; `auto`: what its sequences can fill, within a quarter of
+    the memory free when the engines start, rollout/cpu_resources.py); on GPU `gpu_memory_utilization` of its GPUs'
+    memory.
+    `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process) are vLLM's options
+    on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step (see engine.py).
+    `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
+    and otherwise starts a private local one, never a cluster merely found on the machine; "local" always starts a
+    private local cluster; "host:port" joins that cluster (`ray_cluster.resolve_ray_address`).
+    `weight_transport`: how synced weights reach the engines: "shm" (/dev/shm buckets; engines on the sending rank's
+    node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
+    (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
+    forming that group and each broadcast.
+    """
+
+    num_engines: int = 1
+    tensor_model_parallel_size: int = 1
+    kv_cache_gib: float | str = "auto"
+    gpu_memory_utilization: float = 0.6
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 8192
+    ray_address: str = "auto"
+    weight_transport: str = "auto"
+    weight_sync_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout."
+        if self.num_engines < 1:
+            raise ValueError(f"{prefix}num_engines={self.num_engines} must be >= 1")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"{prefix}tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        if self.kv_cache_gib != "auto":
+            given = self.kv_cache_gib
+            try:
+                self.kv_cache_gib = float(given)
+            except (TypeError, ValueError):
+                self.kv_cache_gib = 0.0
+            if not self.kv_cache_gib > 0:
+                raise ValueError(f"{prefix}kv_cache_gib={given!r} must be > 0 (GiB of KV cache per CPU engine) or "
+                                 "auto (sized from the model and the free memory)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.weight_transport not in ("auto", "shm", "collective"):
+            raise ValueError(f"{prefix}weight_transport={self.weight_transport!r} is not supported; choose one of "
+                             "'auto', 'shm', 'collective'")
+        if not self.weight_sync_timeout_s > 0:
+            raise ValueError(f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
+
 
 
 @dataclass
@@ -37,8 +146,8 @@ ROLLOUT_MODES = ("ray", "server", "colocate", "sync", "async")
 
 @dataclass
 class RolloutConfig(RolloutFilterConfig, RolloutEngineConfig):
-    """`actor_rollout_ref.rollout`: the engines' settings (`RolloutEngineConfig` of rollout/types.py: count, layout,
-    memory, Ray address, weight transport), RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/filters.py,
+    """`actor_rollout_ref.rollout`: the engines' settings (`RolloutEngineConfig`: count, layout, memory, Ray address,
+    weight transport), RAGEN's rollout filter (`RolloutFilterConfig` of algorithms/config.py,
     the `rollout_filter_*` keys, off by default; docs/filters.md) and the sampling the trainer asks for. This class
     extends both, so the engines and the filter receive this object as is.
     `n` responses per prompt at `temperature` / `top_p` / `top_k`; `val_kwargs` is how validation samples.

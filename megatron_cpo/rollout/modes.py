@@ -1,4 +1,5 @@
-"""`build_rollout_manager`: the rollout manager of `actor_rollout_ref.rollout.mode` for a run's config.
+"""`build_rollout_manager`: the rollout manager of `actor_rollout_ref.rollout.mode`, launched as the run's
+`EngineLaunchConfig` says (built once by the trainer: the rollout section plus the model, dtype, lengths and seed).
 
 Every mode returns a `RolloutEngines` (rollout/interface.py), so the trainer does not know which one it drives:
 - `ray` (and verl's `sync` / `async`): `RolloutManager`, `num_engines` Ray actors on their own devices;
@@ -10,32 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_cpo.rollout.config import RAY_MODES
+from megatron_cpo.rollout.config import RAY_MODES, RolloutConfig
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.types import EngineLaunchConfig
 
 
-def engine_config(config: Any) -> EngineLaunchConfig:
-    """The engines' launch settings for a run's `Config`: the user's `actor_rollout_ref.rollout` as given, plus the
-    model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`, and
-    engines that generate while the trainer trains (asynchronous training) know it."""
-    data, rollout = config.data, config.actor_rollout_ref.rollout
-    return EngineLaunchConfig(
-        model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
-        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
-        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine,
-        overlaps_training=config.async_training.max_staleness > 0)
-
-
-def build_rollout_manager(config: Any) -> RolloutEngines:
-    """Start (or connect to) the engines of `config.actor_rollout_ref.rollout.mode`; called on trainer rank 0."""
-    rollout = config.actor_rollout_ref.rollout
-    engines = engine_config(config)
+def build_rollout_manager(rollout: RolloutConfig, launch: EngineLaunchConfig) -> RolloutEngines:
+    """Start (or connect to) the engines of `rollout.mode`, launched as `launch` says (the trainer builds it once
+    from its config); called on trainer rank 0."""
     if rollout.mode in RAY_MODES:
         from megatron_cpo.rollout.manager import RolloutManager
 
-        return RolloutManager(engines)
+        return RolloutManager(launch)
     if rollout.mode == "server":
         from megatron_cpo.rollout.http_protocol import read_token_file
         from megatron_cpo.rollout.server_client import ServerClientConfig, ServerRolloutManager
@@ -45,8 +32,8 @@ def build_rollout_manager(config: Any) -> RolloutEngines:
             urls=tuple(rollout.server_urls),
             token=read_token_file(rollout.server_token_file, "actor_rollout_ref.rollout.server_token_file"),
             timeout_s=rollout.server_timeout_s, weight_transport=transport,
-            weight_sync_bucket_bytes=engines.weight_sync_bucket_bytes,
-            weight_sync_timeout_s=rollout.weight_sync_timeout_s, min_model_len=engines.max_model_len))
+            weight_sync_bucket_bytes=launch.weight_sync_bucket_bytes,
+            weight_sync_timeout_s=rollout.weight_sync_timeout_s, min_model_len=launch.max_model_len))
     if rollout.mode == "colocate":
         from megatron_cpo.rollout.colocate import ColocatedRolloutManager, colocated_layout, torchrun_world
 
@@ -55,25 +42,24 @@ def build_rollout_manager(config: Any) -> RolloutEngines:
         if nodes > 1:
             raise ValueError(f"the colocated trainer spans {nodes} nodes: its engines are started on every node by "
                              "the trainer itself (run_training without a manager), not by build_rollout_manager")
-        return ColocatedRolloutManager.start(engines, per_node, **colocated_client_settings(config))
+        return ColocatedRolloutManager.start(launch, per_node, **colocated_client_settings(rollout, launch))
     raise ValueError(f"actor_rollout_ref.rollout.mode={rollout.mode!r}; use ray, server or colocate")
 
 
-def colocated_client_settings(config: Any) -> dict[str, Any]:
-    """`ColocatedRolloutManager`'s settings from a run's config (besides where the servers are)."""
-    rollout = config.actor_rollout_ref.rollout
-    return {"timeout_s": rollout.server_timeout_s, "min_model_len": engine_config(config).max_model_len,
+def colocated_client_settings(rollout: RolloutConfig, launch: EngineLaunchConfig) -> dict[str, Any]:
+    """`ColocatedRolloutManager`'s settings (besides where the servers are)."""
+    return {"timeout_s": rollout.server_timeout_s, "min_model_len": launch.max_model_len,
             "sleep_level": rollout.sleep_level if rollout.free_cache_engine else 0}
 
 
-def start_colocated(config: Any, exchange: Any) -> tuple[Any, Any]:
-    """`rollout/colocate.py` `start_colocated_engines` for a run's config; every trainer rank calls it together."""
+def start_colocated(rollout: RolloutConfig, launch: EngineLaunchConfig, exchange: Any) -> tuple[Any, Any]:
+    """`rollout/colocate.py` `start_colocated_engines` for a run's engines; every trainer rank calls it together."""
     from megatron_cpo.rollout.colocate import start_colocated_engines
 
-    return start_colocated_engines(engine_config(config), exchange, colocated_client_settings(config))
+    return start_colocated_engines(launch, exchange, colocated_client_settings(rollout, launch))
 
 
-def rollout_mode_problems(config: Any) -> list[str]:
+def rollout_mode_problems(rollout: RolloutConfig) -> list[str]:
     """Preflight, before anything starts. `mode=server`: each of `server_urls` answers a healthy `/health` within
     `server_timeout_s`, and the token file is readable. `mode=colocate`: every node runs the same number of ranks,
     the rollout TP divides them, and the weight transport reaches every node. Other modes: no problems."""
@@ -83,7 +69,6 @@ def rollout_mode_problems(config: Any) -> list[str]:
 
     from megatron_cpo.rollout.http_protocol import HEALTH, read_token_file
 
-    rollout = config.actor_rollout_ref.rollout
     if rollout.mode == "colocate":
         from megatron_cpo.rollout.colocate import colocated_layout, colocated_weight_transport, torchrun_world
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_cpo import platform
+from megatron_cpo.rollout.config import RolloutEngineConfig
 from megatron_cpo.rollout.cpu_resources import auto_kv_cache_gib, available_memory_bytes
 
 _MASK64 = (1 << 64) - 1
@@ -135,62 +136,6 @@ weights; `keep`: they stay paused in the engine's scheduler and continue on the 
 `pause_generation(mode="keep")`). In every mode but `none` the engine's scheduler is paused from the first reload
 call to the last, so no decode step ever runs on half-loaded weights; and the KV cache is dropped, so a continued
 request recomputes its prefix under the new weights."""
-
-
-@dataclass
-class RolloutEngineConfig:
-    """The user's settings of the rollout engines (keys of `actor_rollout_ref.rollout`, whose config extends this
-    class): how many engines, their layout and memory, where they run and how weights reach them.
-
-    `tensor_model_parallel_size`: GPUs per engine (vLLM's tensor parallelism). On CPU each engine takes
-    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB; `auto`: what its sequences can fill, within a quarter of
-    the memory free when the engines start, rollout/cpu_resources.py); on GPU `gpu_memory_utilization` of its GPUs'
-    memory.
-    `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process) are vLLM's options
-    on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step (see engine.py).
-    `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
-    and otherwise starts a private local one, never a cluster merely found on the machine; "local" always starts a
-    private local cluster; "host:port" joins that cluster (`ray_cluster.resolve_ray_address`).
-    `weight_transport`: how synced weights reach the engines: "shm" (/dev/shm buckets; engines on the sending rank's
-    node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
-    (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
-    forming that group and each broadcast.
-    """
-
-    num_engines: int = 1
-    tensor_model_parallel_size: int = 1
-    kv_cache_gib: float | str = "auto"
-    gpu_memory_utilization: float = 0.6
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int = 8192
-    ray_address: str = "auto"
-    weight_transport: str = "auto"
-    weight_sync_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.rollout."
-        if self.num_engines < 1:
-            raise ValueError(f"{prefix}num_engines={self.num_engines} must be >= 1")
-        if self.tensor_model_parallel_size < 1:
-            raise ValueError(f"{prefix}tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
-        if self.kv_cache_gib != "auto":
-            given = self.kv_cache_gib
-            try:
-                self.kv_cache_gib = float(given)
-            except (TypeError, ValueError):
-                self.kv_cache_gib = 0.0
-            if not self.kv_cache_gib > 0:
-                raise ValueError(f"{prefix}kv_cache_gib={given!r} must be > 0 (GiB of KV cache per CPU engine) or "
-                                 "auto (sized from the model and the free memory)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
-        if self.weight_transport not in ("auto", "shm", "collective"):
-            raise ValueError(f"{prefix}weight_transport={self.weight_transport!r} is not supported; choose one of "
-                             "'auto', 'shm', 'collective'")
-        if not self.weight_sync_timeout_s > 0:
-            raise ValueError(f"{prefix}weight_sync_timeout_s={self.weight_sync_timeout_s} must be > 0")
 
 
 @dataclass

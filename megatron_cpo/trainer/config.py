@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.filters import FILTER_LOSS_SCALINGS
-from megatron_cpo.algorithms.losses import PolicyLossConfig
+from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES, PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
 from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
@@ -211,8 +210,9 @@ class RouterReplayConfig:
 @dataclass
 class ActorConfig(PolicyLossConfig):
     """The policy update: the loss settings of `PolicyLossConfig` (PPO clipping with clip-higher and dual-clip, loss
-    aggregation, entropy bonus and mask, KL loss, TIS; algorithms/losses.py) plus the optimizer, layout and batch sizes
-    (CPO's weights are `algorithm.cpo.*`). The trainer passes this config to the loss as is.
+    aggregation, entropy bonus and mask, KL loss, TIS; algorithms/config.py, applied by algorithms/losses.py) plus the
+    optimizer, layout and batch sizes (CPO's weights are `algorithm.cpo.*`). The trainer passes this config to the
+    loss as is.
 
     `ppo_mini_batch_size` is in prompts like `data.train_batch_size` (one optimizer step per mini-batch);
     `ppo_micro_batch_size_per_gpu` is in responses (one forward/backward per micro-batch).
@@ -245,7 +245,7 @@ class ActorConfig(PolicyLossConfig):
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")
         check(self.ppo_epochs >= 1, f"{prefix}ppo_epochs={self.ppo_epochs} must be >= 1")
-        check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, tuple(FILTER_LOSS_SCALINGS))
+        check_choice(prefix + "filter_loss_scaling", self.filter_loss_scaling, FILTER_LOSS_SCALING_MODES)
         for budget in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
             check(getattr(self, budget) >= 1, f"{prefix}{budget}={getattr(self, budget)} must be >= 1 (tokens per "
                                                "micro-batch; at least the longest prompt + response)")

@@ -8,15 +8,18 @@ and after the last, and always checkpoints the last step; with `trainer.early_st
 (checkpointed, reason logged) once the reward variance has collapsed. SIGTERM (SLURM preemption) finishes the
 current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and raises
 `RunAbortedError` (one line naming the engine and the fix).
+
+This module, with `megatron_cpo/config.py` and `command.py`, is the composition root: the one place that reads the
+whole `Config` (rank 0's `RankZero` too, for its side) and hands every component its own section, or the launch
+settings built once from several (`engine_launch_config`, `policy_update_config`); `run/preflight.py`'s `preflight`
+checks each section before anything starts.
 """
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,34 +28,23 @@ from megatron_cpo import platform
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
-from megatron_cpo.trainer.run.checkpointing import CheckpointManager
-from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
-                                              broadcast_object, push_weights)
+from megatron_cpo.rollout.types import EngineLaunchConfig
 from megatron_cpo.trainer.driver.controller import CollectedBatch
+from megatron_cpo.trainer.run.checkpointing import CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
 from megatron_cpo.trainer.run.machine import check_dtype, leave_cores_to_engines
+from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
+                                                 nothing_to_train_message, prepare_run_directory)
+from megatron_cpo.trainer.workers.actor import MegatronPolicy
+from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
+                                                      broadcast_object, push_weights)
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.workers.policies import build_policies
-from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
-from megatron_cpo.trainer.run.run_guards import StartupSignal, engines_lost_message, prepare_run_directory
-from megatron_cpo.trainer.workers.sync_probe import EngineOutOfSyncError, SyncProbe
+from megatron_cpo.trainer.workers.policy_update import (PolicyUpdateConfig, compute_advantages, compute_log_probs,
+                                                        update_policy)
+from megatron_cpo.trainer.workers.sync_probe import EngineOutOfSyncError, SyncProbe, sync_check_metrics
 
 logger = logging.getLogger(__name__)
-
-
-class StopSignal:
-    """Remembers a SIGTERM (SLURM preemption) so the loop can checkpoint and stop after the current step."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
-        self.received = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclass
@@ -90,47 +82,50 @@ class Trainer:
     def _build(self, manager: RolloutEngines | None) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_cpo.trainer.driver.rank_zero import RankZero
+        from megatron_cpo.trainer.driver.rank_zero import RankZero, announce_engines
 
         config = self.config
-        megatron = config.actor_rollout_ref.actor.megatron
+        model, actor_cfg, rollout = (config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
+                                     config.actor_rollout_ref.rollout)
+        megatron = actor_cfg.megatron
         platform.init_distributed(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
                                   seed=config.trainer.seed, context_parallel_size=megatron.context_parallel_size,
                                   expert_model_parallel_size=megatron.expert_model_parallel_size,
                                   expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
-        prepare_run_directory(config)
+        prepare_run_directory(config.trainer)
         check_dtype(megatron.params_dtype)
-        leave_cores_to_engines(config)
-        tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+        leave_cores_to_engines(config.async_training.max_staleness, rollout.mode)
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.pad_token_id = tokenizer.pad_token_id
-        self.sync_probe = SyncProbe(config, tokenizer, self.pad_token_id)
+        launch = engine_launch_config(config)
+        self.sync_probe = SyncProbe(rollout.sync_check, megatron.compute_dtype, launch.max_model_len, tokenizer,
+                                    self.pad_token_id)
+        self.update_config = policy_update_config(config)
         started = time.perf_counter()
         if dist.get_rank() == 0:
-            _announce_engines(config, manager is not None)
-        if config.actor_rollout_ref.rollout.mode == "colocate" and broadcast_object(manager is None):
+            announce_engines(rollout, model.path, manager is not None)
+        if rollout.mode == "colocate" and broadcast_object(manager is None):
             # every node's first rank starts the engines on its node's devices; rank 0 drives them all
-            manager, servers = start_colocated(config, all_gather_object)
+            manager, servers = start_colocated(rollout, launch, all_gather_object)
             self.colocated_engines = manager if manager is not None else servers
         if dist.get_rank() == 0:
-            self.lead = RankZero(config, tokenizer, manager)
+            self.lead = RankZero(config, tokenizer, manager if manager is not None else launch)
             logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
             logger.info("building the Megatron actor (TP=%d, PP=%d, EP=%d, ETP=%d) from %s",
                         megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
-                        megatron.expert_model_parallel_size, megatron.expert_tensor_parallel,
-                        config.actor_rollout_ref.model.path)
+                        megatron.expert_model_parallel_size, megatron.expert_tensor_parallel, model.path)
         self.total_steps = broadcast_object(config.total_steps(len(self.lead.train_data)) if self.lead else None)
-        actor_cfg = config.actor_rollout_ref.actor
         updates = (self.total_steps * actor_cfg.ppo_epochs
                    * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
-        self.actor, self.reference = build_policies(config, self.pad_token_id, updates)
+        self.actor, self.reference = policies_for(config, self.pad_token_id, updates)
         # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
-        self.offload = colocated_offload(self.actor, actor_cfg.megatron, config.actor_rollout_ref.rollout.mode)
+        self.offload = colocated_offload(self.actor, megatron, rollout.mode)
         monitor = self.lead.monitor if self.lead else None
         # the data position a checkpoint keeps is the controller's: the first prompt not yet trained
-        self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
-                                             self.lead.controller if self.lead else None,
-                                             {"early_stop": monitor} if monitor is not None else None,
-                                             _hf_exporter(config, self.actor) if actor_cfg.checkpoint.hf_model else None)
+        self.checkpoints = CheckpointManager(
+            Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
+            self.lead.controller if self.lead else None, {"early_stop": monitor} if monitor is not None else None,
+            hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None)
 
     # --- the run ---------------------------------------------------------------------------------------------
     def fit(self, stop: StopSignal) -> dict[str, float]:
@@ -155,13 +150,13 @@ class Trainer:
                 logger.info("validating before training (greedy, held-out prompts); then %d steps", total)
             last = self.validate()
             if lead:
-                lead.metric_logger.log({**last, **_sync_check_metrics(pushed)}, 0)
+                lead.metric_logger.log({**last, **sync_check_metrics(pushed.metrics)}, 0)
         step = start_step
         while step < total:
             outcome = self.step(step + 1, stop)
             if outcome is None:
                 if step == start_step == 0:
-                    raise ValueError(nothing_to_train_message(self.config))
+                    raise ValueError(nothing_to_train_message(self.config.data.train_batch_size))
                 logger.info("no batch at step %d (data exhausted); ending the run", step + 1)
                 last.update(self._validate_after_exhaustion(step, start_step))
                 break
@@ -185,9 +180,10 @@ class Trainer:
         batch = broadcast_batch(lead.make_batch(collected) if lead else None)                       # 2
         if batch is None:
             return None
-        log_probs = compute_log_probs(batch, self.actor, self.reference, self.config, self.pad_token_id)  # 3
-        advantages, metrics = compute_advantages(batch, log_probs, self.config)                     # 4
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, self.config))        # 5
+        settings = self.update_config
+        log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id)  # 3
+        advantages, metrics = compute_advantages(batch, log_probs, settings)                        # 4
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings))           # 5
         if lead:
             self.sync_probe.observe_mismatch(step, metrics)
         pushed = self.push_weights(step)                                                            # 6
@@ -367,36 +363,34 @@ def run_training(config: Config, manager: RolloutEngines | None = None, checked:
         platform.destroy_distributed()
 
 
-def _hf_exporter(config: Config, actor: Any) -> Callable[[Path], Any]:
-    """Collective: writes the actor as a Hugging Face model directory (config and tokenizer from the model path)."""
-    from megatron_cpo.models.conversion_commands import export_hf_model
-
-    dtype = getattr(torch, config.actor_rollout_ref.actor.megatron.compute_dtype)
-    return lambda out: export_hf_model(actor.model, actor.model.hf_config, config.actor_rollout_ref.model.path, out,
-                                       dtype=dtype)
-
-
-def _sync_check_metrics(pushed: PushOutcome) -> dict[str, float]:
-    """The sync check's metrics of a push (they go to the row of the step whose weights were pushed)."""
-    return {k: v for k, v in pushed.metrics.items() if k.startswith(("rollout/sync_check", "timing/sync_check"))}
-
-
-def nothing_to_train_message(config: Config) -> str:
-    """Why a run that has not trained a single step stops (instead of exiting 0 with nothing done)."""
-    return ("no training batch could be formed at step 1: the filters dropped every group before "
-            f"data.train_batch_size={config.data.train_batch_size} were kept (e.g. every response scored the same "
-            "because the ground truths are empty or the task is too easy/hard); check the data's "
-            "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")
+def engine_launch_config(config: Config) -> EngineLaunchConfig:
+    """The engines' launch settings, built once for the run: the user's `actor_rollout_ref.rollout` as given, plus
+    the model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`, and
+    engines that generate while the trainer trains (asynchronous training) know it."""
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    return EngineLaunchConfig(
+        model_path=config.actor_rollout_ref.model.path, engines=rollout,
+        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
+        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
+        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine,
+        overlaps_training=config.async_training.max_staleness > 0)
 
 
-def _announce_engines(config: Config, given: bool) -> None:
-    """Say what the slow part of start-up is doing (data, engines) before it happens."""
+def policies_for(config: Config, pad_token_id: int, total_updates: int
+                 ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
+    """The run's actor and, when it needs one, its reference (`workers/policies.py`), from the model, actor, rollout
+    and reference sections."""
+    parts = config.actor_rollout_ref
+    return build_policies(parts.model, parts.actor, pad_token_id, total_updates,
+                          parts.rollout.log_prob_micro_batch_size_per_gpu,
+                          parts.ref if config.needs_reference_model else None)
+
+
+def policy_update_config(config: Config) -> PolicyUpdateConfig:
+    """What steps 3-5 read (`PolicyUpdateConfig`), built once for the run."""
     rollout = config.actor_rollout_ref.rollout
-    if given:
-        logger.info("loading data; using the rollout engines passed in")
-    elif rollout.mode == "server":
-        logger.info("loading data; connecting to the rollout servers %s", ", ".join(rollout.server_urls))
-    else:
-        where = "colocated on the trainer's devices" if rollout.mode == "colocate" else "as Ray actors"
-        logger.info("loading data and starting vLLM engine(s) %s for %s (tens of seconds)", where,
-                    config.actor_rollout_ref.model.path)
+    return PolicyUpdateConfig(actor=config.actor_rollout_ref.actor, algorithm=config.algorithm,
+                              response_width=config.data.max_response_length,
+                              temperature=rollout.log_prob_temperature, samples_per_prompt=rollout.n,
+                              train_batch_size=config.data.train_batch_size,
+                              max_staleness=config.async_training.max_staleness)

@@ -4,13 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_cpo.algorithms.cpo import (
-    SHAPING_RULES,
-    difficulty_mask,
-    known_rules,
-    resolve_rule,
-    shape_advantages,
-)
+from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, known_rules, resolve_rule
 from megatron_cpo.kernels import HintSignals, hint_mi_signals
 
 LN2 = math.log(2.0)

@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cpo.algorithms.cpo import SHAPING_RULES, difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES
 from megatron_cpo.kernels import hint_mi_signals
 
 SETTINGS = settings(max_examples=30, deadline=None)

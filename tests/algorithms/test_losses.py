@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
+from megatron_cpo.algorithms.config import PolicyLossConfig, TISConfig
 from megatron_cpo.algorithms.kl import kl_in_reward
 from megatron_cpo.algorithms.losses import (
-    PolicyLossConfig,
-    TISConfig,
     aggregate_loss,
     clipped_policy_loss,
     entropy_mask,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty, known_kl_kinds
+from megatron_cpo.algorithms.config import known_kl_kinds
+from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.losses import PolicyLossConfig, aggregate_loss, policy_loss
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
 from megatron_cpo.algorithms.mismatch import TISConfig, rollout_mismatch_metrics, truncated_importance_weights

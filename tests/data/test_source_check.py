@@ -8,7 +8,12 @@ import pyarrow.parquet as pq
 
 from megatron_cpo.config import build_config
 from megatron_cpo.rewards import registry
-from megatron_cpo.trainer.run.preflight import data_problems
+from megatron_cpo.trainer.run import preflight
+
+
+def data_problems_of(config):
+    """`preflight.data_problems` with the sections the trainer's preflight passes it."""
+    return preflight.data_problems(config.data, config.reward, config.actor_rollout_ref.rollout.multi_turn)
 
 
 def _rows(sources):
@@ -21,15 +26,15 @@ def test_trainer_data_check_names_unknown_sources(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_rows(["openai/gsm8k", "corp/unknown-v2", "lighteval/MATH"])), path)
     started = time.perf_counter()
-    problems, rows = data_problems(build_config({}, [f"data.train_files={path}"]))
+    problems, rows = data_problems_of(build_config({}, [f"data.train_files={path}"]))
     assert rows == 3 and len(problems) == 1
     assert problems[0].startswith("no grader for data_source 'corp/unknown-v2' in ")
     assert "(corp/unknown-v2: 1 rows)" in problems[0]
     assert time.perf_counter() - started < 30
-    assert data_problems(build_config({}, [f"data.train_files={path}", "custom_reward_function.path=any.py"])) == (
+    assert data_problems_of(build_config({}, [f"data.train_files={path}", "custom_reward_function.path=any.py"])) == (
         [], 3)
     registered = dict(registry._registered)
     custom = build_config({"reward": {"custom_graders": {
         "corp/unknown-v2": "tests.rewards.hostile_graders:exact_match"}}}, [f"data.train_files={path}"])
-    assert data_problems(custom) == ([], 3)
+    assert data_problems_of(custom) == ([], 3)
     assert registry._registered == registered  # checked against the config, not by registering in this process

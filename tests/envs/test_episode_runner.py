@@ -190,6 +190,7 @@ def test_the_controller_cancels_episodes_in_flight_and_the_next_step_regenerates
     stream goes back to prompt 3, and the next step runs its episodes from turn 0; no part of them was trained."""
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+    from megatron_cpo.trainer.driver.admission import admission_for
     from megatron_cpo.trainer.driver.controller import RolloutController
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
@@ -207,9 +208,11 @@ def test_the_controller_cancels_episodes_in_flight_and_the_next_step_regenerates
         return [(torch.tensor([1.0 if row.index != 1 else 0.0, 0.0]),) * 2 + (["", ""],) for row, _ in items]
 
     stream = PromptStream(rows, total_epochs=1, seed=0, shuffle=False)
-    controller = RolloutController(runner, stream, scorer, config, keep_varied_groups,
-                                   lambda seed: SamplingParams(n=2, max_tokens=32, stop_token_ids=(EOS,), seed=seed))
-    controller.keep_history.kept, controller.keep_history.committed = 1.0, 4.0  # a low keep rate: look ahead
+    controller = RolloutController(runner, stream, scorer, admission_for(config.async_training, 2), keep_varied_groups,
+                                   lambda seed: SamplingParams(n=2, max_tokens=32, stop_token_ids=(EOS,), seed=seed),
+                                   config.data, config.algorithm.filter_groups)
+    history = controller.admission.keep_history
+    history.kept, history.committed = 1.0, 4.0  # a low keep rate: look ahead
     first = controller.collect(step=1)
     assert [g.record.index for g in first.groups] == [0, 2] and all(
         e.turns == 2 for g in first.groups for e in g.episodes)

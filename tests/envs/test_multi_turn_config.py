@@ -7,10 +7,15 @@ import pytest
 
 from megatron_cpo.config import ConfigError, build_config, load_config
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
-from megatron_cpo.trainer.run.preflight import data_problems
+from megatron_cpo.trainer.run import preflight
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "multi_turn"
 PREFIX = "actor_rollout_ref.rollout.multi_turn."
+
+
+def data_problems_of(config):
+    """`preflight.data_problems` with the sections the trainer's preflight passes it."""
+    return preflight.data_problems(config.data, config.reward, config.actor_rollout_ref.rollout.multi_turn)
 
 
 def test_verl_multi_turn_keys_load():
@@ -56,22 +61,22 @@ def test_the_example_config_is_valid():
 def test_the_data_check_exempts_self_scoring_environments_and_names_what_is_missing(tmp_path):
     lake = write_frozen_lake_parquet(tmp_path / "lake", num_train=4, num_test=2)
     base = [f"data.train_files={lake['train']}", PREFIX + "enable=true"]
-    assert data_problems(build_config({}, base))[0] == []  # FrozenLake scores itself: no grader for its source
-    problems, _ = data_problems(build_config({}, [f"data.train_files={lake['train']}"]))
+    assert data_problems_of(build_config({}, base))[0] == []  # FrozenLake scores itself: no grader for its source
+    problems, _ = data_problems_of(build_config({}, [f"data.train_files={lake['train']}"]))
     assert any("megatron_cpo/frozen_lake" in p for p in problems)  # single-turn, the same rows need one
     tool_rows = f"data.train_files={FIXTURES / 'gsm8k_tool_agent.parquet'}"
-    assert data_problems(build_config({}, [tool_rows, PREFIX + "enable=true",
+    assert data_problems_of(build_config({}, [tool_rows, PREFIX + "enable=true",
                                            f"{PREFIX}tool_config_path={FIXTURES / 'tool_config.yaml'}",
                                            f"{PREFIX}interaction_config_path={FIXTURES / 'interaction_config.yaml'}"]
                                       ))[0] == []
     (tmp_path / "other.yaml").write_text("interaction:\n  - name: other\n    class_name: "
                                          "tests.fixtures.multi_turn.feedback_interaction.ArithFeedbackInteraction\n"
                                          "    config: {wrong_message: no}\n")
-    problems, _ = data_problems(build_config({}, [tool_rows, PREFIX + "enable=true",
+    problems, _ = data_problems_of(build_config({}, [tool_rows, PREFIX + "enable=true",
                                                   f"{PREFIX}interaction_config_path={tmp_path / 'other.yaml'}"]))
     assert problems == ["rows name the interactions ['arith_feedback'] (extra_info.interaction_kwargs.name), which "
                         "actor_rollout_ref.rollout.multi_turn.interaction_config_path does not configure"]
-    problems, _ = data_problems(build_config({}, [*base, PREFIX + "default_agent=no_such:Env",
+    problems, _ = data_problems_of(build_config({}, [*base, PREFIX + "default_agent=no_such:Env",
                                                   f"data.train_files={FIXTURES / 'gsm8k_tool_agent.parquet'}",
                                                   f"{PREFIX}tool_config_path={tmp_path / 'missing.yaml'}"]))
     assert len(problems) == 1 and "tool_config_path" in problems[0] and "cannot be read" in problems[0]

@@ -63,7 +63,7 @@ def test_verl_tool_yaml_loads_our_calculator_and_verls_gsm8k_tool_by_its_class_n
 
 def test_bad_tool_configs_name_the_entry_and_the_fix(tmp_path):
     cases = {"tools: []\n": "has no `tools:` list", "tools: [{config: {}}]\n": "tools[0] has no class_name",
-             "tools: [{class_name: no.such.Tool}]\n": "cannot import 'no.such'",
+             "tools: [{class_name: no.such.Tool}]\n": "cannot import module 'no.such'",
              "tools: [{class_name: megatron_cpo.envs.tools.Tool, tool_schema: {function: {name: a}}}]\n":
                  "abstract", "tools: [{class_name: builtins.dict}]\n": "is not a megatron_cpo.envs.tools.Tool",
              "tools: [{class_name: megatron_cpo.envs.tools.CalculatorTool}, "
@@ -155,6 +155,22 @@ def test_rows_pick_their_environment_and_verl_rows_load(tmp_path):
     assert right.done and right.reward == 1.0
     env.close()
     assert not registry.scores_itself("tool_agent") and registry.scores_itself("frozen_lake")
-    with pytest.raises(ValueError, match="cannot import 'no_such.module'"):
+    with pytest.raises(ValueError, match="cannot import module 'no_such.module'"):
         registry.factory("no_such.module:Env")
     registry.close()
+
+
+def test_an_environment_named_by_file_path_loads_like_one_named_by_module(tmp_path):
+    """Every setting that names a Python object reads it one way (megatron_cpo/import_paths.py): an environment may
+    also be `path/to/file.py:Class`, like verl's custom reward file."""
+    (tmp_path / "my_env.py").write_text(
+        "from megatron_cpo.envs.base import SingleTurnEnvironment\n\n\n"
+        "class MyEnvironment(SingleTurnEnvironment):\n    pass\n")
+    registry = EnvironmentRegistry(MultiTurnConfig(enable=True))
+    try:
+        assert registry.environment_class(f"{tmp_path / 'my_env.py'}:MyEnvironment").__name__ == "MyEnvironment"
+        with pytest.raises(ValueError, match=r"^the row's agent_name / actor_rollout_ref.rollout.multi_turn."
+                                             r"default_agent='.*missing.py:Env': the file .* does not exist"):
+            registry.environment_class(f"{tmp_path / 'missing.py'}:Env")
+    finally:
+        registry.close()

@@ -11,8 +11,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
-FAMILIES = ("qwen2", "llama", "qwen3", *MOE_FAMILIES)
+from megatron_cpo.models.families import FAMILIES as REGISTERED
+
+# every registered family (models/families), so that a new one is checked in every layout without being listed here
+FAMILIES = tuple(REGISTERED)
+MOE_FAMILIES = tuple(name for name, family in REGISTERED.items() if family.expert_names is not None)
 
 
 def switch_layout(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:

@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from megatron_cpo.config import ConfigError, build_config
-from megatron_cpo.rewards import RewardConfig, RewardManager, load_callable
+from megatron_cpo.import_paths import import_callable
+from megatron_cpo.rewards import RewardConfig, RewardManager
 
 VERL_STYLE_FILE = textwrap.dedent('''
     def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -43,14 +44,15 @@ def test_verl_custom_reward_function_keys_and_the_older_spelling(tmp_path):
 
 
 def test_reward_file_errors_name_the_file_and_function(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        load_callable(str(tmp_path / "missing.py") + ":compute_score")
+    where = "reward.custom_reward_function"
+    with pytest.raises(ValueError, match="missing.py' does not exist"):
+        import_callable(str(tmp_path / "missing.py") + ":compute_score", where)
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
-    with pytest.raises(ValueError, match="cannot import reward function file .*RuntimeError: boom"):
-        load_callable(str(tmp_path / "broken.py") + ":compute_score")
+    with pytest.raises(ValueError, match="cannot import the file .*broken.py.*RuntimeError: boom"):
+        import_callable(str(tmp_path / "broken.py") + ":compute_score", where)
     (tmp_path / "ok.py").write_text(VERL_STYLE_FILE)
-    with pytest.raises(ValueError, match="no callable 'nope'"):
-        load_callable(str(tmp_path / "ok.py") + ":nope")
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        import_callable(str(tmp_path / "ok.py") + ":nope", where)
 
 
 def test_verl_reward_file_grades_every_source_in_the_pool(tmp_path):

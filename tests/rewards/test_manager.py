@@ -98,5 +98,5 @@ def test_config_errors_name_the_field(overrides, message):
 
 
 def test_a_missing_grader_fails_before_the_pool_starts():
-    with pytest.raises(ValueError, match="no callable 'nope'"):
+    with pytest.raises(ValueError, match=r"^reward.custom_graders\['s'\]=.*has no 'nope'"):
         RewardManager(RewardConfig(custom_graders={"s": "tests.rewards.hostile_graders:nope"}))

@@ -1,7 +1,8 @@
 """compute_score dispatch, user graders by dotted path and the error for an unknown source."""
 import pytest
 
-from megatron_cpo.rewards import compute_score, get_grader, known_sources, load_callable, register_grader
+from megatron_cpo.import_paths import import_callable
+from megatron_cpo.rewards import compute_score, get_grader, known_sources, register_grader
 from megatron_cpo.rewards.registry import normalise_result
 
 
@@ -30,11 +31,12 @@ def test_user_grader_registered_by_dotted_path():
 @pytest.mark.parametrize("path, message", [
     ("no_colon_or_dot", "must look like"),
     ("tests.rewards.no_such_module:fn", "cannot import module"),
-    ("tests.rewards.hostile_graders:missing", "no callable 'missing'"),
+    ("tests.rewards.hostile_graders:missing", "has no 'missing'"),
+    ("tests.rewards.hostile_graders:__doc__", "is not callable"),
 ])
 def test_bad_dotted_paths_say_what_is_wrong(path, message):
-    with pytest.raises(ValueError, match=message):
-        load_callable(path)
+    with pytest.raises(ValueError, match=rf"^reward.custom_reward_function={path!r}.*{message}"):
+        import_callable(path, "reward.custom_reward_function")
 
 
 def test_grader_results_are_normalised():

@@ -56,12 +56,13 @@ def test_preflight_checks_a_colocated_trainer_on_several_nodes(monkeypatch):
     config = build_config({}, [f"{PREFIX}mode=colocate"])
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert rollout_mode_problems(config) == []  # two nodes of 8 ranks: weights go over the collective transport
+    assert rollout_mode_problems(config.actor_rollout_ref.rollout) == []  # two nodes of 8 ranks: weights go over the collective transport
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
-    (problem,) = rollout_mode_problems(config)
+    (problem,) = rollout_mode_problems(config.actor_rollout_ref.rollout)
     assert "16 ranks do not make whole nodes of 6" in problem
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    (problem,) = rollout_mode_problems(build_config({}, [f"{PREFIX}mode=colocate", f"{PREFIX}weight_transport=shm"]))
+    shm = build_config({}, [f"{PREFIX}mode=colocate", f"{PREFIX}weight_transport=shm"])
+    (problem,) = rollout_mode_problems(shm.actor_rollout_ref.rollout)
     assert "weight_transport=shm reaches only engines on the sending rank's node" in problem and "2 nodes" in problem
 
 

@@ -160,7 +160,7 @@ def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_p
         config = build_config({}, ["actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{url}]",
                                    f"actor_rollout_ref.rollout.server_token_file={token_file}",
                                    "actor_rollout_ref.rollout.server_timeout_s=1.5"])
-        (problem,) = rollout_mode_problems(config)
+        (problem,) = rollout_mode_problems(config.actor_rollout_ref.rollout)
     assert f"server_urls: {url} did not answer /health within server_timeout_s=1.5s" in problem
 
 

@@ -8,7 +8,8 @@ import ray
 import torch
 
 from megatron_cpo.rollout import SamplingParams, WeightSender
-from megatron_cpo.rollout.sync_check import DEFAULT_TOLERANCES, SyncCheckConfig, compare_probe
+from megatron_cpo.rollout.config import DEFAULT_TOLERANCES, SyncCheckConfig
+from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
 from tests.conditions import wait_until
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_cpo.models.families import FAMILIES
 from tests.multiprocess import run_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,7 +221,7 @@ def test_recipes_turn_on_the_scale_settings_and_fit(folder, tmp_path, capsys):
         assert report["params"] > 30e9 and report["active_params"] < 3.4e9
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_parameter_count_of_every_family_equals_transformers(family):
     from transformers import AutoModelForCausalLM
 

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megatron_cpo.models.tiny import build_char_tokenizer
-from megatron_cpo.algorithms.filters import RolloutFilterConfig
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig
+from megatron_cpo.algorithms.config import OverlongBufferConfig, RolloutFilterConfig
 from megatron_cpo.trainer.driver.accumulator import (
     GroupAccumulator,
     GroupSelection,
@@ -122,13 +121,15 @@ def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_w
 
 def test_ragen_length_metric_and_options_from_the_config(tokenizer):
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.driver.accumulator import selection_from_config
+    from megatron_cpo.trainer.driver.accumulator import group_selection
 
     config = build_config({"data": {"train_batch_size": 4}, "actor_rollout_ref": {
         "actor": {"ppo_mini_batch_size": 4}, "rollout": {
         "rollout_filter_strategy": "top_k", "rollout_filter_value": 0.5, "rollout_filter_metric": "length",
         "rollout_filter_top_p_prob_mode": "softmax", "rollout_filter_selection_eps": 0.0}}})
-    selection = selection_from_config(config)
+    selection = group_selection(config.algorithm.filter_groups, config.actor_rollout_ref.rollout,
+                                config.reward.overlong_buffer, config.data.train_batch_size,
+                                config.data.max_response_length)
     assert (selection.ragen.group_score, selection.ragen.rollout_filter_top_p_prob_mode,
             selection.ragen.rollout_filter_selection_eps) == (
         "length", "softmax", 0.0)

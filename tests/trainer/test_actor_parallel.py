@@ -20,7 +20,7 @@ def two_updates(model_dir, tp, pp, *overrides):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
     from megatron_cpo.trainer.batch.step_batch import StepBatch
 
@@ -32,7 +32,7 @@ def two_updates(model_dir, tp, pp, *overrides):
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
         "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.5", *overrides])
     platform.init_distributed(tp, pp, seed=1)
-    actor, reference = build_policies(config, pad_token_id=0, total_updates=10)
+    actor, reference = policies_for(config, pad_token_id=0, total_updates=10)
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 100, (int(torch.randint(2, 10, (1,), generator=generator)),),
                                generator=generator).tolist() for _ in range(8)]
@@ -41,9 +41,9 @@ def two_updates(model_dir, tp, pp, *overrides):
                       scores, scores, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.zeros(8, dtype=torch.bool), 1.0)
     history = []
     for _ in range(2):  # steps 3-5 of Trainer.step
-        log_probs = compute_log_probs(batch, actor, reference, config, pad_token_id=0)
-        advantages, metrics = compute_advantages(batch, log_probs, config)
-        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, config)})
+        log_probs = compute_log_probs(batch, actor, reference, policy_update_config(config), pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
+        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, policy_update_config(config))})
     parallel_state.destroy_model_parallel()
     return [{k: m[k] for k in KEYS} for m in history]
 

@@ -1,5 +1,5 @@
-"""Asynchronous training's admission and commit rules (trainer/driver/admission.py, trainer/driver/controller.py) on a scripted
-engine.
+"""Asynchronous training's admission and commit rules (trainer/driver/admission.py, trainer/driver/controller.py) on
+a scripted engine.
 
 Why a scripted engine: these properties are about schedules, so the test must choose them: which request finishes
 when, relative to the others and to the weight pushes, over thousands of random orders. A real engine cannot be
@@ -25,6 +25,7 @@ from megatron_cpo.config import build_config
 from megatron_cpo.rollout.generators import SingleTurnGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams
 from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
+from megatron_cpo.trainer.driver.admission import StalenessAdmission, admission_for
 from megatron_cpo.trainer.driver.controller import RolloutController
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
@@ -145,9 +146,13 @@ def controller_for(engines, max_staleness=None, config_staleness=0, filtering=Fa
                                f"algorithm.filter_groups.enable={str(filtering).lower()}",
                                f"async_training.max_staleness={config_staleness}"])
     stream = PromptStream(records(prompts), total_epochs=1, seed=3)
-    return RolloutController(SingleTurnGenerator(engines), stream, scorer, config,
+    admission = admission_for(config.async_training, BATCH)
+    if max_staleness is not None:  # the staleness rule at this bound, whatever the config says
+        admission = StalenessAdmission(max_staleness, BATCH, admission.inflight_cap)
+    return RolloutController(SingleTurnGenerator(engines), stream, scorer, admission,
                              keep_varied_groups if filtering else None,
-                             lambda seed: SamplingParams(n=2, seed=seed, max_tokens=8), max_staleness=max_staleness)
+                             lambda seed: SamplingParams(n=2, seed=seed, max_tokens=8), config.data,
+                             config.algorithm.filter_groups)
 
 
 def train(controller, engines, steps, in_flight, update_s=1.5):
@@ -225,7 +230,7 @@ def test_k_zero_admission_forms_exactly_the_synchronous_batches():
     for asynchronous in (False, True):
         engines = ScriptedEngines(7)
         controller = controller_for(engines, max_staleness=0 if asynchronous else None, filtering=True)
-        assert controller.asynchronous == asynchronous
+        assert controller.admission.carries_unused == asynchronous
         batches, stream_positions = [], []
         for step in range(1, 9):
             batches.append(controller.collect(step, engines.weight_version))
@@ -263,8 +268,10 @@ def test_k_zero_forms_the_batches_of_the_synchronous_controller_before_it():
                                    f"algorithm.filter_groups.enable={str(filtering).lower()}",
                                    "async_training.max_staleness=0"])
         controller = RolloutController(SingleTurnGenerator(engines), PromptStream(records(400), 1, seed=3), score,
-                                       config, keep_varied_groups if filtering else None,
-                                       lambda seed: SamplingParams(n=2, seed=seed, max_tokens=8))
+                                       admission_for(config.async_training, BATCH),
+                                       keep_varied_groups if filtering else None,
+                                       lambda seed: SamplingParams(n=2, seed=seed, max_tokens=8), config.data,
+                                       config.algorithm.filter_groups)
         batches = []
         for step in range(1, 9):
             batches.append([[g.record.index, g.response_token_ids] for g in controller.collect(step).groups])

@@ -29,11 +29,12 @@ def epoch_prompts(config) -> list[str]:
     from transformers import AutoTokenizer
 
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
-    from megatron_cpo.trainer.driver.rollout_side import load_dataset
+    from megatron_cpo.data.dataset import PromptDataset
 
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    stream = PromptStream(load_dataset(config.data.train_files, tokenizer, config), 1, config.trainer.seed,
-                          config.data.shuffle)
+    dataset = PromptDataset(config.data.train_files, tokenizer, config.data,
+                            needs_ground_truth=config.reward.needs_ground_truth)
+    stream = PromptStream(dataset, 1, config.trainer.seed, config.data.shuffle)
     return [record.messages[-1]["content"] for _, record in iter(stream.next, None)]
 
 

@@ -41,11 +41,13 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
 
     from megatron_cpo.rollout.colocate import ColocatedRolloutManager
     from megatron_cpo.rollout.modes import build_rollout_manager
+    from megatron_cpo.trainer.loop import engine_launch_config
 
     out = tmp_path / "run"
     ray_was_running = ray.is_initialized()
+    config = _config(arith_data, out, 2)
     with caplog.at_level("INFO", logger="megatron_cpo.rollout.colocate"):
-        manager = build_rollout_manager(_config(arith_data, out, 2))
+        manager = build_rollout_manager(config.actor_rollout_ref.rollout, engine_launch_config(config))
     assert "vLLM sleep/wake does nothing here" in caplog.text
     assert isinstance(manager, ColocatedRolloutManager) and len(manager.engines) == 1
     assert manager.engines[0].startswith("http://127.0.0.1:") and manager.weight_transport == "shm"
@@ -127,15 +129,17 @@ def test_an_engine_that_does_not_start_in_time_fails_every_rank_naming_its_node_
     import dataclasses
 
     from megatron_cpo.rollout.colocate import start_colocated_engines
-    from megatron_cpo.rollout.modes import colocated_client_settings, engine_config
+    from megatron_cpo.rollout.modes import colocated_client_settings
     from megatron_cpo.rollout.types import RolloutEngineStartError
+    from megatron_cpo.trainer.loop import engine_launch_config
 
     config = _config(arith_data, tmp_path / "run", 1)
-    engines = dataclasses.replace(engine_config(config), engine_start_timeout_s=0.5)
+    engines = dataclasses.replace(engine_launch_config(config), engine_start_timeout_s=0.5)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(RolloutEngineStartError, match=r"^node 0 \(.*\): colocated rollout engine 0 of node 0 did not "
                                                       r"start within rollout engine_start_timeout_s=0.5s \(log: "):
-        start_colocated_engines(engines, lambda value: [value], colocated_client_settings(config))
+        start_colocated_engines(engines, lambda value: [value],
+                                colocated_client_settings(config.actor_rollout_ref.rollout, engines))
     left = []
     for process in psutil.Process().children(recursive=True):
         try:

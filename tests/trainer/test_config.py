@@ -1,4 +1,9 @@
 """The config tree: YAML + dotted overrides, seed aliases, and bad values rejected with messages that say the fix."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron_cpo.config import ConfigError, build_config, load_config, parse_override
@@ -181,3 +186,19 @@ def test_mapping_values_keep_their_keys_and_verls_reward_function_lands_in_rewar
     assert config.reward.reward_function == "grade.py:compute_score"
     with pytest.raises(ConfigError, match="keep one"):
         build_config({}, ["custom_reward_function.path=grade.py", "reward.custom_reward_function=other.py:f"])
+
+
+def test_loading_a_config_imports_no_torch():
+    """Each section is torch-free (the math that reads it loads when it runs), so `--dry-run`, the config reference
+    and the tools read a run's config without torch, numpy or the graders; in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\n"
+            "from megatron_cpo.config import load_config\n"
+            "config = load_config('examples/tiny/cpo_arith.yaml', ['algorithm.rollout_correction.rollout_is=token'])\n"
+            "assert config.algorithm.shaper.needs_hint_contexts\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers', 'megatron',\n"
+            "                                                      'ray', 'vllm', 'math_verify', 'pyarrow'}))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

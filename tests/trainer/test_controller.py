@@ -6,7 +6,8 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, keep_varied_groups
-from megatron_cpo.trainer.driver.controller import GenerationLimitError, KeepRateHistory, prompts_to_request
+from megatron_cpo.trainer.driver.admission import KeepRateHistory, prompts_to_request
+from megatron_cpo.trainer.driver.controller import GenerationLimitError
 from megatron_cpo.trainer.driver.rank_zero import RankZero
 
 
@@ -118,8 +119,8 @@ def test_look_ahead_changes_requests_but_never_the_batch(make_config, side_for):
     # the exact side expects every group kept (requests only what it still needs), the eager side almost none kept
     # (requests up to the in-flight cap); a history that strong outweighs what one step observes, so the request
     # counts differ whatever the engine's timing
-    exact.controller.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
-    eager.controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)
+    exact.controller.admission.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
+    eager.controller.admission.keep_history = KeepRateHistory(kept=0.0, committed=100.0)
     batches = [side.controller.collect(step=1) for side in (exact, eager)]
     assert batches[1].metrics["timing/requested_prompts"] > batches[0].metrics["timing/requested_prompts"]
     assert [g.seq for g in batches[0].groups] == [g.seq for g in batches[1].groups]
@@ -135,21 +136,22 @@ def test_only_prompts_on_the_engines_count_against_the_in_flight_cap(make_config
     side = side_for(make_config("algorithm.filter_groups.enable=true",
                                 "actor_rollout_ref.rollout.max_inflight_prompts=4"))
     controller = side.controller
-    controller.keep_history = KeepRateHistory(kept=0.0, committed=100.0)  # expects ~1% kept: wants many prompts
+    # expects ~1% kept: wants many prompts
+    controller.admission.keep_history = KeepRateHistory(kept=0.0, committed=100.0)
     accumulator = GroupAccumulator(4, keep_varied_groups)
     open_ = controller.open  # the controller's own bookkeeping: `issued` prompts, `running` on the engines
     try:
-        controller._top_up(1, accumulator, unpushed=0)
+        controller._top_up(1, accumulator)
         assert open_.issued == len(open_.running) == 4
         for request_id in list(open_.running)[1:]:  # the three later prompts finished; the first still runs
             del open_.running[request_id]
-        controller._top_up(1, accumulator, unpushed=0)
+        controller._top_up(1, accumulator)
         assert (open_.issued, len(open_.running), accumulator.next_seq) == (7, 4, 0)
         # expecting every group kept, 4 uncommitted prompts fill the batch; 7 are uncommitted, so none is requested
-        controller.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
+        controller.admission.keep_history = KeepRateHistory(kept=1000.0, committed=1000.0)
         for request_id in list(open_.running)[1:]:
             del open_.running[request_id]
-        controller._top_up(1, accumulator, unpushed=0)
+        controller._top_up(1, accumulator)
         assert (open_.issued, len(open_.running)) == (7, 1)
     finally:
         side.manager.cancel_all()

@@ -26,7 +26,7 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, second_port):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.loop import engine_launch_config, run_training
 
     configs = {layout: build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data['train']}",
@@ -38,7 +38,8 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, second_port):
         "reward.num_workers=1", "reward.custom_reward_function=tests.trainer.graders:even_first_character",
         "trainer.total_training_steps=2", "trainer.save_freq=2", f"trainer.default_local_dir={run_dir}/{layout}",
         "trainer.logger=[jsonl]"]) for layout, pipeline_size in LAYOUTS.items()}
-    manager = build_rollout_manager(configs["pp2"]) if rank == 0 else None
+    pp2 = configs["pp2"]
+    manager = build_rollout_manager(pp2.actor_rollout_ref.rollout, engine_launch_config(pp2)) if rank == 0 else None
     results = {}
     try:
         for index, (layout, config) in enumerate(configs.items()):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig
+from megatron_cpo.algorithms.config import OverlongBufferConfig
 from megatron_cpo.rollout.types import RolloutSample
 from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupSelection, ScoredGroup, episode_fields
 from megatron_cpo.trainer.batch.ragged import RaggedRows

@@ -58,7 +58,7 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
     from megatron_cpo.trainer.workers.routing import moe_routers
 
@@ -71,19 +71,19 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
         f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1", *overrides])
     platform.init_distributed(tp, 1, seed=1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    actor, _ = build_policies(config, pad_token_id=0, total_updates=10)
+    actor, _ = policies_for(config, pad_token_id=0, total_updates=10)
     routers_before = [router.weight.detach().clone() for router in moe_routers(actor.model)]
     local_experts = sum(name.startswith("decoder.layers.1.mlp.experts.local_experts.") and "linear_fc1" in name
                         for name, _ in actor.model.named_parameters())  # this rank's experts of MoE layer 1
     batch = _batch(torch.tensor(scores))
-    log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
+    log_probs = compute_log_probs(batch, actor, None, policy_update_config(config), pad_token_id=0)
     if perturb_routers:  # the same change on every rank: the update would route many tokens elsewhere
         generator = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for router in moe_routers(actor.model):
                 router.weight.add_(torch.randn(router.weight.shape, generator=generator))
-    advantages, metrics = compute_advantages(batch, log_probs, config)
-    metrics.update(update_policy(actor, batch, log_probs, advantages, config))
+    advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
+    metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)))
     exported = _exported(actor.model, export == "grads") if export else None
     routers_moved = [not torch.equal(before, router.weight)
                      for before, router in zip(routers_before, moe_routers(actor.model))]

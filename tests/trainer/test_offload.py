@@ -36,7 +36,7 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     config = build_config({}, [
@@ -46,16 +46,16 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
         "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
         "actor_rollout_ref.actor.megatron.optimizer_offload=true", *overrides])
     platform.init_distributed(1, 1, seed=1)
-    offloaded, _ = build_policies(config, pad_token_id=0, total_updates=10)
-    plain, _ = build_policies(config, pad_token_id=0, total_updates=10)
+    offloaded, _ = policies_for(config, pad_token_id=0, total_updates=10)
+    plain, _ = policies_for(config, pad_token_id=0, total_updates=10)
     # built with the actor, before Adam has state: the first offload finds the moments the first step made
     offload = colocated_offload(offloaded, config.actor_rollout_ref.actor.megatron, "colocate")
     batch = _batch()
 
     def train(actor):  # steps 3-5 of Trainer.step, without a reference
-        log_probs = compute_log_probs(batch, actor, None, config, pad_token_id=0)
-        advantages, metrics = compute_advantages(batch, log_probs, config)
-        metrics.update(update_policy(actor, batch, log_probs, advantages, config))
+        log_probs = compute_log_probs(batch, actor, None, policy_update_config(config), pad_token_id=0)
+        advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
+        metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)))
         return {k: v for k, v in metrics.items() if not k.startswith("timing/")}  # wall times differ
 
     for actor in (offloaded, plain):

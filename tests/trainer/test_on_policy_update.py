@@ -37,29 +37,30 @@ def _compare(model_dir, pp):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
-    from megatron_cpo.trainer.workers.policies import build_policies
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
                  "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                  f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
     config = build_config({}, overrides)
-    assert policy_update.old_log_probs_from_update(config)
+    settings = policy_update_config(config)
+    assert policy_update.old_log_probs_from_update(settings)
     platform.init_distributed(1, pp, seed=1)
     batch, results = _batch(), {}
     for mode in ("separate_pass", "from_update"):
-        actor, _ = build_policies(config, pad_token_id=0, total_updates=4)
+        actor, _ = policies_for(config, pad_token_id=0, total_updates=4)
         if mode == "separate_pass":  # what the trainer did before the predicate existed
             seqs = policy_update.prepare_sequences(batch, 0, config.data.max_response_length)[0]
             old, entropy = actor.log_probs(seqs, 1.0)
-            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
             lp = policy_update.BatchLogProbs(lp.seqs, lp.mask, lp.rollout_log_probs, old, entropy, None, None)
         else:
-            lp = policy_update.compute_log_probs(batch, actor, None, config, pad_token_id=0)
+            lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
             assert lp.old_log_probs is None and lp.entropy is None and "timing/old_log_prob_s" not in lp.timing
-        advantages, _ = policy_update.compute_advantages(batch, lp, config)
-        metrics = policy_update.update_policy(actor, batch, lp, advantages, config)
+        advantages, _ = policy_update.compute_advantages(batch, lp, settings)
+        metrics = policy_update.update_policy(actor, batch, lp, advantages, settings)
         results[mode] = {"params": torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()]),
                          "old_log_probs": lp.old_log_probs, "entropy": lp.entropy, "metrics": metrics}
 
@@ -79,14 +80,15 @@ def _compare(model_dir, pp):
 
 
 def _bf16_update(bf16_config, batch):
+    from megatron_cpo.trainer.loop import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
-    from megatron_cpo.trainer.workers.policies import build_policies
 
-    actor, _ = build_policies(bf16_config, pad_token_id=0, total_updates=4)
+    actor, _ = policies_for(bf16_config, pad_token_id=0, total_updates=4)
     before = [p.detach().float().clone() for p in actor.model.parameters()]
-    lp = policy_update.compute_log_probs(batch, actor, None, bf16_config, pad_token_id=0)
-    advantages = policy_update.compute_advantages(batch, lp, bf16_config)[0]
-    policy_update.update_policy(actor, batch, lp, advantages, bf16_config)
+    settings = policy_update_config(bf16_config)
+    lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
+    advantages = policy_update.compute_advantages(batch, lp, settings)[0]
+    policy_update.update_policy(actor, batch, lp, advantages, settings)
     # what Adam updates: the main parameters (with the distributed optimizer, this rank's shard of them)
     masters = [p for member in actor.optimizer.chained_optimizers for group in member.optimizer.param_groups
                for p in group["params"]]
@@ -115,14 +117,18 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
     from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.loop import policy_update_config
     from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
+    def from_update(overrides):
+        return old_log_probs_from_update(policy_update_config(build_config({}, overrides)))
+
     base = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
-    assert old_log_probs_from_update(build_config({}, base))
-    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.ppo_epochs=2"]))
-    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
-    assert not old_log_probs_from_update(build_config({}, base + ["algorithm.use_kl_in_reward=true"]))
-    assert not old_log_probs_from_update(build_config({}, base + ["algorithm.adv_estimator=cpo"]))
-    assert old_log_probs_from_update(build_config({}, base + ["algorithm.filter_groups.enable=true"]))
+    assert from_update(base)
+    assert not from_update(base + ["actor_rollout_ref.actor.ppo_epochs=2"])
+    assert not from_update(base + ["actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert not from_update(base + ["algorithm.use_kl_in_reward=true"])
+    assert not from_update(base + ["algorithm.adv_estimator=cpo"])
+    assert from_update(base + ["algorithm.filter_groups.enable=true"])
     # routing replay R2 records each token's experts in the separate pass for the update to replay
-    assert not old_log_probs_from_update(build_config({}, base + ["actor_rollout_ref.actor.router_replay.mode=R2"]))
+    assert not from_update(base + ["actor_rollout_ref.actor.router_replay.mode=R2"])

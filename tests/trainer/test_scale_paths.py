@@ -79,7 +79,7 @@ def _compare_modes(model_dir, tp, pp, modes):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.policies import build_policies
+    from megatron_cpo.trainer.loop import policies_for
 
     base = [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -91,13 +91,13 @@ def _compare_modes(model_dir, tp, pp, modes):
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
     config = build_config({}, base)
     platform.init_distributed(tp, pp, seed=1)
-    policies = {(): build_policies(config, pad_token_id=0, total_updates=10)}
+    policies = {(): policies_for(config, pad_token_id=0, total_updates=10)}
     padded = _results(*policies[()], config)
     differences = {}
     for mode in modes:
         fused, dynamic, packed, overrides = MODES[mode]
         if overrides not in policies:
-            policies[overrides] = build_policies(build_config({}, base + list(overrides)), 0, 10)
+            policies[overrides] = policies_for(build_config({}, base + list(overrides)), 0, 10)
         actor, reference = policies[overrides]
         for policy in (actor, reference):
             policy.use_fused_kernels = fused

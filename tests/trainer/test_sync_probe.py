@@ -15,7 +15,11 @@ def make_probe(make_config, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     def make(*overrides: str) -> SyncProbe:
-        return SyncProbe(make_config(*overrides), tokenizer, tokenizer.pad_token_id)
+        config = make_config(*overrides)
+        engines_tokens = config.data.max_prompt_length + config.data.max_response_length  # the engines' max_model_len
+        return SyncProbe(config.actor_rollout_ref.rollout.sync_check,
+                         config.actor_rollout_ref.actor.megatron.params_dtype, engines_tokens, tokenizer,
+                         tokenizer.pad_token_id)
     return make, tokenizer
 
 

@@ -36,13 +36,18 @@ def test_kl_in_reward_settings():
 def test_gen_batch_size_is_the_unit_of_max_num_gen_batches():
     base = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "algorithm.filter_groups.max_num_gen_batches=3"]
+
+    def limit(config):
+        return prompt_limit(config.algorithm.filter_groups, config.actor_rollout_ref.rollout,
+                            config.data.generation_batch_size)
+
     config = build_config({}, [*base, "data.gen_batch_size=12", "algorithm.filter_groups.enable=true"])
-    assert (config.data.generation_batch_size, prompt_limit(config)) == (12, 36)
-    assert prompt_limit(build_config({}, [*base, "algorithm.filter_groups.enable=true"])) == 12
+    assert (config.data.generation_batch_size, limit(config)) == (12, 36)
+    assert limit(build_config({}, [*base, "algorithm.filter_groups.enable=true"])) == 12
     ragen = build_config({}, [*base, "actor_rollout_ref.rollout.rollout_filter_strategy=top_p",
                               "actor_rollout_ref.rollout.rollout_filter_value=0.5"])
-    assert prompt_limit(ragen) == 12  # the limit bounds RAGEN's filter too
-    assert prompt_limit(build_config({}, base)) is None  # without a filter nothing is dropped: no limit
+    assert limit(ragen) == 12  # the limit bounds RAGEN's filter too
+    assert limit(build_config({}, base)) is None  # without a filter nothing is dropped: no limit
     with pytest.raises(ValueError, match="data.gen_batch_size=2 is below data.train_batch_size=4"):
         build_config({}, ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                           "data.gen_batch_size=2"])
@@ -54,8 +59,10 @@ def test_val_kwargs_choose_the_validation_sampling():
 
     def params(*overrides, index=5):
         config = build_config({}, list(overrides))
-        greedy = training_sampling_params(config, eos_token_id=2, seed=None, greedy=True)
-        return Validator(config, None, None, None, greedy).params(index)
+        rollout = config.actor_rollout_ref.rollout
+        greedy = training_sampling_params(rollout, config.data.max_response_length, eos_token_id=2, seed=None,
+                                          greedy=True)
+        return Validator(None, None, None, greedy, rollout.val_kwargs, config.trainer.seed).params(index)
 
     greedy = params()
     assert (greedy.n, greedy.temperature, greedy.top_p, greedy.top_k) == (1, 0.0, 1.0, -1)
@@ -69,7 +76,7 @@ def test_val_kwargs_choose_the_validation_sampling():
 def test_data_keys_reach_the_dataset(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.driver.rollout_side import load_dataset
+    from megatron_cpo.data.dataset import PromptDataset
 
     def rows(texts):
         return [{"question": [{"role": "user", "content": t}], "data_source": "math",
@@ -81,11 +88,11 @@ def test_data_keys_reach_the_dataset(tmp_path):
     files = f"data.train_files=[{tmp_path / 'a.parquet'},{tmp_path / 'b.parquet'}]"
     config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
                                "data.filter_overlong_prompts=true"])
-    dataset = load_dataset(config.data.train_files, tokenizer, config)
+    dataset = PromptDataset(config.data.train_files, tokenizer, config.data)
     assert (len(dataset), dataset.num_filtered) == (2, 1)  # the long prompt of a.parquet is dropped
     config = build_config({}, [files, "data.prompt_key=question", "data.max_prompt_length=64",
                                "data.truncation=left"])
-    dataset = load_dataset(config.data.train_files, tokenizer, config)
+    dataset = PromptDataset(config.data.train_files, tokenizer, config.data)
     assert len(dataset) == 3 and max(len(r.prompt_ids) for r in dataset.records) == 64
 
 
@@ -125,7 +132,9 @@ def test_val_max_samples_caps_the_validation_set():
     from megatron_cpo.trainer.driver.validation import Validator
 
     def size(*overrides):
-        return Validator(build_config({}, list(overrides)), list(range(10)), None, None, None).size()
+        config = build_config({}, list(overrides))
+        return Validator(list(range(10)), None, None, None, config.actor_rollout_ref.rollout.val_kwargs,
+                         max_samples=config.data.val_max_samples).size()
 
     assert (size(), size("data.val_max_samples=3"), size("data.val_max_samples=50")) == (10, 3, 10)
     with pytest.raises(ValueError, match="data.val_max_samples=0 must be >= 1, or -1"):
@@ -147,6 +156,6 @@ def test_hint_instruction_reaches_the_hint_context():
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     record = PromptRecord("u0", 0, messages, prompt, "megatron_cpo/addition", "85",
                           extra_info={"solution": "So 47 + 38 = 85."})
-    contexts = HintContextBuilder(config, tokenizer)([SimpleNamespace(record=record, n=1)], [prompt], [[5, 6]])
+    contexts = HintContextBuilder(config.algorithm.cpo, config.data, tokenizer)([SimpleNamespace(record=record, n=1)], [prompt], [[5, 6]])
     text = tokenizer.decode(contexts.prompt_ids[0])
     assert "So 47 + 38 = 85." in text and "What is 47 + 38?\nEnd with the sum." in text and "boxed" not in text

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
-from megatron_cpo.algorithms.overlong import OverlongBufferConfig, overlong_reward_penalty
-from megatron_cpo.config import Config
+from megatron_cpo.algorithms.config import FilterGroupsConfig, OverlongBufferConfig, RolloutFilterConfig
+from megatron_cpo.algorithms.filters import filter_groups, ragen_filter
+from megatron_cpo.algorithms.overlong import overlong_reward_penalty
 from megatron_cpo.rollout.types import EpisodeInfo, RolloutSample
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 
@@ -304,14 +304,15 @@ def keep_varied_groups(metric: torch.Tensor) -> torch.Tensor:
     return filter_groups(metric.reshape(-1), group).keep.reshape(groups, n)[:, 0]
 
 
-def selection_from_config(config: Config) -> GroupSelection | None:
-    """The run's group selection: DAPO filter-groups, RAGEN's rollout filter and the overlong buffer, as configured
-    (None when none is on). RAGEN decides one generation batch (`data.train_batch_size` groups) at a time."""
-    rollout, groups, overlong = (config.actor_rollout_ref.rollout, config.algorithm.filter_groups,
-                                 config.reward.overlong_buffer)
-    ragen = rollout if rollout.rollout_filter_enabled else None  # the rollout config is a RolloutFilterConfig
-    if not groups.enable and ragen is None and not overlong.enable:
+def group_selection(filter_groups: FilterGroupsConfig, rollout_filter: RolloutFilterConfig,
+                    overlong: OverlongBufferConfig, batch_size: int, max_response_length: int
+                    ) -> GroupSelection | None:
+    """The run's group selection: DAPO filter-groups (`algorithm.filter_groups`), RAGEN's rollout filter (the
+    `rollout_filter_*` keys of `actor_rollout_ref.rollout`) and the overlong buffer (`reward.overlong_buffer`), as
+    configured (None when none is on). RAGEN decides one generation batch (`batch_size` groups) at a time."""
+    ragen = rollout_filter if rollout_filter.rollout_filter_enabled else None
+    if not filter_groups.enable and ragen is None and not overlong.enable:
         return None
-    return GroupSelection(metric_filter=keep_varied_groups if groups.enable else None, ragen=ragen,
-                          window=config.data.train_batch_size, overlong=overlong if overlong.enable else None,
-                          max_response_length=config.data.max_response_length)
+    return GroupSelection(metric_filter=keep_varied_groups if filter_groups.enable else None, ragen=ragen,
+                          window=batch_size, overlong=overlong if overlong.enable else None,
+                          max_response_length=max_response_length)

@@ -1,38 +1,50 @@
-"""`async_training.*`: asynchronous training with bounded staleness, and the admission rule that bounds it.
+"""Admission: which prompts the rank-0 controller submits, as a strategy that owns its rule.
 
-With `max_staleness` k > 0 the engines keep generating while the trainer updates (docs/async.md): prompts not used
-by a step stay in flight for the next one, and the controller submits the next steps' prompts before it hands a batch
-to the trainer. What bounds how old a trained sample can be is admission, not dropping old samples (dropping would
-bias the data towards short answers): a prompt is submitted only while
+The controller asks its `Admission` once per prompt, before submitting it, whether one more may start
+(`admits`). That moment is the prompt's oldest token: every sample of the prompt, and every turn of a multi-turn
+episode, is generated after it, on weights at least as new. So a rule that bounds what is admitted bounds the age
+of everything a trained sample (or episode) holds, and continuing an admitted episode never asks again. Both rules
+count prompts in request order: groups commit in that order whichever finishes first (accumulator.py).
 
-    held = (kept groups of the batch being filled, or handed to the trainer and not yet pushed)
-           + (prompts submitted and not yet committed: generating, or finished and waiting for an earlier one)
-    held < (k + 1) * train_batch_size.
+- `SynchronousAdmission` (`async_training.max_staleness` = 0): the look-ahead. It requests enough uncommitted
+  prompts that the batch fills with about 90% probability at the keep rate observed so far (`prompts_to_request`,
+  `KeepRateHistory`); what the batch does not use is cancelled and its prompts go back to the data stream, so
+  every trained sample is sampled by the weights that train it (staleness 0).
+- `StalenessAdmission` (k > 0): bounded staleness. Unused prompts stay in flight for the next batch
+  (`carries_unused`), and a prompt is submitted only while
 
-This is AReaL's `(k + v + 1) * B - (accepted + running)` at weight version v, counted from the live prompts instead
-of totals (the same when every batch is full, and still exact when one is partial). Why it bounds staleness: groups
-commit in request order, so a prompt submitted with `held` prompts ahead of it that may still be trained lands at
-most (k + 1) batches from now, counting the batch that is waiting for its push; it is trained at most k weight
-versions after the one it started on, and every token it has is at least that new. A group a filter drops
-(filter-groups, RAGEN) leaves `held` when it is judged and frees its slot; filter-groups judges each group on its
-own, so a group it will drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 the
-rule would admit one batch at a time; the synchronous loop does better (it may request ahead, then cancels what it
-did not use), so k = 0 keeps it.
+      held = (kept groups of the batch being filled, or handed to the trainer and not yet pushed)
+             + (prompts submitted and not yet committed: generating, or finished and waiting for an earlier one)
+      held < (k + 1) * train_batch_size.
+
+  This is AReaL's `(k + v + 1) * B - (accepted + running)` at weight version v, counted from the live prompts
+  instead of totals (the same when every batch is full, and still exact when one is partial). Why it bounds
+  staleness: a prompt submitted with `held` prompts ahead of it that may still be trained lands at most (k + 1)
+  batches from now, counting the batch that is waiting for its push; it is trained at most k weight versions after
+  the one it started on, and every token it has is at least that new. A group a filter drops (filter-groups, RAGEN)
+  leaves `held` when it is judged and frees its slot; filter-groups judges each group on its own, so a group it will
+  drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 this rule would admit one
+  batch at a time; the look-ahead does better (it may request ahead, then cancels what it did not use), so k = 0 is
+  the synchronous admission (`admission_for`); the staleness rule at k = 0 forms the same batches
+  (tests/trainer/test_async_admission.py).
+
+Both cap the prompts generating at once (`inflight_cap`); finished ones waiting to commit do not count.
 """
 from __future__ import annotations
 
+import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
+from megatron_cpo.trainer.config import AsyncTrainingConfig
 from megatron_cpo.trainer.driver.prompt_stream import StreamPosition
 
-
-def admission_capacity(max_staleness: int, batch_size: int, held: int) -> int:
-    """Prompts that may still be submitted: (k + 1) * B - held (see the module docstring)."""
-    return (max_staleness + 1) * batch_size - held
+# Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
+FILL_PROBABILITY_Z = 1.28
 
 
 @dataclass
@@ -46,9 +58,9 @@ class Request:
 @dataclass
 class OpenRequests:
     """Prompts submitted and not yet committed, in request order: `running` on the engines, or `finished` (scored)
-    and waiting for an earlier one to commit. The synchronous loop starts each step with none; with asynchronous
-    training the controller carries them from step to step. `first` is the first uncommitted seq, `issued` the next
-    seq to hand out."""
+    and waiting for an earlier one to commit. The synchronous admission starts each step with none; the staleness
+    admission carries them from step to step. `first` is the first uncommitted seq, `issued` the next seq to hand
+    out."""
     by_seq: dict[int, Request] = field(default_factory=dict)
     running: dict[str, Request] = field(default_factory=dict)
     finished: dict[int, Any] = field(default_factory=dict)
@@ -69,6 +81,126 @@ class OpenRequests:
     def first_position(self) -> StreamPosition | None:
         """Where the first uncommitted prompt is in the data stream (None when every prompt is committed)."""
         return self.by_seq[self.first].position if self.first < self.issued else None
+
+
+class BatchProgress(Protocol):
+    """What admission reads of the batch being filled (`GroupAccumulator`): groups kept so far, the next seq to
+    commit, groups scored that a filter will drop (`dropping`), and the kept / committed counts (`stats`)."""
+    kept: list
+    next_seq: int
+    dropping: int
+    stats: Any
+
+
+def prompts_to_request(needed: int, keep_rate: float) -> int:
+    """Uncommitted prompts to have in flight so that `needed` of them are kept with ~90% probability.
+
+    The kept count of N prompts is about Binomial(N, keep_rate); this solves N p - z sqrt(N p (1 - p)) = needed
+    for N (exactly `needed` when every group is kept). A shortfall costs a whole extra response latency, a
+    surplus only the cancelled prompts' tokens, hence the margin."""
+    if needed <= 0:
+        return 0
+    p = min(max(keep_rate, 0.02), 1.0)
+    spread = FILL_PROBABILITY_Z * math.sqrt(p * (1.0 - p))
+    root = (spread + math.sqrt(spread * spread + 4.0 * p * needed)) / (2.0 * p)
+    return math.ceil(root * root - 1e-9)
+
+
+@dataclass
+class KeepRateHistory:
+    """Groups kept / committed in earlier steps, halved every step so the estimate follows the policy as it learns.
+    With no history the rate starts at 1 (request exactly what is needed) and is learnt within the first step."""
+    kept: float = 0.0
+    committed: float = 0.0
+    decay: float = 0.5
+
+    def rate(self, kept_now: int, committed_now: int) -> float:
+        return (self.kept + kept_now + 1.0) / (self.committed + committed_now + 1.0)
+
+    def update(self, kept: int, committed: int) -> None:
+        self.kept = self.decay * self.kept + kept
+        self.committed = self.decay * self.committed + committed
+
+
+class Admission(ABC):
+    """The rule the controller asks before each submission (see the module docstring). `max_staleness`: the bound
+    it keeps; `carries_unused`: prompts a batch did not use stay in flight for the next one (else they are
+    cancelled and go back to the data stream); `inflight_cap`: prompts generating at once, at most."""
+
+    max_staleness: int = 0
+    carries_unused: bool = False
+
+    def __init__(self, batch_size: int, inflight_cap: int) -> None:
+        self.batch_size = batch_size
+        self.inflight_cap = inflight_cap
+
+    def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
+        """The open requests a collection starts from, at the engines' weight version `policy_version`."""
+        return carried if self.carries_unused else OpenRequests()
+
+    @abstractmethod
+    def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
+        """Whether one more prompt may be submitted now."""
+
+    def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
+        """The batch goes to the trainer (full or not); what it kept trains with `policy_version`."""
+
+
+class SynchronousAdmission(Admission):
+    """Staleness 0: request ahead by the observed keep rate; unused prompts are cancelled at the hand-out."""
+
+    def __init__(self, batch_size: int, inflight_cap: int) -> None:
+        super().__init__(batch_size, inflight_cap)
+        self.keep_history = KeepRateHistory()
+
+    def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
+        keep_rate = self.keep_history.rate(batch.stats.kept, batch.stats.committed)
+        wanted = prompts_to_request(self.batch_size - len(batch.kept), keep_rate)
+        return open_.issued - batch.next_seq < wanted
+
+    def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
+        self.keep_history.update(batch.stats.kept, batch.stats.committed)
+
+
+class StalenessAdmission(Admission):
+    """At most k weight versions between a prompt's admission and the update that trains it; unused prompts stay
+    in flight. `unpushed`: kept prompts of the last batch whose weights the engines do not serve yet."""
+
+    carries_unused = True
+
+    def __init__(self, max_staleness: int, batch_size: int, inflight_cap: int) -> None:
+        super().__init__(batch_size, inflight_cap)
+        self.max_staleness = max_staleness
+        self.unpushed = 0
+        self._handed_out: tuple[int, int | None] = (0, None)  # (prompts, weight version) of the last batch
+
+    def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
+        prompts, version = self._handed_out
+        self.unpushed = prompts if policy_version is not None and policy_version == version else 0
+        return carried
+
+    def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
+        held = self.unpushed + len(batch.kept) + (open_.issued - batch.next_seq) - batch.dropping
+        return admission_capacity(self.max_staleness, self.batch_size, held) > 0
+
+    def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
+        self._handed_out = (len(batch.kept), policy_version)
+        self.unpushed = 0  # the batch's own groups count as kept from now on (the next batches are admitted)
+
+
+def admission_capacity(max_staleness: int, batch_size: int, held: int) -> int:
+    """Prompts that may still be submitted: (k + 1) * B - held (see the module docstring)."""
+    return (max_staleness + 1) * batch_size - held
+
+
+def admission_for(async_training: AsyncTrainingConfig, batch_size: int, max_inflight_prompts: int = 0
+                  ) -> Admission:
+    """The admission of `async_training.max_staleness` for batches of `batch_size` prompts;
+    `max_inflight_prompts` (`rollout.max_inflight_prompts`, 0: twice the batch, or the k + 1 batches the bound may
+    hold) caps the prompts generating at once."""
+    k = async_training.max_staleness
+    cap = max_inflight_prompts or max(2, k + 1) * batch_size
+    return StalenessAdmission(k, batch_size, cap) if k > 0 else SynchronousAdmission(batch_size, cap)
 
 
 @dataclass

@@ -14,13 +14,14 @@ stream. `max_num_gen_batches` caps the prompts requested (in units of
 Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
 keep-rate history is a speed hint that checkpoints need not hold.
 
-Asynchronous training (`async_training.max_staleness` k > 0, admission.py) keeps the same request order and commit
-rule but nothing is cancelled: unused prompts stay in flight (or finished, waiting) for the next batch, admission
-follows the staleness bound instead of the look-ahead, and before a batch is handed to the trainer the next batches'
-prompts are submitted, so the engines generate while the trainer updates. Submitting ahead at the hand-off is enough:
-the bound only gains room when weights are pushed (right before the next collection) or a filter drops a group, so a
-thread admitting during the update could add only the dropped groups' slots (docs/async.md measures this).
-A checkpoint saves the first prompt not yet trained (`state_dict`); what was in flight is generated again on resume.
+Which prompts are submitted is the `Admission` strategy's rule (admission.py): the look-ahead above when training is
+synchronous; with `async_training.max_staleness` k > 0 the same request order and commit rule but nothing is
+cancelled: unused prompts stay in flight (or finished, waiting) for the next batch, admission follows the staleness
+bound, and before a batch is handed to the trainer the next batches' prompts are submitted, so the engines generate
+while the trainer updates. Submitting ahead at the hand-off is enough: the bound only gains room when weights are
+pushed (right before the next collection) or a filter drops a group, so a thread admitting during the update could
+add only the dropped groups' slots (docs/async.md measures this). A checkpoint saves the first prompt not yet trained
+(`state_dict`); what was in flight is generated again on resume.
 """
 from __future__ import annotations
 
@@ -32,14 +33,15 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_cpo.config import Config
+from megatron_cpo.algorithms.config import FilterGroupsConfig, RolloutFilterConfig
+from megatron_cpo.data.config import DataConfig
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample
-from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
-from megatron_cpo.trainer.driver.admission import (EngineIdleWatch, OpenRequests, Request, admission_capacity,
-                                            staleness_metrics)
-from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
 from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
+from megatron_cpo.trainer.driver.admission import (Admission, EngineIdleWatch, OpenRequests, Request,
+                                                   staleness_metrics)
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
 
 logger = logging.getLogger(__name__)
 
@@ -51,21 +53,15 @@ class GenerationLimitError(RuntimeError):
     """`algorithm.filter_groups.max_num_gen_batches` was reached before the batch was full (on_limit=error)."""
 
 
-def inflight_cap(config: Config) -> int:
-    """Prompts submitted and not yet finished, at most (`rollout.max_inflight_prompts`, 0: twice the batch, or the
-    k + 1 batches asynchronous training may hold); finished ones waiting to commit do not count."""
-    batches = max(2, config.async_training.max_staleness + 1)
-    return config.actor_rollout_ref.rollout.max_inflight_prompts or batches * config.data.train_batch_size
-
-
-def prompt_limit(config: Config) -> int | None:
+def prompt_limit(filter_groups: FilterGroupsConfig, rollout_filter: RolloutFilterConfig, generation_batch_size: int
+                 ) -> int | None:
     """Prompts one step may request: `algorithm.filter_groups.max_num_gen_batches` generation batches
-    (`data.gen_batch_size`) when a group filter (DAPO's or RAGEN's) is on; None: no limit."""
-    groups = config.algorithm.filter_groups
-    filtering = groups.enable or config.actor_rollout_ref.rollout.rollout_filter_enabled
-    if not filtering or groups.max_num_gen_batches <= 0:
+    (`data.gen_batch_size`) when a group filter (DAPO's, or RAGEN's of the `rollout_filter_*` keys) is on; None: no
+    limit."""
+    filtering = filter_groups.enable or rollout_filter.rollout_filter_enabled
+    if not filtering or filter_groups.max_num_gen_batches <= 0:
         return None
-    return groups.max_num_gen_batches * config.data.generation_batch_size
+    return filter_groups.max_num_gen_batches * generation_batch_size
 
 
 @dataclass
@@ -78,24 +74,6 @@ class CollectedBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     trainable: bool = True
     policy_version: int | None = None  # the weight version the batch is trained with (the engines' when collected)
-
-
-# Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
-FILL_PROBABILITY_Z = 1.28
-
-
-def prompts_to_request(needed: int, keep_rate: float) -> int:
-    """Uncommitted prompts to have in flight so that `needed` of them are kept with ~90% probability.
-
-    The kept count of N prompts is about Binomial(N, keep_rate); this solves N p - z sqrt(N p (1 - p)) = needed
-    for N (exactly `needed` when every group is kept). A shortfall costs a whole extra response latency, a
-    surplus only the cancelled prompts' tokens, hence the margin."""
-    if needed <= 0:
-        return 0
-    p = min(max(keep_rate, 0.02), 1.0)
-    spread = FILL_PROBABILITY_Z * math.sqrt(p * (1.0 - p))
-    root = (spread + math.sqrt(spread * spread + 4.0 * p * needed)) / (2.0 * p)
-    return math.ceil(root * root - 1e-9)
 
 
 def log_filter_progress(step: int, accumulator: GroupAccumulator, generation_batch: int, logged: int) -> int:
@@ -114,61 +92,41 @@ def log_filter_progress(step: int, accumulator: GroupAccumulator, generation_bat
     return done
 
 
-@dataclass
-class KeepRateHistory:
-    """Groups kept / committed in earlier steps, halved every step so the estimate follows the policy as it learns.
-    With no history the rate starts at 1 (request exactly what is needed) and is learnt within the first step."""
-    kept: float = 0.0
-    committed: float = 0.0
-    decay: float = 0.5
-
-    def rate(self, kept_now: int, committed_now: int) -> float:
-        return (self.kept + kept_now + 1.0) / (self.committed + committed_now + 1.0)
-
-    def update(self, kept: int, committed: int) -> None:
-        self.kept = self.decay * self.kept + kept
-        self.committed = self.decay * self.committed + committed
-
-
 class RolloutController:
-    """Submits prompts to a group generator, scores and filters finished groups, returns one batch per call.
+    """Submits prompts to a group generator as its `Admission` allows, scores and filters finished groups, returns
+    one batch per call.
 
-    With `async_training.max_staleness` > 0 (admission.py) the prompts it does not use stay in flight for the next
-    call instead of being cancelled, it submits ahead within the staleness bound before it returns a batch, and
-    groups received elsewhere meanwhile (validation shares the engines) are handed to it with `receive`."""
+    `data`: the batch size and generation batch (`data.*`); `filter_groups`: what filter-groups judges by and what
+    happens at `prompt_limit` (prompts one step may request, `prompt_limit()`). With an admission that carries unused
+    prompts (asynchronous training) groups received elsewhere meanwhile (validation shares the engines) are handed to
+    it with `receive`."""
 
-    def __init__(self, generator: GroupGenerator, stream: PromptStream, scorer: GroupScorer, config: Config,
-                 group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any],
-                 poll_timeout_s: float = 600.0, max_staleness: int | None = None) -> None:
+    def __init__(self, generator: GroupGenerator, stream: PromptStream, scorer: GroupScorer, admission: Admission,
+                 group_filter: GroupFilter | None, sampling_params_for: Callable[[int], Any], data: DataConfig,
+                 filter_groups: FilterGroupsConfig | None = None, prompt_limit: int | None = None,
+                 poll_timeout_s: float = 600.0) -> None:
         self.generator = generator
         self.stream = stream
         self.scorer = scorer
-        self.config = config  # reads data.*, algorithm.filter_groups.*, rollout.max_inflight_prompts, async_training
+        self.admission = admission
         self.group_filter = group_filter
         self.sampling_params_for = sampling_params_for
+        self.batch_size, self.generation_batch_size = data.train_batch_size, data.generation_batch_size
+        self.filter_groups = filter_groups or FilterGroupsConfig()
+        self.prompt_limit = prompt_limit
         self.poll_timeout_s = poll_timeout_s
-        self.keep_history = KeepRateHistory()
-        # None: the staleness bound of async_training (0: the synchronous loop). A test may run the asynchronous
-        # admission at 0, which must form exactly the synchronous loop's batches.
-        self.max_staleness = config.async_training.max_staleness if max_staleness is None else max_staleness
-        self.asynchronous = max_staleness is not None or self.max_staleness > 0
         self.open = OpenRequests()
         self.idle = EngineIdleWatch()
         self._received: list[RolloutGroup] = []
-        self._handed_out: tuple[int, int | None] = (0, None)  # (prompts, weight version) of the last batch
 
     def collect(self, step: int, policy_version: int | None = None) -> CollectedBatch:
         """Generate, score and filter until `train_batch_size` prompts are kept, a limit is hit or data runs out.
         `policy_version`: the engines' weight version now (`RolloutEngines.weight_version`), which is also the
         version of the trainer's weights that will train the batch."""
-        batch_size, groups_config = self.config.data.train_batch_size, self.config.algorithm.filter_groups
         start, started_at = time.perf_counter(), time.time()
-        if not self.asynchronous:
-            self.open = OpenRequests()  # each step starts afresh; the next `state_dict` is the stream's
-        open_ = self.open
-        accumulator = GroupAccumulator(batch_size, self.group_filter, groups_config.metric, start_seq=open_.first,
-                                       pending=open_.finished)
-        unpushed = self._handed_out[0] if policy_version is not None and policy_version == self._handed_out[1] else 0
+        self.open = open_ = self.admission.begin(self.open, policy_version)  # synchronous: each step afresh
+        accumulator = GroupAccumulator(self.batch_size, self.group_filter, self.filter_groups.metric,
+                                       start_seq=open_.first, pending=open_.finished)
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
                                 "timing/score_calls"), 0.0)
         logged_gen_batches = 0
@@ -178,7 +136,7 @@ class RolloutController:
         idle = self.idle.idle_until(started_at)
         accumulator.add(self._score(arrived, timing))
         while not accumulator.full:
-            data_exhausted = self._top_up(step, accumulator, unpushed) or data_exhausted
+            data_exhausted = self._top_up(step, accumulator) or data_exhausted
             if not open_.running:
                 break
             waited = time.perf_counter()
@@ -187,37 +145,35 @@ class RolloutController:
             accumulator.add(self._score(finished, timing))
             timing["timing/gen_wait_s"] += scoring - waited
             timing["timing/score_s"] += time.perf_counter() - scoring
-            logged_gen_batches = log_filter_progress(step, accumulator, self.config.data.generation_batch_size,
+            logged_gen_batches = log_filter_progress(step, accumulator, self.generation_batch_size,
                                                      logged_gen_batches)
         batch = accumulator.batch() if accumulator.full else None
-        requested = open_.issued - accumulator.start_seq  # before the synchronous loop drops its requests below
-        if self.asynchronous:
-            if batch is not None:
-                self._top_up(step, accumulator, unpushed=0)  # the next batches' prompts, while the trainer updates
-            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
-        else:
-            if open_.running:
-                self.generator.cancel_all()
-            if accumulator.next_seq < open_.issued:
-                self.stream.rewind(open_.by_seq[accumulator.next_seq].position)
-                data_exhausted = False
-            self.open = open_ = OpenRequests()
-        self._handed_out = (len(accumulator.kept), policy_version)
-        self.idle.hand_out(time.time(), open_.running)
-        self.keep_history.update(accumulator.stats.kept, accumulator.stats.committed)
+        requested = open_.issued - accumulator.start_seq
+        self.admission.hand_out(accumulator, policy_version)
+        if batch is not None:
+            self._top_up(step, accumulator)  # the next batches' prompts while the trainer updates, if admitted
+        if self._release_unused(accumulator):
+            data_exhausted = False
+        self.idle.hand_out(time.time(), self.open.running)
         metrics = self._metrics(accumulator, requested, timing, time.perf_counter() - start)
         metrics.update(self._async_metrics(accumulator, policy_version, idle))
         if batch is not None:
             logger.info("[filter_groups] step %d: accumulated enough prompts, proceeding with %d trajectories",
                         step, sum(g.n for g in batch))
             return CollectedBatch(batch, True, False, metrics, policy_version=policy_version)
+        return self._short_batch(step, accumulator, data_exhausted, metrics, policy_version)
+
+    def _short_batch(self, step: int, accumulator: GroupAccumulator, data_exhausted: bool,
+                     metrics: dict[str, float], policy_version: int | None) -> CollectedBatch:
+        """The partial batch when the data ran out or `prompt_limit` was reached (`on_limit` decides whether it
+        trains or the run stops with `GenerationLimitError`)."""
+        groups_config = self.filter_groups
         use_partial = groups_config.on_limit == "use_partial"
         if not data_exhausted:
-            generation_batch = self.config.data.generation_batch_size
-            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.consumed / generation_batch)} >= "
-                       f"max_num_gen_batches={groups_config.max_num_gen_batches} with only "
-                       f"{len(accumulator.kept)}/{batch_size} "
-                       f"prompts kept after {prompt_limit(self.config)} prompts; the data may be too easy or too hard "
+            message = (f"step {step}: num_gen_batches={math.ceil(accumulator.consumed / self.generation_batch_size)}"
+                       f" >= max_num_gen_batches={groups_config.max_num_gen_batches} with only "
+                       f"{len(accumulator.kept)}/{self.batch_size} "
+                       f"prompts kept after {self.prompt_limit} prompts; the data may be too easy or too hard "
                        "for the filter. Raise algorithm.filter_groups.max_num_gen_batches, or set "
                        "algorithm.filter_groups.on_limit=use_partial to train on the partial batch")
             if not use_partial:
@@ -225,7 +181,7 @@ class RolloutController:
             logger.warning("%s; training on the partial batch (on_limit=use_partial)", message)
         else:
             logger.info("[filter_groups] step %d: data exhausted after epoch %d with %d/%d prompts kept",
-                        step, self.stream.total_epochs, len(accumulator.kept), batch_size)
+                        step, self.stream.total_epochs, len(accumulator.kept), self.batch_size)
         return CollectedBatch(accumulator.batch(), False, data_exhausted, metrics, trainable=use_partial,
                               policy_version=policy_version)
 
@@ -268,25 +224,14 @@ class RolloutController:
                 taken.append((request, group))
         return taken
 
-    def _top_up(self, step: int, accumulator: GroupAccumulator, unpushed: int) -> bool:
-        """Submit prompts while the admission rule allows; True when data ran out. Synchronous: fewer than
-        `inflight_cap` are on the engines and the uncommitted prompts (running, or finished and waiting for an
-        earlier one to commit) are fewer than the observed keep rate needs; counting only running prompts against
-        the cap keeps the engines busy while a long response holds up the commit order. Asynchronous: the staleness
-        bound of admission.py has room (`unpushed`: prompts of the last batch whose weights are not pushed yet)."""
-        open_ = self.open
-        cap, limit = inflight_cap(self.config), prompt_limit(self.config)
-        batch_size = self.config.data.train_batch_size
-        keep_rate = self.keep_history.rate(accumulator.stats.kept, accumulator.stats.committed)
-        wanted = prompts_to_request(batch_size - len(accumulator.kept), keep_rate)
+    def _top_up(self, step: int, accumulator: GroupAccumulator) -> bool:
+        """Submit prompts while the admission admits them, fewer than its `inflight_cap` are on the engines and the
+        step is within `prompt_limit`; True when data ran out. Only running prompts count against the cap, so a long
+        response that holds up the commit order does not keep the engines idle."""
+        open_, limit = self.open, self.prompt_limit
         counted_from = accumulator.next_seq if accumulator.full else accumulator.start_seq  # full: the next batch's
-        while len(open_.running) < cap:
-            uncommitted = open_.issued - accumulator.next_seq
-            if self.asynchronous:
-                held = unpushed + len(accumulator.kept) + uncommitted - accumulator.dropping
-                if admission_capacity(self.max_staleness, batch_size, held) <= 0:
-                    return False
-            elif uncommitted >= wanted:
+        while len(open_.running) < self.admission.inflight_cap:
+            if not self.admission.admits(accumulator, open_):
                 return False
             if limit is not None and open_.issued - counted_from >= limit:
                 return False
@@ -298,6 +243,22 @@ class RolloutController:
             self.generator.submit(request_id, record, self.sampling_params_for(self._request_seed(step, position)))
             open_.add(request_id, Request(open_.issued, position, record))
         return False
+
+    def _release_unused(self, accumulator: GroupAccumulator) -> bool:
+        """What the batch did not use after its hand-out: kept in flight for the next batch when the admission
+        carries it, else cancelled, with the data stream back at the first unused prompt; True when prompts went
+        back to the stream (so the data is not exhausted after all)."""
+        open_ = self.open
+        if self.admission.carries_unused:
+            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
+            return False
+        if open_.running:
+            self.generator.cancel_all()
+        rewound = accumulator.next_seq < open_.issued
+        if rewound:
+            self.stream.rewind(open_.by_seq[accumulator.next_seq].position)
+        self.open = OpenRequests()
+        return rewound
 
     def _score(self, finished: list[tuple[Request, RolloutGroup]], timing: dict[str, float]) -> list[ScoredGroup]:
         """Score the finished groups in one scorer call (one round trip to the grading pool for all of them)."""
@@ -319,12 +280,12 @@ class RolloutController:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
         k > 0 the step is left out: which step submits a prompt depends on how fast earlier groups finished (and
         were dropped), and a prompt's samples must not."""
-        step = step if self.max_staleness == 0 else 0
+        step = step if self.admission.max_staleness == 0 else 0
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
     def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
                  ) -> dict[str, float]:
-        size = self.config.data.train_batch_size
+        size = self.batch_size
         metrics = accumulator.metrics()
         metrics.update(timing)
         metrics.update({
@@ -342,7 +303,7 @@ class RolloutController:
         for `timing/gen_s`), what waits for the next batches (`async/buffered_groups` finished, `async/in_flight`
         generating), and the batch's staleness (admission.staleness_metrics)."""
         metrics = {} if engine_idle is None else {"timing/engine_idle_s": engine_idle}
-        if self.asynchronous:
+        if self.admission.carries_unused:
             metrics.update({"async/buffered_groups": float(len(self.open.finished)),
                             "async/in_flight": float(len(self.open.running))})
         kept = accumulator.kept[: accumulator.target_prompts]

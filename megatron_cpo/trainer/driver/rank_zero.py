@@ -1,7 +1,9 @@
 """What only rank 0 does in a run: data, engines, the controller, grading, validation, run controls and logging.
 
-The other ranks learn its decisions through `collectives.py`. A `manager` passed in (already running engines, e.g.
-shared by tests or a notebook) is used and left running; otherwise the engines are started here.
+The other ranks learn its decisions through `collectives.py`. Engines passed in (already running, e.g. shared by
+tests or a notebook) are used and left running; given the run's `EngineLaunchConfig` instead, the engines are
+started here. `RankZero` is rank 0's composition root: the one class of the driver that reads the whole
+`Config`, and hands each component its own section.
 """
 from __future__ import annotations
 
@@ -11,22 +13,29 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.config import Config, config_to_dict
-from megatron_cpo.envs import EnvironmentRegistry, EpisodeRunner
-from megatron_cpo.envs.metrics import episode_metrics
-from megatron_cpo.rollout import RolloutEnginesLostError
-from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
-from megatron_cpo.rollout.modes import build_rollout_manager
-from megatron_cpo.trainer.driver.accumulator import selection_from_config
-from megatron_cpo.trainer.driver.controller import CollectedBatch, RolloutController
 from megatron_cpo.algorithms.early_stop import EarlyStopMonitor
+from megatron_cpo.config import Config, config_to_dict
+from megatron_cpo.data.config import DataConfig
+from megatron_cpo.data.dataset import PromptDataset
+from megatron_cpo.envs.config import MultiTurnConfig
+from megatron_cpo.envs.metrics import episode_metrics
+from megatron_cpo.envs.registry import EnvironmentRegistry
+from megatron_cpo.envs.runner import EpisodeRunner
+from megatron_cpo.rewards.sandbox_types import SandboxConfig
+from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
+from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.modes import build_rollout_manager
+from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
+from megatron_cpo.trainer.batch.step_batch import StepBatch
+from megatron_cpo.trainer.driver.accumulator import group_selection
+from megatron_cpo.trainer.driver.admission import admission_for
+from megatron_cpo.trainer.driver.batching import make_step_batch
+from megatron_cpo.trainer.driver.controller import CollectedBatch, RolloutController, prompt_limit
 from megatron_cpo.trainer.driver.grading import ResponseScorer
 from megatron_cpo.trainer.driver.loggers import MetricLogger
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream
-from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, load_dataset, training_sampling_params
-from megatron_cpo.trainer.batch.step_batch import StepBatch
-from megatron_cpo.trainer.driver.batching import make_step_batch
+from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, training_sampling_params
 from megatron_cpo.trainer.driver.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -37,25 +46,35 @@ class RankZero:
     `make_batch` flattens it for the broadcast (2), `observe_early_stop` feeds the monitor (8), `validate` (9) and
     `log_step` writes the step's metrics (10); `open_log` starts the metric sinks once the resume step is known."""
 
-    def __init__(self, config: Config, tokenizer: Any, manager: RolloutEngines | None = None) -> None:
+    def __init__(self, config: Config, tokenizer: Any, engines: RolloutEngines | EngineLaunchConfig) -> None:
         self.config = config
-        data = config.data
-        self.train_data = load_dataset(data.train_files, tokenizer, config)
-        val_data = load_dataset(data.val_files, tokenizer, config) if data.val_files else None
-        self.stream = PromptStream(self.train_data, config.trainer.total_epochs, config.trainer.seed, data.shuffle)
-        self.owns_manager = manager is None
-        self.manager = manager or build_rollout_manager(config)  # rollout.mode: ray, server or colocate
-        self.generator = make_generator(config, self.manager, tokenizer)
+        data, rollout, algorithm, trainer = (config.data, config.actor_rollout_ref.rollout, config.algorithm,
+                                             config.trainer)
+        needs_ground_truth = config.reward.needs_ground_truth
+        self.train_data = PromptDataset(data.train_files, tokenizer, data, needs_ground_truth=needs_ground_truth)
+        val_data = (PromptDataset(data.val_files, tokenizer, data, needs_ground_truth=needs_ground_truth)
+                    if data.val_files else None)
+        self.stream = PromptStream(self.train_data, trainer.total_epochs, trainer.seed, data.shuffle)
+        self.owns_manager = isinstance(engines, EngineLaunchConfig)
+        # rollout.mode: ray, server or colocate
+        self.manager = build_rollout_manager(rollout, engines) if self.owns_manager else engines
+        self.generator = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.hints = HintContextBuilder(config, tokenizer) if config.algorithm.shaper.needs_hint_contexts else None
-        self.controller = RolloutController(self.generator, self.stream, self.scorer.score_groups, config,
-                                            selection_from_config(config),
-                                            lambda seed: training_sampling_params(config, eos, seed))
+        self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer) if algorithm.shaper.needs_hint_contexts
+                      else None)
+        selection = group_selection(algorithm.filter_groups, rollout, config.reward.overlong_buffer,
+                                    data.train_batch_size, data.max_response_length)
+        self.controller = RolloutController(
+            self.generator, self.stream, self.scorer.score_groups,
+            admission_for(config.async_training, data.train_batch_size, rollout.max_inflight_prompts), selection,
+            lambda seed: training_sampling_params(rollout, data.max_response_length, eos, seed), data,
+            algorithm.filter_groups, prompt_limit(algorithm.filter_groups, rollout, data.generation_batch_size))
         # with asynchronous training, validation shares the engines with training requests in flight
-        self.validator = Validator(config, val_data, self.generator, self.scorer,
-                                   training_sampling_params(config, eos, None, greedy=True), self.controller.receive)
-        self.monitor = EarlyStopMonitor(config.trainer.early_stop) if config.trainer.early_stop.enable else None
+        self.validator = Validator(val_data, self.generator, self.scorer,
+                                   training_sampling_params(rollout, data.max_response_length, eos, None, greedy=True),
+                                   rollout.val_kwargs, trainer.seed, data.val_max_samples, self.controller.receive)
+        self.monitor = EarlyStopMonitor(trainer.early_stop) if trainer.early_stop.enable else None
         self.metric_logger: MetricLogger | None = None
 
     def open_log(self, total_steps: int, resume_step: int) -> None:
@@ -148,14 +167,25 @@ class RankZero:
             self.manager.cancel_all()
 
 
-def make_generator(config: Config, engines: RolloutEngines, tokenizer: Any) -> GroupGenerator:
-    """The run's group generator: episodes of each row's environment with `rollout.multi_turn.enable`, else one
-    sampled answer per sample."""
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+def announce_engines(rollout: RolloutConfig, model_path: str, given: bool) -> None:
+    """Say what the slow part of start-up is doing (data, engines) before it happens."""
+    if given:
+        logger.info("loading data; using the rollout engines passed in")
+    elif rollout.mode == "server":
+        logger.info("loading data; connecting to the rollout servers %s", ", ".join(rollout.server_urls))
+    else:
+        where = "colocated on the trainer's devices" if rollout.mode == "colocate" else "as Ray actors"
+        logger.info("loading data and starting vLLM engine(s) %s for %s (tens of seconds)", where, model_path)
+
+
+def make_generator(multi_turn: MultiTurnConfig, sandbox: SandboxConfig, engines: RolloutEngines, tokenizer: Any,
+                   data: DataConfig) -> GroupGenerator:
+    """The run's group generator: episodes of each row's environment with `rollout.multi_turn.enable` (tools run in
+    `reward.sandbox`; episodes fit `data.*`'s lengths), else one sampled answer per sample."""
     if not multi_turn.enable:
         return SingleTurnGenerator(engines)
-    return EpisodeRunner(engines, tokenizer, EnvironmentRegistry(multi_turn, config.reward.sandbox),
-                         config.data.max_response_length, config.data.max_prompt_length, config.data.truncation)
+    return EpisodeRunner(engines, tokenizer, EnvironmentRegistry(multi_turn, sandbox), data.max_response_length,
+                         data.max_prompt_length, data.truncation)
 
 
 def batch_reward_metrics(groups: list) -> dict[str, float]:

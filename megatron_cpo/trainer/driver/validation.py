@@ -8,23 +8,23 @@ from typing import Callable
 
 import torch
 
-from megatron_cpo.config import Config
 from megatron_cpo.data.dataset import PromptDataset
 from megatron_cpo.envs.metrics import episode_metrics
-from megatron_cpo.rollout import SamplingParams
+from megatron_cpo.rollout.config import ValKwargsConfig
 from megatron_cpo.rollout.generators import GroupGenerator
-from megatron_cpo.rollout.types import RolloutGroup
+from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
 from megatron_cpo.trainer.driver.grading import ResponseScorer
 
 
 class Validator:
-    """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it."""
+    """Samples the validation set on the engines as `rollout.val_kwargs` says and grades it: the first
+    `max_samples` rows (`data.val_max_samples`, -1: all), sampled with seeds from `seed` (`trainer.seed`)."""
 
-    def __init__(self, config: Config, val_data: PromptDataset | None, generator: GroupGenerator,
-                 scorer: ResponseScorer, greedy_params: SamplingParams,
+    def __init__(self, val_data: PromptDataset | None, generator: GroupGenerator, scorer: ResponseScorer,
+                 greedy_params: SamplingParams, val_kwargs: ValKwargsConfig, seed: int = 0, max_samples: int = -1,
                  other_groups: Callable[[list[RolloutGroup]], None] | None = None) -> None:
-        self.config = config
         self.val_data = val_data
+        self.val_kwargs, self.seed, self.max_samples = val_kwargs, seed, max_samples
         self.generator = generator
         self.scorer = scorer
         self.greedy_params = greedy_params  # the training sampling's length and stop tokens, greedy
@@ -33,16 +33,16 @@ class Validator:
 
     def params(self, index: int) -> SamplingParams:
         """verl's `rollout.val_kwargs`: greedy unless `do_sample`, then `n` seeded samples per prompt."""
-        val = self.config.actor_rollout_ref.rollout.val_kwargs
+        val = self.val_kwargs
         if not val.do_sample:
             return replace(self.greedy_params, n=val.n)
         return SamplingParams(n=val.n, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k,
                               max_tokens=self.greedy_params.max_tokens, stop_token_ids=self.greedy_params.stop_token_ids,
-                              seed=self.config.trainer.seed + index)
+                              seed=self.seed + index)
 
     def size(self) -> int:
         """How many rows of the validation set `validate` uses: all, or the first `data.val_max_samples`."""
-        cap = self.config.data.val_max_samples
+        cap = self.max_samples
         return len(self.val_data) if cap == -1 else min(cap, len(self.val_data))
 
     def validate(self) -> dict[str, float]:

@@ -214,3 +214,12 @@ class CheckpointManager:
                 logger.warning("checkpoint %s has no %s state (it was off when it was written); starting it fresh",
                                directory, name)
         logger.info("resumed from %s (step %d)", directory, step)
+
+
+def hf_exporter(actor: Any, model_path: str, dtype: str) -> Callable[[Path], Any]:
+    """Collective: writes the actor as a Hugging Face model directory in `dtype` (`megatron.params_dtype`), its
+    config and tokenizer from `model_path` (`actor_rollout_ref.model.path`)."""
+    from megatron_cpo.models.conversion_commands import export_hf_model
+
+    return lambda out: export_hf_model(actor.model, actor.model.hf_config, model_path, out,
+                                       dtype=getattr(torch, dtype))

@@ -3,7 +3,10 @@ pre-start check (preflight.py, printed by `megatron-cpo train --dry-run`) and to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from megatron_cpo.models.config import ModelConfig
+from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.trainer.config import ActorConfig
 
 
 @dataclass
@@ -57,12 +60,12 @@ class Layout:
         return self.world_size // expert_parallel
 
     @classmethod
-    def from_config(cls, config: Any, world_size: int) -> "Layout":
-        """The layout a run's `Config` implies on `world_size` trainer processes. Engines: `rollout.num_engines`
-        Ray actors, one per `rollout.server_urls` entry (server mode), or one per rollout-TP group of the trainer's
-        processes (colocate)."""
-        model, actor, rollout = (config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
-                                 config.actor_rollout_ref.rollout)
+    def from_sections(cls, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, reference_model: bool,
+                      world_size: int) -> "Layout":
+        """The layout the model, actor and rollout sections imply on `world_size` trainer processes, with a frozen
+        reference when `reference_model` (`Config.needs_reference_model`). Engines: `rollout.num_engines` Ray actors,
+        one per `rollout.server_urls` entry (server mode), or one per rollout-TP group of the trainer's processes
+        (colocate)."""
         megatron = actor.megatron
         engines = {"server": len(rollout.server_urls),
                    "colocate": max(1, world_size // rollout.tensor_model_parallel_size)}.get(rollout.mode,
@@ -73,7 +76,7 @@ class Layout:
                    rollout_tp=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
                    params_dtype=megatron.compute_dtype,
                    distributed_optimizer=megatron.use_distributed_optimizer,
-                   reference_model=config.needs_reference_model, sequence_parallel=megatron.sequence_parallel,
+                   reference_model=reference_model, sequence_parallel=megatron.sequence_parallel,
                    context_parallel=megatron.context_parallel_size,
                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.compute_dtype import resolve_dtype
-from megatron_cpo.config import Config
 from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.rollout.cpu_resources import trainer_threads, usable_cores
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY
@@ -29,13 +28,12 @@ def check_dtype(params_dtype: str) -> None:
         chosen.announce(logger, "the actor and the engines", PARAMS_DTYPE_KEY)
 
 
-def leave_cores_to_engines(config: Config) -> None:
+def leave_cores_to_engines(max_staleness: int, rollout_mode: str) -> None:
     """A one-process CPU run whose engines generate while it trains (asynchronous training, engines on this
     machine) trains on the cores the engines leave, so the two do not fight for every core
     (rollout/cpu_resources.py); with several ranks torchrun already gives each one thread. `Trainer.close` restores
     the thread count."""
-    if (platform.has_cuda() or config.async_training.max_staleness == 0 or dist.get_world_size() > 1
-            or config.actor_rollout_ref.rollout.mode == "server"):
+    if platform.has_cuda() or max_staleness == 0 or dist.get_world_size() > 1 or rollout_mode == "server":
         return
     threads = trainer_threads(len(usable_cores()))
     torch.set_num_threads(threads)

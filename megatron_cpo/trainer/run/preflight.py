@@ -1,12 +1,13 @@
 """Everything about a run that can be checked before Ray, torch.distributed and the engines start.
 
-`preflight(config)` reads the model's config.json and the data files, and reports every problem at once in one
-`ConfigError`: the model directory, TP/PP against the heads, layers and world size, EP/ETP against the experts and
-the world size (and the model family's own checks, `models.builder.check_hf_config`), verl's
-`trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty, every row as the dataset checks it, a grader
-for every data source) and the output directory. It returns the `RunPlan` the config implies (its `Layout`,
-trainer/run/layout.py, and a step's batch arithmetic), which `megatron-cpo train --dry-run` prints. The trainer calls it
-first, so a bad layout fails in a second instead of after the engines have started.
+`preflight(config)` hands each check here its own sections: it reads the model's config.json and the
+data files, and reports every problem at once in one `ConfigError`: the model directory, TP/PP against the heads,
+layers and world size, EP/ETP against the experts and the world size (and the model family's own checks,
+`models.builder.check_hf_config`), verl's `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty,
+every row as the dataset checks it, a grader for every data source) and the output directory. It returns the
+`RunPlan` the config implies (its `Layout`, trainer/run/layout.py, and a step's batch arithmetic), which
+`megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second instead of after
+the engines have started.
 """
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.compute_dtype import ComputeDtype, resolve_dtype
-from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.config import Config
+from megatron_cpo.config_checks import ConfigError
+from megatron_cpo.data.config import DataConfig
+from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.registry import check_rows
-from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY
-from megatron_cpo.trainer.run.layout import Layout
+from megatron_cpo.models.config import ModelConfig
+from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
+from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
+from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
 
 MODEL_KEY = "actor_rollout_ref.model.path"
@@ -65,20 +71,20 @@ class RunPlan:
                 *([f"warning: {warning}"] if warning else [])]
 
 
-def trainer_world_size(config: Config, planning: bool) -> tuple[int, str]:
+def trainer_world_size(trainer: TrainerConfig, planning: bool) -> tuple[int, str]:
     """torchrun's WORLD_SIZE when set; when only planning (`--dry-run`), verl's nnodes x n_gpus_per_node if given."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
-    trainer = config.trainer
     if planning and trainer.nnodes > 0 and trainer.n_gpus_per_node > 0:
         return trainer.nnodes * trainer.n_gpus_per_node, "trainer.nnodes x trainer.n_gpus_per_node"
     return 1, "a single process"
 
 
-def model_problems(config: Config, world_size: int) -> list[str]:
-    """The model directory exists and holds a model whose heads and layers the TP/PP layout divides."""
-    path = Path(config.actor_rollout_ref.model.path)
-    if not config.actor_rollout_ref.model.path:
+def model_problems(model: ModelConfig, actor: ActorConfig, rollout_tp: int) -> list[str]:
+    """The model directory exists and holds a model whose heads and layers the TP/PP layout (and the engines'
+    `rollout_tp`) divides."""
+    path = Path(model.path)
+    if not model.path:
         return [f"{MODEL_KEY} is not set; point it at a Hugging Face model directory (config.json, weights, "
                 "tokenizer)"]
     if not path.exists():
@@ -98,7 +104,7 @@ def model_problems(config: Config, world_size: int) -> list[str]:
         hf = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as err:
         return problems + [f"{MODEL_KEY}={str(path)!r}: config.json is not readable JSON ({err})"]
-    megatron = config.actor_rollout_ref.actor.megatron
+    megatron = actor.megatron
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     prefix = "actor_rollout_ref.actor.megatron."
     heads = hf.get("num_attention_heads")
@@ -113,14 +119,13 @@ def model_problems(config: Config, world_size: int) -> list[str]:
     if isinstance(layers, int) and layers % pp:
         problems.append(f"{prefix}pipeline_model_parallel_size={pp} does not divide the model's "
                         f"num_hidden_layers={layers}; choose a PP that divides it")
-    rollout_tp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
     if isinstance(heads, int) and heads % rollout_tp:
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"model's num_attention_heads={heads}; vLLM needs a TP that divides it")
-    return problems + family_problems(config, path, layout_checked=not problems)
+    return problems + family_problems(model, actor, path, layout_checked=not problems)
 
 
-def family_problems(config: Config, path: Path, layout_checked: bool) -> list[str]:
+def family_problems(model: ModelConfig, actor: ActorConfig, path: Path, layout_checked: bool) -> list[str]:
     """What the model's family says about the run (models.builder.check_hf_config: a supported family, no option it
     cannot reproduce, experts that split over EP / ETP, when the heads and layers already fit TP / PP), and the
     mixture-of-experts settings: MoE with TP > 1 needs sequence parallelism (Megatron's MoE layer refuses to train
@@ -129,7 +134,7 @@ def family_problems(config: Config, path: Path, layout_checked: bool) -> list[st
     from megatron_cpo.models.builder import check_hf_config, load_hf_config
     from megatron_cpo.models.families import family_of
 
-    megatron, actor = config.actor_rollout_ref.actor.megatron, config.actor_rollout_ref.actor
+    megatron = actor.megatron
     try:
         hf_config = load_hf_config(path)
     except Exception as err:  # noqa: BLE001 - transformers' validators raise their own error types
@@ -164,7 +169,7 @@ def family_problems(config: Config, path: Path, layout_checked: bool) -> list[st
         problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} is not available with "
                         f"megatron.context_parallel_size={megatron.context_parallel_size}; set one of them back")
     if (actor.router_replay.replays and megatron.pipeline_model_parallel_size > 1
-            and config.actor_rollout_ref.model.enable_gradient_checkpointing and megatron.recompute_granularity ==
+            and model.enable_gradient_checkpointing and megatron.recompute_granularity ==
             "full"):
         problems.append(f"{prefix}router_replay.mode={actor.router_replay.mode} with full recompute under "
                         f"pipeline_model_parallel_size={megatron.pipeline_model_parallel_size} would replay another "
@@ -173,31 +178,31 @@ def family_problems(config: Config, path: Path, layout_checked: bool) -> list[st
     return problems
 
 
-def context_parallel_problems(config: Config) -> list[str]:
+def context_parallel_problems(megatron: MegatronConfig, model: ModelConfig) -> list[str]:
     """Context parallelism needs Transformer Engine (its ring attention) and the padded rows."""
     from megatron_cpo.models.builder import uses_transformer_engine
 
-    cp = config.actor_rollout_ref.actor.megatron.context_parallel_size
+    cp = megatron.context_parallel_size
     if cp == 1:
         return []
     name = f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}"
     if not uses_transformer_engine():
         return [f"{name} needs Transformer Engine (its ring attention; GPU only), which is not importable here; set "
                 "context_parallel_size=1 or install transformer_engine"]
-    if config.actor_rollout_ref.model.use_remove_padding:
+    if model.use_remove_padding:
         return [f"{name} splits padded rows only; set actor_rollout_ref.model.use_remove_padding=false or "
                 "context_parallel_size=1"]
     return []
 
 
-def layout_problems(config: Config, world_size: int, world_source: str, planning: bool) -> list[str]:
+def layout_problems(layout: Layout, model: ModelConfig, actor: ActorConfig, trainer: TrainerConfig,
+                    world_source: str, planning: bool) -> list[str]:
     """TP x PP (x CP) divides the world; verl's nnodes x n_gpus_per_node, when given, is the world; context
     parallelism has Transformer Engine and padded rows."""
-    megatron, trainer = config.actor_rollout_ref.actor.megatron, config.trainer
-    model_parallel = Layout.from_config(config, world_size).model_parallel
+    megatron, world_size, model_parallel = actor.megatron, layout.world_size, layout.model_parallel
     cp_text = (f" x context_parallel_size={megatron.context_parallel_size}"
                if megatron.context_parallel_size > 1 else "")
-    problems = context_parallel_problems(config)
+    problems = context_parallel_problems(megatron, model)
     if world_size % model_parallel:
         problems.append(
             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} x "
@@ -223,14 +228,15 @@ def layout_problems(config: Config, world_size: int, world_source: str, planning
     return problems
 
 
-def data_problems(config: Config) -> tuple[list[str], int | None]:
+def data_problems(data: DataConfig, reward: RewardConfig, multi_turn: MultiTurnConfig
+                  ) -> tuple[list[str], int | None]:
     """Every data file is a readable parquet file whose rows pass the dataset's own check (`data.dataset.read_rows`:
     rows present, the prompt column, the verl schema, ground truths where the graders need them), and each data
-    source has a grader (`reward.*`); returns the problems and the number of training rows (None when unreadable)."""
+    source has a grader (`reward.*`, or the row's environment scores itself with `multi_turn.enable`); returns the
+    problems and the number of training rows (None when unreadable)."""
     from megatron_cpo.data.dataset import DataValidationError, read_rows
-    from megatron_cpo.rewards.registry import missing_grader_message
+    from megatron_cpo.rewards.registry import missing_grader_message, sources_without_grader
 
-    data = config.data
     if not data.train_files:
         return ["data.train_files is empty; set it to one or more parquet files (verl schema, see docs/data.md)"], None
     problems: list[str] = []
@@ -240,7 +246,7 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         for file in files:
             try:
-                rows = read_rows(file, data.prompt_key, config.reward.needs_ground_truth)
+                rows = read_rows(file, data.prompt_key, reward.needs_ground_truth)
             except (FileNotFoundError, DataValidationError) as err:
                 what = f"{file!r} is a directory" if Path(file).is_dir() else str(err)
                 problems.append(f"{key}: {what}" + ("; give parquet files (tools/prepare_data.py or python -m "
@@ -255,21 +261,21 @@ def data_problems(config: Config) -> tuple[list[str], int | None]:
                     train_rows += len(rows)
                 continue
             train_rows = None if key == "data.train_files" else train_rows
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
     if multi_turn.enable:  # rows whose environment scores its episodes itself need no grader
-        found, self_scored = check_rows(multi_turn, all_rows, config.reward.sandbox)
+        found, self_scored = check_rows(multi_turn, all_rows, reward.sandbox)
         problems += found
         sources = Counter({source: count for source, count in sources.items() if source not in self_scored})
-    missing = config.reward.sources_without_grader(sources)
+    missing = sources_without_grader(reward, sources)
     if missing:
         counts = ", ".join(f"{source}: {sources[source]} rows" for source in missing)
         problems.append(missing_grader_message(missing, f"data.train_files / data.val_files ({counts})"))
     return problems, train_rows
 
 
-def output_problems(config: Config) -> list[str]:
-    """`trainer.default_local_dir` and its checkpoints folder are folders (or can be created)."""
-    out = Path(config.trainer.default_local_dir)
+def output_problems(trainer: TrainerConfig) -> list[str]:
+    """`trainer.default_local_dir` and its checkpoints folder are folders (or can be created), and no earlier run
+    there would mix with this one."""
+    out = Path(trainer.default_local_dir)
     problems = []
     for path in (out, out / "checkpoints"):
         if path.exists() and not path.is_dir():
@@ -284,37 +290,38 @@ def output_problems(config: Config) -> list[str]:
             elif not parent.is_dir() and parent != out:
                 problems.append(f"trainer.default_local_dir={str(out)!r}: {str(parent)!r} is a file, not a folder")
             break
-    mixing = mixing_problem(config)
+    mixing = mixing_problem(trainer)
     return problems + ([mixing] if mixing else [])
 
 
 def preflight(config: Config, planning: bool = False) -> RunPlan:
-    """Check what can be checked without starting anything; raise one `ConfigError` listing every problem.
+    """Check what can be checked without starting anything, each check with its own sections; raise one
+    `ConfigError` listing every problem, else return the run's `RunPlan`. The one function of the run's plumbing
+    that reads the whole `Config`: it runs before the trainer exists (also for `megatron-cpo train --dry-run`,
+    which must not import Megatron).
 
     `planning` (the dry run) takes the world size from verl's nnodes x n_gpus_per_node when not under torchrun.
     Under torchrun only rank 0 reads the data files (the only rank that loads them), every rank checks the rest."""
-    world_size, world_source = trainer_world_size(config, planning)
-    problems = model_problems(config, world_size)
-    problems += layout_problems(config, world_size, world_source, planning)
-    found, train_rows = data_problems(config) if planning or os.environ.get("RANK", "0") == "0" else ([], None)
-    problems += found + output_problems(config) + sink_package_problems(config.trainer.logger)
-    problems += rollout_mode_problems(config) if planning or os.environ.get("RANK", "0") == "0" else []
+    model, actor, rollout = (config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
+                             config.actor_rollout_ref.rollout)
+    world_size, world_source = trainer_world_size(config.trainer, planning)
+    layout = Layout.from_sections(model, actor, rollout, config.needs_reference_model, world_size)
+    lead = planning or os.environ.get("RANK", "0") == "0"
+    problems = model_problems(model, actor, rollout.tensor_model_parallel_size)
+    problems += layout_problems(layout, model, actor, config.trainer, world_source, planning)
+    found, train_rows = data_problems(config.data, config.reward, rollout.multi_turn) if lead else ([], None)
+    problems += found + output_problems(config.trainer) + sink_package_problems(config.trainer.logger)
+    problems += rollout_mode_problems(rollout) if lead else []
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"{len(problems)} problems found before starting:\n" +
                           "\n".join(f"  - {p}" for p in problems))
-    return _plan(config, world_size, world_source, train_rows)
-
-
-def _plan(config: Config, world_size: int, world_source: str, train_rows: int | None) -> RunPlan:
-    actor, data = config.actor_rollout_ref.actor, config.data
-    layout = Layout.from_config(config, world_size)
-    per_mini = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    data = config.data
+    per_mini = actor.ppo_mini_batch_size * rollout.n
     steps = config.total_steps(train_rows) if train_rows is not None else config.trainer.total_training_steps or None
-    return RunPlan(layout=layout, dtype=resolve_dtype(config.actor_rollout_ref.actor.megatron.params_dtype),
-                   world_source=world_source,
-                   responses_per_step=data.train_batch_size * config.actor_rollout_ref.rollout.n,
+    return RunPlan(layout=layout, dtype=resolve_dtype(actor.megatron.params_dtype), world_source=world_source,
+                   responses_per_step=data.train_batch_size * rollout.n,
                    mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
                    micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
                    generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)

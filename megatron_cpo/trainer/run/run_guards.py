@@ -4,8 +4,10 @@
   metrics and leave its `latest` checkpoint in place (a later `resume=auto` would continue the wrong run), so it is
   refused unless `trainer.overwrite=true`, which moves the earlier run aside (archived, never deleted).
 - `StartupSignal`: SIGTERM while the model loads and the engines start raises `RunAbortedError` in the main thread,
-  so the normal unwinding stops the engines (and their worker processes) and the process exits with status 143.
-- `engines_lost_message`: the one line a run ends with when no rollout engine is left.
+  so the normal unwinding stops the engines (and their worker processes) and the process exits with status 143;
+  `StopSignal`: SIGTERM once training runs (SLURM preemption) lets the current step finish and be checkpointed.
+- `engines_lost_message`, `nothing_to_train_message`: the one line a run ends with when no rollout engine is left,
+  or when not even its first batch could be formed.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_cpo.config import Config, ConfigError
+from megatron_cpo.config_checks import ConfigError
+from megatron_cpo.trainer.config import TrainerConfig
 from megatron_cpo.trainer.run.errors import RunAbortedError
 
 logger = logging.getLogger(__name__)
@@ -33,9 +36,8 @@ def holds_earlier_run(out_dir: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
-def mixing_problem(config: Config) -> str | None:
+def mixing_problem(trainer: TrainerConfig) -> str | None:
     """Why this run would mix into an earlier one in `trainer.default_local_dir` (None when it would not)."""
-    trainer = config.trainer
     out_dir = Path(trainer.default_local_dir)
     if trainer.resume != "disable" or trainer.overwrite or not holds_earlier_run(out_dir):
         return None
@@ -44,10 +46,9 @@ def mixing_problem(config: Config) -> str | None:
             "trainer.overwrite=true to archive it first")
 
 
-def prepare_run_directory(config: Config) -> Path | None:
+def prepare_run_directory(trainer: TrainerConfig) -> Path | None:
     """Collective: refuse (ConfigError) or archive an earlier run in `trainer.default_local_dir` when this run starts
     fresh (`resume=disable`); returns the archive's path when one was made. Every rank decides the same."""
-    trainer = config.trainer
     out_dir = Path(trainer.default_local_dir)
     held = trainer.resume == "disable" and holds_earlier_run(out_dir)
     if dist.get_world_size() > 1:
@@ -55,7 +56,7 @@ def prepare_run_directory(config: Config) -> Path | None:
     if not held:
         return None
     if not trainer.overwrite:
-        raise ConfigError(mixing_problem(config))
+        raise ConfigError(mixing_problem(trainer))
     archive = out_dir.with_name(f"{out_dir.name}.archived-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
     if dist.get_rank() == 0:
         out_dir.rename(archive)
@@ -63,6 +64,21 @@ def prepare_run_directory(config: Config) -> Path | None:
     if dist.get_world_size() > 1:
         dist.barrier()
     return archive
+
+
+class StopSignal:
+    """Remembers a SIGTERM (SLURM preemption) so the loop can checkpoint and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        logger.warning("SIGTERM received: finishing this step, then checkpointing and stopping")
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 class StartupSignal:
@@ -110,3 +126,11 @@ def engines_lost_message(failure: str | None, engines: tuple[int, int], step: in
             f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
             "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
             "actor_rollout_ref.rollout.num_engines), then continue with trainer.resume=auto")
+
+
+def nothing_to_train_message(train_batch_size: int) -> str:
+    """Why a run that has not trained a single step stops (instead of exiting 0 with nothing done)."""
+    return ("no training batch could be formed at step 1: the filters dropped every group before "
+            f"data.train_batch_size={train_batch_size} were kept (e.g. every response scored the same "
+            "because the ground truths are empty or the task is too easy/hard); check the data's "
+            "reward_model.ground_truth and the grader, or relax algorithm.filter_groups / the rollout filter")

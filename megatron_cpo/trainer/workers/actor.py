@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import policy_loss
-from megatron_cpo.algorithms.rollout_correction import RolloutCorrectionConfig
+from megatron_cpo.algorithms.config import RolloutCorrectionConfig
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
                                          output_logits, uses_transformer_engine)

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.config import Config
-from megatron_cpo.models import build_gpt_model, load_hf_config, load_hf_weights
+from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.models.families import family_of
+from megatron_cpo.models.weight_mapping import load_hf_weights
+from megatron_cpo.trainer.config import ActorConfig, MegatronConfig, RefConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
 from megatron_cpo.trainer.workers.optimizer import build_optimizer, wrap_ddp
 from megatron_cpo.trainer.workers.routing import RouterTracker, freeze_routers
@@ -17,16 +19,16 @@ from megatron_cpo.trainer.workers.routing import RouterTracker, freeze_routers
 logger = logging.getLogger(__name__)
 
 
-def model_options(config: Config, moe: bool, replay_routing: bool = False) -> dict[str, Any]:
+def model_options(megatron: MegatronConfig, gradient_checkpointing: bool, moe: bool, replay_routing: bool = False
+                  ) -> dict[str, Any]:
     """The `TransformerConfig` fields the trainer config selects for the actor and the reference: sequence
-    parallelism, (`enable_gradient_checkpointing`) Megatron's activation recompute and, for a mixture of experts,
-    `megatron.override_transformer_config`'s MoE knobs and (the actor with `router_replay.mode=R2`) Megatron's routing
-    replay."""
-    megatron = config.actor_rollout_ref.actor.megatron
+    parallelism, (`model.enable_gradient_checkpointing`) Megatron's activation recompute and, for a mixture of
+    experts, `megatron.override_transformer_config`'s MoE knobs and (the actor with `router_replay.mode=R2`)
+    Megatron's routing replay."""
     options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
     if megatron.context_parallel_size > 1:
         options["context_parallel_size"] = megatron.context_parallel_size
-    if config.actor_rollout_ref.model.enable_gradient_checkpointing:
+    if gradient_checkpointing:
         options["recompute_granularity"] = megatron.recompute_granularity
         if megatron.recompute_granularity == "full":
             options.update(recompute_method=megatron.recompute_method,
@@ -37,23 +39,25 @@ def model_options(config: Config, moe: bool, replay_routing: bool = False) -> di
     return options
 
 
-def build_policies(config: Config, pad_token_id: int, total_updates: int
+def build_policies(model_cfg: ModelConfig, actor_cfg: ActorConfig, pad_token_id: int, total_updates: int,
+                   log_prob_micro_batch_size: int = 0, reference: RefConfig | None = None
                    ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
-    """The actor (DDP + optimizer + schedule) and, when the run needs one (`Config.needs_reference_model`), the
-    reference, in the same layout (TP/PP/CP/EP/ETP).
+    """The actor (DDP + optimizer + schedule) and, given the `reference` section (a run that needs one,
+    `Config.needs_reference_model`), the reference, in the same layout (TP/PP/CP/EP/ETP).
 
-    Both start from `actor_rollout_ref.model.path`; `total_updates` sizes the learning-rate schedule. A mixture of
-    experts' actor tracks its routing (`RouterTracker`) and, with `megatron.freeze_moe_router`, keeps its routers
-    frozen.
+    Both start from `actor_rollout_ref.model.path`; `total_updates` sizes the learning-rate schedule;
+    `log_prob_micro_batch_size` is the actor's scoring micro-batch (`rollout.log_prob_micro_batch_size_per_gpu`). A
+    mixture of experts' actor tracks its routing (`RouterTracker`) and, with `megatron.freeze_moe_router`, keeps its
+    routers frozen.
     """
-    actor_cfg, model_cfg = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
     hf_config = load_hf_config(model_cfg.path)
     moe = family_of(hf_config).moe(hf_config) is not None
     dtype = getattr(torch, actor_cfg.megatron.compute_dtype)
     kernels = {"use_fused_kernels": model_cfg.use_fused_kernels, "use_remove_padding": model_cfg.use_remove_padding}
 
-    model = build_gpt_model(hf_config, params_dtype=dtype,
-                            **model_options(config, moe, replay_routing=actor_cfg.router_replay.replays))
+    checkpointing = model_cfg.enable_gradient_checkpointing
+    model = build_gpt_model(hf_config, params_dtype=dtype, **model_options(
+        actor_cfg.megatron, checkpointing, moe, replay_routing=actor_cfg.router_replay.replays))
     load_hf_weights(model, model_cfg.path)
     if moe and actor_cfg.megatron.freeze_moe_router:
         logger.info("froze %d MoE router(s) on this stage (megatron.freeze_moe_router)", freeze_routers(model))
@@ -63,15 +67,12 @@ def build_policies(config: Config, pad_token_id: int, total_updates: int
     # whose chunked rows the tracker does not map (preflight refuses replay there)
     routing = RouterTracker(model, actor_cfg.router_replay.replays) if (
         moe and actor_cfg.megatron.context_parallel_size == 1) else None
-    actor = MegatronPolicy(model, pad_token_id, actor_cfg,
-                           config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu, ddp_model, optimizer,
+    actor = MegatronPolicy(model, pad_token_id, actor_cfg, log_prob_micro_batch_size, ddp_model, optimizer,
                            scheduler, routing=routing, **kernels)
-
-    reference = None
-    if config.needs_reference_model:
-        ref_model = build_gpt_model(hf_config, params_dtype=dtype, **model_options(config, moe))
-        load_hf_weights(ref_model, model_cfg.path)
-        ref_model.requires_grad_(False)
-        reference = MegatronPolicy(ref_model, pad_token_id, actor_cfg,
-                                   config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, **kernels)
-    return actor, reference
+    if reference is None:
+        return actor, None
+    ref_model = build_gpt_model(hf_config, params_dtype=dtype, **model_options(actor_cfg.megatron, checkpointing, moe))
+    load_hf_weights(ref_model, model_cfg.path)
+    ref_model.requires_grad_(False)
+    return actor, MegatronPolicy(ref_model, pad_token_id, actor_cfg, reference.log_prob_micro_batch_size_per_gpu,
+                                 **kernels)

@@ -2,7 +2,8 @@
 
 `compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
 prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling) and `update_policy` (the
-PPO epochs over mini-batches). `Trainer.step()` calls them one by one.
+PPO epochs over mini-batches). `Trainer.step()` calls them one by one, with the `PolicyUpdateConfig` the trainer
+builds once: the actor's and the algorithm's sections as they are, plus the facts of other sections they read.
 """
 from __future__ import annotations
 
@@ -12,18 +13,44 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
+from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
-from megatron_cpo.config import Config
 from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
+from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
+
+
+@dataclass
+class PolicyUpdateConfig:
+    """What steps 3-5 read: `actor_rollout_ref.actor` and `algorithm` as they are, and from the other sections the
+    response width (`data.max_response_length`), the scoring temperature (`rollout.log_prob_temperature`), the
+    responses per prompt (`rollout.n`), the batch's prompts (`data.train_batch_size`) and the staleness bound
+    (`async_training.max_staleness`). The trainer builds it once (`trainer/loop.py`)."""
+    actor: ActorConfig
+    algorithm: AlgorithmConfig
+    response_width: int
+    temperature: float = 1.0
+    samples_per_prompt: int = 1
+    train_batch_size: int = 1
+    max_staleness: int = 0
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig | None:
+        """`algorithm.rollout_correction` as this run applies it (`auto` resolved against the staleness bound and the
+        actor's TIS); None: no correction."""
+        return self.algorithm.rollout_correction.resolve(self.max_staleness, tis_on=self.actor.tis is not None)
+
+    @property
+    def responses_per_mini_batch(self) -> int:
+        return self.actor.ppo_mini_batch_size * self.samples_per_prompt
 
 
 def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[PackedSequences, RaggedRows]:
@@ -66,7 +93,7 @@ class BatchLogProbs:
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
 
 
-def old_log_probs_from_update(config: Config) -> bool:
+def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate
     scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
     every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
@@ -77,24 +104,23 @@ def old_log_probs_from_update(config: Config) -> bool:
     policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
     mismatch metrics); with asynchronous training they can differ, and this predicate is still about the former.
     """
-    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
-    one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= config.data.train_batch_size
+    actor, algorithm = settings.actor, settings.algorithm
+    one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= settings.train_batch_size
     return (one_update and not algorithm.use_kl_in_reward and not algorithm.shaper.needs_log_probs
             and not actor.router_replay.replays)
 
 
-def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None, config: Config,
-                      pad_token_id: int) -> BatchLogProbs:
+def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None,
+                      settings: PolicyUpdateConfig, pad_token_id: int) -> BatchLogProbs:
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
     and the hinted ones for CPO. The old pass is left to the update when `old_log_probs_from_update` holds and the
     actor tracks no routing (a mixture of experts records it in this pass)."""
-    temperature = config.actor_rollout_ref.rollout.log_prob_temperature
-    width = config.data.max_response_length
+    temperature, width = settings.temperature, settings.response_width
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     timing: dict[str, float] = {}
     old_log_probs = entropy = routing = ref_log_probs = hint_log_probs = None
     routing_metrics: dict[str, float] = {}
-    if actor.routing is not None or not old_log_probs_from_update(config):
+    if actor.routing is not None or not old_log_probs_from_update(settings):
         start = time.perf_counter()
         old_log_probs, entropy, routing, routing_metrics = actor.log_probs_and_routing(seqs, temperature)
         timing["timing/old_log_prob_s"] = time.perf_counter() - start
@@ -112,10 +138,11 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
                          hint_log_probs, routing, routing_metrics, timing)
 
 
-def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO advantages by prompt (scores with verl's KL-in-reward penalty when on), the CPO shaping rule, and the
-    filters' loss scaling."""
-    algo, actor_cfg = config.algorithm, config.actor_rollout_ref.actor
+    filters' loss scaling (`actor.filter_loss_scaling`)."""
+    algo, actor_cfg = settings.algorithm, settings.actor
     mask = lp.mask
     metrics: dict[str, float] = {}
     scores = batch.scores
@@ -141,15 +168,11 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, config: Config) -> t
 
 
 def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor,
-                  config: Config) -> dict[str, float]:
+                  settings: PolicyUpdateConfig) -> dict[str, float]:
     """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
     When the update computed the old log-probs and entropy itself, it fills them into `lp`."""
-    rollout_cfg, actor_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
-    temperature = rollout_cfg.log_prob_temperature
-    width = config.data.max_response_length
-    rows_per_mini = actor_cfg.ppo_mini_batch_size * rollout_cfg.n
-    correction = config.algorithm.rollout_correction.resolve(config.async_training.max_staleness,
-                                                             tis_on=actor_cfg.tis is not None)
+    actor_cfg, temperature, width = settings.actor, settings.temperature, settings.response_width
+    rows_per_mini, correction = settings.responses_per_mini_batch, settings.correction
     start = time.perf_counter()
     update_metrics: list[dict[str, float]] = []
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
@@ -183,15 +206,15 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.ref_log_probs is not None:
         kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
-    metrics.update(staleness_mismatch(batch, lp, config))
+    metrics.update(staleness_mismatch(batch, lp, settings))
     return metrics
 
 
-def staleness_mismatch(batch: StepBatch, lp: BatchLogProbs, config: Config) -> dict[str, float]:
+def staleness_mismatch(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig) -> dict[str, float]:
     """With asynchronous training: the engine-vs-trainer log-prob mismatch of the batch's tokens, split by how many
     weight versions each token is behind the trainer (staleness 0: the engine's difference alone)."""
-    if not config.async_training.enabled or batch.policy_versions is None or batch.policy_version is None:
+    if settings.max_staleness == 0 or batch.policy_versions is None or batch.policy_version is None:
         return {}
-    width = config.data.max_response_length
+    width = settings.response_width
     staleness = batch.policy_version - batch.policy_versions.padded(width, batch.policy_version)
     return mismatch_by_staleness(lp.old_log_probs, lp.rollout_log_probs.padded(width, 0.0), lp.mask, staleness)

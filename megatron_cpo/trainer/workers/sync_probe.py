@@ -18,11 +18,11 @@ import logging
 import time
 from typing import Any
 
-from megatron_cpo.config import Config
 from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.data.dataset import encode_texts, render_prompts
 from megatron_cpo.rollout import RolloutEnginesLostError
 from megatron_cpo.rollout.interface import RolloutEngines
+from megatron_cpo.rollout.config import SyncCheckConfig
 from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
 from megatron_cpo.trainer.workers.collectives import broadcast_object
@@ -45,9 +45,12 @@ class EngineOutOfSyncError(RuntimeError):
 class SyncProbe:
     """Checks pushes on every rank (`after_push`) and watches the mismatch metrics on rank 0 (`observe_mismatch`)."""
 
-    def __init__(self, config: Config, tokenizer: Any, pad_token_id: int) -> None:
-        self.settings = config.actor_rollout_ref.rollout.sync_check
-        self.dtype = config.actor_rollout_ref.actor.megatron.compute_dtype
+    def __init__(self, settings: SyncCheckConfig, dtype: str, max_model_len: int, tokenizer: Any, pad_token_id: int
+                 ) -> None:
+        """`settings`: `rollout.sync_check`; `dtype`: the actor's (`megatron.params_dtype`, `auto` resolved), which sets
+        the default tolerance; `max_model_len`: the engines' (`data.max_prompt_length + data.max_response_length`)."""
+        self.settings = settings
+        self.dtype = dtype
         self.tolerance = self.settings.tolerance_for(self.dtype)
         self.pad_token_id = pad_token_id
         texts = [text for text in self.settings.prompts if text.strip()]
@@ -55,7 +58,7 @@ class SyncProbe:
             texts = render_prompts(tokenizer, [[{"role": "user", "content": text}] for text in texts])
         self.prompts = [ids for ids in encode_texts(tokenizer, texts) if ids]
         longest = max((len(ids) for ids in self.prompts), default=0)
-        limit = config.data.max_prompt_length + config.data.max_response_length
+        limit = max_model_len
         if self.settings.enable and longest + self.settings.max_tokens > limit:
             raise ConfigError(f"the longest sync-check probe prompt has {longest} tokens; with actor_rollout_ref."
                              f"rollout.sync_check.max_tokens={self.settings.max_tokens} it exceeds the engines' "
@@ -158,3 +161,8 @@ def _resume(manager: RolloutEngines) -> None:
 
 def _push_name(step: int, push: int) -> str:
     return f"weight push before training (step {step})" if push == 0 else f"weight push of step {step}"
+
+
+def sync_check_metrics(push_metrics: dict[str, float]) -> dict[str, float]:
+    """The sync check's metrics among a push's (they go to the row of the step whose weights were pushed)."""
+    return {k: v for k, v in push_metrics.items() if k.startswith(("rollout/sync_check", "timing/sync_check"))}
