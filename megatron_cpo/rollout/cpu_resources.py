@@ -49,7 +49,8 @@ def auto_kv_cache_gib(model_path: str, dtype: str, max_model_len: int, max_num_s
     per_token = kv_bytes_per_token(model_path, dtype)
     if per_token is None:
         return 1
-    tokens = (max_num_seqs or DEFAULT_MAX_NUM_SEQS) * math.ceil(max_model_len / VLLM_CPU_BLOCK_TOKENS) * VLLM_CPU_BLOCK_TOKENS
+    blocks = math.ceil(max_model_len / VLLM_CPU_BLOCK_TOKENS)
+    tokens = (max_num_seqs or DEFAULT_MAX_NUM_SEQS) * blocks * VLLM_CPU_BLOCK_TOKENS
     wanted = math.ceil(per_token * tokens / GIB)
     share = int(available_bytes * KV_SHARE_OF_AVAILABLE / max(1, engines) // GIB)
     return max(1, min(wanted, share))
