@@ -5,10 +5,9 @@ Each setting starts one engine (a private Ray cluster) with the environment it n
 `--prompts` x `--n` samples of `--max-tokens` tokens (timed: "alone"), generates them again while this process
 multiplies float32 matrices on `--trainer-threads` torch threads (a trainer updating beside it, as in asynchronous
 training; both rates are recorded), and finally sits idle for `--idle-s` seconds, counting the CPU seconds its
-processes (the Ray actor, vLLM's engine core and worker) use meanwhile. Settings (`megatron_cpo/rollout/cpu_resources.py`
-chooses between them for a run):
-- `vllm`: vLLM's own default (`VLLM_CPU_OMP_THREADS_BIND=auto`): one worker thread per physical core of the first
-  NUMA node, less one core reserved for its scheduler and front end: on 2 cores, 1 thread pinned to core 0;
+processes (the Ray actor, vLLM's engine core and worker) use meanwhile. Settings:
+- `vllm`: vLLM's own default (`VLLM_CPU_OMP_THREADS_BIND=auto`), which the engines keep: one worker thread per
+  physical core of the first NUMA node, less one core reserved for its scheduler (on 2 cores: 1 thread on core 0);
 - `all`: the worker's threads on every core (`VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`, nothing reserved);
 - `nobind`: no pinning, `OMP_NUM_THREADS` = the cores.
 Also `--dtypes`: the same for each engine dtype (engine tokens/s per dtype).

@@ -16,7 +16,6 @@ import time
 import uuid
 
 from megatron_cpo.rollout.buckets import BucketSpec
-from megatron_cpo.rollout.cpu_resources import engine_thread_environment, usable_cores
 from megatron_cpo.rollout.types import (IN_FLIGHT_POLICIES, EngineLaunchConfig, RolloutGroup, RolloutSample,
                                         SamplingParams, derive_sample_seeds)
 
@@ -32,11 +31,8 @@ class VLLMEngine:
             # first, so the manager can end what this actor starts even if the actor never finishes starting
             with open(pid_file, "w") as file:
                 file.write(f"{socket.gethostname()} {os.getpid()}")
-        if not config.uses_gpu:  # this engine's share of the machine (cpu_resources.py), unless set already
+        if not config.uses_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_space_gib))
-            for name, value in engine_thread_environment(usable_cores(), config.engines.num_engines, engine_index,
-                                                         config.overlaps_training).items():
-                os.environ.setdefault(name, value)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -155,8 +155,6 @@ class EngineLaunchConfig:
     max_num_seqs / n prompts only queues. On CPU each engine takes `cpus_per_engine` Ray CPU slots.
     `enable_sleep_mode` starts the engines able to sleep (free their memory) while colocated training runs, where
     vLLM's platform has sleep mode (not the CPU build: there sleep and wake-up do nothing; rollout/sleep_mode.py).
-    `overlaps_training`: the engines generate while the trainer trains (asynchronous training); CPU engines then
-    take half the machine's cores instead of all (rollout/cpu_resources.py).
     """
 
     model_path: str
@@ -174,7 +172,6 @@ class EngineLaunchConfig:
     health_timeout_s: float = 30.0
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
-    overlaps_training: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
@@ -32,7 +31,7 @@ from megatron_cpo.rollout.types import EngineLaunchConfig
 from megatron_cpo.trainer.driver.controller import CollectedBatch
 from megatron_cpo.trainer.run.checkpointing import CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
-from megatron_cpo.trainer.run.machine import check_dtype, leave_cores_to_engines
+from megatron_cpo.trainer.run.machine import check_dtype
 from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
                                                  nothing_to_train_message, prepare_run_directory)
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
@@ -72,7 +71,6 @@ class Trainer:
         self.config = config
         self.lead = None
         self.colocated_engines = None  # what this rank started for mode=colocate (rank 0: the manager), else None
-        self.torch_threads = torch.get_num_threads()  # restored by close(): a run may train on fewer (machine.py)
         try:
             self._build(manager)
         except BaseException:
@@ -94,7 +92,6 @@ class Trainer:
                                   expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config.trainer)
         check_dtype(megatron.params_dtype)
-        leave_cores_to_engines(config.async_training.max_staleness, rollout.mode)
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.pad_token_id = tokenizer.pad_token_id
         launch = engine_launch_config(config)
@@ -325,7 +322,6 @@ class Trainer:
             if self.lead is not None:
                 self.lead.close()
         finally:
-            torch.set_num_threads(self.torch_threads)
             if self.colocated_engines is not None:
                 self.colocated_engines.shutdown()
 
@@ -365,15 +361,13 @@ def run_training(config: Config, manager: RolloutEngines | None = None, checked:
 
 def engine_launch_config(config: Config) -> EngineLaunchConfig:
     """The engines' launch settings, built once for the run: the user's `actor_rollout_ref.rollout` as given, plus
-    the model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`, and
-    engines that generate while the trainer trains (asynchronous training) know it."""
+    the model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`."""
     data, rollout = config.data, config.actor_rollout_ref.rollout
     return EngineLaunchConfig(
         model_path=config.actor_rollout_ref.model.path, engines=rollout,
         dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
         max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
-        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine,
-        overlaps_training=config.async_training.max_staleness > 0)
+        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
 
 
 def policies_for(config: Config, pad_token_id: int, total_updates: int

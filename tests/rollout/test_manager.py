@@ -112,23 +112,13 @@ def test_synced_weights_give_transformers_greedy_tokens_and_log_probs_and_temper
     assert tempered_diff < 1e-4 and untempered_gap > 1e-2
 
 
-def test_each_engine_computes_on_its_own_core_at_the_trainers_priority(manager):
-    """The two engines' vLLM workers are bound to their own share of the cores (rollout/cpu_resources.py; vLLM's
-    default put both on the first core) and run at niceness 0 (the private cluster's setting; Ray's default, 15,
-    let anything else on the machine take their cores)."""
-    import os
 
+def test_engines_run_at_the_trainers_priority(manager):
+    """The engines' processes (Ray actor, vLLM's engine core and worker) run at niceness 0, the private cluster's
+    setting: at Ray's default, 15, anything else busy on the machine took their cores."""
     import psutil
 
-    from megatron_cpo.rollout.cpu_resources import engine_cores
-
-    cores = sorted(os.sched_getaffinity(0))
-    workers = {}
     for pid_file in manager._pid_dir.glob("*.pid"):
         actor = psutil.Process(int(pid_file.read_text().split()[1]))
         tree = [actor, *actor.children(recursive=True)]
-        assert all(process.nice() == 0 for process in tree)
-        workers[int(pid_file.stem)] = [process for process in tree if process.name().startswith("VLLM::Worker")]
-    for index, found in workers.items():
-        assert len(found) == 1, [process.name() for process in found]
-        assert sorted(found[0].cpu_affinity()) == engine_cores(cores, 2, index)
+        assert len(tree) >= 3 and all(process.nice() == 0 for process in tree), [p.name() for p in tree]

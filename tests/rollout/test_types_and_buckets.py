@@ -82,25 +82,3 @@ def test_auto_kv_cache_fits_the_sequences_within_a_share_of_the_free_memory(tmp_
     auto = EngineLaunchConfig(model_path=model, dtype="float32", max_model_len=180)
     assert auto.engines.kv_cache_gib == "auto" and 1 <= auto.kv_cache_space_gib <= 2
 
-
-def test_each_cpu_engine_gets_its_share_of_the_cores():
-    """vLLM's default pins every engine's worker to the first core (on 2 cores: both engines on core 0, core 1
-    reserved for schedulers that mostly wait); each engine gets its own share instead, all cores for one engine."""
-    from megatron_cpo.rollout.cpu_resources import engine_cores, engine_thread_environment
-
-    assert engine_cores([0, 1], 1, 0) == [0, 1]
-    assert [engine_cores([0, 1], 2, i) for i in range(2)] == [[0], [1]]
-    assert [engine_cores([2, 3, 5, 7], 2, i) for i in range(2)] == [[2, 3], [5, 7]]
-    assert [engine_cores([0, 1], 3, i) for i in range(3)] == [[0], [1], [0]]  # more engines than cores: in turn
-    assert engine_thread_environment([0, 1, 2, 3], 1, 0) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3"}
-
-
-def test_engines_that_generate_while_the_trainer_trains_take_half_the_cores():
-    """Asynchronous training: the engines take the last half of the cores (at least 1), the trainer's torch threads
-    the rest, so they do not fight for every core; a 1-core machine is shared."""
-    from megatron_cpo.rollout.cpu_resources import engine_cores, trainer_threads
-
-    assert engine_cores([0, 1], 1, 0, overlaps_training=True) == [1] and trainer_threads(2) == 1
-    assert engine_cores([0, 1, 2, 3, 4], 1, 0, overlaps_training=True) == [3, 4] and trainer_threads(5) == 3
-    assert [engine_cores(list(range(8)), 2, i, overlaps_training=True) for i in range(2)] == [[4, 5], [6, 7]]
-    assert engine_cores([0], 1, 0, overlaps_training=True) == [0] and trainer_threads(1) == 1

@@ -3,11 +3,7 @@ server mode's in-flight push is tested in tests/rollout/test_server_mode.py), th
 (partial rollouts: aborted at a push, continued on the new weights) and k = 2 (in-flight weight updates: paused in
 vLLM's scheduler, with filter-groups), each three steps with a validation in the middle of the run, while training
 requests are in flight."""
-import logging
-import os
-
 import pytest
-import torch
 
 from megatron_cpo.trainer.loop import run_training
 from tests.trainer.test_e2e import read_metrics
@@ -20,20 +16,13 @@ pytestmark = pytest.mark.usefixtures("restore_environment")
     (2, ("async_training.in_flight_weight_updates=true", "algorithm.filter_groups.enable=true",
          "algorithm.filter_groups.max_num_gen_batches=8")),
 ])
-def test_asynchronous_run_bounds_staleness_and_logs_its_metrics(make_config, rollout_manager, tmp_path, k, extra,
-                                                                caplog):
+def test_asynchronous_run_bounds_staleness_and_logs_its_metrics(make_config, rollout_manager, tmp_path, k, extra):
     run_dir = tmp_path / f"k{k}"
-    threads = torch.get_num_threads()
-    caplog.set_level(logging.INFO, logger="megatron_cpo.trainer.run.machine")
     run_training(make_config(f"async_training.max_staleness={k}", "trainer.total_training_steps=3",
                              "trainer.test_freq=2", "trainer.val_before_train=false",
                              f"trainer.default_local_dir={run_dir}", *extra), rollout_manager)
     metrics = read_metrics(run_dir)
     assert sorted(metrics) == [1, 2, 3]
-    # the engines generate beside the trainer: it trained on the cores they leave, and gave the threads back after
-    cores = len(os.sched_getaffinity(0))
-    assert f"training on {max(1, cores - max(1, cores // 2))} torch thread(s)" in caplog.text
-    assert torch.get_num_threads() == threads
     assert "val/acc" in metrics[2] and "val/acc" in metrics[3]  # validated with training requests in flight
     for row in metrics.values():
         assert row["filter/kept_prompts"] == 4
