@@ -92,6 +92,7 @@ class EpisodeInfo:
     env_timeouts: int = 0
     env_seconds: float = 0.0
     template_check: str = "off"  # off, same, retokenized (same text, other ids), differs (other text)
+    non_finite_rewards: list[str] = field(default_factory=list)  # NaN / inf rewards refused (scored 0), described
 
     @property
     def env_reward(self) -> float:
@@ -126,6 +127,7 @@ class RolloutGroup:
     samples: list[RolloutSample]
     engine_index: int = -1
     finished_at: float | None = None  # the engine's wall clock (time.time()) when the last sample finished
+    greedy_baseline: RolloutSample | None = None  # ReMax: the prompt's greedy answer (GreedyBaselineGenerator)
 
 
 IN_FLIGHT_POLICIES = ("none", "finish", "partial", "keep")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES, PolicyLossConfig
+from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
 from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
@@ -225,6 +226,10 @@ class ActorConfig(PolicyLossConfig):
     `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
     `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
     `router_replay` (mixtures of experts): route the update as the old-log-prob pass did (`RouterReplayConfig`).
+    An optimizer step whose loss or gradient norm is NaN or infinite on any rank is skipped on every rank, whatever
+    the dtype (`actor/update_skipped`; trainer/workers/update_guard.py); `max_consecutive_skipped_updates` such steps
+    in a row stop the run, checkpointed, with one line naming where the first non-finite value appeared (rewards,
+    log-probs, advantages, loss or gradients).
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -237,10 +242,14 @@ class ActorConfig(PolicyLossConfig):
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     log_prob_max_token_len_per_gpu: int = 16384
+    max_consecutive_skipped_updates: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the loss settings (PolicyLossConfig)
         prefix = "actor_rollout_ref.actor."
+        check(self.max_consecutive_skipped_updates >= 1,
+              f"{prefix}max_consecutive_skipped_updates={self.max_consecutive_skipped_updates} must be >= 1 (optimizer "
+              "steps skipped in a row for non-finite values before the run stops)")
         check(self.ppo_mini_batch_size >= 1, f"{prefix}ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1")
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")

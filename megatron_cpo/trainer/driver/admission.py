@@ -177,7 +177,7 @@ class StalenessAdmission(Admission):
     def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
         prompts, version = self._handed_out
         self.unpushed = prompts if policy_version is not None and policy_version == version else 0
-        return carried
+        return super().begin(carried, policy_version)
 
     def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
         held = self.unpushed + len(batch.kept) + (open_.issued - batch.next_seq) - batch.dropping

@@ -21,9 +21,10 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.envs.registry import EnvironmentRegistry
 from megatron_cpo.envs.runner import EpisodeRunner
+from megatron_cpo.rewards.non_finite import NonFiniteRewardError
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 from megatron_cpo.rollout.config import RolloutConfig
-from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
+from megatron_cpo.rollout.generators import GreedyBaselineGenerator, GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
@@ -58,7 +59,10 @@ class RankZero:
         self.owns_manager = isinstance(engines, EngineLaunchConfig)
         # rollout.mode: ray, server or colocate
         self.manager = build_rollout_manager(rollout, engines) if self.owns_manager else engines
-        self.generator = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
+        self.sampler = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
+        # ReMax: each prompt's greedy answer too, as its baseline (validation samples without it)
+        self.generator = (GreedyBaselineGenerator(self.sampler) if algorithm.estimator_needs.greedy_baseline
+                          else self.sampler)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
         self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer) if algorithm.shaper.needs_hint_contexts
@@ -71,7 +75,7 @@ class RankZero:
             lambda seed: training_sampling_params(rollout, data.max_response_length, eos, seed), data,
             algorithm.filter_groups, prompt_limit(algorithm.filter_groups, rollout, data.generation_batch_size))
         # with asynchronous training, validation shares the engines with training requests in flight
-        self.validator = Validator(val_data, self.generator, self.scorer,
+        self.validator = Validator(val_data, self.sampler, self.scorer,
                                    training_sampling_params(rollout, data.max_response_length, eos, None, greedy=True),
                                    rollout.val_kwargs, trainer.seed, data.val_max_samples, self.controller.receive)
         self.monitor = EarlyStopMonitor(trainer.early_stop) if trainer.early_stop.enable else None
@@ -86,14 +90,18 @@ class RankZero:
 
     # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
-        """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
-        first prompt not yet trained, so a resumed run collects the same prompts."""
+        """This step's kept groups, or (None, why) when no engine is left; then, and when a non-finite reward stops
+        the run (`NonFiniteRewardError`, raised), the data position goes back to the first prompt not yet trained,
+        so a resumed run collects the same prompts."""
         position = self.controller.state_dict()
         try:
             return self.controller.collect(step, self.manager.weight_version), None
         except RolloutEnginesLostError as err:
             self.controller.load_state_dict(position)
             return None, str(err)
+        except NonFiniteRewardError:
+            self.controller.load_state_dict(position)
+            raise
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
@@ -131,7 +139,7 @@ class RankZero:
                  ) -> dict[str, float]:
         """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
-                   **self.scorer.remote_reward_metrics(),
+                   **self.scorer.counted_metrics(),
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
@@ -159,8 +167,8 @@ class RankZero:
         if self.metric_logger is not None:
             self.metric_logger.close()
         self.scorer.close()
-        if isinstance(self.generator, EpisodeRunner):
-            self.generator.close()
+        if isinstance(self.sampler, EpisodeRunner):
+            self.sampler.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:

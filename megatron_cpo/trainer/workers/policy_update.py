@@ -1,9 +1,11 @@
 """Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
-prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling) and `update_policy` (the
-PPO epochs over mini-batches). `Trainer.step()` calls them one by one, with the `PolicyUpdateConfig` the trainer
-builds once: the actor's and the algorithm's sections as they are, plus the facts of other sections they read.
+`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (the
+estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss
+scaling) and `update_policy` (the PPO epochs over mini-batches). `Trainer.step()` calls them one by one, with the
+`PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts of
+other sections they read. Each stage's results are probed for NaN and infinity as they are made
+(`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first non-finite value appeared.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_cpo.algorithms.advantages import grpo_advantages
+from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
@@ -24,6 +26,7 @@ from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 
@@ -60,14 +63,19 @@ def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[
             batch.rollout_log_probs)
 
 
-def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
-                           mask: torch.Tensor, response_lengths: torch.Tensor, kind: str, coef: float
-                           ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's `use_kl_in_reward` for outcome rewards: each response's score, placed on its last token, minus
-    `coef` x the per-token KL estimate (`kind`) summed over the response; GRPO then groups these sums."""
-    token_scores = token_level_rewards(scores.float(), response_lengths.clamp(min=1), mask.shape[1])
-    rewards, metrics = kl_in_reward(token_scores, log_probs, ref_log_probs, mask, kind, coef)
-    return rewards.sum(-1), metrics
+def token_rewards_of(batch: StepBatch, lp: "BatchLogProbs", algo: AlgorithmConfig
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each response's score on its last sampled token, [N, R], minus verl's KL penalty per token (`coef` x the
+    `algorithm.kl_penalty` estimate of KL(actor || reference)) when `algorithm.use_kl_in_reward`."""
+    mask = lp.mask
+    positions = torch.arange(mask.shape[1])
+    last_sampled = torch.where(mask.bool(), positions, -1).max(-1).values + 1  # an empty row: position 0
+    rewards = token_level_rewards(batch.scores.float(), last_sampled.clamp(min=1), mask.shape[1])
+    if not algo.use_kl_in_reward:
+        return rewards, {}
+    rewards, metrics = kl_in_reward(rewards, lp.old_log_probs, lp.ref_log_probs, mask, algo.kl_penalty,
+                                    algo.kl_ctrl.kl_coef)
+    return rewards, {**metrics, "reward/with_kl_mean": float(rewards.sum(-1).mean())}
 
 
 def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
@@ -91,6 +99,7 @@ class BatchLogProbs:
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
+    finite: FiniteProbe = field(default_factory=FiniteProbe)  # the step's finiteness flags, stage by stage
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
@@ -134,25 +143,26 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
                                      old_log_probs)
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
-    return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs, routing, routing_metrics, timing)
+    lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
+                       hint_log_probs, routing, routing_metrics, timing)
+    for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
+        lp.finite.observe("log-probs", log_probs, lp.mask)
+    return lp
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig
                        ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO advantages by prompt (scores with verl's KL-in-reward penalty when on), the CPO shaping rule, and the
-    filters' loss scaling (`actor.filter_loss_scaling`)."""
+    """The advantages of `algorithm.adv_estimator` (advantages.py; token rewards with verl's KL-in-reward penalty
+    when on), the shaper's rule (CPO's), and the filters' loss scaling (`actor.filter_loss_scaling`)."""
     algo, actor_cfg = settings.algorithm, settings.actor
     mask = lp.mask
-    metrics: dict[str, float] = {}
-    scores = batch.scores
-    if algo.use_kl_in_reward:
-        scores, kl_metrics = scores_with_kl_penalty(scores, lp.old_log_probs, lp.ref_log_probs, mask,
-                                                    lp.seqs.response_lengths, algo.kl_penalty, algo.kl_ctrl.kl_coef)
-        metrics.update(kl_metrics)
-        metrics["reward/with_kl_mean"] = float(scores.mean())
-    advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
-    shaper = algo.shaper  # grpo: unchanged; cpo: the hint-conditioned rule (algorithms/shapers.py)
+    token_rewards, metrics = token_rewards_of(batch, lp, algo)
+    inputs = AdvantageInputs(token_rewards, mask, batch.group, gamma=algo.gamma, lam=algo.lam,
+                             norm_by_std=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
+    advantages, _ = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)  # returns: a critic's targets (none here)
+    if batch.reward_baselines is not None:
+        metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
+    shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
     hint_log_probs = signals = None
     if shaper.needs_hint_contexts:
         hint_log_probs = lp.hint_log_probs if lp.hint_log_probs is not None else lp.old_log_probs
@@ -164,6 +174,8 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
     metrics.update(shaping_metrics)
     advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
     metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
+    lp.finite.observe("rewards", token_rewards, mask)
+    lp.finite.observe("advantages", advantages, mask)
     return advantages, metrics
 
 
@@ -177,7 +189,8 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     update_metrics: list[dict[str, float]] = []
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
-                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction)
+                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
+                              probe=lp.finite)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
     else:
@@ -187,7 +200,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
                 inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, correction, lp.routing, begin)
+                                      engine_log_probs, correction, lp.routing, begin, lp.finite)
                 update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
     metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
