@@ -109,9 +109,6 @@ class Config:
               f"algorithm.adv_estimator={algo.adv_estimator} with async_training.max_staleness={staleness}: the greedy "
               "baseline answers are generated with the synchronous loop's batches only; set max_staleness=0 or use "
               "another estimator (e.g. rloo)")
-        check(not (rollout.multi_turn.enable and staleness > 0), f"async_training.max_staleness={staleness} with "
-              "actor_rollout_ref.rollout.multi_turn.enable=true: episodes do not yet carry the weight version of "
-              "each token across a push; set max_staleness=0 for multi-turn runs")
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)

@@ -2,7 +2,10 @@
 turn (token in, token out). The runner (runner.py) drives it; everything here is bookkeeping.
 
 The response is one budget (`data.max_response_length`) over the model's and the observations' tokens; sampled ids
-carry mask 1 and the engine's log-probs, observation ids mask 0 and log-prob 0.
+carry mask 1 and the engine's log-probs, observation ids mask 0 and log-prob 0. Every sampled id also keeps the
+weight version that sampled it (an episode may span weight pushes: turn 1 under version v, turn 2 under v + 1, or a
+turn continued across a push); an observation id carries the version of the sampled id before it, so observations
+never change an episode's oldest version nor how many versions it spans (they carry no loss either way).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class Episode:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] | None = field(default_factory=list)  # per response id; None: an engine did not say
     turn_rewards: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
@@ -53,6 +57,7 @@ class Episode:
     env_seconds: float = 0.0
     template_check: str = "off"
     non_finite_rewards: list[str] = field(default_factory=list)  # refused NaN / inf rewards (scored 0), described
+    released: bool = False  # its environment's close is done or arranged (closed once, whatever ends the episode)
 
     @property
     def room(self) -> int:
@@ -66,21 +71,28 @@ class Episode:
         """The next turn's max_tokens: what is left of the budget, at most `per_turn_cap` (0: no cap)."""
         return min(self.room, per_turn_cap) if per_turn_cap else self.room
 
-    def add_turn(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
-        """The engine's sampled ids and their log-probs, exactly as they came."""
-        if len(logprobs) != len(ids):
-            raise ValueError(f"{self.engine_request_id()}: {len(ids)} sampled ids but {len(logprobs)} log-probs")
+    def add_turn(self, ids: list[int], logprobs: list[float], finish_reason: str,
+                 versions: list[int] | None = None) -> None:
+        """The engine's sampled ids, their log-probs and the weight version of each (`RolloutSample`'s), exactly as
+        they came."""
+        for name, values in (("log-probs", logprobs), ("weight versions", versions)):
+            if values is not None and len(values) != len(ids):
+                raise ValueError(f"{self.engine_request_id()}: {len(ids)} sampled ids but {len(values)} {name}")
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += [float(value) for value in logprobs]
+        self.versions = None if versions is None or self.versions is None else self.versions + list(versions)
         self.assistant_turns += 1
         self.finish_reason = finish_reason
 
     def add_observation(self, ids: list[int], messages: list[Message]) -> None:
-        """An observation's ids (mask 0, log-prob 0) and the messages they render."""
+        """An observation's ids (mask 0, log-prob 0, the version of the sampled id before them) and the messages
+        they render."""
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        if self.versions is not None:
+            self.versions += self.versions[-1:] * len(ids)
         self.messages += messages
         self.user_turns += 1 if messages else 0
 
@@ -108,4 +120,5 @@ class Episode:
             env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, template_check=self.template_check,
             non_finite_rewards=list(self.non_finite_rewards))
         return RolloutSample(token_ids=list(self.response_ids), logprobs=list(self.logprobs),
-                             finish_reason=self.finish_reason, truncated=self.truncated, loss_mask=mask, episode=info)
+                             finish_reason=self.finish_reason, truncated=self.truncated, loss_mask=mask, episode=info,
+                             policy_versions=None if self.versions is None else list(self.versions))

@@ -5,37 +5,52 @@ seed fixed by the group's seed, the sample and the turn), the sampled ids are ap
 environment's answer is turned into observation ids by the chat template (templates.py) and the episode is
 resubmitted at once; episodes never wait for one another. The group is reported when its n episodes are done.
 
+The episodes advance on the runner's own driver thread, whatever its caller does: the controller only takes the
+groups that are done (`finished`). With asynchronous training (`async_training.max_staleness` > 0) the controller
+is away in the update while episodes run, and they go on meanwhile (a turn finished during the update is stepped
+and the next one submitted at once), so a long episode spans weight pushes: each of its tokens keeps the version
+that sampled it (episode.py). A turn in flight at a push is one engine request and is treated as a single answer
+is (`async_training.partial_rollout`, `in_flight_weight_updates`: it finishes on the old weights, or is aborted
+and continued from its tokens so far, or stays paused in the engine); the environment is untouched by a push, so
+an episode is never restarted and no turn is stepped twice. The driver is the only thread that uses the engines'
+request book; the trainer's own engine calls (the weight push, the sync probe) run while it is `held`.
+
 Environment calls (reset, step, the final score and close) run on `multi_turn.env_workers` threads with
-`multi_turn.call_timeout_s` each; the runner advances episodes whenever the controller waits for groups
-(`finished`), polling the engines briefly while an environment call is out. A step that raises becomes an error
-observation (`env_errors`); a step that times out ends its episode (`env_timeout`: the environment's state is
-unknown, it is closed once the call returns); a reset that fails leaves an empty episode (`reset_error`). Every
-engine call is made on the caller's thread (the request books of the engines are not thread-safe). A NaN or infinite
-step reward or final score is refused where it arrives: scored 0 and described in the episode (`non_finite_rewards`,
-naming the environment, the call, the turn and the row), for `reward.non_finite` to decide (rewards/non_finite.py).
-`cancel_all` drops every episode in flight: an episode is regenerated from its start, never half-trained.
+`multi_turn.call_timeout_s` each (env_calls.py), so a slow or hung environment stalls neither the other episodes
+nor the update. A step that raises becomes an error observation (`env_errors`); a step that times out ends its
+episode (`env_timeout`: the environment's state is unknown, it is closed once the call returns); a reset that fails
+leaves an empty episode (`reset_error`). Every environment made is closed once. A NaN or infinite step reward or
+final score is refused where it arrives: scored 0 and described in the episode (`non_finite_rewards`, naming the
+environment, the call, the turn and the row), for `reward.non_finite` to decide (rewards/non_finite.py).
+`cancel_all` drops every episode in flight (the synchronous loop does at every step, a resumed run finds none): an
+episode is regenerated from its start with a new environment, never half-trained.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import math
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from megatron_cpo.data.dataset import fit_prompt
 from megatron_cpo.envs.base import Message, StepResult
 from megatron_cpo.envs.config import MultiTurnConfig
+from megatron_cpo.envs.env_calls import (Call, EnvironmentCalls, as_step_result, finish_environment,
+                                         make_and_reset)
 from megatron_cpo.envs.episode import Episode, turn_seed
 from megatron_cpo.envs.registry import EnvironmentRegistry, agent_of
 from megatron_cpo.envs.templates import ChatTemplate
-from megatron_cpo.envs.threads import DaemonThreads
 from megatron_cpo.rewards.non_finite import source_row
 from megatron_cpo.rollout.interface import RolloutEngines
-from megatron_cpo.rollout.types import RolloutGroup, SamplingParams, derive_sample_seeds
+from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.1  # the driver's longest wait on the engines: how long `held` and `cancel_all` may wait for it
 
 
 @dataclass
@@ -47,48 +62,12 @@ class _Group:
     left: int
 
 
-@dataclass
-class _Call:
-    episode: Episode
-    kind: str  # reset, step or finish
-
-
-def _timed(function: Callable, *args: Any) -> tuple[Any, float]:
-    started = time.perf_counter()
-    return function(*args), time.perf_counter() - started
-
-
-def as_step_result(value: Any) -> StepResult:
-    """A `StepResult`, or Gym's (observation, reward, done, info) with a text or message-list observation."""
-    if isinstance(value, StepResult):
-        result = value
-    elif isinstance(value, tuple) and len(value) == 4:
-        result = StepResult(value[0], float(value[1] or 0.0), bool(value[2]), dict(value[3] or {}))
-    else:
-        raise TypeError(f"step returned {type(value).__name__}; return a StepResult or (observation, reward, done, "
-                        "info)")
-    if isinstance(result.messages, str):
-        result.messages = [{"role": "user", "content": result.messages}] if result.messages else []
-    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in result.messages):
-        raise TypeError(f"step's observation {result.messages!r} is not a list of {{role, content}} messages")
-    return result
-
-
-def _finish_environment(environment: Any) -> float | None:
-    """The environment's final score, then close it (even when scoring fails)."""
-    try:
-        score = environment.score() if callable(getattr(environment, "score", None)) else None
-        return None if score is None else float(score)
-    finally:
-        if callable(getattr(environment, "close", None)):
-            environment.close()
-
-
 class EpisodeRunner:
     """Runs each sample as an episode of its row's environment against `engines`; see the module docstring.
 
     `max_response_length` is the episode's budget (model and observation tokens); first prompts an environment
-    builds itself are fitted to `max_prompt_length` by `truncation` (data.truncation's rule)."""
+    builds itself are fitted to `max_prompt_length` by `truncation` (data.truncation's rule). `poll_s`: how long the
+    driver waits on the engines while an environment call is out."""
 
     def __init__(self, engines: RolloutEngines, tokenizer: Any, registry: EnvironmentRegistry,
                  max_response_length: int, max_prompt_length: int, truncation: str = "error",
@@ -99,41 +78,51 @@ class EpisodeRunner:
         self.config: MultiTurnConfig = registry.config
         self.budget, self.max_prompt_length, self.truncation = max_response_length, max_prompt_length, truncation
         self.poll_s = poll_s
-        self.pool = DaemonThreads(self.config.env_workers, "megatron-cpo-env")
+        self._changed = threading.Condition(threading.RLock())  # guards everything below; notified on progress
+        self.calls = EnvironmentCalls(self.config.env_workers, self.config.call_timeout_s, self._notify)
         self._groups: dict[str, _Group] = {}
         self._turns: dict[str, Episode] = {}  # engine request id -> its episode
-        self._calls: dict[concurrent.futures.Future, _Call] = {}
         self._ready: list[RolloutGroup] = []
         self._warned: set[str] = set()
+        self._holds = 0
+        self._driving = False  # the driver is between its checks (maybe inside an engine call)
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._last_progress = time.monotonic()
+        self._driver = threading.Thread(target=self._drive, name="megatron-cpo-episodes", daemon=True)
+        self._driver.start()
 
     # --- GroupGenerator ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, record: Any, params: SamplingParams) -> None:
         """Start the `params.n` episodes of `record`; they start from the same state (reset gets the group's seed)."""
-        if request_id in self._groups:
-            raise ValueError(f"request {request_id!r} is already running")
-        seeds = params.sample_seeds()
-        agent = agent_of(record, self.config.default_agent)
-        make = self.registry.factory(agent)
-        group = _Group(request_id, record, params, [], params.n)
-        for index, seed in enumerate(seeds):
-            episode = Episode(request_id, index, seed, self.budget, agent)
-            group.episodes.append(episode)
-            self._call(episode, "reset", self._reset, make, record, params.seed or 0)
-        self._groups[request_id] = group
+        with self._changed:
+            if request_id in self._groups:
+                raise ValueError(f"request {request_id!r} is already running")
+            agent = agent_of(record, self.config.default_agent)
+            make = self.registry.factory(agent)
+            group = _Group(request_id, record, params, [], params.n)
+            for index, seed in enumerate(params.sample_seeds()):
+                episode = Episode(request_id, index, seed, self.budget, agent)
+                group.episodes.append(episode)
+                self.calls.start(episode, "reset", make_and_reset, make, record, params.seed or 0)
+            self._groups[request_id] = group
 
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
-        """Advance episodes until a group is done, then return every done group; [] when none is outstanding.
-        TimeoutError when nothing moves (no turn, no environment call returns) for `timeout` seconds."""
-        last_progress = time.monotonic()
-        while not self._ready:
-            if not self._groups:
-                return []
-            if self._advance():
-                last_progress = time.monotonic()
-            elif timeout is not None and time.monotonic() - last_progress > timeout:
-                raise TimeoutError(f"no episode advanced within {timeout}s: {len(self._turns)} turns on the engines, "
-                                   f"{len(self._calls)} environment calls out")
-        ready, self._ready = self._ready, []
+        """Wait until a group is done, then return every done group; [] when none is outstanding. TimeoutError when
+        nothing moves (no turn, no environment call returns) for `timeout` seconds; the driver's failure, if any."""
+        called = time.monotonic()
+        with self._changed:
+            while not self._ready:
+                if self._failure is not None:
+                    raise self._failure
+                if not self._groups:
+                    return []
+                left = None if timeout is None else max(called, self._last_progress) + timeout - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no episode advanced within {timeout}s: {len(self._turns)} turns on the "
+                                       f"engines, {len(self.calls.out)} environment calls out")
+                self._changed.wait(left)
+            ready, self._ready = self._ready, []
         return ready
 
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
@@ -146,75 +135,112 @@ class EpisodeRunner:
     @property
     def outstanding(self) -> int:
         """Groups submitted and not yet returned."""
-        return len(self._groups) + len(self._ready)
+        with self._changed:
+            return len(self._groups) + len(self._ready)
 
     def cancel_all(self) -> int:
         """Drop every group in flight (their environments are closed once their calls return)."""
-        dropped = len(self._groups)
-        if self._turns:
-            self.engines.cancel_all()
-        busy = {id(call.episode): future for future, call in self._calls.items()}
-        for group in self._groups.values():
-            for episode in group.episodes:
-                self._close_later(episode, busy.get(id(episode)))
-        self._groups.clear()
-        self._turns.clear()
-        self._calls.clear()
-        self._ready.clear()
+        with self.held():
+            with self._changed:
+                dropped, on_engines = len(self._groups), bool(self._turns)
+                busy = self.calls.drop_all()
+                for group in self._groups.values():
+                    for episode in group.episodes:
+                        self.calls.release(episode, busy.get(id(episode)))
+                self._groups.clear()
+                self._turns.clear()
+                self._ready.clear()
+            if on_engines:  # the driver is held: no other thread uses the request book now
+                self.engines.cancel_all()
         return dropped
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside this block no episode advances: the driver makes no engine call and submits no turn (the
+        trainer pushes weights and probes the engines meanwhile). Environment calls already running go on, and
+        turns already on the engines are the push's to handle (`async_training.partial_rollout`)."""
+        with self._changed:
+            self._holds += 1
+            while self._driving:
+                self._changed.wait()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._holds -= 1
+                self._changed.notify_all()
 
     def close(self) -> None:
         self.cancel_all()
-        self.pool.shutdown()
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._driver.join(timeout=10 * IDLE_POLL_S)
+        self.calls.shutdown()
         self.registry.close()
 
-    # --- the loop ---------------------------------------------------------------------------------------------
-    def _advance(self) -> bool:
-        """Handle what has finished (environment calls, timeouts, turns); True when something did."""
-        now = time.monotonic()
-        done = [future for future in self._calls if future.done() or self._late(future, now)]
-        for future in done:
-            self._handle_call(future, self._calls.pop(future))
-        if done:
-            return True
-        if self._turns:
-            wait = self.poll_s if self._calls else max(self.poll_s, 1.0)
-            try:
-                groups = self.engines.finished(timeout=wait)
-            except TimeoutError:
-                return False
-            if not groups:
-                raise RuntimeError(f"the engines hold none of the {len(self._turns)} turns this runner submitted")
+    # --- the driver -------------------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _drive(self) -> None:
+        """The driver thread: advance episodes until `close`; a failure is kept for `finished` to raise."""
+        try:
+            while self._drive_once():
+                pass
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of `finished`
+            with self._changed:
+                self._failure, self._driving = err, False
+                self._changed.notify_all()
+
+    def _drive_once(self) -> bool:
+        """Handle the environment calls that returned or timed out, else wait on the engines for finished turns
+        (outside the lock: only this thread uses the request book); False once the runner closes."""
+        with self._changed:
+            while True:
+                if self._closing:
+                    return False
+                due = [] if self._holds else self.calls.due(time.monotonic())
+                if due or (self._turns and not self._holds):
+                    break
+                self._changed.wait(None if self._holds else self.calls.next_check(time.monotonic()))
+            self._driving = True
+            for future, call in due:
+                self._handle_call(future, call)
+            wait = None if due else (self.poll_s if self.calls.out else IDLE_POLL_S)
+        groups = self._finished_turns(wait) if wait is not None else []
+        with self._changed:
             for group in groups:
                 episode = self._turns.pop(group.request_id, None)
                 if episode is not None:
                     self._handle_turn(episode, group)
-            return True
-        if self._calls:
-            running = [future.started for future in self._calls if future.started is not None]
-            wait = min(running) + self.config.call_timeout_s - now if running else self.config.call_timeout_s
-            concurrent.futures.wait(list(self._calls), timeout=max(0.0, wait) + 1e-3,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        return False
+            self._driving = False
+            if due or groups:
+                self._last_progress = time.monotonic()
+            if due or groups or self._holds:  # a group may be done; a hold may be waiting for the driver
+                self._changed.notify_all()
+        return True
 
-    def _late(self, future: concurrent.futures.Future, now: float) -> bool:
-        """A call past its timeout (counted from when it started running)."""
-        return future.started is not None and now - future.started > self.config.call_timeout_s
+    def _finished_turns(self, wait: float) -> list[RolloutGroup]:
+        """Turns the engines finished within `wait` seconds ([] when none did)."""
+        try:
+            groups = self.engines.finished(timeout=wait)
+        except TimeoutError:
+            return []
+        if not groups:
+            raise RuntimeError(f"the engines hold none of the {len(self._turns)} turns this runner submitted")
+        return groups
 
-    def _call(self, episode: Episode, kind: str, function: Callable, *args: Any) -> None:
-        self._calls[self.pool.submit(_timed, function, *args)] = _Call(episode, kind)
-
-    def _handle_call(self, future: concurrent.futures.Future, call: _Call) -> None:
+    def _handle_call(self, future: concurrent.futures.Future, call: Call) -> None:
         episode = call.episode
-        if episode.request_id not in self._groups:
-            return
         if not future.done():
             self._warn(f"{call.kind}-timeout", f"an environment {call.kind} call of {episode.agent} took longer than "
                        f"multi_turn.call_timeout_s={self.config.call_timeout_s:g}s (counted in multi_turn/"
                        "env_timeouts)")
             episode.env_timeouts += 1
             episode.env_seconds += self.config.call_timeout_s
-            self._close_later(episode, future)
+            self.calls.release(episode, future)
             if call.kind == "finish":
                 self._complete(episode)
             else:
@@ -241,11 +267,6 @@ class EpisodeRunner:
             self._complete(episode)
 
     # --- an episode's stages ----------------------------------------------------------------------------------
-    def _reset(self, make: Callable[[], Any], record: Any, seed: int) -> tuple[Any, list[Message]]:
-        environment = make()
-        messages = environment.reset(record, seed)
-        return environment, [dict(message) for message in messages]
-
     def _on_reset(self, episode: Episode, value: tuple[Any, list[Message]]) -> None:
         episode.env, episode.messages = value
         episode.tools = list(getattr(episode.env, "tool_schemas", None) or [])
@@ -271,14 +292,14 @@ class EpisodeRunner:
     def _handle_turn(self, episode: Episode, group: RolloutGroup) -> None:
         sample = group.samples[0]
         capped = episode.turn_tokens(self.config.max_tokens_per_turn) < episode.room
-        episode.add_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason)
+        episode.add_turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason, sample.policy_versions)
         content = self.template.decode(sample.token_ids)
         episode.messages.append({"role": "assistant", "content": content})
         if sample.finish_reason == "length":  # no turn after a truncated turn
             self._end(episode, "turn_length" if capped else "response_length")
             return
         episode.stop_text = self.template.decode(sample.token_ids[-1:], skip_special_tokens=False)
-        self._call(episode, "step", episode.env.step, content)
+        self.calls.start(episode, "step", episode.env.step, content)
 
     def _on_step(self, episode: Episode, value: Any) -> None:
         try:
@@ -312,7 +333,7 @@ class EpisodeRunner:
         """Stop the episode; its environment's final score (and close) is the last call."""
         episode.stop(reason)
         if close and episode.env is not None:
-            self._call(episode, "finish", _finish_environment, episode.env)
+            self.calls.start(episode, "finish", finish_environment, episode.env)
             return
         self._complete(episode)
 
@@ -350,7 +371,8 @@ class EpisodeRunner:
                              "different conversations; reset(record, seed) must depend on the record and the seed only "
                              "(the episodes of a group are compared with one another)")
         samples = [episode.sample(self._exclude_from_loss(episode)) for episode in group.episodes]
-        self._ready.append(RolloutGroup(group.request_id, list(group.episodes[0].prompt_ids), samples))
+        self._ready.append(RolloutGroup(group.request_id, list(group.episodes[0].prompt_ids), samples,
+                                        finished_at=time.time()))
 
     def _exclude_from_loss(self, episode: Episode) -> bool:
         """The tokenization sanity check: compare the episode with the template's view of its conversation."""
@@ -367,33 +389,8 @@ class EpisodeRunner:
                        "multi_turn/template_differs)")
         return episode.template_check == "differs" and mode != "warn"
 
-    def _close_later(self, episode: Episode, busy: concurrent.futures.Future | None) -> None:
-        """Close an abandoned episode's environment now, or once its running call returns."""
-        environment = episode.env
-        if busy is not None and environment is None:  # its reset is running: close what the reset returns
-            busy.add_done_callback(lambda f: not f.cancelled() and f.exception() is None
-                                   and self._close_quietly(f.result()[0][0]))
-        elif environment is not None:
-            if busy is None:
-                self._close_quietly(environment)
-            else:
-                busy.add_done_callback(lambda _: self._close_quietly(environment))
-
-    def _close_quietly(self, environment: Any) -> None:
-        try:
-            self.pool.submit(_quiet_close, environment)
-        except RuntimeError:  # the pool was shut down (the run is closing): close on this thread
-            _quiet_close(environment)
-
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("%s", message)
 
-
-def _quiet_close(environment: Any) -> None:
-    try:
-        if callable(getattr(environment, "close", None)):
-            environment.close()
-    except Exception as err:  # noqa: BLE001 - closing an abandoned episode must not disturb the run
-        logger.debug("closing an abandoned environment failed: %s", err)

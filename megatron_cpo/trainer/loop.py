@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,7 +230,11 @@ class Trainer:
     def push_weights(self, step: int) -> PushOutcome:
         """Push the actor's weights of step `step` to the live engines and check that they serve them
         (`sync_probe.py`). Rank 0 health-checks the engines first, so an engine that died since the last request
-        is noticed here."""
+        is noticed here; its episodes in flight (which advance on their own thread) submit no turn meanwhile."""
+        with self.lead.generation_held() if self.lead else nullcontext():
+            return self._push_and_check(step)
+
+    def _push_and_check(self, step: int) -> PushOutcome:
         from megatron_cpo.rollout import RolloutEnginesLostError
 
         manager = self.lead.manager if self.lead else None

@@ -1,13 +1,17 @@
 """Scripted stand-ins for the rollout engines and environments of the episode-runner unit tests (the issue asks for
 them: mask, log-prob and prefix checks with known token ids need an engine whose output is known). The engine
 answers every n=1 request at once from a script; everything else the runner does (threads, timeouts, the chat
-template of the tiny model's tokenizer, limits) is real."""
+template of the tiny model's tokenizer, limits) is real. The environments after `Counted` are also run by the
+end-to-end tests (tests/trainer/test_multi_turn_e2e.py): they count what they make and close, say which of them
+stepped an episode, misbehave, or pause a run where a test kills it."""
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
 from megatron_cpo.envs.base import StepResult, TextEnvironment, user
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams
 
@@ -23,8 +27,10 @@ class Request:
 class ScriptedEngines:
     """`script(request, turn)` -> (sampled ids, finish_reason); log-prob of the k-th sampled id of a turn is
     -(turn + 1) - k / 100, so every log-prob says where it came from. `max_tokens` is honoured like an engine: the
-    ids are cut and the finish reason becomes "length"."""
+    ids are cut and the finish reason becomes "length". Every sampled id carries `version`, the weight version the
+    engines serve now (a test bumps it to play a weight push)."""
     script: Callable[[Request, int], tuple[list[int], str]]
+    version: int = 0
     requests: list[Request] = field(default_factory=list)
     cancelled: int = 0
     _done: list[RolloutGroup] = field(default_factory=list)
@@ -41,7 +47,8 @@ class ScriptedEngines:
         with self._lock:
             self.requests.append(request)
             self._done.append(RolloutGroup(request_id, list(prompt_token_ids),
-                                           [RolloutSample(ids, logprobs, reason, reason == "length")]))
+                                           [RolloutSample(ids, logprobs, reason, reason == "length",
+                                                          policy_versions=[self.version] * len(ids))]))
 
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         with self._lock:
@@ -135,6 +142,150 @@ class HeldUntilReleased(TextEnvironment):
 
     def score(self) -> float:
         return 0.0
+
+
+class Counted:
+    """A mixin that counts the environments made and how often each was closed (class-wide: every environment must
+    be closed exactly once, whatever ended its episode)."""
+    made: list = []
+    closes: dict[int, int] = {}
+    lock = threading.Lock()
+
+    @classmethod
+    def reset_counts(cls) -> None:
+        Counted.made, Counted.closes = [], {}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        with Counted.lock:
+            Counted.made.append(self)
+            Counted.closes[id(self)] = 0
+
+    def close(self) -> None:
+        with Counted.lock:
+            Counted.closes[id(self)] += 1
+        super().close()
+
+    @classmethod
+    def closed_once(cls, made: int | None = None) -> bool:
+        """Every environment made was closed exactly once (and `made` of them were made, when given)."""
+        with Counted.lock:
+            return (made is None or len(Counted.made) == made) and all(c == 1 for c in Counted.closes.values())
+
+
+class CountedHeld(Counted, HeldUntilReleased):
+    pass
+
+
+class CountedCountdown(Counted, CountdownEnvironment):
+    pass
+
+
+class HoldsFirstStep(Counted, TextEnvironment):
+    """The first environment to step waits there until `release` is set; every step ends its episode."""
+    release = threading.Event()
+    taken = threading.Lock()
+
+    def step(self, action_text: str) -> StepResult:
+        if HoldsFirstStep.taken.acquire(blocking=False):
+            HoldsFirstStep.release.wait(10)
+        return StepResult([], reward=1.0, done=True)
+
+    def score(self) -> float:
+        return 0.0
+
+
+class SlowScore(Counted, TextEnvironment):
+    """Its final score takes until `release` is set (past any short call timeout)."""
+    release = threading.Event()
+
+    def step(self, action_text: str) -> StepResult:
+        return StepResult([], reward=1.0, done=True)
+
+    def score(self) -> float:
+        SlowScore.release.wait(10)
+        return 0.0
+
+
+class Diverging(CountdownEnvironment):
+    """Starts each episode from a conversation of its own (breaking the rule that a group starts from one)."""
+    made = 0
+
+    def reset(self, record, seed):
+        Diverging.made += 1
+        return [user(f"start {Diverging.made}")]
+
+
+class NumberedRetry(Counted, ArithmeticRetryEnvironment):
+    """`arith_retry` whose feedback names the environment and its step ("Wrong (env 7, step 1). Try again."), so an
+    episode's text shows which environment stepped each of its turns, and in which order."""
+    serial = itertools.count()
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.number = next(NumberedRetry.serial)
+
+    def step(self, action_text: str) -> StepResult:
+        result = super().step(action_text)
+        if not result.done:
+            result.messages = [user(f"Wrong (env {self.number}, step {self.attempts}). Try again.")]
+        return result
+
+
+class Misbehaving(Counted, ArithmeticRetryEnvironment):
+    """`arith_retry` whose first step misbehaves by the row's index % 6: 0 raises, 1 returns text instead of a
+    `StepResult`, 2 answers with a 200,000-character observation, 3 blocks until `release` is set (the first such
+    environment to step only: one worker thread is held), 4 gives a NaN reward, and 5 behaves."""
+    release = threading.Event()
+    blocking = threading.Lock()
+
+    def reset(self, record, seed):
+        self.kind = record.index % 6
+        return super().reset(record, seed)
+
+    def step(self, action_text: str):
+        if self.attempts == 0 and self.kind == 0:
+            self.attempts += 1
+            raise RuntimeError("the tool server is down")
+        if self.attempts == 0 and self.kind == 1:
+            self.attempts += 1
+            return "not a StepResult"
+        if self.attempts == 0 and self.kind == 2:
+            self.attempts += 1
+            return StepResult([user("x" * 200_000)])
+        if self.attempts == 0 and self.kind == 3 and Misbehaving.blocking.acquire(blocking=False):
+            Misbehaving.release.wait(600)
+        if self.attempts == 0 and self.kind == 4:
+            self.attempts += 1
+            return StepResult([user(self.feedback)], reward=float("nan"))
+        return super().step(action_text)
+
+
+class PausingRetry(ArithmeticRetryEnvironment):
+    """`arith_retry` with a cue point for tests that kill a run mid-episode: with $PAUSE_DIR set, once the run's
+    metrics.jsonl ($PAUSE_RUN_DIR) holds step $PAUSE_AFTER_STEP, every step writes $PAUSE_DIR/paused and waits (at
+    most 300 s) for $PAUSE_DIR/go, so the episodes in flight stop after a turn, their environments mid-way."""
+
+    def step(self, action_text: str) -> StepResult:
+        import json
+        import os
+        import time
+        from pathlib import Path
+
+        if os.environ.get("PAUSE_DIR"):
+            pause_dir, metrics = Path(os.environ["PAUSE_DIR"]), Path(os.environ["PAUSE_RUN_DIR"]) / "metrics.jsonl"
+            steps = set()
+            for line in (metrics.read_text().splitlines() if metrics.is_file() else []):
+                try:
+                    steps.add(json.loads(line)["step"])
+                except ValueError:
+                    pass
+            if int(os.environ["PAUSE_AFTER_STEP"]) in steps:
+                (pause_dir / "paused").touch()
+                deadline = time.monotonic() + 300
+                while not (pause_dir / "go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return super().step(action_text)
 
 
 class NonFiniteRewards(TextEnvironment):

@@ -14,7 +14,9 @@ from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.envs.templates import ChatTemplate
 from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.rollout.types import SamplingParams
-from tests.envs.scripted import ScriptedEngines, SlowFirst
+from tests.conditions import wait_until
+from tests.envs.scripted import (Counted, HeldUntilReleased, HoldsFirstStep,
+                                 ScriptedEngines, SlowFirst, SlowScore)
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -177,18 +179,105 @@ def test_episodes_advance_independently():
 
 
 def test_cancel_all_drops_episodes_in_flight_and_a_resubmitted_group_starts_over():
-    runner, engines = make_runner(answer("x"), agent_kwargs={COUNTDOWN: {"turns": 3}})
+    """Two episodes are mid-way (their first step held); cancel_all drops them, closes each environment once (the
+    held ones once their step returns), and the same group submitted again runs whole from turn 0."""
+    HeldUntilReleased.release = threading.Event()
+    Counted.reset_counts()
+    runner, engines = make_runner(answer("x"), default_agent="tests.envs.scripted:CountedHeld")
     params = SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=3)
-    runner.submit("g0", record(), params)
-    while not any(r.request_id.endswith("|t1") for r in engines.requests):
-        runner._advance()  # one turn is in, the episodes are mid-way
+    held_row = record()
+    held_row.extra_info = {"held": True}
+    runner.submit("g0", held_row, params)
+    wait_until(lambda: len(runner.calls.out) == 2 and all(f.started for f in runner.calls.out), 10,
+               "both episodes inside their first step")
     assert runner.cancel_all() == 1 and runner.finished(timeout=1) == []
     first = len(engines.requests)
+    assert sorted(r.request_id.split("|", 1)[1] for r in engines.requests) == ["e0|t0", "e1|t0"]
+    HeldUntilReleased.release.set()
+    wait_until(lambda: Counted.closed_once(2), 10, "the held environments closed once their step returned")
     runner.submit("g0", record(), params)
     [group] = runner.finished(timeout=30)
     fresh = [r.request_id.split("|", 1)[1] for r in engines.requests[first:]]
-    assert sorted(fresh) == sorted(f"e{e}|t{t}" for e in range(2) for t in range(3))  # from turn 0, whole
-    assert all(s.episode.turns == 3 for s in group.samples)
+    assert sorted(fresh) == sorted(f"e{e}|t{t}" for e in range(2) for t in range(2))  # from turn 0, whole
+    assert all(s.episode.turns == 2 for s in group.samples)
+    runner.close()
+    wait_until(lambda: Counted.closed_once(4), 10, "every environment closed once")
+
+
+def test_every_sampled_token_keeps_its_weight_version_across_a_push_and_observations_carry_the_previous():
+    """Turn 0 sampled by version 3, then a push (the scripted engines now serve version 4) before turns 1 and 2: the
+    episode's versions follow its tokens, and each observation id carries the version of the sampled id before it."""
+    cell = {}
+
+    def script(request, turn):
+        cell["engines"].version = 3 if turn == 0 else 4
+        return ids(f"a{turn}") + [EOS], "stop"
+
+    runner, engines = make_runner(script, agent_kwargs={COUNTDOWN: {"turns": 3}})
+    cell["engines"] = engines
+    [sample] = run_group(runner).samples
+    mask = sample.loss_mask
+    first_observation = mask.index(0)
+    expected, last = [], None
+    for position, sampled in enumerate(mask):
+        if sampled:
+            last = 3 if position < first_observation else 4
+        expected.append(last)
+    assert sample.policy_versions == expected
+    assert sample.policy_versions[:first_observation + 1] == [3] * (first_observation + 1)  # obs after turn 0: 3
+    assert set(sample.policy_versions) == {3, 4} and len(sample.policy_versions) == len(sample.token_ids)
+
+
+def test_no_turn_is_submitted_while_the_runner_is_held():
+    """Weights are pushed with the runner held: the episodes' resets return meanwhile, but their first turns reach
+    the engines only after the hold."""
+    runner, engines = make_runner(answer("x"), agent_kwargs={COUNTDOWN: {"turns": 2}})
+    with runner.held():
+        runner.submit("g0", record(), SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=1))
+        wait_until(lambda: all(f.done() for f in runner.calls.out), 10, "both resets returned")
+        with pytest.raises(TimeoutError):
+            runner.finished(timeout=0)
+        assert engines.requests == []
+    [group] = runner.finished(timeout=30)
+    assert [s.episode.turns for s in group.samples] == [2, 2]
+    runner.close()
+
+
+def test_each_environment_is_closed_once_whatever_ends_its_episode():
+    """A score that outlasts the call timeout closes its environment when it returns (once, not again by the
+    runner); cancelling a group whose one episode finished (closed by its score call) and whose other is mid-step
+    closes each once."""
+    Counted.reset_counts()
+    SlowScore.release = threading.Event()
+    runner, _ = make_runner(answer("x"), default_agent="tests.envs.scripted:SlowScore", call_timeout_s=0.3,
+                            env_workers=1)
+    runner.submit("g0", record(), SamplingParams(n=1, max_tokens=99, stop_token_ids=(EOS,), seed=1))
+    [sample] = runner.finished(timeout=30)[0].samples
+    assert (sample.episode.env_timeouts, sample.episode.stop_reason) == (1, "done")
+    SlowScore.release.set()
+    runner.calls.pool.submit(lambda: None).result(timeout=10)  # one thread: whatever the score queued has run
+    assert Counted.closed_once(1) and sum(Counted.closes.values()) == 1
+    runner.close()
+
+    Counted.reset_counts()
+    HoldsFirstStep.release, HoldsFirstStep.taken = threading.Event(), threading.Lock()
+    runner, _ = make_runner(answer("x"), default_agent="tests.envs.scripted:HoldsFirstStep")
+    runner.submit("g0", record(), SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=1))
+    wait_until(lambda: sum(Counted.closes.values()) == 1, 10, "the episode that was not held finished and closed")
+    assert runner.cancel_all() == 1
+    HoldsFirstStep.release.set()
+    runner.close()
+    wait_until(lambda: sum(Counted.closes.values()) == 2, 10, "the held environment closed after its step")
+    assert Counted.closed_once(2)
+
+
+def test_a_failure_of_the_driver_reaches_the_caller_of_finished():
+    """An environment whose episodes start from different conversations is a programming error: the driver thread
+    stops and `finished` raises it, naming the rule."""
+    runner, _ = make_runner(answer("x"), default_agent="tests.envs.scripted:Diverging")
+    runner.submit("g0", record(), SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=1))
+    with pytest.raises(ValueError, match="must depend on the record and the seed only"):
+        runner.finished(timeout=30)
     runner.close()
 
 

@@ -319,8 +319,6 @@ def test_resume_position_is_the_first_prompt_not_yet_trained():
     (["async_training.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
     (["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"],
      "both weight the loss"),
-    (["async_training.max_staleness=1", "actor_rollout_ref.rollout.multi_turn.enable=true"],
-     "max_staleness=1 with actor_rollout_ref.rollout.multi_turn.enable=true"),
 ])
 def test_settings_that_cannot_work_are_refused_in_one_line(overrides, message):
     from megatron_cpo.config import ConfigError

@@ -40,6 +40,7 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
+from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.config import AsyncTrainingConfig
 from megatron_cpo.trainer.driver.prompt_stream import StreamPosition
 
@@ -228,12 +229,28 @@ class EngineIdleWatch:
         return 0.0 if self.generating else max(0.0, now - self.last_finish)
 
 
-def staleness_metrics(versions: list[list[int]], trainer_version: int) -> dict[str, float]:
-    """Of the trained samples (each given by its tokens' weight versions): staleness = trainer version minus the
-    oldest version of the sample's tokens, its mean and max, and the fraction of samples whose tokens span more than
-    one version (generated across a push)."""
-    oldest = torch.tensor([min(v) if v else trainer_version for v in versions], dtype=torch.float64)
-    spans = torch.tensor([len(set(v)) > 1 for v in versions], dtype=torch.float64)
-    staleness = trainer_version - oldest
+def staleness_metrics(versions: RaggedRows, trainer_version: int, sampled: RaggedRows | None = None
+                      ) -> dict[str, float]:
+    """Of the trained samples (a multi-turn episode is one sample), given the weight version of each response token
+    and which tokens were sampled (`sampled`, the loss mask: 0 on observations, None: all were):
+
+    - per sample: staleness = trainer version minus the oldest version of its tokens (`async/staleness_mean`,
+      `_max`), the fraction generated across a push (tokens of two or more versions, `async/partial_rollout_frac`)
+      and the pushes each spanned (newest minus oldest version, `async/pushes_spanned_mean`, `_max`: an episode
+      whose turns ran under several versions);
+    - per sampled token: `async/token_staleness_mean` (what the off-policy correction weighs, token by token).
+    Observation tokens carry the version of the sampled token before them (envs/episode.py), so they change no
+    sample's oldest or newest version."""
+    lengths = versions.lengths()
+    rows = torch.arange(versions.rows).repeat_interleave(lengths)
+    values = versions.values.double()
+    fill = torch.full((versions.rows,), float(trainer_version), dtype=torch.float64)
+    oldest = fill.scatter_reduce(0, rows, values, "amin", include_self=False)
+    newest = fill.scatter_reduce(0, rows, values, "amax", include_self=False)
+    staleness, spanned = trainer_version - oldest, newest - oldest
+    weights = torch.ones_like(values) if sampled is None else sampled.values.double()
+    token_staleness = ((trainer_version - values) * weights).sum() / weights.sum().clamp(min=1.0)
     return {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max()),
-            "async/partial_rollout_frac": float(spans.mean())}
+            "async/partial_rollout_frac": float((spanned > 0).double().mean()),
+            "async/pushes_spanned_mean": float(spanned.mean()), "async/pushes_spanned_max": float(spanned.max()),
+            "async/token_staleness_mean": float(token_staleness)}

@@ -41,6 +41,7 @@ from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
 from megatron_cpo.trainer.driver.admission import (Admission, EngineIdleWatch, OpenRequests, Request,
                                                    staleness_metrics)
+from megatron_cpo.trainer.driver.batching import batch_loss_mask
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
 
 logger = logging.getLogger(__name__)
@@ -303,15 +304,16 @@ class RolloutController:
                        ) -> dict[str, float]:
         """The engines' idle time since the last batch was handed out (`timing/engine_idle_s`; the trainer idles
         for `timing/gen_s`), what waits for the next batches (`async/buffered_groups` finished, `async/in_flight`
-        generating), and the batch's staleness (admission.staleness_metrics)."""
+        generating), and the batch's staleness (admission.staleness_metrics: per sample or episode, and per sampled
+        token)."""
         metrics = {} if engine_idle is None else {"timing/engine_idle_s": engine_idle}
         if self.admission.carries_unused:
             metrics.update({"async/buffered_groups": float(len(self.open.finished)),
                             "async/in_flight": float(len(self.open.running))})
         kept = accumulator.kept[: accumulator.target_prompts]
         if policy_version is not None and kept and all(g.policy_versions is not None for g in kept):
-            metrics.update(staleness_metrics([row for g in kept for row in g.policy_versions.tolist()],
-                                             policy_version))
+            metrics.update(staleness_metrics(RaggedRows.cat([g.policy_versions for g in kept]), policy_version,
+                                             batch_loss_mask(kept)))
         return metrics
 
 

@@ -8,8 +8,9 @@ started here. `RankZero` is rank 0's composition root: the one class of the driv
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -102,6 +103,11 @@ class RankZero:
         except NonFiniteRewardError:
             self.controller.load_state_dict(position)
             raise
+
+    def generation_held(self) -> ContextManager[None]:
+        """What the weight push runs inside: episodes advance on their own thread (envs/runner.py) and submit no
+        turn meanwhile; single answers are submitted by the controller alone, so there is nothing to hold."""
+        return self.generator.held() if isinstance(self.generator, EpisodeRunner) else nullcontext()
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
