@@ -129,10 +129,12 @@ def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rol
 
 
 def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(make_config, rollout_manager, tmp_path):
-    """One CPO step with every selection and loss feature on, then the reward-variance early stop ends the run."""
+    """One CPO step with every selection and loss feature on, then the reward-variance early stop ends the run.
+    The rule is `mi3`, whose hint terms act on every wrong response (negonly_mi3's act on all-wrong prompts only,
+    which filter-groups does not keep): only the wrong responses are scored under their hints."""
     run_dir = tmp_path / "cpo"
     config = make_config(
-        "algorithm.adv_estimator=cpo", "algorithm.wrap_method=negonly_mi3",
+        "algorithm.adv_estimator=cpo", "algorithm.wrap_method=mi3",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
         "actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=3",
         "actor_rollout_ref.actor.filter_loss_scaling=linear", "actor_rollout_ref.actor.top_entropy_quantile=0.5",
@@ -147,8 +149,11 @@ def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(ma
     metrics = read_metrics(run_dir)
     step = metrics[1]
     assert step["cpo/hints_truncated"] == 0
-    assert step["cpo/hint_source/extra_info.solution"] == 8 and step["cpo/hint_bare_answer"] == 0  # data.hint_key
-    assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0
+    # filter-groups kept 4 mixed prompts of 2 responses: their 4 wrong ones were scored under the hint (data.hint_key)
+    assert step["cpo/hint_source/extra_info.solution"] == 4 and step["cpo/hinted_frac"] == 0.5
+    assert step["cpo/hint_bare_answer"] == 0
+    assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0 and "cpo/mi_wrong_p50" in step
+    assert "cpo/mi_correct_p50" not in step  # no correct response was scored under a hint
     assert step["cpo/difficulty_mixed"] == 1.0  # filter-groups kept only mixed prompts
     assert step["filter/kept_prompts"] == 4 and "kl" in step
     # RAGEN keeps at most 3 of every 4 groups, and the loss scale is that kept ratio (filter_loss_scaling=linear)

@@ -61,8 +61,9 @@ class RankZero:
         self.generator = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer) if algorithm.shaper.needs_hint_contexts
-                      else None)
+        shaper = algorithm.shaper
+        self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer, shaper.hinted_responses)
+                      if shaper.needs_hint_contexts else None)
         selection = group_selection(algorithm.filter_groups, rollout, config.reward.overlong_buffer,
                                     data.train_batch_size, data.max_response_length)
         self.controller = RolloutController(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,17 @@ from megatron_cpo.trainer.batch.packing import PackedRows, pack_rows
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
+if TYPE_CHECKING:
+    from megatron_cpo.trainer.workers.shaping import ResponseShaping
+
 
 @dataclass
 class UpdateInputs:
     """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned), and the off-policy correction
     that weights and masks the policy gradient by them (`algorithm.rollout_correction`, resolved; None: off).
-    `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`)."""
+    `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`); then `shaping`,
+    when set, turns each micro-batch's `advantages` (GRPO's) into the ones to train on from that forward's
+    log-probs and entropy (trainer/workers/shaping.py)."""
     advantages: torch.Tensor
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
@@ -47,6 +52,7 @@ class UpdateInputs:
     correction: RolloutCorrectionConfig | None = None
     routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
     first_row: int = 0                      # this mini-batch's first row in the step batch
+    shaping: ResponseShaping | None = None
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -298,6 +304,8 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
+        shaping_rows = inputs.shaping.row_inputs() if inputs.shaping is not None else {}
+        extra.update({f"shaping/{name}": tensor for name, tensor in shaping_rows.items()})
         padded, plan = self._plan(seqs, self.config.ppo_max_token_len_per_gpu,
                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                   self.config.ppo_micro_batch_size_per_gpu)
@@ -314,9 +322,13 @@ class MegatronPolicy:
         def loss_step(log_probs, entropy, batch):
             device = log_probs.device
             old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
+            mask = batch["seqs"].response_mask().to(device)
+            advantages = batch["advantages"].to(device)
+            if inputs.shaping is not None:  # the shaper reads this forward's log-probs (on-policy: the old ones)
+                advantages = inputs.shaping(advantages, mask, old, entropy.detach(),
+                                            {name: batch[f"shaping/{name}"].to(device) for name in shaping_rows})
             loss, metrics = policy_loss(
-                log_probs, old, batch["advantages"].to(device),
-                batch["seqs"].response_mask().to(device), self.config, entropy=entropy,
+                log_probs, old, advantages, mask, self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction)
