@@ -168,3 +168,25 @@ def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(ma
 
     run_training(config, rollout_manager)  # resuming a stopped run trains nothing
     assert max(read_metrics(run_dir)) == 1
+
+
+def test_sample_budget_ends_the_run_and_validates_by_samples(make_config, rollout_manager, tmp_path):
+    """`trainer.total_rollout_samples` ends the run after the step whose generated samples reach it (checkpointed,
+    validated), `trainer.test_freq_samples` validates after each step that crosses a multiple, and
+    `trainer.max_actor_ckpt_to_keep` keeps the newest checkpoint only. A GRPO step here generates 4 x 2 = 8 samples:
+    a budget of 20 ends the run after step 3 (24 samples) and validation falls after steps 2 (16 > 12) and 3."""
+    run_dir = tmp_path / "budget"
+    config = make_config("trainer.total_training_steps=10", "trainer.total_rollout_samples=20",
+                         "trainer.test_freq_samples=12", "trainer.val_before_train=false", "trainer.save_freq=1",
+                         "trainer.max_actor_ckpt_to_keep=1", f"trainer.default_local_dir={run_dir}")
+    run_training(config, rollout_manager)
+    metrics = read_metrics(run_dir)
+    assert max(metrics) == 3 and [metrics[s]["train/generated_samples"] for s in (1, 2, 3)] == [8.0, 16.0, 24.0]
+    assert all(metrics[s]["rollout/generated_samples"] == 8.0 for s in (1, 2, 3))
+    assert ["val/acc" in metrics[s] for s in (1, 2, 3)] == [False, True, True]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000003"]
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
+
+    run_training(config, rollout_manager)  # resumed: the budget is spent, nothing more is trained
+    assert max(read_metrics(run_dir)) == 3
