@@ -109,8 +109,9 @@ def run_setting(name: str, batches: dict[str, str], repeats: int, port: int) -> 
             step.update({f"{part}_s": clock.wall.get(part, 0.0) for part in ("hints", "old_pass", "hint_pass", "update")})
             step["actor_cpu_s"] = sum(clock.cpu.get(part, 0.0) for part in ("log_probs", "advantages", "update"))
             step["actor_s"] = sum(clock.wall.get(part, 0.0) for part in ("log_probs", "advantages", "update"))
-            step.update({key: metrics[key] for key in ("timing/train_tokens", "cpo/hinted_frac",
-                                                       "cpo/shaped_token_frac") if key in metrics})
+            step.update({key: value for key, value in metrics.items()
+                         if key == "timing/train_tokens" or key.startswith("cpo/mi") or key in (
+                             "cpo/hinted_frac", "cpo/shaped_token_frac", "cpo/kl_mean")})
             steps.append(step)
     platform.destroy_distributed()
     result = {"setting": name, "config": example, "batch": batch_name, "before_issue_35": before,
