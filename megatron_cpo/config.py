@@ -68,7 +68,7 @@ class Config:
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
-        grouped = algo.filter_groups.enable or algo.adv_estimator in ("grpo", "cpo")
+        grouped = algo.filter_groups.enable or algo.estimator_needs.grouped
         check(not grouped or rollout.n >= 2,
               f"actor_rollout_ref.rollout.n={rollout.n} cannot form groups for {algo.adv_estimator} advantages or "
               "filter_groups; set actor_rollout_ref.rollout.n >= 2")
@@ -105,6 +105,10 @@ class Config:
               f"algorithm.rollout_correction.rollout_is={algo.rollout_correction.rollout_is!r} and "
               f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} both weight the loss by the "
               "engine's log-probs; keep one (tis_imp_ratio_cap=-1, or rollout_is=null)")
+        check(not (algo.estimator_needs.greedy_baseline and staleness > 0),
+              f"algorithm.adv_estimator={algo.adv_estimator} with async_training.max_staleness={staleness}: the greedy "
+              "baseline answers are generated with the synchronous loop's batches only; set max_staleness=0 or use "
+              "another estimator (e.g. rloo)")
         check(not (rollout.multi_turn.enable and staleness > 0), f"async_training.max_staleness={staleness} with "
               "actor_rollout_ref.rollout.multi_turn.enable=true: episodes do not yet carry the weight version of "
               "each token across a push; set max_staleness=0 for multi-turn runs")

@@ -31,16 +31,22 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("actor_rollout_ref.ref.megatron.param_offload", _REF_OFFLOAD),
     NoOpKey("actor_rollout_ref.rollout.name", "rollouts always run on vLLM", ("vllm",)),
     NoOpKey("actor_rollout_ref.rollout.calculate_log_probs", "the engines always return their log-probs", (True,)),
-    NoOpKey("algorithm.rollout_correction.bypass_mode", "the PPO ratio's old log-probs are the trainer's (decoupled "
-            "mode); the engine's serve the importance weights", (False,)),
-    NoOpKey("algorithm.rollout_correction.use_policy_gradient", "the loss is PPO's clipped objective", (False,)),
+    NoOpKey("algorithm.rollout_correction.bypass_mode", "the PPO ratio's old log-probs are the trainer's (verl's "
+            "decoupled mode) and the engine's serve the importance weights; bypass mode (the engine's as the old ones) "
+            "is not built: it would skip the old-log-prob pass, which CPO's shaping, KL in the reward and routing "
+            "replay read", (False,)),
+    NoOpKey("algorithm.rollout_correction.loss_type", "bypass mode's loss; the decoupled mode here trains with "
+            "actor_rollout_ref.actor.policy_loss.loss_mode", ("ppo_clip",)),
+    NoOpKey("algorithm.rollout_correction.use_policy_gradient", "bypass mode's loss (verl's older name of loss_type); "
+            "the decoupled mode here trains with actor_rollout_ref.actor.policy_loss.loss_mode", (False,)),
     NoOpKey("algorithm.rollout_correction.rollout_is_batch_normalize", "importance weights are not normalised to "
-            "mean 1", (False,)),
+            "mean 1: that needs every weight of the batch before the update, and here they are computed per "
+            "micro-batch, from the update's own forward when it is on-policy", (False,)),
     NoOpKey("data.return_raw_chat", "records always keep their chat messages"),
     NoOpKey("reward_model.reward_manager", "responses are graded per data source like verl's naive/dapo "
             "managers; DAPO's overlong penalty is reward.overlong_buffer", ("naive", "dapo")),
-    NoOpKey("trainer.critic_warmup", "there is no critic (GRPO/DAPO/CPO); a warm-up > 0 would skip actor updates",
-            (0,)),
+    NoOpKey("trainer.critic_warmup", "there is no critic in this version (algorithm.adv_estimator=gae is refused); a "
+            "warm-up > 0 would skip actor updates", (0,)),
     NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
             "training ones)"),
     NoOpKey("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "episodes are trained on the ids "

@@ -5,12 +5,18 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 
 - groups.py: per-group count / sum / mean / std / min / max by scatter reductions.
 - masked.py: masked sum / mean that ignore padded values, NaN and inf included (select, not multiply).
-- advantages.py: GRPO and Dr.GRPO advantages.
-- losses.py: clipped policy loss, loss aggregation, entropy mask (kl.py: KL estimators; mismatch.py: rollout/trainer
-  mismatch metrics and TIS, re-exported by losses.py).
+- advantages.py: the advantage estimators under verl's names (GRPO, RLOO, REINFORCE++, ReMax, OPO, GPG, pass@k, GAE),
+  one function and one row each (returns.py: the reverse scan, discounted returns, GAE, whitening).
+- policy_losses.py: the policy-loss modes under verl's names (PPO clip, GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov,
+  KL-Cov), one class each.
+- aggregation.py: the loss aggregations (`loss_agg_mode`), as additive shares of the batch loss.
+- losses.py: the actor's whole loss (the mode's term, aggregation, entropy bonus and mask, KL loss; kl.py: KL
+  estimators; mismatch.py: rollout/trainer mismatch metrics and TIS, re-exported by losses.py).
 - cpo.py: difficulty mask, the shaping-rule table.
-- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (GRPO as is, CPO's rule) and CPO's config.
+- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule) and CPO's
+  config.
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling.
 - overlong.py: DAPO overlong reward shaping.
-- config.py: the `algorithm.*` section (estimator, filter-groups, KL in the reward, CPO's settings).
+- config.py: the algorithms' settings, torch-free (`algorithm.*`, RAGEN's filter, the overlong buffer), the names
+  each accepts and what each estimator needs; loss_config.py: the policy loss's (its modes and what each defines, TIS).
 """

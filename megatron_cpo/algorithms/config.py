@@ -1,13 +1,14 @@
 """The settings of the algorithms, torch-free so that loading a config imports no torch: the `algorithm.*` section
 (the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings, the off-policy
-correction), and the parts of other sections that select a pure-math variant: the policy loss
-(`actor_rollout_ref.actor`, `PolicyLossConfig`), RAGEN's rollout filter (`actor_rollout_ref.rollout`,
-`RolloutFilterConfig`) and DAPO's overlong buffer (`reward.overlong_buffer`).
+correction), and the parts of other sections that select a pure-math variant: RAGEN's rollout filter
+(`actor_rollout_ref.rollout`, `RolloutFilterConfig`) and DAPO's overlong buffer (`reward.overlong_buffer`). The policy
+loss's settings (`actor_rollout_ref.actor`) are loss_config.py's, torch-free too.
 
-Each variant table lives with its math (kl.py `KL_ESTIMATORS`, losses.py `LOSS_AGGREGATIONS`, filters.py
-`RAGEN_STRATEGIES` and `FILTER_LOSS_SCALINGS`, shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the
-names a setting accepts are declared here next to the setting, and tests/algorithms/test_variant_names.py checks that
-every table implements exactly them.
+Each variant table lives with its math (advantages.py `ADVANTAGE_ESTIMATORS`, policy_losses.py `POLICY_LOSS_MODES`
+(its names: loss_config.py), kl.py `KL_ESTIMATORS`, aggregation.py `LOSS_AGGREGATIONS`, filters.py `RAGEN_STRATEGIES` and `FILTER_LOSS_SCALINGS`,
+shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the names a setting accepts, and what each variant needs
+of the rest of the config, are declared here next to the setting, and tests/algorithms/test_variant_names.py checks
+that every table implements exactly them.
 """
 from __future__ import annotations
 
@@ -22,11 +23,38 @@ KL_ESTIMATOR_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "
 variant."""
 LOSS_AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                           "seq-mean-token-sum-norm")
-"""`actor.loss_agg_mode` (losses.py `LOSS_AGGREGATIONS`)."""
+"""`actor.loss_agg_mode` (aggregation.py `LOSS_AGGREGATIONS`)."""
 RAGEN_STRATEGY_NAMES = ("top_p", "top_k", "min_p")
 """`rollout.rollout_filter_strategy` besides `none` (filters.py `RAGEN_STRATEGIES`)."""
 FILTER_LOSS_SCALING_MODES = ("none", "linear", "sqrt")
 """`actor.filter_loss_scaling` (filters.py `FILTER_LOSS_SCALINGS`)."""
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    """What an advantage estimator needs of the run. grouped: it compares the responses of a prompt (`rollout.n >=
+    2`); critic: a critic's values; greedy_baseline: each prompt's greedy answer, scored (ReMax)."""
+    grouped: bool = False
+    critic: bool = False
+    greedy_baseline: bool = False
+
+
+ADVANTAGE_ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    "grpo": EstimatorNeeds(grouped=True),
+    "grpo_passk": EstimatorNeeds(grouped=True),
+    "rloo": EstimatorNeeds(grouped=True),
+    "opo": EstimatorNeeds(grouped=True),
+    "gpg": EstimatorNeeds(grouped=True),
+    "reinforce_plus_plus_baseline": EstimatorNeeds(grouped=True),
+    "reinforce_plus_plus": EstimatorNeeds(),
+    "remax": EstimatorNeeds(greedy_baseline=True),
+    "gae": EstimatorNeeds(critic=True),
+}
+"""`algorithm.adv_estimator` (advantages.py `ADVANTAGE_ESTIMATORS`, docs/algorithms.md) -> what it needs."""
+ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+"""verl's vectorised implementations of the same estimators."""
+CPO_BASE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+"""The group estimators whose advantages CPO's rule shapes (`algorithm.cpo.base_estimator`)."""
 
 
 def known_kl_kinds() -> list[str]:
@@ -80,6 +108,11 @@ class KLControlConfig:
 
 IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
+VERL_RATIO_RS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+"""verl's names of the ratio bands (with a single threshold they keep the same tokens)."""
+DIVERGENCE_RS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                 "seq_max_k3")
+"""verl's divergence bounds (rollout_correction.py `divergence`)."""
 AUTO = "auto"
 
 
@@ -96,8 +129,10 @@ class RolloutCorrectionConfig:
         samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
         the loss, off otherwise.
     rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
-    rollout_rs: `token`, `sequence`, `geometric` or null (off): which ratios must stay inside the band.
-    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal).
+    rollout_rs: `token`, `sequence`, `geometric` (verl: `token_k1`, `seq_sum_k1`, `seq_mean_k1`) or null (off): which
+        ratios must stay inside the band; or one of verl's divergence bounds (`token_k2` ... `seq_max_k3`).
+    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal);
+        for a divergence bound, its upper end (required, e.g. 0.01 for k3).
     rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
     """
     rollout_is: Optional[str] = AUTO
@@ -110,15 +145,25 @@ class RolloutCorrectionConfig:
     def __post_init__(self) -> None:
         prefix = "algorithm.rollout_correction."
         self.rollout_is, self.rollout_rs = _off(self.rollout_is), _off(self.rollout_rs)
+        self.rollout_rs = VERL_RATIO_RS.get(self.rollout_rs, self.rollout_rs)
         check(self.rollout_is in (None, AUTO, *IS_LEVELS), f"{prefix}rollout_is={self.rollout_is!r} is unknown; choose "
               "token, sequence, auto (token when training on stale samples) or null (off)")
-        check(self.rollout_rs in (None, *RS_LEVELS), f"{prefix}rollout_rs={self.rollout_rs!r} is unknown; choose "
-              "token, sequence, geometric or null (off)")
+        check("," not in str(self.rollout_rs), f"{prefix}rollout_rs={self.rollout_rs!r}: combining rejection criteria "
+              "(verl's comma-separated list) is not built; choose one")
+        check(self.rollout_rs in (None, *RS_LEVELS, *DIVERGENCE_RS), f"{prefix}rollout_rs={self.rollout_rs!r} is "
+              f"unknown; choose token, sequence, geometric (ratio bands), one of {', '.join(DIVERGENCE_RS)} "
+              "(divergence bounds) or null (off)")
+        if self.rollout_rs in DIVERGENCE_RS:
+            check(self.rollout_rs_threshold is not None and self.rollout_rs_threshold > 0 and
+                  self.rollout_rs_threshold_lower is None, f"{prefix}rollout_rs={self.rollout_rs} bounds a divergence "
+                  f"from above: set {prefix}rollout_rs_threshold > 0 (e.g. 0.01) and leave rollout_rs_threshold_lower "
+                  "null")
         check(self.rollout_is_threshold > 0, f"{prefix}rollout_is_threshold={self.rollout_is_threshold} must be > 0 "
               "(typical 1.5-5)")
         upper, lower = self.rs_band
-        check(upper > 0 and 0 <= lower < upper, f"{prefix}rollout_rs_threshold_lower={lower} and "
-              f"rollout_rs_threshold={upper} must satisfy 0 <= lower < upper (the band of ratios kept)")
+        check(self.rollout_rs in DIVERGENCE_RS or (upper > 0 and 0 <= lower < upper),
+              f"{prefix}rollout_rs_threshold_lower={lower} and rollout_rs_threshold={upper} must satisfy "
+              "0 <= lower < upper (the band of ratios kept)")
         veto = self.rollout_token_veto_threshold
         check(veto is None or 0 < veto < 1, f"{prefix}rollout_token_veto_threshold={veto} must be in (0, 1), e.g. "
               "1e-4, or null")
@@ -148,14 +193,20 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and its shaping: `adv_estimator` selects the shaper (`grpo`, or `cpo` with its settings
-    under `algorithm.cpo`, see algorithms/shapers.py and docs/cpo.md).
-    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference),
-    summed over the response, from each response's score before the advantages (needs the reference model).
+    """Advantage estimator and its shaping: `adv_estimator` names an estimator of advantages.py under verl's names
+    (`grpo`, `rloo`, `reinforce_plus_plus`, `remax`, ...; docs/algorithms.md), or `cpo`: CPO's shaping rule on the
+    advantages of `algorithm.cpo.base_estimator` (its settings under `algorithm.cpo`, algorithms/shapers.py,
+    docs/cpo.md). `gamma` / `lam`: the discount and GAE's lambda (REINFORCE++'s returns; GAE).
+    `norm_adv_by_std_in_grpo`: GRPO's and grpo_passk's division by the group's std (false: Dr.GRPO).
+    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference)
+    from every token's reward (the response's score sits on its last sampled token) before the advantages (needs the
+    reference model); the outcome estimators sum these token rewards.
     `rollout_correction` (verl's section): importance weights and rejection against the engine's log-probs, on by
     default when samples may be stale (`async_training.max_staleness` > 0; docs/async.md)."""
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
@@ -165,88 +216,36 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_choice("algorithm.kl_penalty", self.kl_penalty, tuple(KL_ESTIMATOR_KINDS))
-        check_choice("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_SHAPERS))
+        check_choice("algorithm.adv_estimator", self.adv_estimator,
+                     (*ADVANTAGE_ESTIMATOR_NEEDS, *ESTIMATOR_ALIASES, *ADVANTAGE_SHAPERS))
+        bases = [*CPO_BASE_ESTIMATORS, *(alias for alias, name in ESTIMATOR_ALIASES.items()
+                                        if name in CPO_BASE_ESTIMATORS)]
+        check(self.cpo.base_estimator in bases, f"algorithm.cpo.base_estimator={self.cpo.base_estimator!r} cannot "
+              "carry CPO's shaping: the rule reads each prompt group's difficulty; choose grpo, rloo or "
+              "reinforce_plus_plus_baseline")
+        check(not self.estimator_needs.critic, f"algorithm.adv_estimator={self.adv_estimator} needs a critic "
+              "(critic.enable / critic.model.path), which is not available in this version; use a critic-free "
+              "estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ... "
+              "(docs/algorithms.md)")
+        check(0.0 <= self.gamma <= 1.0, f"algorithm.gamma={self.gamma} must be in [0, 1] (1: no discount)")
+        check(0.0 <= self.lam <= 1.0, f"algorithm.lam={self.lam} must be in [0, 1] (GAE's lambda)")
+
+    @property
+    def estimator_name(self) -> str:
+        """The estimator whose advantages the run computes: `algorithm.cpo.base_estimator` under CPO's shaping, else
+        `adv_estimator` (verl's aliases resolved)."""
+        name = self.cpo.base_estimator if self.adv_estimator in ADVANTAGE_SHAPERS else self.adv_estimator
+        return ESTIMATOR_ALIASES.get(name, name)
+
+    @property
+    def estimator_needs(self) -> EstimatorNeeds:
+        """What that estimator needs of the run."""
+        return ADVANTAGE_ESTIMATOR_NEEDS[self.estimator_name]
 
     @property
     def shaper(self) -> AdvantageShaper:
         """The advantage shaper `adv_estimator` selects; ask it whether hint contexts are needed."""
         return build_shaper(self.adv_estimator, self.cpo)
-
-
-TIS_LEVELS = ("token", "sequence")
-
-
-@dataclass
-class TISConfig:
-    """Truncated importance sampling on the policy loss.
-
-    level: `token` truncates each token's ratio; `sequence` truncates the product of a response's token ratios.
-    threshold: the truncation C (weights are min(ratio, C)); 2.0 is the value the TIS authors recommend.
-    """
-
-    level: str = "token"
-    threshold: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.level not in TIS_LEVELS:
-            raise ValueError(f"tis.level={self.level!r} is unknown; choose one of {list(TIS_LEVELS)}")
-        if not self.threshold > 0:
-            raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
-
-
-@dataclass
-class PolicyLossConfig:
-    """Everything that selects the policy-loss variant, under verl's names. The actor's config
-    (`actor_rollout_ref.actor`, trainer/config.py) extends this class, so the trainer passes it as is.
-    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
-    `loss_agg_mode="seq-mean-token-sum-norm"`.
-
-    clip_ratio_low / clip_ratio_high: PPO clip range [1 - low, 1 + high].
-    clip_ratio_c: dual-clip bound for negative advantages (> 1).
-    loss_agg_mode: one of LOSS_AGGREGATION_MODES.
-    entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
-    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
-    policy-gradient term (1.0 = all).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
-    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
-    engine's log-probs, truncated at this cap; needs them. <= 0: off.
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    top_entropy_quantile: float = 1.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    tis_imp_ratio_cap: float = -1.0
-
-    def __post_init__(self) -> None:
-        prefix = "actor_rollout_ref.actor."
-        if not 0 <= self.clip_ratio_low < 1:
-            raise ValueError(f"{prefix}clip_ratio_low={self.clip_ratio_low} must be in [0, 1)")
-        if self.clip_ratio_high < 0:
-            raise ValueError(f"{prefix}clip_ratio_high={self.clip_ratio_high} must be >= 0")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"{prefix}clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; default 3.0)")
-        if self.loss_agg_mode not in LOSS_AGGREGATION_MODES:
-            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
-                             f"{', '.join(map(repr, LOSS_AGGREGATION_MODES))}")
-        try:
-            check_kl_kind(self.kl_loss_type)  # "+": k2's gradient
-        except ValueError as error:
-            raise ValueError(f"{prefix}kl_loss_type={self.kl_loss_type!r}: {error}") from None
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
-                             "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
-                             "all, e.g. 0.2 for the top 20%)")
-
-    @property
-    def tis(self) -> Optional[TISConfig]:
-        """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
-        return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None
 
 
 TOP_P_PROB_MODES = ("linear", "softmax")

@@ -9,7 +9,7 @@ the product of the token ratios.
 """
 import torch
 
-from megatron_cpo.algorithms.config import TISConfig
+from megatron_cpo.algorithms.loss_config import TISConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 

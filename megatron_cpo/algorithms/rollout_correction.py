@@ -12,6 +12,10 @@ mode": clip on pi / pi_old as usual, times an importance weight on pi_old / pi_r
 - Rejection (`rollout_rs`): tokens (`token`), whole responses by the product of their ratios (`sequence`) or by its
   geometric mean (`geometric`) whose ratio leaves the band [lower, upper] drop out of the policy-gradient term
   (upper = `rollout_rs_threshold`, default the IS threshold; lower = `rollout_rs_threshold_lower`, default 1/upper).
+  verl's names of the same bands are accepted: `token_k1`, `seq_sum_k1`, `seq_mean_k1`. verl's divergence bounds
+  drop what a KL estimate of `log r` puts above `rollout_rs_threshold`: `k2` = (log r)^2 / 2, `k3` = r - 1 - log r,
+  per token (`token_k2`, `token_k3`) or over a response's tokens summed, averaged or at their maximum (`seq_sum_*`,
+  `seq_mean_*`, `seq_max_*`). One criterion per run (verl's comma-separated lists are refused).
 - Veto (`rollout_token_veto_threshold`): a response with any token ratio below it is dropped whole.
 
 Ratios are formed in log space and bounded to exp(+-20) before exponentiating (verl's safety bound). Weights are
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_cpo.algorithms.config import IS_LEVELS, RolloutCorrectionConfig
+from megatron_cpo.algorithms.config import IS_LEVELS, RS_LEVELS, RolloutCorrectionConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
 
@@ -46,6 +50,23 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
     elif level == "geometric":
         log_ratio = masked_mean(log_ratio, mask, -1)[:, None].expand_as(log_ratio)
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def divergence(log_ratio: torch.Tensor, valid: torch.Tensor, option: str) -> torch.Tensor:
+    """verl's divergence statistic `option` (config.DIVERGENCE_RS) of each token, broadcast to [N, T]: k2 or k3 of
+    the log-ratio (bounded to +-20), the token's own or its response's sum, mean or maximum (0 for an empty one)."""
+    aggregate, estimator = option.rsplit("_", 1)
+    bounded = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    per_token = 0.5 * bounded.square() if estimator == "k2" else torch.exp(bounded) - 1.0 - bounded
+    if aggregate == "token":
+        return per_token
+    if aggregate == "seq_sum":
+        per_response = masked_sum(per_token, valid, -1)
+    elif aggregate == "seq_mean":
+        per_response = masked_mean(per_token, valid, -1)
+    else:
+        per_response = torch.where(valid, per_token, float("-inf")).max(-1).values.clamp(min=0.0)
+    return per_response[:, None].expand_as(per_token)
 
 
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor, threshold: float) -> float:
@@ -74,10 +95,12 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     if config.rollout_is in IS_LEVELS:
         weights = torch.where(valid, ratio.clamp(max=threshold), weights)
     keep = valid.clone()
-    if config.rollout_rs is not None:
+    if config.rollout_rs in RS_LEVELS:
         upper, lower = config.rs_band
         rs_ratio = torch.exp(_level_log_ratio(raw, valid, config.rollout_rs))
         keep &= (rs_ratio >= lower) & (rs_ratio <= upper)
+    elif config.rollout_rs is not None:
+        keep &= divergence(raw, valid, config.rollout_rs) <= config.rollout_rs_threshold
     rs_dropped = valid & ~keep
     vetoed = torch.zeros(len(raw), dtype=torch.bool)
     if config.rollout_token_veto_threshold is not None:

@@ -1,15 +1,18 @@
-"""Advantage shapers: what happens to the group-relative advantages before the policy update, one small class per
-`algorithm.adv_estimator`, registered in `ADVANTAGE_SHAPERS`.
+"""Advantage shapers: what happens to the estimator's advantages (advantages.py) before the policy update: nothing,
+or CPO's rule when `algorithm.adv_estimator=cpo` (registered in `ADVANTAGE_SHAPERS`).
 
 A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
 the hinted log-prob pass only for a shaper that asks for them, only for the responses it names (`hinted_responses`:
-for CPO, those some term of the rule that reads a hint can select), and passes the resulting signals to `shape`. It also
-says whether it reads the actor's log-probs or entropy (`needs_log_probs`): only then must they be computed before
-the update (otherwise an on-policy update takes them from its own forward).
+for CPO, those some term of the rule that reads a hint can select), and passes the resulting signals to `shape`. It
+also says whether it reads the actor's log-probs or entropy (`needs_log_probs`): an on-policy update then shapes each
+micro-batch from its own forward; otherwise they are computed before the update.
 
-- `grpo` (also DAPO, Dr.GRPO: those differ in the filters and the loss, not here): the GRPO advantages as they are.
+- every estimator of advantages.py (`grpo`, `rloo`, ...; DAPO and Dr.GRPO differ in the filters and the loss): its
+  advantages as they are.
 - `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
-  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda].
+  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda], applied to the
+  advantages of the group estimator `algorithm.cpo.base_estimator` (`grpo`, `rloo` or
+  `reinforce_plus_plus_baseline`: CPO's difficulty levels are read per prompt group; algorithms/config.py checks it).
 
 Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`), so this module imports no torch:
 a shaper's math (cpo.py) loads when it first shapes a batch.
@@ -37,6 +40,8 @@ class CPOConfig:
     gold_as_hint: show the data's worked solution as the hint (`data.hint_key`); off: no response gets a hint.
     cpo_lambda: the hint ratio is clamped to [1/cpo_lambda, cpo_lambda] (>= 1).
     pos_alpha / neg_alpha: the weights `a+` / `a-` of the rule's terms (0: the term does nothing).
+    base_estimator: the group estimator whose advantages the rule shapes (`grpo`, `rloo`,
+        `reinforce_plus_plus_baseline`; verl's `*_vectorized` spellings too).
     """
 
     wrap_method: str = "negonly_mi3"
@@ -44,6 +49,7 @@ class CPOConfig:
     cpo_lambda: float = 5.0
     pos_alpha: float = 0.05
     neg_alpha: float = 0.1
+    base_estimator: str = "grpo"
 
     def __post_init__(self) -> None:
         rules = known_rules()
@@ -55,14 +61,14 @@ class CPOConfig:
 
 
 class AdvantageShaper:
-    """The GRPO advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
+    """The estimator's advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
     signals (the trainer then builds hinted prompts for the responses `hinted_responses` names and scores them under
     those); `needs_log_probs`: whether it reads `log_probs` / `entropy` (None is passed otherwise).
 
     Shaping is per response: `response_inputs` computes, on the whole batch, what a response's shaping reads besides
     its own tokens (what depends on its prompt's other responses), and `shape_rows` then works on any subset of whole
     responses, e.g. each micro-batch of an on-policy update, whose own forward gives the log-probs
-    (trainer/workers/policy_update.py). `shape` is the two on the whole batch, with the step's metrics."""
+    (trainer/workers/shaping.py). `shape` is the two on the whole batch, with the step's metrics."""
 
     needs_hint_contexts: ClassVar[bool] = False
     needs_log_probs: ClassVar[bool] = False
@@ -165,13 +171,12 @@ def hint_signal_metrics(signals: HintSignals, mask: torch.Tensor, correct: torch
     return metrics
 
 
-ADVANTAGE_SHAPERS = {"grpo": lambda cpo: AdvantageShaper(), "cpo": CPOShaper}
-"""`algorithm.adv_estimator` -> the shaper, built from `algorithm.cpo` (adding a variant touches this table)."""
+ADVANTAGE_SHAPERS = {"cpo": CPOShaper}
+"""`algorithm.adv_estimator` values that shape an estimator's advantages -> the shaper, built from `algorithm.cpo`
+(adding a variant touches this table). Every other value is an estimator of advantages.py, left as it is."""
 
 
 def build_shaper(adv_estimator: str, cpo: CPOConfig) -> AdvantageShaper:
-    """The shaper `algorithm.adv_estimator` selects."""
-    if adv_estimator not in ADVANTAGE_SHAPERS:
-        raise ValueError(f"algorithm.adv_estimator={adv_estimator!r} is not supported; choose one of "
-                         f"{', '.join(map(repr, ADVANTAGE_SHAPERS))}")
-    return ADVANTAGE_SHAPERS[adv_estimator](cpo)
+    """The shaper `algorithm.adv_estimator` selects (none for a plain estimator)."""
+    shaper = ADVANTAGE_SHAPERS.get(adv_estimator)
+    return shaper(cpo) if shaper is not None else AdvantageShaper()

@@ -125,6 +125,7 @@ class RolloutGroup:
     samples: list[RolloutSample]
     engine_index: int = -1
     finished_at: float | None = None  # the engine's wall clock (time.time()) when the last sample finished
+    greedy_baseline: RolloutSample | None = None  # ReMax: the prompt's greedy answer (GreedyBaselineGenerator)
 
 
 IN_FLIGHT_POLICIES = ("none", "finish", "partial", "keep")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES, PolicyLossConfig
+from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
 from megatron_cpo.config_checks import check, check_choice
 

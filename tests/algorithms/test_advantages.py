@@ -6,7 +6,8 @@ import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages, grpo_scalar_advantages
 
-# group 0: scores 1,0,0,1 (mean 0.5, unbiased std sqrt(1/3)); group 1: a single response; group 2: 3,1,2 (std 1)
+# group 0: scores 1,0,0,1 (mean 0.5, unbiased std sqrt(1/3)); group 1: a single response (verl's baseline 0 and
+# std 1: its score passes through); group 2: 3,1,2 (std 1)
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 3.0, 1.0, 2.0])
 GROUP = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2])
 
@@ -14,12 +15,12 @@ GROUP = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2])
 def test_grpo_hand_computed():
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     b = 1.0 / (1.0 + 1e-6)
-    expected = torch.tensor([a, -a, -a, a, 0.0, b, -b, 0.0])
+    expected = torch.tensor([a, -a, -a, a, 2.0 / (1.0 + 1e-6), b, -b, 0.0])
     torch.testing.assert_close(grpo_scalar_advantages(SCORES, GROUP), expected)
 
 
 def test_dr_grpo_skips_the_std():
-    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 1.0, -1.0, 0.0])
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 2.0, 1.0, -1.0, 0.0])
     torch.testing.assert_close(grpo_scalar_advantages(SCORES, GROUP, norm_by_std=False), expected)
 
 

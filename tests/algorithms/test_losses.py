@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from megatron_cpo.algorithms.config import PolicyLossConfig, TISConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig, TISConfig
 from megatron_cpo.algorithms.kl import kl_in_reward
+from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 from megatron_cpo.algorithms.losses import (
     aggregate_loss,
-    clipped_policy_loss,
     entropy_mask,
     kl_penalty,
     policy_loss,

@@ -219,3 +219,54 @@ def test_mismatch_by_staleness_splits_the_tokens():
     assert m["mismatch/staleness_0/token_frac"] == pytest.approx(2 / 5)
     assert m["mismatch/staleness_1/token_frac"] == pytest.approx(3 / 5)
     assert not any("staleness_2" in key for key in m)
+
+
+def verl_statistic(log_ratio, mask, option):
+    """The statistic verl's `compute_rollout_rejection_mask` bounds for one divergence option, per token
+    (verl/trainer/ppo/rollout_corr_helper.py, volcengine/verl at b178a3cd, transcribed); it keeps a token where this
+    is <= the threshold."""
+    safe = torch.clamp(log_ratio, -20.0, 20.0)
+    per_token = {"k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}[option[-2:]]
+    if option.startswith("token"):
+        return per_token
+    if option.startswith("seq_sum"):
+        per_response = (torch.where(mask.bool(), per_token, 0.0) * mask).sum(-1)
+    elif option.startswith("seq_mean"):
+        per_response = (torch.where(mask.bool(), per_token, 0.0) * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    else:
+        top = per_token.masked_fill(~mask.bool(), float("-inf")).max(-1).values
+        per_response = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    return per_response[:, None].expand_as(mask)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("option", ["token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
+                                    "seq_max_k2", "seq_max_k3"])
+def test_verls_divergence_rejections_equal_verl(seed, option):
+    gen = torch.Generator().manual_seed(seed)
+    rollout = -2 * torch.rand(6, 9, generator=gen, dtype=torch.float64)
+    old = rollout + 0.3 * torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(9)[None, :] < torch.tensor([9, 4, 0, 7, 1, 9])[:, None]).double()
+    statistic = verl_statistic(old - rollout, mask, option)
+    values = statistic[mask.bool()].unique()  # sorted; the threshold halfway between two of them, about the median
+    threshold = float(values[len(values) // 2 - 1: len(values) // 2 + 1].mean())
+    config = RolloutCorrectionConfig(rollout_is=None, rollout_rs=option, rollout_rs_threshold=threshold)
+    out = rollout_correction(old, rollout, mask, config)
+    assert out.keep.tolist() == ((statistic <= threshold) & mask.bool()).tolist()
+    assert 0 < out.metrics["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+
+def test_verls_ratio_band_names_are_ours():
+    for verl_name, ours in (("token_k1", "token"), ("seq_sum_k1", "sequence"), ("seq_mean_k1", "geometric")):
+        assert RolloutCorrectionConfig(rollout_rs=verl_name).rollout_rs == ours
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(rollout_rs="token_k3"), "rollout_rs=token_k3 bounds a divergence from above: set "
+                                  "algorithm.rollout_correction.rollout_rs_threshold > 0"),
+    (dict(rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold=0.1), "combining rejection criteria"),
+    (dict(rollout_rs="seq_max_k1"), "rollout_rs='seq_max_k1' is unknown"),
+])
+def test_divergence_rejection_settings_are_checked(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RolloutCorrectionConfig(**settings)

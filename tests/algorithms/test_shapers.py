@@ -47,3 +47,39 @@ def test_cpo_settings_under_algorithm_cpo_and_the_seed_keys_as_aliases():
     assert seed.algorithm.shaper.needs_hint_contexts and not build_config({}).algorithm.shaper.needs_hint_contexts
     with pytest.raises(ValueError, match="algorithm.cpo.cpo_lambda=0.5 must be >= 1"):
         build_config({}, ["actor_rollout_ref.actor.cpo_lambda=0.5"])
+
+
+def test_cpo_shapes_the_advantages_of_a_group_estimator_and_refuses_the_others():
+    default = build_config({}, ["algorithm.adv_estimator=cpo"]).algorithm
+    assert default.estimator_name == "grpo" and isinstance(default.shaper, CPOShaper)
+    for base, name in (("rloo", "rloo"), ("rloo_vectorized", "rloo"),
+                       ("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline")):
+        algorithm = build_config({}, ["algorithm.adv_estimator=cpo", f"algorithm.cpo.base_estimator={base}"]).algorithm
+        assert algorithm.estimator_name == name and isinstance(algorithm.shaper, CPOShaper)
+    plain = build_config({}, ["algorithm.adv_estimator=rloo"]).algorithm
+    assert plain.estimator_name == "rloo" and not plain.shaper.needs_hint_contexts
+    for base in ("remax", "reinforce_plus_plus", "gae", "opo"):
+        with pytest.raises(ValueError, match=f"algorithm.cpo.base_estimator='{base}' cannot carry CPO's shaping: "
+                                             "the rule reads each prompt group's difficulty; choose grpo, rloo or "
+                                             "reinforce_plus_plus_baseline"):
+            build_config({}, ["algorithm.adv_estimator=cpo", f"algorithm.cpo.base_estimator={base}"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"],
+     "actor_rollout_ref.rollout.n=1 cannot form groups for rloo advantages"),
+    (["algorithm.adv_estimator=remax", "async_training.max_staleness=1"],
+     "algorithm.adv_estimator=remax with async_training.max_staleness=1: the greedy baseline answers are generated "
+     "with the synchronous loop's batches only"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma=1.5 must be in [0, 1]"),
+])
+def test_estimators_that_cannot_run_are_refused_at_load(overrides, message):
+    with pytest.raises(ValueError) as err:
+        build_config({}, overrides)
+    assert message in str(err.value)
+
+
+def test_estimators_without_groups_take_one_response_per_prompt():
+    for name in ("remax", "reinforce_plus_plus"):
+        config = build_config({}, [f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=1"])
+        assert config.actor_rollout_ref.rollout.n == 1

@@ -1,4 +1,4 @@
-"""verl launch scripts load: three real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
+"""verl launch scripts load: five real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
 every problem of a command reported at once with right hints, and no key that changes the algorithm ignored."""
 from pathlib import Path
 
@@ -30,9 +30,17 @@ EXPECTED_IGNORED = {
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.rollout.name",
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         "reward_model.reward_manager"},
+    "gpg_qwen2_7b_math_megatron.txt": {
+        "actor_rollout_ref.rollout.name", "trainer.critic_warmup",
+        "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
+    "reinforce_plus_plus_qwen2_7b_math.txt": {
+        "actor_rollout_ref.rollout.name", "trainer.critic_warmup", "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.ref.fsdp_config.param_offload"},
 }
 RECIPE_OF = {"grpo_qwen2_7b_math_megatron.txt": "grpo.yaml", "dapo_qwen2.5_7b_math_megatron.txt": "dapo.yaml",
-             "dapo_qwen2.5_32b.txt": "dapo.yaml"}
+             "dapo_qwen2.5_32b.txt": "dapo.yaml", "gpg_qwen2_7b_math_megatron.txt": "grpo.yaml",
+             "reinforce_plus_plus_qwen2_7b_math.txt": "grpo.yaml"}
 
 
 def overrides_of(name: str) -> list[str]:
@@ -43,10 +51,11 @@ def distinct_keys(overrides: list[str]) -> set[str]:
     return {line.split("=", 1)[0].lstrip("+") for line in overrides}
 
 
-def test_fixtures_hold_the_three_scripts():
+def test_fixtures_hold_the_five_scripts():
     sizes = {name: len(distinct_keys(overrides_of(name))) for name in EXPECTED_IGNORED}
     assert sizes == {"grpo_qwen2_7b_math_megatron.txt": 39, "dapo_qwen2.5_7b_math_megatron.txt": 66,
-                     "dapo_qwen2.5_32b.txt": 70}
+                     "dapo_qwen2.5_32b.txt": 70, "gpg_qwen2_7b_math_megatron.txt": 37,
+                     "reinforce_plus_plus_qwen2_7b_math.txt": 37}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_IGNORED))
@@ -101,6 +110,31 @@ def test_the_scripts_values_reach_the_config():
     overlong = dapo7.reward.overlong_buffer  # from +reward_model.reward_kwargs.overlong_buffer_cfg.*
     assert (overlong.enable, overlong.len, overlong.log) == (True, 4096, False)
     assert dapo7.trainer.resume == "auto" and dapo7.trainer.val_before_train is False
+
+
+def test_the_algorithm_scripts_select_their_estimator_and_loss():
+    """verl's GPG (estimator and loss) and REINFORCE++ (with KL in the reward) scripts run those algorithms here."""
+    gpg = resolve_config(RECIPES / "grpo.yaml", overrides_of("gpg_qwen2_7b_math_megatron.txt")).config
+    assert (gpg.algorithm.adv_estimator, gpg.actor_rollout_ref.actor.policy_loss.loss_mode) == ("gpg", "gpg")
+    assert gpg.algorithm.estimator_needs.grouped
+    rf = resolve_config(RECIPES / "grpo.yaml", overrides_of("reinforce_plus_plus_qwen2_7b_math.txt")).config
+    assert rf.algorithm.adv_estimator == "reinforce_plus_plus" and rf.algorithm.use_kl_in_reward
+    assert not rf.algorithm.estimator_needs.grouped and rf.needs_reference_model
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae needs a critic (critic.enable / critic.model.path), "
+                                    "which is not available in this version"),
+    ("algorithm.cpo.base_estimator=reinforce_plus_plus", "algorithm.cpo.base_estimator='reinforce_plus_plus' cannot "
+                                                         "carry CPO's shaping"),
+    ("algorithm.rollout_correction.bypass_mode=true", "bypass mode (the engine's as the old ones) is not built"),
+    ("algorithm.rollout_correction.rollout_is_batch_normalize=true", "importance weights are not normalised"),
+    ("algorithm.rollout_correction.loss_type=reinforce", "use 'ppo_clip' or remove it"),
+])
+def test_what_is_not_built_is_refused_with_the_reason(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPES / "grpo.yaml", [override])
+    assert expected in str(err.value)
 
 
 def test_custom_reward_function_keys_load():

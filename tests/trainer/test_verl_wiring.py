@@ -9,21 +9,23 @@ import torch
 
 from megatron_cpo.config import build_config
 from megatron_cpo.trainer.driver.controller import prompt_limit
-from megatron_cpo.trainer.workers.policy_update import scores_with_kl_penalty
+from megatron_cpo.trainer.workers.policy_update import token_rewards_of
 from megatron_cpo.trainer.driver.verl_metrics import with_verl_names
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 
 
-def test_kl_in_reward_subtracts_the_summed_kl_from_each_score():
-    # response 0: 2 tokens, k1 = log p - log p_ref = (-1 - -1.5, -2 - -1) = (0.5, -1), sum -0.5;
+def test_kl_in_reward_subtracts_the_kl_from_each_token_reward():
+    # response 0: 2 tokens, k1 = log p - log p_ref = (-1 - -1.5, -2 - -1) = (0.5, -1), its score 1 on its last token;
     # response 1: 1 token, k1 = -0.3 - -0.1 = -0.2; the padded positions carry garbage that must not count.
-    log_probs = torch.tensor([[-1.0, -2.0, 5.0], [-0.3, 7.0, 7.0]])
-    ref_log_probs = torch.tensor([[-1.5, -1.0, 0.0], [-0.1, 0.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    scores, metrics = scores_with_kl_penalty(torch.tensor([1.0, 0.0]), log_probs, ref_log_probs, mask,
-                                             torch.tensor([2, 1]), "k1", 0.2)
-    assert scores.tolist() == pytest.approx([1.0 - 0.2 * -0.5, 0.0 - 0.2 * -0.2])  # [1.1, 0.04]
+    config = build_config({}, ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k1",
+                               "algorithm.kl_ctrl.kl_coef=0.2"])
+    lp = SimpleNamespace(old_log_probs=torch.tensor([[-1.0, -2.0, 5.0], [-0.3, 7.0, 7.0]]),
+                         ref_log_probs=torch.tensor([[-1.5, -1.0, 0.0], [-0.1, 0.0, 0.0]]),
+                         mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    rewards, metrics = token_rewards_of(SimpleNamespace(scores=torch.tensor([1.0, 0.0])), lp, config.algorithm)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.2 * 0.5, 1.0 + 0.2, 0.0], [0.2 * 0.2, 0.0, 0.0]]))
+    assert rewards.sum(-1).tolist() == pytest.approx([1.0 - 0.2 * -0.5, 0.0 - 0.2 * -0.2])  # [1.1, 0.04]
     assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
 
 

@@ -30,6 +30,7 @@ class StepBatch:
     loss_mask: RaggedRows | None = None  # multi-turn: 1 on sampled, 0 on observation tokens (None: all sampled)
     policy_versions: RaggedRows | None = None  # the weight version that sampled each response token
     policy_version: int | None = None  # the version of the weights that train this batch
+    reward_baselines: torch.Tensor | None = None  # ReMax: each response's prompt's greedy answer's score [N]
 
     def __post_init__(self) -> None:
         self.prompt_ids = RaggedRows.of(self.prompt_ids)

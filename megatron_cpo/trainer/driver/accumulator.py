@@ -96,6 +96,7 @@ class ScoredGroup:
     loss_mask: RaggedRows | None = None
     episodes: list[EpisodeInfo] | None = None
     policy_versions: RaggedRows | None = None
+    greedy_score: float | None = None  # ReMax: the score of the prompt's greedy answer (the baseline)
     _ragged: tuple[RaggedRows, RaggedRows] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -26,7 +26,14 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         loss_mask=batch_loss_mask(groups), **hints,
         policy_versions=(RaggedRows.cat([g.policy_versions for g in groups])
                          if all(g.policy_versions is not None for g in groups) else None),
-        policy_version=policy_version)
+        policy_version=policy_version, reward_baselines=greedy_baselines(groups))
+
+
+def greedy_baselines(groups: list[ScoredGroup]) -> torch.Tensor | None:
+    """ReMax: every response's baseline, its prompt's greedy answer's score [N]; None unless every group has one."""
+    if any(g.greedy_score is None for g in groups):
+        return None
+    return torch.cat([torch.full((g.n,), g.greedy_score) for g in groups])
 
 
 def batch_loss_mask(groups: list[ScoredGroup]) -> RaggedRows | None:

@@ -265,7 +265,9 @@ class RolloutController:
         if not finished:
             return []
         responses = [[sample.token_ids for sample in group.samples] for _, group in finished]
-        scored = self.scorer([(request.record, group.samples) for request, group in finished])
+        # ReMax's greedy answer is graded in the same call, after the group's samples (not trained on)
+        scored = self.scorer([(request.record, group.samples + ([group.greedy_baseline] if group.greedy_baseline
+                                                                 else [])) for request, group in finished])
         timing["timing/score_calls"] += 1
         timing["timing/generated_tokens"] += sum(len(r) for group_responses in responses for r in group_responses)
         timing["rollout/generated_samples"] += sum(len(group_responses) for group_responses in responses)
@@ -273,9 +275,9 @@ class RolloutController:
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
-                            scores=scores, acc=accs, response_texts=texts,
+                            **_split_greedy_score(len(group.samples), *graded),
                             policy_versions=_token_versions(group.samples), **episode_fields(group.samples))
-                for (request, group), group_responses, (scores, accs, texts) in zip(finished, responses, scored)]
+                for (request, group), group_responses, graded in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
         """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
@@ -312,6 +314,13 @@ class RolloutController:
             metrics.update(staleness_metrics([row for g in kept for row in g.policy_versions.tolist()],
                                              policy_version))
         return metrics
+
+
+def _split_greedy_score(n: int, scores: torch.Tensor, acc: torch.Tensor, texts: list[str]) -> dict[str, Any]:
+    """A group's grading as ScoredGroup fields: its `n` samples', and the greedy answer's score graded after them
+    (ReMax's baseline; None when the group has none)."""
+    return {"scores": scores[:n], "acc": acc[:n], "response_texts": texts[:n],
+            "greedy_score": float(scores[n]) if len(scores) > n else None}
 
 
 def _token_versions(samples: list[RolloutSample]) -> RaggedRows | None:

@@ -43,9 +43,9 @@ class ConsoleSink:
     sinks). The ETA is the mean time per step since the first logged step (validation included) times the steps
     left; a resumed run counts from the step it resumed at."""
 
-    def __init__(self, total_steps: int, stream=sys.stdout) -> None:
+    def __init__(self, total_steps: int, stream=None) -> None:
         self.total_steps = max(total_steps, 1)
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stdout  # the stdout of now, not of the first import
         self.start = time.perf_counter()
         self._first: tuple[int, float] | None = None
 

@@ -23,7 +23,7 @@ from megatron_cpo.envs.registry import EnvironmentRegistry
 from megatron_cpo.envs.runner import EpisodeRunner
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 from megatron_cpo.rollout.config import RolloutConfig
-from megatron_cpo.rollout.generators import GroupGenerator, SingleTurnGenerator
+from megatron_cpo.rollout.generators import GreedyBaselineGenerator, GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
@@ -59,7 +59,10 @@ class RankZero:
         self.owns_manager = isinstance(engines, EngineLaunchConfig)
         # rollout.mode: ray, server or colocate
         self.manager = build_rollout_manager(rollout, engines) if self.owns_manager else engines
-        self.generator = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
+        self.sampler = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
+        # ReMax: each prompt's greedy answer too, as its baseline (validation samples without it)
+        self.generator = (GreedyBaselineGenerator(self.sampler) if algorithm.estimator_needs.greedy_baseline
+                          else self.sampler)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
         shaper = algorithm.shaper
@@ -73,7 +76,7 @@ class RankZero:
             lambda seed: training_sampling_params(rollout, data.max_response_length, eos, seed), data,
             algorithm.filter_groups, prompt_limit(algorithm.filter_groups, rollout, data.generation_batch_size))
         # with asynchronous training, validation shares the engines with training requests in flight
-        self.validator = Validator(val_data, self.generator, self.scorer,
+        self.validator = Validator(val_data, self.sampler, self.scorer,
                                    training_sampling_params(rollout, data.max_response_length, eos, None, greedy=True),
                                    rollout.val_kwargs, trainer.seed, data.val_max_samples, self.controller.receive)
         self.monitor = EarlyStopMonitor(trainer.early_stop) if trainer.early_stop.enable else None
@@ -169,8 +172,8 @@ class RankZero:
         if self.metric_logger is not None:
             self.metric_logger.close()
         self.scorer.close()
-        if isinstance(self.generator, EpisodeRunner):
-            self.generator.close()
+        if isinstance(self.sampler, EpisodeRunner):
+            self.sampler.close()
         if self.owns_manager:
             self.manager.shutdown()
         else:

@@ -55,6 +55,9 @@ class UpdateInputs:
     shaping: ResponseShaping | None = None
 
 
+LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -89,6 +92,9 @@ class MegatronPolicy:
         self.config = config
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         self.use_fused_kernels = use_fused_kernels
+        # the loss mode's random choices (Clip-Cov's tokens): one seeded stream per rank, drawn in the same order on
+        # every TP rank of a data-parallel rank, so the ranks that compute the same loss choose the same tokens
+        self.loss_generator = torch.Generator().manual_seed(LOSS_GENERATOR_SEED)
         # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
         self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
         if self.packing and model.config.context_parallel_size > 1:
@@ -331,7 +337,8 @@ class MegatronPolicy:
                 log_probs, old, advantages, mask, self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
-                global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction)
+                global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction,
+                generator=self.loss_generator)
             return loss * scale, ({k: torch.tensor(float(v)) for k, v in metrics.items()}, log_probs.detach(),
                                   entropy.detach())
 

@@ -1,10 +1,11 @@
 """Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (GRPO by
-prompt, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss scaling: `shaping.py`) and
-`update_policy` (the PPO epochs over mini-batches; an on-policy update also finishes the shaping, from its own
-forward's log-probs, when the shaper reads them). `Trainer.step()` calls them one by one, with the `PolicyUpdateConfig` the trainer
-builds once: the actor's and the algorithm's sections as they are, plus the facts of other sections they read.
+`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (the
+estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss
+scaling: `shaping.py`) and `update_policy` (the PPO epochs over mini-batches; an on-policy update also finishes the
+shaping, from its own forward's log-probs, when the shaper reads them). `Trainer.step()` calls them one by one, with
+the `PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts
+of other sections they read.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_cpo.algorithms.advantages import grpo_advantages
+from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
@@ -60,14 +61,19 @@ def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[
             batch.rollout_log_probs)
 
 
-def scores_with_kl_penalty(scores: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
-                           mask: torch.Tensor, response_lengths: torch.Tensor, kind: str, coef: float
-                           ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's `use_kl_in_reward` for outcome rewards: each response's score, placed on its last token, minus
-    `coef` x the per-token KL estimate (`kind`) summed over the response; GRPO then groups these sums."""
-    token_scores = token_level_rewards(scores.float(), response_lengths.clamp(min=1), mask.shape[1])
-    rewards, metrics = kl_in_reward(token_scores, log_probs, ref_log_probs, mask, kind, coef)
-    return rewards.sum(-1), metrics
+def token_rewards_of(batch: StepBatch, lp: "BatchLogProbs", algo: AlgorithmConfig
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each response's score on its last sampled token, [N, R], minus verl's KL penalty per token (`coef` x the
+    `algorithm.kl_penalty` estimate of KL(actor || reference)) when `algorithm.use_kl_in_reward`."""
+    mask = lp.mask
+    positions = torch.arange(mask.shape[1])
+    last_sampled = torch.where(mask.bool(), positions, -1).max(-1).values + 1  # an empty row: position 0
+    rewards = token_level_rewards(batch.scores.float(), last_sampled.clamp(min=1), mask.shape[1])
+    if not algo.use_kl_in_reward:
+        return rewards, {}
+    rewards, metrics = kl_in_reward(rewards, lp.old_log_probs, lp.ref_log_probs, mask, algo.kl_penalty,
+                                    algo.kl_ctrl.kl_coef)
+    return rewards, {**metrics, "reward/with_kl_mean": float(rewards.sum(-1).mean())}
 
 
 def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
@@ -143,28 +149,27 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
 @dataclass
 class StepAdvantages:
     """Step 4's result: `values`, the advantages to train on; or, with `shaping` set (a shaper that reads the
-    log-probs an on-policy update computes itself), GRPO's advantages, which `shaping` turns into them inside the
-    update, micro-batch by micro-batch, from its own forward."""
+    log-probs an on-policy update computes itself), the estimator's advantages, which `shaping` turns into them
+    inside the update, micro-batch by micro-batch, from its own forward."""
     values: torch.Tensor
     shaping: ResponseShaping | None = None
 
 
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig
                        ) -> tuple[StepAdvantages, dict[str, float]]:
-    """GRPO advantages by prompt (scores with verl's KL-in-reward penalty when on), the shaper (e.g. CPO's rule) and
-    the filters' loss scaling (`actor.filter_loss_scaling`); the last two are left to the update when the shaper
-    reads log-probs that only the update computes (`old_log_probs_from_update`)."""
+    """The advantages of `algorithm.adv_estimator` (advantages.py; token rewards with verl's KL-in-reward penalty
+    when on), the shaper's rule (CPO's), and the filters' loss scaling (`actor.filter_loss_scaling`); the last two
+    are left to the update when the shaper reads log-probs that only the update computes
+    (`old_log_probs_from_update`)."""
     algo, actor_cfg = settings.algorithm, settings.actor
     mask = lp.mask
-    metrics: dict[str, float] = {}
-    scores = batch.scores
-    if algo.use_kl_in_reward:
-        scores, kl_metrics = scores_with_kl_penalty(scores, lp.old_log_probs, lp.ref_log_probs, mask,
-                                                    lp.seqs.response_lengths, algo.kl_penalty, algo.kl_ctrl.kl_coef)
-        metrics.update(kl_metrics)
-        metrics["reward/with_kl_mean"] = float(scores.mean())
-    advantages = grpo_advantages(scores, batch.group, mask, norm_by_std=algo.norm_adv_by_std_in_grpo)
-    shaper = algo.shaper  # grpo: unchanged; cpo: the hint-conditioned rule (algorithms/shapers.py)
+    token_rewards, metrics = token_rewards_of(batch, lp, algo)
+    inputs = AdvantageInputs(token_rewards, mask, batch.group, gamma=algo.gamma, lam=algo.lam,
+                             norm_by_std=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
+    advantages, _ = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)  # returns: a critic's targets (none here)
+    if batch.reward_baselines is not None:
+        metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
+    shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
     rows = batch.response_ids.rows
     hinted = batch.has_hint if batch.hint_prompt_ids is not None else torch.zeros(rows, dtype=torch.bool)
     shaping = ResponseShaping(shaper, batch.acc > 0, batch.group, hinted,
