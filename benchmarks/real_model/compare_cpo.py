@@ -13,7 +13,10 @@ over the arms (seed 1 of every arm first), so a comparison cut short stays balan
 runner loses at most the steps since then: run the same command again. A run whose `run.json` says it finished is
 read, not repeated; its checkpoints are deleted then.
 
-Each run's directory `runs/compare_cpo/<arm>/seed<k>/` holds the trainer's `metrics.jsonl` and `train.log`,
+`--code DIR` runs the package and the example configs of DIR instead of this checkout's (a frozen copy, e.g.
+`git archive HEAD | tar -x -C DIR`), so a comparison that takes a day runs one version of the code while the
+checkout moves on; the model, the data and the runs stay here. Each run's directory `runs/compare_cpo/<arm>/seed<k>/`
+holds the trainer's `metrics.jsonl` and `train.log`,
 `console.log`, `step_cpu.jsonl` (per logged step: the CPU seconds of the whole process tree so far in that attempt,
 trainer, Ray, vLLM engine and grading workers, sampled every second, and the wall seconds) and `run.json` (the
 command, each attempt's exit code, wall and CPU seconds and load average).
@@ -38,7 +41,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 from run_table import TreeCpuSampler  # noqa: E402
 
 RUNS = REPO / "runs" / "compare_cpo"
-EXAMPLES = REPO / "examples" / "smollm2-135m"
+MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
@@ -52,6 +55,7 @@ class Run:
     budget: int
     val_every: int
     save_freq: int
+    code: Path = REPO
 
     @property
     def out_dir(self) -> Path:
@@ -59,7 +63,8 @@ class Run:
 
     def command(self) -> list[str]:
         data = RUNS / "data"
-        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config", str(EXAMPLES / ARMS[self.arm]),
+        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config",
+                str(self.code / "examples" / "smollm2-135m" / ARMS[self.arm]), f"actor_rollout_ref.model.path={MODEL}",
                 f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                 f"data.val_max_samples={VAL_QUESTIONS}", f"trainer.default_local_dir={self.out_dir}",
                 "trainer.resume=auto", f"trainer.seed={self.seed}",
@@ -71,9 +76,10 @@ class Run:
                 "actor_rollout_ref.rollout.ray_address=local"]
 
 
-def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int) -> list[Run]:
+def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO
+         ) -> list[Run]:
     """Seed-major: seed 1 of every arm, then seed 2, ..."""
-    return [Run(arm, seed, budget, val_every, save_freq) for seed in seeds for arm in arms]
+    return [Run(arm, seed, budget, val_every, save_freq, code) for seed in seeds for arm in arms]
 
 
 def read_record(run: Run) -> dict:
@@ -124,7 +130,7 @@ def execute(run: Run) -> dict:
     run.out_dir.mkdir(parents=True, exist_ok=True)
     record = read_record(run) or {"arm": run.arm, "seed": run.seed, "budget": run.budget, "attempts": []}
     command = run.command()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
+    env = {**os.environ, "PYTHONPATH": str(run.code)}
     env.pop("RAY_ADDRESS", None)
     started, start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter()
     with (run.out_dir / "console.log").open("a") as log:
@@ -143,6 +149,7 @@ def execute(run: Run) -> dict:
     last = last_row(run.out_dir / "metrics.jsonl")
     generated = last.get("train/generated_samples", 0.0)
     record["command"] = " ".join(command[1:]).replace(str(REPO) + "/", "")
+    record["code"] = str(run.code)
     record["attempts"].append({"started": started, "returncode": returncode,
                                "wall_s": round(time.perf_counter() - start_wall, 1),
                                "cpu_s_tree_sampled": round(sampler.cpu_s, 1), "last_step": last.get("step"),
@@ -175,15 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=BUDGET, help="generated samples per run")
     parser.add_argument("--val-every", type=int, default=VAL_EVERY, help="validate after every this many samples")
     parser.add_argument("--save-freq", type=int, default=SAVE_FREQ, help="checkpoint every this many steps")
+    parser.add_argument("--code", type=Path, default=REPO, help="the package and example configs to run (a frozen "
+                        "copy of the repository; default: this checkout)")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
     args = parser.parse_args(argv)
-    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq)
+    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve())
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
         return 0
-    if not (EXAMPLES / "model" / "config.json").is_file():
-        sys.exit(f"error: no model at {EXAMPLES / 'model'}; fetch it once with python tools/fetch_smollm2.py")
+    if not (MODEL / "config.json").is_file():
+        sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
+    if not (args.code / "megatron_cpo" / "__init__.py").is_file():
+        sys.exit(f"error: --code {args.code} holds no megatron_cpo package; make one with git archive HEAD | tar -x -C DIR")
     if not (RUNS / "data" / "test.parquet").is_file():
         subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(RUNS / "data")], cwd=REPO,
                        check=True)
