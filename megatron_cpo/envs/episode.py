@@ -52,6 +52,7 @@ class Episode:
     env_timeouts: int = 0
     env_seconds: float = 0.0
     template_check: str = "off"
+    non_finite_rewards: list[str] = field(default_factory=list)  # refused NaN / inf rewards (scored 0), described
 
     @property
     def room(self) -> int:
@@ -104,6 +105,7 @@ class Episode:
             turn_rewards=list(self.turn_rewards), final_score=self.final_score, final_answer=self.final_answer(),
             stop_reason=self.stop_reason or "done", observation_tokens=self.loss_mask.count(0),
             tool_calls=dict(self.tool_calls), tool_failures=dict(self.tool_failures), env_errors=self.env_errors,
-            env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, template_check=self.template_check)
+            env_timeouts=self.env_timeouts, env_seconds=self.env_seconds, template_check=self.template_check,
+            non_finite_rewards=list(self.non_finite_rewards))
         return RolloutSample(token_ids=list(self.response_ids), logprobs=list(self.logprobs),
                              finish_reason=self.finish_reason, truncated=self.truncated, loss_mask=mask, episode=info)

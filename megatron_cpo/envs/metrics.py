@@ -1,5 +1,6 @@
 """The `multi_turn/*` metrics of a batch of episodes: turns, rewards per turn, tool calls and their failures by kind,
-environment time and errors, observation tokens, why episodes stopped and what the template check found."""
+environment time and errors, refused non-finite rewards, observation tokens, why episodes stopped and what the
+template check found."""
 from __future__ import annotations
 
 from collections import Counter
@@ -26,6 +27,7 @@ def episode_metrics(episodes: list[EpisodeInfo], prefix: str = "multi_turn") -> 
         "env_seconds": sum(e.env_seconds for e in episodes),
         "env_errors": float(sum(e.env_errors for e in episodes)),
         "env_timeouts": float(sum(e.env_timeouts for e in episodes)),
+        "non_finite_rewards": float(sum(len(e.non_finite_rewards) for e in episodes)),
     }
     stops = Counter(e.stop_reason for e in episodes)
     metrics.update({f"stop/{reason}": float(stops[reason]) for reason in STOP_REASONS})

@@ -10,13 +10,16 @@ Environment calls (reset, step, the final score and close) run on `multi_turn.en
 (`finished`), polling the engines briefly while an environment call is out. A step that raises becomes an error
 observation (`env_errors`); a step that times out ends its episode (`env_timeout`: the environment's state is
 unknown, it is closed once the call returns); a reset that fails leaves an empty episode (`reset_error`). Every
-engine call is made on the caller's thread (the request books of the engines are not thread-safe).
+engine call is made on the caller's thread (the request books of the engines are not thread-safe). A NaN or infinite
+step reward or final score is refused where it arrives: scored 0 and described in the episode (`non_finite_rewards`,
+naming the environment, the call, the turn and the row), for `reward.non_finite` to decide (rewards/non_finite.py).
 `cancel_all` drops every episode in flight: an episode is regenerated from its start, never half-trained.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
@@ -28,6 +31,7 @@ from megatron_cpo.envs.episode import Episode, turn_seed
 from megatron_cpo.envs.registry import EnvironmentRegistry, agent_of
 from megatron_cpo.envs.templates import ChatTemplate
 from megatron_cpo.envs.threads import DaemonThreads
+from megatron_cpo.rewards.non_finite import source_row
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams, derive_sample_seeds
 
@@ -283,7 +287,8 @@ class EpisodeRunner:
             episode.env_errors += 1
             self._warn(f"step-type-{episode.agent}", f"environment {episode.agent}: {err}")
             result = StepResult([{"role": "user", "content": f"Error: {err}"}])
-        episode.turn_rewards.append(float(result.reward or 0.0))
+        episode.turn_rewards.append(self._finite(episode, float(result.reward or 0.0), "step",
+                                                 f"reward of turn {episode.assistant_turns}"))
         episode.tool_calls.update(result.info.get("tool_calls") or {})
         episode.tool_failures.update(result.info.get("tool_failures") or {})
         if result.done:
@@ -312,8 +317,19 @@ class EpisodeRunner:
         self._complete(episode)
 
     def _on_finish(self, episode: Episode, score: float | None) -> None:
-        episode.final_score = score
+        episode.final_score = None if score is None else self._finite(episode, score, "score", "final score")
         self._complete(episode)
+
+    def _finite(self, episode: Episode, value: float, call: str, what: str) -> float:
+        """`value`, or 0 for a NaN or infinite one, which the episode records: the environment's method `call` that
+        gave it, `what` it was, the episode and its row."""
+        if math.isfinite(value):
+            return value
+        record = self._groups[episode.request_id].record
+        episode.non_finite_rewards.append(
+            f"environment {episode.agent!r} ({type(episode.env).__name__}.{call}) gave {value} as the {what} of "
+            f"episode {episode.index} of {source_row(record.index, record.data_source)}")
+        return 0.0
 
     def _complete(self, episode: Episode) -> None:
         group = self._groups[episode.request_id]

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_cpo.algorithms.config import OverlongBufferConfig
-from megatron_cpo.config_checks import ConfigError
+from megatron_cpo.config_checks import ConfigError, check_choice
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 
 COMBINE_MODES = ("replace", "add")
 ON_ERROR_MODES = ("raise", "failure_score")
+NON_FINITE_POLICIES = ("error", "zero")  # what a NaN or infinite score does (rewards/non_finite.py)
 
 
 @dataclass
@@ -82,6 +83,12 @@ class RewardConfig:
     sandbox: which backend runs model-written code (`SandboxConfig`, rewards/sandbox.py); batches with code samples
         log `reward/sandbox_weak`.
     remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
+    non_finite: what a NaN or infinite score does, from any source (a grader, the custom reward function, the remote
+        reward model, an environment's step reward or final score): `error` (default) stops the run before the
+        update with one line naming the source, the function and the row, nothing of that step trained; `zero`
+        trains it as 0 and counts it in `reward/non_finite` (an environment's also in
+        `multi_turn/non_finite_rewards`). Validation scores are never trained: there a non-finite score is always
+        0, counted in `val/non_finite`.
     """
 
     num_workers: int = 2
@@ -95,8 +102,10 @@ class RewardConfig:
     custom_failure_score: float = 0.0
     grader_kwargs: dict[str, dict] = field(default_factory=dict)
     worker_memory_limit_mb: int = 4096
+    non_finite: str = "error"
 
     def __post_init__(self) -> None:
+        check_choice("reward.non_finite", self.non_finite, NON_FINITE_POLICIES)
         if self.num_workers < 1:
             raise ValueError(f"reward.num_workers={self.num_workers} must be >= 1")
         if not self.timeout_s > 0:

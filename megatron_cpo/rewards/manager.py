@@ -3,17 +3,19 @@
 A sample whose grader raises, hangs past ``timeout_s`` or kills its worker gets that grader's wrong-answer
 score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
 stops for it. With a remote reward model (``reward.remote``, see ``remote.py``) its score replaces or is added to the
-rule score of every sample; ``acc`` stays the rule graders'. Following the seed (section 2.2), the whole sequence
-reward sits on the last valid response token.
+rule score of every sample; ``acc`` stays the rule graders'. A non-finite score, the graders' or the reward model's,
+is refused here (scored 0 and described in ``RewardResult.non_finite``; ``reward.non_finite`` decides what follows,
+non_finite.py). Following the seed (section 2.2), the whole sequence reward sits on the last valid response token.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_cpo.rewards.config import RewardConfig
+from megatron_cpo.rewards.non_finite import screen_scores, source_row
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
 from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.registry import get_grader
@@ -23,12 +25,14 @@ from megatron_cpo.rewards.sandbox import configure_sandbox, sandbox_metrics
 
 @dataclass
 class RewardResult:
-    """Per-sample ``scores`` [N] and ``acc`` [N], grader ``details`` (pred, reason, status) and batch ``metrics``."""
+    """Per-sample ``scores`` [N] and ``acc`` [N], grader ``details`` (pred, reason, status) and batch ``metrics``;
+    ``non_finite``: {sample index: what it was} for each non-finite score refused (scored 0 here)."""
 
     scores: torch.Tensor
     acc: torch.Tensor
     details: list[dict]
     metrics: dict[str, float]
+    non_finite: dict[int, str] = field(default_factory=dict)
 
 
 def token_level_rewards(scores: torch.Tensor, response_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -95,13 +99,23 @@ class RewardManager:
         grader = get_grader(data_source)
         return grader.name, grader.failure_score
 
+    def _grader_kind(self, name: str) -> str:
+        """How a refusal names the function that graded: the custom reward function, a custom grader or a grader."""
+        if name == self.config.reward_function:
+            return "the custom reward function"
+        return "the custom grader" if name in self.config.custom_graders.values() else "the grader"
+
     def score(self, data_sources: list[str], solution_strs: list[str], ground_truths: list,
-              extra_infos: list | None = None, prompts: list[str] | None = None) -> RewardResult:
+              extra_infos: list | None = None, prompts: list[str] | None = None,
+              rows: list | None = None) -> RewardResult:
         """Grade N responses; returns scores, acc, per-sample details and metrics (see ``RewardResult``).
-        ``prompts`` (the prompt text of each response) is what a remote reward model reads; "" when not given."""
+        ``prompts`` (the prompt text of each response) is what a remote reward model reads; "" when not given.
+        ``rows``: each response's row index in its data file, which a refused non-finite score is named by (default:
+        its position in this batch)."""
         count = len(solution_strs)
         extra_infos = extra_infos if extra_infos is not None else [None] * count
         prompts = prompts if prompts is not None else [""] * count
+        rows = rows if rows is not None else list(range(count))
         if not (len(data_sources) == len(ground_truths) == len(extra_infos) == len(prompts) == count):
             raise ValueError(f"batch fields differ in length: data_sources={len(data_sources)}, solution_strs="
                              f"{count}, ground_truths={len(ground_truths)}, extra_infos={len(extra_infos)}, "
@@ -121,25 +135,34 @@ class RewardManager:
                 detail = {"score": failure_score, "acc": False, "pred": None, "reason": outcome.message}
             detail.update(status=outcome.status, grader=name, seconds=outcome.seconds)
             details.append(detail)
-        scores = torch.tensor([detail["score"] for detail in details], dtype=torch.float32)
+        scores, refused = screen_scores(
+            torch.tensor([detail["score"] for detail in details], dtype=torch.float32),
+            lambda i, value: f"{self._grader_kind(graders[i][0])} {graders[i][0]} gave {value} for "
+                             f"{source_row(rows[i], data_sources[i])}")
         acc = torch.tensor([bool(detail["acc"]) for detail in details], dtype=torch.bool)
         remote_metrics = {}
         if self.remote is not None:
-            scores, remote_metrics = self._remote_scores(scores, details, prompts, solution_strs, data_sources,
-                                                         ground_truths, extra_infos)
+            scores, remote_metrics, remote_refused = self._remote_scores(
+                scores, details, prompts, solution_strs, data_sources, ground_truths, extra_infos, rows)
+            # the rule graders' own score is not trained when the model's replaces it (their `acc` still counts)
+            refused = remote_refused if self.remote.config.combine == "replace" else {**remote_refused, **refused}
+        for index, description in refused.items():
+            details[index]["non_finite"] = description
         metrics = reward_metrics(scores, acc, [d["status"] for d in details], list(data_sources),
                                  [name for name, _ in graders])
         metrics.update(remote_metrics)
+        metrics["reward/non_finite"] = float(len(refused))
         metrics["reward/grading_seconds"] = time.monotonic() - started
         metrics["reward/worker_restarts"] = float(self._pool.restarts)
         if any(name == "compute_code_score" for name, _ in graders):
             metrics.update(sandbox_metrics())
-        return RewardResult(scores=scores, acc=acc, details=details, metrics=metrics)
+        return RewardResult(scores=scores, acc=acc, details=details, metrics=metrics, non_finite=refused)
 
     def _remote_scores(self, rule_scores: torch.Tensor, details: list[dict], prompts: list[str],
-                       solution_strs: list[str], data_sources: list[str], ground_truths: list, extra_infos: list
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The remote model's scores combined with the rule scores (``remote.combine``), and ``reward/remote/*``."""
+                       solution_strs: list[str], data_sources: list[str], ground_truths: list, extra_infos: list,
+                       rows: list) -> tuple[torch.Tensor, dict[str, float], dict[int, str]]:
+        """The remote model's scores combined with the rule scores (``remote.combine``), ``reward/remote/*``, and
+        the model's non-finite scores refused (scored 0)."""
         started = time.monotonic()
         extra = [{"data_source": source, "ground_truth": truth, "extra_info": info}
                  for source, truth, info in zip(data_sources, ground_truths, extra_infos)]
@@ -149,10 +172,13 @@ class RewardManager:
             detail.update(rule_score=rule_score, remote_score=model_score, remote_failed=failed)
             if failed:
                 detail["remote_error"] = remote.error
-        combined = remote.scores if self.remote.config.combine == "replace" else rule_scores + remote.scores
-        return combined, {"reward/remote/score_mean": remote.scores.mean().item(),
+        model_scores, refused = screen_scores(
+            remote.scores, lambda i, value: f"the reward model at {self.remote.endpoint} gave {value} for "
+                                            f"{source_row(rows[i], data_sources[i])}")
+        combined = model_scores if self.remote.config.combine == "replace" else rule_scores + model_scores
+        return combined, {"reward/remote/score_mean": model_scores.mean().item(),
                           "reward/remote/failed": remote.failed.sum().item(),
-                          "reward/remote/seconds": time.monotonic() - started}
+                          "reward/remote/seconds": time.monotonic() - started}, refused
 
     def close(self) -> None:
         """Stop the grading processes."""

@@ -5,12 +5,13 @@ Timeouts, connection errors, HTTP 429/5xx and malformed answers (bad JSON, wrong
 retried with exponential backoff; after the last attempt a ``RemoteRewardError`` names the URL and what failed, or,
 with ``on_error: failure_score``, the batch's samples get ``failure_score`` and are counted as failed. Other HTTP 4xx
 answers mean the request itself is wrong and are not retried. A scoring call therefore ends within about
-``(max_retries + 1) * timeout_s`` plus the backoff sleeps, whatever the server does.
+``(max_retries + 1) * timeout_s`` plus the backoff sleeps, whatever the server does. NaN and infinite scores (JSON's
+``NaN`` / ``Infinity``, as Python's ``json`` writes them) are answers, not failures: they are not retried, and the
+reward manager refuses them naming the row (``reward.non_finite``).
 """
 from __future__ import annotations
 
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -75,9 +76,9 @@ class RemoteRewardModel:
             raise _Retryable(f"malformed answer ({type(error).__name__}): {raw[:200]!r}") from error
         if not isinstance(scores, list) or len(scores) != len(items):
             raise _Retryable(f"expected {len(items)} scores, got {str(scores)[:200]}")
-        if not all(isinstance(score, (int, float)) and math.isfinite(score) for score in scores):
-            raise _Retryable(f"non-numeric or non-finite scores: {str(scores)[:200]}")
-        return [float(score) for score in scores]
+        if not all(isinstance(score, (int, float)) for score in scores):
+            raise _Retryable(f"non-numeric scores: {str(scores)[:200]}")
+        return [float(score) for score in scores]  # NaN / Infinity are numbers: the reward manager refuses them
 
     def _post(self, items: list[dict]) -> list[float]:
         delay, failures = self.config.backoff_s, []

@@ -21,10 +21,13 @@ import torch
 
 @dataclass
 class ProbeGap:
-    """How far the engines' log-probs of their probe tokens are from the trainer's."""
+    """How far the engines' log-probs of their probe tokens are from the trainer's. `trainer_non_finite`: where the
+    trainer's own log-prob is NaN or infinite and what it is (its weights are not finite: the engines were sent
+    them, so the difference says nothing about the sync), None when all are finite."""
     max_abs_diff: float
     mean_abs_diff: float
     worst: str  # where the largest difference is, e.g. "engine 1, prompt 2, token 5"
+    trainer_non_finite: str | None = None
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/sync_check_max_abs_diff": self.max_abs_diff,
@@ -42,10 +45,15 @@ def compare_probe(labels: list[str], engine_log_probs: list[list[float]], traine
     for index, row in enumerate(engine_log_probs):
         engine[index, :len(row)] = torch.tensor(row, dtype=torch.float64)
     mask = torch.arange(width)[None, :] < lengths[:, None]
-    diff = (engine - trainer_log_probs.double()).abs().nan_to_num(nan=float("inf"))
+    trainer = trainer_log_probs.double()
+    diff = (engine - trainer).abs().nan_to_num(nan=float("inf"))
     diff = torch.where(mask, diff, torch.zeros_like(diff))
     if not bool(mask.any()):
         return ProbeGap(0.0, 0.0, "no probe tokens")
-    flat = int(diff.argmax())
-    row, token = divmod(flat, width)
-    return ProbeGap(float(diff.max()), float(diff.sum() / mask.sum()), f"{labels[row]}, token {token}")
+    row, token = divmod(int(diff.argmax()), width)
+    gap = ProbeGap(float(diff.max()), float(diff.sum() / mask.sum()), f"{labels[row]}, token {token}")
+    trainer_bad = mask & ~torch.isfinite(trainer)
+    if bool(trainer_bad.any()):
+        row, token = divmod(int(trainer_bad.flatten().nonzero()[0]), width)
+        gap.trainer_non_finite = f"{float(trainer[row, token])} at {labels[row]}, token {token}"
+    return gap

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
 from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
+from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
+
+PARAMS_DTYPE_KEY = "actor_rollout_ref.actor.megatron.params_dtype"
 
 
 @dataclass
@@ -100,7 +103,10 @@ class MegatronConfig:
     `expert_tensor_parallel_size` (ETP, null: the same as TP) ranks, inside each pipeline stage: world / PP must be a
     multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
     `freeze_moe_router` (NeMo-RL's name) keeps every router's weights as loaded; `override_transformer_config` holds
-    the MoE knobs (`MoeTransformerConfig`)."""
+    the MoE knobs (`MoeTransformerConfig`).
+    `params_dtype` is the actor's and the engines' compute dtype (the optimizer keeps float32 main weights for a 16-bit
+    one); `auto` takes bfloat16 where the machine multiplies it natively and float32 elsewhere
+    (megatron_cpo/compute_dtype.py): on a CPU without bf16 instructions a bf16 forward ran 2-4x slower than float32."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     use_distributed_optimizer: bool = True
@@ -123,8 +129,7 @@ class MegatronConfig:
                                                      f"{self.tensor_model_parallel_size} must be >= 1")
         check(self.pipeline_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="
                                                        f"{self.pipeline_model_parallel_size} must be >= 1")
-        check_choice("actor_rollout_ref.actor.megatron.params_dtype", self.params_dtype,
-                      ("float32", "bfloat16", "float16"))
+        check_choice(PARAMS_DTYPE_KEY, self.params_dtype, PARAMS_DTYPES)
         check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
               "actor_rollout_ref.actor.megatron.sequence_parallel=true needs tensor_model_parallel_size > 1 (it splits "
               "activations over the TP ranks); set it false or raise tensor_model_parallel_size")
@@ -142,6 +147,11 @@ class MegatronConfig:
                                                            and self.expert_tensor_parallel_size >= 1),
               "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size="
               f"{self.expert_tensor_parallel_size!r} must be an integer >= 1, or null (the same as TP)")
+
+    @property
+    def compute_dtype(self) -> str:
+        """`params_dtype` as this machine runs it (`auto` resolved): float32, bfloat16 or float16."""
+        return resolve_dtype(self.params_dtype).name
 
     @property
     def expert_tensor_parallel(self) -> int:
@@ -216,6 +226,10 @@ class ActorConfig(PolicyLossConfig):
     `log_prob_max_token_len_per_gpu` for the actor's and the reference's log-prob passes (verl sets the latter under
     `rollout`/`ref`); the loss is still aggregated over the whole mini-batch, so the update does not change.
     `router_replay` (mixtures of experts): route the update as the old-log-prob pass did (`RouterReplayConfig`).
+    An optimizer step whose loss or gradient norm is NaN or infinite on any rank is skipped on every rank, whatever
+    the dtype (`actor/update_skipped`; trainer/workers/update_guard.py); `max_consecutive_skipped_updates` such steps
+    in a row stop the run, checkpointed, with one line naming where the first non-finite value appeared (rewards,
+    log-probs, advantages, loss or gradients).
     """
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -228,10 +242,14 @@ class ActorConfig(PolicyLossConfig):
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     log_prob_max_token_len_per_gpu: int = 16384
+    max_consecutive_skipped_updates: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the loss settings (PolicyLossConfig)
         prefix = "actor_rollout_ref.actor."
+        check(self.max_consecutive_skipped_updates >= 1,
+              f"{prefix}max_consecutive_skipped_updates={self.max_consecutive_skipped_updates} must be >= 1 (optimizer "
+              "steps skipped in a row for non-finite values before the run stops)")
         check(self.ppo_mini_batch_size >= 1, f"{prefix}ppo_mini_batch_size={self.ppo_mini_batch_size} must be >= 1")
         check(self.ppo_micro_batch_size_per_gpu >= 1,
                f"{prefix}ppo_micro_batch_size_per_gpu={self.ppo_micro_batch_size_per_gpu} must be >= 1")

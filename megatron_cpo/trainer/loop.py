@@ -8,7 +8,8 @@ and after the last, and always checkpoints the last step; with `trainer.early_st
 (checkpointed, reason logged) once the reward variance has collapsed, and with `trainer.total_rollout_samples` once
 it has generated that many samples (validation is also due after every `trainer.test_freq_samples` of them). SIGTERM (SLURM preemption) finishes the
 current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and raises
-`RunAbortedError` (one line naming the engine and the fix).
+`RunAbortedError` (one line naming the engine and the fix), as does a non-finite reward (`reward.non_finite=error`)
+or too many optimizer steps skipped in a row for non-finite values (trainer/workers/update_guard.py).
 
 This module, with `megatron_cpo/config.py` and `command.py`, is the composition root: the one place that reads the
 whole `Config` (rank 0's `RankZero` too, for its side) and hands every component its own section, or the launch
@@ -26,14 +27,17 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.config import Config
+from megatron_cpo.rewards.non_finite import NonFiniteRewardError
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
 from megatron_cpo.rollout.types import EngineLaunchConfig
 from megatron_cpo.trainer.driver.controller import CollectedBatch
-from megatron_cpo.trainer.run.checkpointing import CheckpointManager, hf_exporter
+from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
+from megatron_cpo.trainer.run.machine import check_dtype
 from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
-                                                 nothing_to_train_message, prepare_run_directory)
+                                                 nothing_to_train_message, prepare_run_directory,
+                                                 rewards_refused_message, weights_not_finite_message)
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
 from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                                       broadcast_object, push_weights)
@@ -41,7 +45,8 @@ from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_du
 from megatron_cpo.trainer.workers.policies import build_policies
 from megatron_cpo.trainer.workers.policy_update import (PolicyUpdateConfig, compute_advantages, compute_log_probs,
                                                         update_policy)
-from megatron_cpo.trainer.workers.sync_probe import EngineOutOfSyncError, SyncProbe, sync_check_metrics
+from megatron_cpo.trainer.workers.sync_probe import (EngineOutOfSyncError, SyncProbe, TrainerNotFiniteError,
+                                                     sync_check_metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +54,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PushOutcome:
     """How a weight push ended: its metrics (the sync check's included), or why the run cannot go on: `lost` (no
-    engine left) or `out_of_sync` (the engines do not serve the pushed weights, `sync_probe.py`)."""
+    engine left) or `out_of_sync` (the engines do not serve the pushed weights, or with `trainer_not_finite` the
+    trainer's own weights are not finite, `sync_probe.py`)."""
     metrics: dict[str, float]
     lost: str | None = None
     out_of_sync: str | None = None
+    trainer_not_finite: bool = False
 
 
 @dataclass
@@ -93,10 +100,11 @@ class Trainer:
                                   expert_model_parallel_size=megatron.expert_model_parallel_size,
                                   expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config.trainer)
+        check_dtype(megatron.params_dtype)
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.pad_token_id = tokenizer.pad_token_id
         launch = engine_launch_config(config)
-        self.sync_probe = SyncProbe(rollout.sync_check, megatron.params_dtype, launch.max_model_len, tokenizer,
+        self.sync_probe = SyncProbe(rollout.sync_check, megatron.compute_dtype, launch.max_model_len, tokenizer,
                                     self.pad_token_id)
         self.update_config = policy_update_config(config)
         started = time.perf_counter()
@@ -124,7 +132,7 @@ class Trainer:
             Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
             self.lead.controller if self.lead else None,
             {name: control for name, control in controls.items() if control is not None},
-            hf_exporter(self.actor, model.path, megatron.params_dtype) if actor_cfg.checkpoint.hf_model else None,
+            hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None,
             config.trainer.max_actor_ckpt_to_keep)
 
     # --- the run ---------------------------------------------------------------------------------------------
@@ -205,6 +213,7 @@ class Trainer:
         if lead:                                                                                    # 10
             metrics = lead.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)
         self.abort_if_push_failed(step, pushed)
+        self.abort_if_updates_skipped(step)
         # 11: metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
         # while the other order would lose its metrics; the last step is saved by `fit`
         if stopping or self._save_due(step):
@@ -214,11 +223,18 @@ class Trainer:
     # --- the step's parts ------------------------------------------------------------------------------------
     def collect(self, step: int) -> CollectedBatch | None:
         """Rank 0's kept groups for this step (None elsewhere); colocated, every rank's actor is offloaded meanwhile.
-        When no engine is left, every rank checkpoints the steps trained so far (with the actor back in place) and
-        the run is aborted."""
+        When no engine is left, or a reward is not finite (`reward.non_finite=error`), every rank checkpoints the
+        steps trained so far (with the actor back in place) and the run is aborted."""
+        collected = lost = refused = None
         with offloaded_during(self.offload):
-            collected, lost = self.lead.collect(step) if self.lead else (None, None)
-            lost = broadcast_object(lost is not None)
+            if self.lead:
+                try:
+                    collected, lost = self.lead.collect(step)
+                except NonFiniteRewardError as err:
+                    refused = str(err)
+            lost, refused = broadcast_object((lost is not None, refused))
+        if refused is not None:
+            raise RunAbortedError(rewards_refused_message(refused, step, self._checkpoint_before_abort(step - 1)))
         if lost:
             self.abort_engines_lost(step - 1)
         return collected
@@ -252,7 +268,8 @@ class Trainer:
         try:
             metrics.update(self.sync_probe.after_push(step, self.actor, manager, reports, held=hold))
         except EngineOutOfSyncError as err:
-            return PushOutcome({**metrics, **err.metrics}, out_of_sync=str(err))
+            return PushOutcome({**metrics, **err.metrics}, out_of_sync=str(err),
+                               trainer_not_finite=isinstance(err, TrainerNotFiniteError))
         return PushOutcome(metrics)
 
     def push_weights_or_abort(self, step: int) -> PushOutcome:
@@ -263,12 +280,24 @@ class Trainer:
     def abort_if_push_failed(self, step: int, pushed: PushOutcome) -> None:
         if pushed.lost is not None:
             self.abort_engines_lost(step)
+        if pushed.trainer_not_finite:  # no checkpoint may hold these weights: the last one written is the last good one
+            raise RunAbortedError(weights_not_finite_message(pushed.out_of_sync, self.checkpoints.saved_path))
         if pushed.out_of_sync is not None:
             saved = self._checkpoint_before_abort(step)
             kept = (f"the trained weights are checkpointed in {saved}; resume with trainer.resume=auto once the engines "
                     "take weights correctly" if saved else "nothing was trained yet")
             raise RunAbortedError(f"{pushed.out_of_sync}; {kept} (actor_rollout_ref.rollout.sync_check.enable=false "
                                   "trains on regardless)")
+
+    def abort_if_updates_skipped(self, step: int) -> None:
+        """Every rank ends the run, checkpointed, once the actor's guard skipped too many steps in a row."""
+        if self.actor.guard.exhausted:
+            try:
+                kept = f"checkpointed in {self._checkpoint_before_abort(step)} (resume with trainer.resume=auto once " \
+                       "the cause is fixed)"
+            except CheckpointError as err:  # the weights themselves are not finite: nothing is written
+                kept = str(err)
+            raise RunAbortedError(f"{self.actor.guard.abort_message(step)}; {kept}")
 
     def sync_reference(self, step: int) -> None:
         """verl's `ref.sync_ref_model`: mix the actor into the reference every `ref_model_sync_steps` steps."""
@@ -376,7 +405,7 @@ def engine_launch_config(config: Config) -> EngineLaunchConfig:
     data, rollout = config.data, config.actor_rollout_ref.rollout
     return EngineLaunchConfig(
         model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
+        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
         max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
         enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
 

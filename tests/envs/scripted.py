@@ -135,3 +135,19 @@ class HeldUntilReleased(TextEnvironment):
 
     def score(self) -> float:
         return 0.0
+
+
+class NonFiniteRewards(TextEnvironment):
+    """A game whose reward arithmetic goes wrong: NaN for the first step, +inf for the second (then done), and a
+    final score of -inf."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, action_text: str) -> StepResult:
+        self.steps += 1
+        return StepResult([user("again")], reward=float("nan") if self.steps == 1 else float("inf"),
+                          done=self.steps >= 2)
+
+    def score(self) -> float:
+        return float("-inf")

@@ -10,6 +10,7 @@ import torch
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.envs import EnvironmentRegistry, EpisodeRunner, MultiTurnConfig
 from megatron_cpo.envs.base import user
+from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.envs.templates import ChatTemplate
 from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.rollout.types import SamplingParams
@@ -139,6 +140,24 @@ def test_a_raising_step_is_an_error_observation_and_a_hanging_one_ends_its_episo
     assert (sample.episode.env_timeouts, sample.episode.stop_reason, sample.episode.turns) == (1, "env_timeout", 2)
     hung = [t for t in threading.enumerate() if t.name.startswith("megatron-cpo-env") and t.is_alive()]
     assert hung and all(t.daemon for t in hung)  # the hung step keeps a thread, never the process from exiting
+
+
+def test_non_finite_step_rewards_and_final_scores_are_refused_where_they_arrive():
+    """NaN and infinite rewards become 0 in the episode, each described (environment, call, turn, row) for
+    `reward.non_finite` to decide (the trainer's scorer); the error handling above is unchanged."""
+    runner, _ = make_runner(answer("x"), default_agent="tests.envs.scripted:NonFiniteRewards")
+    [sample] = run_group(runner, row=record(agent="")).samples
+    info = sample.episode
+    assert info.turn_rewards == [0.0, 0.0] and info.final_score == 0.0 and info.stop_reason == "done"
+    where = "of episode 0 of row 0 (data_source 'megatron_cpo/arith')"
+    assert info.non_finite_rewards == [
+        f"environment 'tests.envs.scripted:NonFiniteRewards' (NonFiniteRewards.step) gave nan as the reward of turn 1 "
+        f"{where}",
+        f"environment 'tests.envs.scripted:NonFiniteRewards' (NonFiniteRewards.step) gave inf as the reward of turn 2 "
+        f"{where}",
+        f"environment 'tests.envs.scripted:NonFiniteRewards' (NonFiniteRewards.score) gave -inf as the final score "
+        f"{where}"]
+    assert episode_metrics([info])["multi_turn/non_finite_rewards"] == 3
 
 
 def test_episodes_advance_independently():

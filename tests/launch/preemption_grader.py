@@ -11,7 +11,7 @@ from pathlib import Path
 from megatron_cpo.rewards.registry import compute_score
 
 
-SIGTERM_LOGGED = "SIGTERM received"  # what megatron_cpo.trainer.loop.StopSignal logs on each signalled rank
+SIGTERM_LOGGED = "SIGTERM received"  # what megatron_cpo.trainer.run.run_guards.StopSignal logs on each signalled rank
 
 
 def _sigterms_logged(log_dir: Path) -> int:

@@ -29,3 +29,13 @@ def exact_match(data_source, solution_str, ground_truth, extra_info=None):
 def hogs_memory(data_source, solution_str, ground_truth, extra_info=None):
     """Asks for far more memory than a grading worker may have."""
     return {"score": float(len(bytearray(64 << 30))), "acc": True}
+
+
+def nan_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A grader whose arithmetic went wrong (0/0 in floating point)."""
+    return {"score": float("nan"), "acc": False}
+
+
+def inf_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A grader that returns a bare infinite number."""
+    return float("-inf")

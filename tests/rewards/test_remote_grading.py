@@ -63,7 +63,7 @@ def grade(tokenizer, overrides, answers=("4", "5")):
     scorer = ResponseScorer(config.reward, tokenizer)
     try:
         [(scores, acc, _)] = scorer.score_groups([(record, responses)])
-        return scores, acc, scorer.remote_reward_metrics()
+        return scores, acc, scorer.counted_metrics()
     finally:
         scorer.close()
 
@@ -77,7 +77,7 @@ def test_remote_scores_replace_or_add_to_the_rule_scores(verifiable_server, toke
     scores, acc, _ = grade(tokenizer, [*remote, "reward.remote.combine=add"])
     assert scores.tolist() == [2.0, -2.0] and acc.tolist() == [1.0, 0.0]
     scores, _, metrics = grade(tokenizer, [])
-    assert scores.tolist() == [1.0, -1.0] and metrics == {}
+    assert scores.tolist() == [1.0, -1.0] and metrics == {"reward/non_finite": 0.0}
 
 
 def test_the_model_reads_the_prompt_the_policy_saw(tokenizer):

@@ -85,4 +85,13 @@ def test_the_comparison_finds_the_worst_token_and_fails_on_nan():
     assert gap.metrics() == {"rollout/sync_check_max_abs_diff": gap.max_abs_diff,
                              "rollout/sync_check_mean_abs_diff": gap.mean_abs_diff}
     nan = compare_probe(["engine 0, prompt 0"], [[float("nan")]], torch.zeros(1, 2))
-    assert nan.max_abs_diff == float("inf")
+    assert nan.max_abs_diff == float("inf") and nan.trainer_non_finite is None  # the engine's fault
+
+
+def test_the_comparison_tells_the_trainers_own_non_finite_log_probs_from_an_engine_out_of_sync():
+    """Non-finite trainer log-probs mean non-finite trainer weights (the engines were sent them); padding beyond a
+    row's tokens is not looked at."""
+    trainer = torch.tensor([[-1.0, float("nan")], [-0.5, float("-inf")]])
+    gap = compare_probe(["engine 0, prompt 0", "engine 0, prompt 1"], [[-1.0], [-0.5, float("nan")]], trainer)
+    assert gap.trainer_non_finite == "-inf at engine 0, prompt 1, token 1" and gap.max_abs_diff == float("inf")
+    assert compare_probe(["engine 0, prompt 0"], [[-1.0]], trainer[:1]).trainer_non_finite is None

@@ -44,3 +44,12 @@ def even_first_character_pausing(data_source, solution_str, ground_truth, extra_
             while not (pause_dir / f"go_{step}").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
     return even_first_character(data_source, solution_str, ground_truth, extra_info)
+
+
+def non_finite_for_some(data_source, solution_str, ground_truth, extra_info=None):
+    """A custom reward function with a bug: NaN when the response's first character's code point is a multiple of 3,
+    +inf when it is one more than that (about two thirds of the samples), `even_first_character` otherwise."""
+    code = ord(solution_str[0]) % 3 if solution_str else 2
+    if code < 2:
+        return {"score": float("nan") if code == 0 else float("inf"), "acc": False}
+    return even_first_character(data_source, solution_str, ground_truth, extra_info)

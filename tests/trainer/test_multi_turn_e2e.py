@@ -99,3 +99,25 @@ def test_verl_tool_agent_rows_with_the_fixtures_tool_and_interaction_yaml(make_c
     metrics = run_training(config, warm_engine)
     assert metrics["multi_turn/turns_max"] == 2 and metrics["multi_turn/observations_mean"] > 0
     assert metrics["multi_turn/template_differs"] == 0 and metrics["val/multi_turn/turns_mean"] >= 1
+
+
+def test_an_environment_returning_nan_or_inf_stops_the_run_before_the_update(make_config, warm_engine, tmp_path):
+    """Issue 39: an environment whose step rewards and final score are NaN / infinite (tests/envs/scripted.py)
+    stops the run at step 1 with one line naming it and the row (`reward.non_finite=error`, the default): nothing
+    trained, nothing checkpointed."""
+    from megatron_cpo.trainer.run.errors import RunAbortedError
+
+    run_dir = tmp_path / "run"
+    config = make_config(
+        f"actor_rollout_ref.model.path={WARM_MODEL}", "data.max_response_length=64",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.default_agent=tests.envs.scripted:NonFiniteRewards",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=16", "trainer.total_training_steps=2",
+        "trainer.val_before_train=false", f"trainer.default_local_dir={run_dir}")
+    with pytest.raises(RunAbortedError) as error:
+        run_training(config, warm_engine)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        "step 1 stopped before its update: environment 'tests.envs.scripted:NonFiniteRewards' (NonFiniteRewards.")
+    assert "(data_source 'megatron_cpo/arith')" in message and message.endswith("nothing was trained")
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

@@ -2,17 +2,22 @@
 
 The controller calls `ResponseScorer.score_groups` for every batch of finished groups; validation calls it with its
 own counter so the remote reward model's numbers of a validation do not mix into the training step's. (The graders
-themselves, one per data source, are `rewards/registry.py`'s.)
+themselves, one per data source, are `rewards/registry.py`'s.) Here `reward.non_finite` is applied to the non-finite
+scores every source refused where they entered (rewards/non_finite.py): the run's one place for that decision.
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
 import torch
 
 from megatron_cpo.rewards.manager import RewardConfig, RewardManager
+from megatron_cpo.rewards.non_finite import NonFiniteRewardError, refusal_message
 from megatron_cpo.rollout.types import RolloutSample
+
+logger = logging.getLogger(__name__)
 
 
 class ResponseScorer:
@@ -21,13 +26,18 @@ class ResponseScorer:
 
     def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.non_finite = config.non_finite
         self.rewards = RewardManager(config)
-        self.remote_counts: Counter = Counter()  # the remote reward model's numbers since they were last logged
+        self.counts: Counter = Counter()  # the training step's tallies (remote model, non-finite) since last logged
+        self._warned_non_finite = False
 
     def score_groups(self, items: list[tuple[Any, list[RolloutSample] | list[list[int]]]],
-                     remote_counts: Counter | None = None) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+                     counts: Counter | None = None, training: bool = True
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
         """Decode and grade every response of the given groups in one call to the grading pool; the remote reward
-        model's numbers are added to `remote_counts` (default: the training step's, see `remote_reward_metrics`).
+        model's numbers and the refused non-finite scores are added to `counts` (default: the training step's, see
+        `counted_metrics`). A non-finite score of a `training` batch raises `NonFiniteRewardError` naming the first
+        one when `reward.non_finite=error`; otherwise, and always in validation, it is scored 0 and counted.
 
         Responses are samples (or bare token ids). A multi-turn episode's score is its trajectory reward: the
         environment's per-turn rewards summed plus its final score, or, when the environment gives none, the data
@@ -42,7 +52,7 @@ class ResponseScorer:
         graded = [i for i, (_, sample, _) in enumerate(flat) if sample is None or sample.episode is None
                   or sample.episode.final_score is None]
         grading = self._grade([flat[i][0] for i in graded], [self._graded_text(*flat[i][1:]) for i in graded],
-                              remote_counts)
+                              counts)
         scores, acc = torch.zeros(len(flat)), torch.zeros(len(flat))
         if graded:
             scores[graded], acc[graded] = grading.scores.float(), grading.acc.float()
@@ -52,6 +62,10 @@ class ResponseScorer:
             scores[i] += episode.env_reward + (episode.final_score or 0.0)
             if episode.final_score is not None:
                 acc[i] = float(scores[i] > 0)
+        refused = sorted([(graded[index], text) for index, text in grading.non_finite.items()]
+                         + [(i, text) for i in episodes for text in flat[i][1].episode.non_finite_rewards])
+        if refused:
+            self._refuse([text for _, text in refused], counts, training)
         out, start = [], 0
         for group_texts in texts:
             stop = start + len(group_texts)
@@ -69,27 +83,40 @@ class ResponseScorer:
         """What the grader reads: the response, or an episode's last assistant message."""
         return sample.episode.final_answer if sample is not None and sample.episode is not None else text
 
-    def _grade(self, records: list[Any], texts: list[str], remote_counts: Counter | None) -> Any:
+    def _grade(self, records: list[Any], texts: list[str], counts: Counter | None) -> Any:
         """One call to the grading pool (and the remote reward model) for these responses."""
         prompts = None
         if self.rewards.remote is not None:  # the reward model reads the prompt as the policy saw it (chat template)
             prompts = [self.tokenizer.decode(record.prompt_ids, skip_special_tokens=False) for record in records]
         result = self.rewards.score([r.data_source for r in records], texts, [r.ground_truth for r in records],
-                                    [r.extra_info for r in records], prompts)
+                                    [r.extra_info for r in records], prompts, rows=[r.index for r in records])
         if "reward/remote/failed" in result.metrics:
-            counts = self.remote_counts if remote_counts is None else remote_counts
-            counts.update({"samples": len(records), "failed": result.metrics["reward/remote/failed"],
-                           "seconds": result.metrics["reward/remote/seconds"],
-                           "score_sum": result.metrics["reward/remote/score_mean"] * len(records)})
+            (self.counts if counts is None else counts).update({
+                "samples": len(records), "failed": result.metrics["reward/remote/failed"],
+                "seconds": result.metrics["reward/remote/seconds"],
+                "score_sum": result.metrics["reward/remote/score_mean"] * len(records)})
         return result
 
-    def remote_reward_metrics(self, counts: Counter | None = None, prefix: str = "reward/remote") -> dict[str, float]:
-        """`reward/remote/{score_mean,failed,seconds}` since the last call (empty without `reward.remote`)."""
-        counts = self.remote_counts if counts is None else counts
-        if not counts["samples"]:
-            return {}
-        metrics = {f"{prefix}/score_mean": counts["score_sum"] / counts["samples"],
-                   f"{prefix}/failed": float(counts["failed"]), f"{prefix}/seconds": float(counts["seconds"])}
+    def _refuse(self, descriptions: list[str], counts: Counter | None, training: bool) -> None:
+        """`reward.non_finite` on the refused scores of one scoring call (already 0): raise, or count them."""
+        if training and self.non_finite == "error":
+            raise NonFiniteRewardError(refusal_message(descriptions))
+        (self.counts if counts is None else counts)["non_finite"] += len(descriptions)
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            logger.warning("%s scored 0 (%s; counted in %s, warned once)", descriptions[0],
+                           "reward.non_finite=zero" if training else "a validation score",
+                           "reward/non_finite" if training else "val/non_finite")
+
+    def counted_metrics(self, counts: Counter | None = None, prefix: str = "reward") -> dict[str, float]:
+        """What was counted since the last call: `<prefix>/non_finite` (non-finite scores refused) and, with
+        `reward.remote`, `<prefix>/remote/{score_mean,failed,seconds}`."""
+        counts = self.counts if counts is None else counts
+        metrics = {f"{prefix}/non_finite": float(counts["non_finite"])}
+        if counts["samples"]:
+            metrics.update({f"{prefix}/remote/score_mean": counts["score_sum"] / counts["samples"],
+                            f"{prefix}/remote/failed": float(counts["failed"]),
+                            f"{prefix}/remote/seconds": float(counts["seconds"])})
         counts.clear()
         return metrics
 

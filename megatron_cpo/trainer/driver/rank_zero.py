@@ -21,6 +21,7 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.envs.metrics import episode_metrics
 from megatron_cpo.envs.registry import EnvironmentRegistry
 from megatron_cpo.envs.runner import EpisodeRunner
+from megatron_cpo.rewards.non_finite import NonFiniteRewardError
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 from megatron_cpo.rollout.config import RolloutConfig
 from megatron_cpo.rollout.generators import GreedyBaselineGenerator, GroupGenerator, SingleTurnGenerator
@@ -92,14 +93,18 @@ class RankZero:
 
     # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
-        """This step's kept groups, or (None, why) when no engine is left; then the data position goes back to the
-        first prompt not yet trained, so a resumed run collects the same prompts."""
+        """This step's kept groups, or (None, why) when no engine is left; then, and when a non-finite reward stops
+        the run (`NonFiniteRewardError`, raised), the data position goes back to the first prompt not yet trained,
+        so a resumed run collects the same prompts."""
         position = self.controller.state_dict()
         try:
             return self.controller.collect(step, self.manager.weight_version), None
         except RolloutEnginesLostError as err:
             self.controller.load_state_dict(position)
             return None, str(err)
+        except NonFiniteRewardError:
+            self.controller.load_state_dict(position)
+            raise
 
     def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
@@ -144,7 +149,7 @@ class RankZero:
                  ) -> dict[str, float]:
         """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
-                   **self.scorer.remote_reward_metrics(),
+                   **self.scorer.counted_metrics(),
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,

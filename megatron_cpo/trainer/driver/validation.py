@@ -59,8 +59,8 @@ class Validator:
         finished = self._wait_for(set(records))
         items = [(records[rid], finished[rid].samples) for rid in records]
         val_counts: Counter = Counter()
-        scored = self.scorer.score_groups(items, val_counts)
-        metrics = {"val/count": float(len(records)), **self.scorer.remote_reward_metrics(val_counts, "val/remote")}
+        scored = self.scorer.score_groups(items, val_counts, training=False)
+        metrics = {"val/count": float(len(records)), **self.scorer.counted_metrics(val_counts, "val")}
         sources = [record.data_source for record, _ in items]
         for source in [None, *sorted(set(sources))]:
             chosen = [i for i, s in enumerate(sources) if source is None or s == source]

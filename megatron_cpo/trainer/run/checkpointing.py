@@ -9,7 +9,9 @@ resume a damaged checkpoint (or `latest`) is reported and the newest intact one 
 `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is also written as a Hugging Face model
 directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or convertible to a Megatron checkpoint at
 any TP/PP). Resuming needs the same world size and TP/PP layout; to change the
-layout, start a new run from that Hugging Face directory.
+layout, start a new run from that Hugging Face directory. No checkpoint holds a NaN or infinity: weights or optimizer
+state that are not finite on some rank are never written (nor exported), and on resume a checkpoint that holds one
+(written before this check existed) is passed over like a damaged one, naming it, for the newest good one.
 
 Per-rank files are used instead of Megatron's distributed-checkpoint format because on CPU builds of Megatron-Core
 0.16 (no Apex / Transformer Engine) its optimizer sharded state dict is not loadable.
@@ -45,6 +47,20 @@ def _main_params(inner: Any) -> list[torch.Tensor]:
     """The fp32 master copies a reduced-precision model keeps beside its parameters (empty for fp32 models)."""
     groups = getattr(inner, "shard_fp32_from_float16_groups", None) or getattr(inner, "fp32_from_float16_groups", [])
     return [p for group in groups for p in group if p is not None]
+
+
+def first_non_finite(tree: Any, path: str) -> str | None:
+    """The path of the first floating-point tensor in `tree` (nested dicts, lists and tuples) that holds a NaN or an
+    infinity, e.g. "model/decoder.final_layernorm.weight"; None when all are finite. Min and max propagate both, so
+    no tensor-sized mask is allocated."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and tree.numel():
+            low, high = torch.aminmax(tree.detach())
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                return path
+        return None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return next((found for key, value in items if (found := first_non_finite(value, f"{path}/{key}"))), None)
 
 
 def optimizer_state(optimizer: Any) -> list[dict]:
@@ -101,6 +117,12 @@ class CheckpointManager:
         self.export_hf = export_hf
         self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded by this run
 
+    @property
+    def saved_path(self) -> Path | None:
+        """The directory of `saved_step`: this run's newest checkpoint, written or resumed from (both checked to
+        hold finite values)."""
+        return None if self.saved_step is None else self.root / step_dir_name(self.saved_step)
+
     def _rank_name(self) -> str:
         return f"rank_{dist.get_rank():05d}.pt"
 
@@ -109,16 +131,17 @@ class CheckpointManager:
         rename it into place, then point `latest` at it (so a kill at any moment leaves the previous one intact)."""
         final = self.root / step_dir_name(step)
         staging = self.root / (step_dir_name(step) + TMP_SUFFIX)
-        if dist.get_rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving this step
-            staging.mkdir(parents=True)
-        dist.barrier()
-        path = staging / self._rank_name()
         state = {"step": step, "world_size": dist.get_world_size(), "model": self.actor.model.state_dict(),
                  "optimizer": optimizer_state(self.actor.optimizer),
                  "scheduler": self.actor.scheduler.state_dict(), "rng": rng_state(),
                  "stream": self.stream.state_dict() if self.stream is not None else None,
                  "controls": {name: control.state_dict() for name, control in self.controls.items()}}
+        self._refuse_non_finite(state, step)
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving this step
+            staging.mkdir(parents=True)
+        dist.barrier()
+        path = staging / self._rank_name()
         torch.save(state, path)
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, (path.name, file_digest(path)))
@@ -141,6 +164,20 @@ class CheckpointManager:
         self.saved_step = step
         return final
 
+    def _refuse_non_finite(self, state: dict, step: int) -> None:
+        """Collective: raise `CheckpointError` on every rank when some rank's weights or optimizer state hold a NaN
+        or an infinity (nothing is written then), naming it and the last good checkpoint."""
+        entries = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, first_non_finite({key: state[key] for key in ("model", "optimizer")}, "actor"))
+        bad = next(((rank, entry) for rank, entry in enumerate(entries) if entry is not None), None)
+        if bad is None:
+            return
+        last = self.saved_path
+        good = f"the last good checkpoint is {last}" if last is not None else "this run has no earlier checkpoint"
+        raise CheckpointError(f"not checkpointing step {step}: {bad[1]} on rank {bad[0]} is not finite (NaN or "
+                              f"infinite), so neither these weights nor a Hugging Face export of them are written; "
+                              f"{good} (trainer.resume=auto resumes from the newest good checkpoint)")
+
     def maybe_resume(self, mode: str) -> int:
         """With `mode="auto"` and a checkpoint present, restore it and return its step; otherwise return 0.
 
@@ -155,14 +192,15 @@ class CheckpointManager:
             if state is None:
                 continue
             if problems:
-                logger.warning("resuming from the intact checkpoint %s instead: %s", self.root / step_dir_name(step),
-                               "; ".join(problems))
+                logger.warning("resuming from the intact checkpoint %s (the newest with finite values) instead: %s",
+                               self.root / step_dir_name(step), "; ".join(problems))
             self._restore(state, step)
             self.saved_step = step
             return step
         if problems:
-            raise CheckpointError(f"no intact checkpoint in {self.root}: {'; '.join(problems)}. Delete the damaged "
-                                  "files or set trainer.resume=disable with a new trainer.default_local_dir")
+            raise CheckpointError(f"no intact checkpoint with finite values in {self.root}: {'; '.join(problems)}. "
+                                  "Delete the damaged files or set trainer.resume=disable with a new "
+                                  "trainer.default_local_dir")
         return 0
 
     def _candidates(self, problems: list[str]) -> list[int]:
@@ -183,8 +221,8 @@ class CheckpointManager:
         return [named] + [s for s in steps if s < named]
 
     def _load_verified(self, step: int, problems: list[str]) -> dict | None:
-        """Collective: this rank's state of checkpoint `step` when every rank's file is intact, else None (and
-        the reason appended to `problems`)."""
+        """Collective: this rank's state of checkpoint `step` when every rank's file is intact and finite, else None
+        (and the reason appended to `problems`)."""
         directory = self.root / step_dir_name(step)
         state, problem = None, verify_checkpoint(directory, dist.get_world_size(), self._rank_name())
         if problem is None:
@@ -192,6 +230,10 @@ class CheckpointManager:
                 state = torch.load(directory / self._rank_name(), weights_only=False)
             except Exception as err:  # a file that matches its manifest but does not load is damaged all the same
                 problem = f"{directory / self._rank_name()} does not load ({type(err).__name__}: {err})"
+            entry = None if state is None else first_non_finite(
+                {key: state.get(key) for key in ("model", "optimizer")}, "actor")
+            if entry is not None:  # written before checkpoints were checked: poisoned weights or optimizer state
+                problem, state = f"{directory / self._rank_name()} holds a NaN or infinity in {entry}", None
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, problem)
         found = [report for report in reports if report is not None]

@@ -6,8 +6,9 @@
 - `StartupSignal`: SIGTERM while the model loads and the engines start raises `RunAbortedError` in the main thread,
   so the normal unwinding stops the engines (and their worker processes) and the process exits with status 143;
   `StopSignal`: SIGTERM once training runs (SLURM preemption) lets the current step finish and be checkpointed.
-- `engines_lost_message`, `nothing_to_train_message`: the one line a run ends with when no rollout engine is left,
-  or when not even its first batch could be formed.
+- `engines_lost_message`, `rewards_refused_message`, `weights_not_finite_message`, `nothing_to_train_message`: the one
+  line a run ends with when no rollout engine is left, when a reward is not finite (`reward.non_finite=error`), when
+  the trainer's own weights are not finite (the sync check), or when not even its first batch could be formed.
 """
 from __future__ import annotations
 
@@ -126,6 +127,22 @@ def engines_lost_message(failure: str | None, engines: tuple[int, int], step: in
             f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
             "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
             "actor_rollout_ref.rollout.num_engines), then continue with trainer.resume=auto")
+
+
+def rewards_refused_message(refused: str, step: int, checkpoint: Path | None) -> str:
+    """One line: the non-finite reward that stopped step `step` before its update (`refused`), and what was kept."""
+    kept = (f"the training up to step {step - 1} is checkpointed in {checkpoint}" if checkpoint is not None
+            else "nothing was trained")
+    return f"step {step} stopped before its update: {refused}; {kept}"
+
+
+def weights_not_finite_message(problem: str, last_checkpoint: Path | None) -> str:
+    """One line: the sync check's `problem` with the trainer's own weights, and the checkpoint to go back to."""
+    if last_checkpoint is None:
+        return (f"{problem}; nothing was checkpointed from them, and no checkpoint was written before (check the "
+                "model's weights in actor_rollout_ref.model.path)")
+    return (f"{problem}; nothing was checkpointed from them, the last good checkpoint is {last_checkpoint} "
+            "(trainer.resume=auto resumes from it)")
 
 
 def nothing_to_train_message(train_batch_size: int) -> str:

@@ -32,6 +32,7 @@ from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.batch.micro_batches import Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.batch.packing import PackedRows, pack_rows
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class UpdateInputs:
     routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
     first_row: int = 0                      # this mini-batch's first row in the step batch
     shaping: ResponseShaping | None = None
+    probe: FiniteProbe | None = None        # the step's finiteness flags so far (update_guard.py)
 
 
 LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
@@ -88,6 +90,9 @@ class MegatronPolicy:
         self.ddp_model = ddp_model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        # no optimizer step applies a non-finite value; too many skipped in a row end the run (update_guard.py)
+        self.guard = UpdateGuard("actor", config.max_consecutive_skipped_updates,
+                                 "actor_rollout_ref.actor.max_consecutive_skipped_updates") if optimizer else None
         self.pad_token_id = pad_token_id
         self.config = config
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
@@ -278,7 +283,8 @@ class MegatronPolicy:
         loss is `config`'s (`PolicyLossConfig`, which `ActorConfig` extends).
 
         The loss is aggregated over the whole mini-batch (all micro-batches and DP ranks), so the update does not
-        depend on how the mini-batch is split (fixed or token-budget micro-batches alike).
+        depend on how the mini-batch is split (fixed or token-budget micro-batches alike). A step whose loss or
+        gradient norm is not finite on any rank is skipped on every rank (`actor/update_skipped`, update_guard.py).
         """
         return self._update(seqs, inputs, temperature)[0]
 
@@ -324,21 +330,25 @@ class MegatronPolicy:
                                     for row in batch["rows"].tolist()]
         # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
+        probe = inputs.probe.for_update() if inputs.probe is not None else FiniteProbe()
 
         def loss_step(log_probs, entropy, batch):
             device = log_probs.device
+            response_mask = batch["seqs"].response_mask().to(device)
             old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
-            mask = batch["seqs"].response_mask().to(device)
             advantages = batch["advantages"].to(device)
             if inputs.shaping is not None:  # the shaper reads this forward's log-probs (on-policy: the old ones)
-                advantages = inputs.shaping(advantages, mask, old, entropy.detach(),
+                advantages = inputs.shaping(advantages, response_mask, old, entropy.detach(),
                                             {name: batch[f"shaping/{name}"].to(device) for name in shaping_rows})
+            probe.observe("log-probs", log_probs, response_mask)
+            probe.observe("advantages", advantages, response_mask)
             loss, metrics = policy_loss(
-                log_probs, old, advantages, mask, self.config, entropy=entropy,
+                log_probs, old, advantages, response_mask, self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction,
                 generator=self.loss_generator)
+            probe.observe("loss", loss)
             return loss * scale, ({k: torch.tensor(float(v)) for k, v in metrics.items()}, log_probs.detach(),
                                   entropy.detach())
 
@@ -349,14 +359,14 @@ class MegatronPolicy:
                             around_forward=(lambda batch, layout: self.routing.updating(layout, batch["routing"]))
                             if routed else None)
         self.scheduler.step(increment=1)
-        updated, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm = self.guard.step(self.optimizer, probe)
         metrics = self._reduce_metrics([output[0] for output in outputs])
         if routed:
             metrics.update(self.routing.finish_update())
         if self.routing is not None:
             metrics.update(aux_loss_metrics(self.model.config, self.config.megatron.override_transformer_config
                                             .aux_loss_names(), len(micro)))
-        metrics.update({"actor/grad_norm": float(grad_norm or 0.0), "actor/lr": self.optimizer.param_groups[0]["lr"],
+        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
         return metrics, outputs, plan, padded.rows
 

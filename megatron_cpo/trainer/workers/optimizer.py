@@ -34,7 +34,7 @@ def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> t
 
     platform.apply_cpu_optimizer_adaptation()
     optim = actor.optim
-    dtype = getattr(torch, actor.megatron.params_dtype)
+    dtype = getattr(torch, actor.megatron.compute_dtype)
     config = OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,

@@ -5,7 +5,8 @@ estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper
 scaling: `shaping.py`) and `update_policy` (the PPO epochs over mini-batches; an on-policy update also finishes the
 shaping, from its own forward's log-probs, when the shaper reads them). `Trainer.step()` calls them one by one, with
 the `PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts
-of other sections they read.
+of other sections they read. Each stage's results are probed for NaN and infinity as they are made
+(`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first non-finite value appeared.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
 from megatron_cpo.trainer.workers.shaping import ResponseShaping
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 
@@ -98,6 +100,7 @@ class BatchLogProbs:
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
+    finite: FiniteProbe = field(default_factory=FiniteProbe)  # the step's finiteness flags, stage by stage
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
@@ -142,8 +145,11 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         hint_log_probs = torch.zeros(batch.response_ids.rows, width)
         hint_log_probs[rows] = actor.log_probs(hint_seqs, temperature)[0]
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
-    return BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                         hint_log_probs, routing, routing_metrics, timing)
+    lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
+                       hint_log_probs, routing, routing_metrics, timing)
+    for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
+        lp.finite.observe("log-probs", log_probs, lp.mask)
+    return lp
 
 
 @dataclass
@@ -177,10 +183,13 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
                               batch.kept_ratio, actor_cfg.filter_loss_scaling)
     if shaper.needs_hint_contexts:
         metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-    if shaper.needs_log_probs and lp.old_log_probs is None:
+    lp.finite.observe("rewards", token_rewards, mask)
+    lp.finite.observe("advantages", advantages, mask)
+    if shaper.needs_log_probs and lp.old_log_probs is None:  # the update observes the shaped ones
         return StepAdvantages(advantages, shaping), metrics
     advantages, shaping_metrics = shaping.whole_batch(advantages, mask, lp.old_log_probs, lp.entropy)
     metrics.update(shaping_metrics)
+    lp.finite.observe("advantages", advantages, mask)
     return StepAdvantages(advantages), metrics
 
 
@@ -197,7 +206,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages.values, None, lp.ref_log_probs,
                               lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
-                              shaping=advantages.shaping)
+                              shaping=advantages.shaping, probe=lp.finite)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
         if advantages.shaping is not None:  # what the micro-batches trained on, whole, with the step's metrics
@@ -210,7 +219,7 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
                 inputs = UpdateInputs(trained[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, correction, lp.routing, begin)
+                                      engine_log_probs, correction, lp.routing, begin, lp.finite)
                 update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
     metrics.update({**lp.routing_metrics, **lp.timing, **shaping_metrics,

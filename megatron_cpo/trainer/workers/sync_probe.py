@@ -8,6 +8,8 @@ on engines in sync), then lets them go on (`RolloutEngines.resume_generation`). 
 scores the engines' tokens with the actor (`MegatronPolicy.log_probs`: TP/PP/DP aware, the same on every rank
 afterwards) and every rank reaches the same verdict. Over the tolerance the push is reported as
 `EngineOutOfSyncError`, one line naming the push and the difference; the loop logs the step, checkpoints and stops.
+When the actor's own log-prob of a probe token is NaN or infinite the fault is the trainer's weights, not the sync:
+that is `TrainerNotFiniteError`, and the loop stops without a checkpoint (none may hold such weights).
 
 `SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
 the engine sampled): a jump from one step to the next means the push in between went wrong, which it says once.
@@ -42,13 +44,18 @@ class EngineOutOfSyncError(RuntimeError):
         self.metrics = metrics or {}
 
 
+class TrainerNotFiniteError(EngineOutOfSyncError):
+    """The sync probe found the trainer's own log-probs NaN or infinite: its weights are not finite, the engines
+    serve what they were sent (one line, naming the push and the probe token)."""
+
+
 class SyncProbe:
     """Checks pushes on every rank (`after_push`) and watches the mismatch metrics on rank 0 (`observe_mismatch`)."""
 
     def __init__(self, settings: SyncCheckConfig, dtype: str, max_model_len: int, tokenizer: Any, pad_token_id: int
                  ) -> None:
-        """`settings`: `rollout.sync_check`; `dtype`: the actor's (`megatron.params_dtype`), which sets the default
-        tolerance; `max_model_len`: the engines' (`data.max_prompt_length + data.max_response_length`)."""
+        """`settings`: `rollout.sync_check`; `dtype`: the actor's (`megatron.params_dtype`, `auto` resolved), which sets
+        the default tolerance; `max_model_len`: the engines' (`data.max_prompt_length + data.max_response_length`)."""
         self.settings = settings
         self.dtype = dtype
         self.tolerance = self.settings.tolerance_for(self.dtype)
@@ -104,6 +111,11 @@ class SyncProbe:
         trainer_log_probs, _ = actor.log_probs(seqs, 1.0)
         gap = compare_probe(labels, engine_log_probs, trainer_log_probs)
         metrics = {**gap.metrics(), "timing/sync_check_s": time.perf_counter() - started}
+        if gap.trainer_non_finite is not None:
+            raise TrainerNotFiniteError(
+                f"the trainer's own weights are not finite at the {where}: the actor's log-prob of a sync-probe token "
+                f"is {gap.trainer_non_finite}; the engines were sent these weights, so this is not an engine that "
+                "serves other weights", metrics)
         if not gap.max_abs_diff <= self.tolerance:
             raise EngineOutOfSyncError(
                 f"the engines do not serve the trainer's weights after the {where}: the largest |engine - trainer| "
