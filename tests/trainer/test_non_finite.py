@@ -111,7 +111,8 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
         log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
         advantages, _ = compute_advantages(batch, log_probs, settings)
         if rank == poison_rank:
-            advantages = torch.where(log_probs.mask.bool(), torch.full_like(advantages, float("nan")), advantages)
+            advantages = dataclasses.replace(advantages, values=torch.where(
+                log_probs.mask.bool(), torch.full_like(advantages.values, float("nan")), advantages.values))
         metrics = update_policy(actor, batch, log_probs, advantages, settings)
         return metrics["actor/update_skipped"], actor.guard.consecutive, list(actor.guard.first_stages)
 
