@@ -2,6 +2,7 @@
 refused; the actor's optimizer step is skipped on every rank when some rank's loss or the gradient norm is not
 finite (fp32 and bf16, real Megatron over gloo at DP=2), and the skips in a row are counted; a checkpoint is never
 written from non-finite weights."""
+import dataclasses
 from collections import Counter
 from pathlib import Path
 

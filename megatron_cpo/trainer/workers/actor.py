@@ -337,11 +337,11 @@ class MegatronPolicy:
             response_mask = batch["seqs"].response_mask().to(device)
             old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
             advantages = batch["advantages"].to(device)
+            probe.observe("log-probs", log_probs, response_mask)
             if inputs.shaping is not None:  # the shaper reads this forward's log-probs (on-policy: the old ones)
                 advantages = inputs.shaping(advantages, response_mask, old, entropy.detach(),
                                             {name: batch[f"shaping/{name}"].to(device) for name in shaping_rows})
-            probe.observe("log-probs", log_probs, response_mask)
-            probe.observe("advantages", advantages, response_mask)
+                probe.observe("advantages", advantages, response_mask)
             loss, metrics = policy_loss(
                 log_probs, old, advantages, response_mask, self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
