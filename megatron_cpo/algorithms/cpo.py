@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, resolve_rule
+from megatron_cpo.algorithms.cpo_rules import HINT_READERS, RESPONSE_SELECTORS, SHAPING_RULES, resolve_rule
 from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
 
 if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
@@ -55,24 +55,31 @@ def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3)
     raise ValueError(f"difficulty levels={levels} is not supported; use 3 (-1/0/+1) or 5 (-2..2)")
 
 
-class _Inputs:
+class _Responses:
+    """What a rule reads of each response before any log-prob pass: its correctness and its prompt's difficulty."""
+
+    def __init__(self, correct, difficulty, hint_correct):
+        self.correct, self.difficulty = correct.bool()[:, None], difficulty[:, None]
+        self.hint_correct = None if hint_correct is None else hint_correct.bool()[:, None]
+
+    def wrong(self) -> torch.Tensor:
+        wrong = ~self.correct
+        return wrong if self.hint_correct is None else wrong & self.hint_correct
+
+
+class _Inputs(_Responses):
     """The tensors a rule reads, with the selectors and factors it names computed on demand."""
 
     def __init__(self, advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
                  cpo_lambda, hint_correct):
+        super().__init__(correct, difficulty, hint_correct)
         self.advantages, self.signals, self.entropy, self.mask = advantages, signals, entropy, mask.bool()
-        self.correct, self.difficulty = correct.bool()[:, None], difficulty[:, None]
         self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
-        self.hint_correct = None if hint_correct is None else hint_correct.bool()[:, None]
 
     def hint_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`clamp(p_hint / p, 1/lam, lam)` and lam as a tensor of the same dtype, so that the bound tests are exact."""
         lam = torch.tensor(self.cpo_lambda, dtype=self.log_probs.dtype, device=self.log_probs.device)
         return torch.exp(self.hint_log_probs - self.log_probs).clamp(1.0 / lam, lam), lam
-
-    def wrong(self) -> torch.Tensor:
-        wrong = ~self.correct
-        return wrong if self.hint_correct is None else wrong & self.hint_correct
 
     def entropy_gap(self) -> torch.Tensor:
         h_max = self.entropy.masked_fill(~self.mask, float("-inf")).amax(-1, keepdim=True)
@@ -91,7 +98,7 @@ def _hint_lowers(x: _Inputs) -> torch.Tensor:
 
 SELECTORS: dict[str, Callable[[_Inputs], torch.Tensor]] = {
     "correct": lambda x: x.correct,
-    "wrong": _Inputs.wrong,
+    "wrong": _Responses.wrong,
     "all_wrong": lambda x: x.difficulty == -1,
     "all_correct": lambda x: x.difficulty == 1,
     "mixed": lambda x: x.difficulty == 0,
@@ -127,7 +134,11 @@ APPLY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def _check_rule_table() -> None:
-    """Fail at import, naming the part, if a rule refers to a selector, factor, alpha or apply that does not exist."""
+    """Fail at import, naming the part, if a rule refers to a selector, factor, alpha or apply that does not exist,
+    or the table of what each name reads (cpo_rules.py) names one that does not exist."""
+    undeclared = sorted((RESPONSE_SELECTORS - set(SELECTORS)) | (HINT_READERS - set(SELECTORS) - set(FACTORS)))
+    if undeclared:
+        raise ValueError(f"cpo_rules.RESPONSE_SELECTORS / HINT_READERS name unknown parts {undeclared}")
     for rule in SHAPING_RULES.values():
         for term in rule.terms:
             unknown = ([s for s in term.where if s not in SELECTORS] + [f for f in term.factors if f not in FACTORS]
@@ -157,6 +168,30 @@ def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficult
             f"difficulty holds values in [{int(difficulty.min())}, {int(difficulty.max())}]; the shaping rules read "
             "the 3-level mask (-1/0/+1): pass difficulty_mask(correct, group, levels=3)"
         )
+
+
+def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Tensor, pos_alpha: Optional[float],
+                     neg_alpha: Optional[float], hint_correct: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The responses whose advantages the rule can change through a hint signal, BoolTensor[N]: those that the
+    response selectors of some term reading the hint pick, over the terms whose alpha is not 0.
+
+    `shape_advantages` reads `hint_log_probs` (and the signals made from them) only through such terms, on the tokens
+    of the responses they select, so the hinted pass need only score these responses: any value on the other rows
+    (e.g. the plain log-probs, as for a response without a hint) gives bit-identical advantages. With `negonly_mi3`
+    only wrong responses of all-wrong prompts qualify, so on filter-groups batches (no all-wrong prompts) none does.
+    """
+    rule = resolve_rule(rule_name)
+    responses = _Responses(correct, difficulty, hint_correct)
+    alphas = {"pos": pos_alpha or 0.0, "neg": neg_alpha or 0.0}
+    hinted = torch.zeros_like(responses.correct)
+    for term in rule.terms:
+        if alphas[term.alpha] == 0.0 or not term.reads_hint:
+            continue
+        where = torch.ones_like(hinted)
+        for selector in term.response_selectors:
+            where = where & SELECTORS[selector](responses)
+        hinted = hinted | where
+    return hinted[:, 0]
 
 
 def shape_advantages(
@@ -213,8 +248,6 @@ def shape_advantages(
         metrics = {
             "cpo/adv_change_mean": masked_mean(shaped - advantages),
             "cpo/shaped_token_frac": float(((shaped != advantages) & x.mask).sum() / tokens),
-            "cpo/mi_mean": masked_mean(signals.mi),
-            "cpo/kl_mean": masked_mean(signals.kl),
             "cpo/u_mean": masked_mean(signals.u),
         }
     return shaped, metrics

@@ -4,10 +4,22 @@ name its rule without loading torch; cpo.py evaluates them.
 A rule is a few `Term`s, a term is "on responses/tokens selected by these selectors, add alpha times the product of
 these signals, in this way", plus a sign-clamp flag. Selectors, factors and ways of applying are named here and
 implemented in cpo.py (`SELECTORS`, `FACTORS`, `APPLY`), which checks at import that every name a rule uses exists.
+
+What each name reads is data too: `RESPONSE_SELECTORS` read only a response's correctness and its prompt's difficulty
+(known before any log-prob pass), `HINT_READERS` read the hinted log-probs. A term that names no hint reader changes
+an advantage without the hint, so a response is scored under its hint only when some term that does read it can
+select the response (`Term.reads_hint`, `Term.response_selectors`; cpo.py `hinted_responses`).
 """
 from dataclasses import dataclass
 
 LEGACY_SUFFIX = "_qwen3"
+
+RESPONSE_SELECTORS = frozenset({"correct", "wrong", "all_wrong", "all_correct", "mixed", "not_all_wrong",
+                                "not_all_correct", "not_mixed"})
+"""Selectors that hold for whole responses: they read the response's correctness and its prompt's difficulty only."""
+HINT_READERS = frozenset({"mi_nonneg", "mi_neg", "hint_raises", "hint_lowers", "mi", "mi_clamped", "kl_clamped", "s"})
+"""Selectors and factors that read the hinted log-probs (through mi, kl, s or the hint ratio); the others read
+correctness, difficulty and the plain pass's entropy (H, H_gap, u, ubar)."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +31,16 @@ class Term:
     where: tuple[str, ...]
     factors: tuple[str, ...]
     apply: str = "add"
+
+    @property
+    def reads_hint(self) -> bool:
+        """Whether the term's change depends on the hinted log-probs (a selector or a factor reads them)."""
+        return any(name in HINT_READERS for name in self.where + self.factors)
+
+    @property
+    def response_selectors(self) -> tuple[str, ...]:
+        """The term's selectors that pick whole responses; its other selectors pick tokens within them."""
+        return tuple(name for name in self.where if name in RESPONSE_SELECTORS)
 
 
 @dataclass(frozen=True)

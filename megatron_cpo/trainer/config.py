@@ -287,7 +287,13 @@ class TrainerConfig:
     metric under verl's name (`critic/score/mean`, `response_length/mean`, ...) so verl dashboards keep working.
     `resume="disable"` refuses a `default_local_dir` that holds an earlier run unless `overwrite=true`, which first
     moves that run aside to `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always
-    checkpointed.
+    checkpointed; `max_actor_ckpt_to_keep` (verl's name; None: all) keeps only the newest k checkpoints.
+
+    `total_rollout_samples` (0: off) ends the run, checkpointed and validated, after the step at which the samples
+    generated so far reach it, counting every finished sample, kept or dropped by a group filter (so arms that
+    generate differently per step, e.g. GRPO and DAPO's filter-groups, compare at an equal budget); the steps
+    (`total_training_steps` / `total_epochs`) still cap the run, and a learning-rate decay spans them, not the budget.
+    `test_freq_samples` (0: off) validates after each step that crosses a multiple of it, besides `test_freq`.
     """
     total_epochs: int = 1
     total_training_steps: int = 0
@@ -306,6 +312,9 @@ class TrainerConfig:
     nnodes: int = 0
     log_verl_metric_names: bool = True
     overwrite: bool = False
+    max_actor_ckpt_to_keep: int | None = None
+    total_rollout_samples: int = 0
+    test_freq_samples: int = 0
 
     def __post_init__(self) -> None:
         check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")
@@ -317,6 +326,11 @@ class TrainerConfig:
         for sink in self.logger:
             check_choice("trainer.logger entry", sink, ("console", "jsonl", "tensorboard", "wandb"))
         check(self.log_completions >= 0, f"trainer.log_completions={self.log_completions} must be >= 0 (rows/step)")
+        check(self.max_actor_ckpt_to_keep is None or self.max_actor_ckpt_to_keep >= 1,
+              f"trainer.max_actor_ckpt_to_keep={self.max_actor_ckpt_to_keep} must be >= 1 (or null: keep every "
+              "checkpoint)")
+        for name in ("total_rollout_samples", "test_freq_samples"):
+            check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0: off)")
 
 
 @dataclass

@@ -5,7 +5,8 @@
 8 early-stop check -> 9 validate when due -> 10 log (rank 0) -> 11 checkpoint when due. Every collective is in
 `collectives.py`; rank-0 work is in `RankZero`'s methods. `Trainer.fit()` resumes, validates before the first step
 and after the last, and always checkpoints the last step; with `trainer.early_stop.enable` the run also ends
-(checkpointed, reason logged) once the reward variance has collapsed. SIGTERM (SLURM preemption) finishes the
+(checkpointed, reason logged) once the reward variance has collapsed, and with `trainer.total_rollout_samples` once
+it has generated that many samples (validation is also due after every `trainer.test_freq_samples` of them). SIGTERM (SLURM preemption) finishes the
 current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and raises
 `RunAbortedError` (one line naming the engine and the fix), as does a non-finite reward (`reward.non_finite=error`)
 or too many optimizer steps skipped in a row for non-finite values (trainer/workers/update_guard.py).
@@ -64,10 +65,12 @@ class PushOutcome:
 
 @dataclass
 class StepOutcome:
-    """How a step ended: `stop` (SIGTERM on some rank: checkpointed, the run returns) or `early_stopped`."""
+    """How a step ended: `stop` (SIGTERM on some rank: checkpointed, the run returns), `early_stopped` or
+    `budget_spent`."""
     metrics: dict[str, float]
     stop: bool = False
     early_stopped: bool = False
+    budget_spent: bool = False  # trainer.total_rollout_samples reached
 
 
 class Trainer:
@@ -124,12 +127,14 @@ class Trainer:
         self.actor, self.reference = policies_for(config, self.pad_token_id, updates)
         # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
         self.offload = colocated_offload(self.actor, megatron, rollout.mode)
-        monitor = self.lead.monitor if self.lead else None
+        controls = {"early_stop": self.lead.monitor, "samples": self.lead.samples} if self.lead else {}
         # the data position a checkpoint keeps is the controller's: the first prompt not yet trained
         self.checkpoints = CheckpointManager(
             Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
-            self.lead.controller if self.lead else None, {"early_stop": monitor} if monitor is not None else None,
-            hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None)
+            self.lead.controller if self.lead else None,
+            {name: control for name, control in controls.items() if control is not None},
+            hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None,
+            config.trainer.max_actor_ckpt_to_keep)
 
     # --- the run ---------------------------------------------------------------------------------------------
     def fit(self, stop: StopSignal) -> dict[str, float]:
@@ -142,10 +147,11 @@ class Trainer:
             if lead:
                 logger.warning("not training: %s", lead.early_stop_reason(start_step))
             return {}
-        if start_step >= total:
+        if start_step >= total or broadcast_object(lead is not None and lead.samples.spent):
             if lead:
-                logger.warning("not training: the checkpoint of step %d already ends this %d-step run (raise "
-                               "trainer.total_training_steps to train on)", start_step, total)
+                logger.warning("not training: the checkpoint of step %d already ends this run of %d steps and %d "
+                               "samples (raise trainer.total_training_steps or trainer.total_rollout_samples to train "
+                               "on)", start_step, total, self.config.trainer.total_rollout_samples)
             return {}
         pushed = self.push_weights_or_abort(start_step)
         last: dict[str, float] = {}
@@ -173,6 +179,11 @@ class Trainer:
                 if lead:
                     logger.warning("%s", lead.early_stop_reason(step))
                 break
+            if outcome.budget_spent:
+                if lead:
+                    logger.info("the run has generated its %d samples (trainer.total_rollout_samples) after step %d",
+                                self.config.trainer.total_rollout_samples, step)
+                break
         if step > 0 and self.checkpoints.saved_step != step:
             self.checkpoints.save(step)  # the last (or early-stopped) step, whatever save_freq is
         return last
@@ -194,9 +205,11 @@ class Trainer:
         metrics.update(pushed.metrics)
         self.sync_reference(step)                                                                   # 7
         early_stopped = self.observe_early_stop(collected, metrics)                                 # 8
+        samples_due, budget_spent = broadcast_object(lead.count_samples(collected, metrics) if lead else None)
         stopping = any_rank(stop.received)
         healthy = pushed.lost is None and pushed.out_of_sync is None
-        due = healthy and self._validation_due(step, last=step == self.total_steps or early_stopped)
+        last = step == self.total_steps or early_stopped or budget_spent
+        due = healthy and (samples_due or self._validation_due(step, last))
         validation = self.validate() if due else {}  # 9; the last step's row carries the final validation
         if lead:                                                                                    # 10
             metrics = lead.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)
@@ -206,7 +219,7 @@ class Trainer:
         # while the other order would lose its metrics; the last step is saved by `fit`
         if stopping or self._save_due(step):
             self.checkpoints.save(step)
-        return StepOutcome(metrics if lead else {}, stopping, early_stopped)
+        return StepOutcome(metrics if lead else {}, stopping, early_stopped, budget_spent)
 
     # --- the step's parts ------------------------------------------------------------------------------------
     def collect(self, step: int) -> CollectedBatch | None:

@@ -59,8 +59,10 @@ SMOLLM2 = sorted(EXAMPLES.glob("smollm2-135m/*.yaml"))
 
 @pytest.mark.parametrize("path", SMOLLM2, ids=[p.name for p in SMOLLM2])
 def test_smollm2_examples_use_the_fast_cpu_settings(path):
-    """The real-model example: the dtype the CPU computes fastest (`auto`), token budgets that fit the prompt + response, an on-policy update (no
-    separate old-log-prob pass) except for CPO, whose shaping reads the log-probs before the update."""
+    """The real-model example: the dtype the CPU computes fastest (`auto`), token budgets that fit the prompt +
+    response, an on-policy update (no separate old-log-prob pass; CPO's shaping reads the update's own forward), CPO's
+    hint asking for the sum last; CPO on DAPO is dapo.yaml plus the shaping, CPO on GRPO grpo.yaml plus the same
+    shaping."""
     from megatron_cpo.trainer.loop import policy_update_config
     from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
@@ -68,6 +70,12 @@ def test_smollm2_examples_use_the_fast_cpu_settings(path):
     actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
     assert actor.megatron.params_dtype == "auto" and actor.use_dynamic_bsz and model.use_fused_kernels
     assert actor.ppo_max_token_len_per_gpu >= config.data.max_prompt_length + config.data.max_response_length
-    assert old_log_probs_from_update(policy_update_config(config)) == (path.stem != "cpo")
-    assert "\\boxed" not in config.data.hint_instruction or path.stem != "cpo"
-    assert {p.stem for p in SMOLLM2} == {"grpo", "dapo", "cpo"}
+    assert old_log_probs_from_update(policy_update_config(config))
+    assert "\\boxed" not in config.data.hint_instruction or not path.stem.startswith("cpo")
+    assert {p.stem for p in SMOLLM2} == {"grpo", "dapo", "cpo", "cpo_grpo"}
+    if path.stem.startswith("cpo"):  # the CPO files are their base's file plus algorithm.cpo and the hint text
+        base = load_config(path.parent / ("dapo.yaml" if path.stem == "cpo" else "grpo.yaml"))
+        assert config.algorithm.adv_estimator == "cpo" and config.algorithm.cpo.wrap_method == "negonly_mi3"
+        for section in ("actor_rollout_ref", "reward"):
+            assert getattr(config, section) == getattr(base, section), section
+        assert config.algorithm.filter_groups == base.algorithm.filter_groups

@@ -129,10 +129,12 @@ def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rol
 
 
 def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(make_config, rollout_manager, tmp_path):
-    """One CPO step with every selection and loss feature on, then the reward-variance early stop ends the run."""
+    """One CPO step with every selection and loss feature on, then the reward-variance early stop ends the run.
+    The rule is `mi3`, whose hint terms act on every wrong response (negonly_mi3's act on all-wrong prompts only,
+    which filter-groups does not keep): only the wrong responses are scored under their hints."""
     run_dir = tmp_path / "cpo"
     config = make_config(
-        "algorithm.adv_estimator=cpo", "algorithm.wrap_method=negonly_mi3",
+        "algorithm.adv_estimator=cpo", "algorithm.wrap_method=mi3",
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
         "actor_rollout_ref.rollout.rollout_filter_strategy=top_k", "actor_rollout_ref.rollout.rollout_filter_value=3",
         "actor_rollout_ref.actor.filter_loss_scaling=linear", "actor_rollout_ref.actor.top_entropy_quantile=0.5",
@@ -147,8 +149,11 @@ def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(ma
     metrics = read_metrics(run_dir)
     step = metrics[1]
     assert step["cpo/hints_truncated"] == 0
-    assert step["cpo/hint_source/extra_info.solution"] == 8 and step["cpo/hint_bare_answer"] == 0  # data.hint_key
-    assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0
+    # filter-groups kept 4 mixed prompts of 2 responses: their 4 wrong ones were scored under the hint (data.hint_key)
+    assert step["cpo/hint_source/extra_info.solution"] == 4 and step["cpo/hinted_frac"] == 0.5
+    assert step["cpo/hint_bare_answer"] == 0
+    assert step["cpo/shaped_token_frac"] > 0 and step["cpo/kl_mean"] != 0 and "cpo/mi_wrong_p50" in step
+    assert "cpo/mi_correct_p50" not in step  # no correct response was scored under a hint
     assert step["cpo/difficulty_mixed"] == 1.0  # filter-groups kept only mixed prompts
     assert step["filter/kept_prompts"] == 4 and "kl" in step
     # RAGEN keeps at most 3 of every 4 groups, and the loss scale is that kept ratio (filter_loss_scaling=linear)
@@ -163,3 +168,25 @@ def test_cpo_with_dynamic_sampling_ragen_overlong_entropy_mask_and_early_stop(ma
 
     run_training(config, rollout_manager)  # resuming a stopped run trains nothing
     assert max(read_metrics(run_dir)) == 1
+
+
+def test_sample_budget_ends_the_run_and_validates_by_samples(make_config, rollout_manager, tmp_path):
+    """`trainer.total_rollout_samples` ends the run after the step whose generated samples reach it (checkpointed,
+    validated), `trainer.test_freq_samples` validates after each step that crosses a multiple, and
+    `trainer.max_actor_ckpt_to_keep` keeps the newest checkpoint only. A GRPO step here generates 4 x 2 = 8 samples:
+    a budget of 20 ends the run after step 3 (24 samples) and validation falls after steps 2 (16 > 12) and 3."""
+    run_dir = tmp_path / "budget"
+    config = make_config("trainer.total_training_steps=10", "trainer.total_rollout_samples=20",
+                         "trainer.test_freq_samples=12", "trainer.val_before_train=false", "trainer.save_freq=1",
+                         "trainer.max_actor_ckpt_to_keep=1", f"trainer.default_local_dir={run_dir}")
+    run_training(config, rollout_manager)
+    metrics = read_metrics(run_dir)
+    assert max(metrics) == 3 and [metrics[s]["train/generated_samples"] for s in (1, 2, 3)] == [8.0, 16.0, 24.0]
+    assert all(metrics[s]["rollout/generated_samples"] == 8.0 for s in (1, 2, 3))
+    assert ["val/acc" in metrics[s] for s in (1, 2, 3)] == [False, True, True]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000003"]
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
+
+    run_training(config, rollout_manager)  # resumed: the budget is spent, nothing more is trained
+    assert max(read_metrics(run_dir)) == 3

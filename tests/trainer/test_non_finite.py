@@ -2,6 +2,7 @@
 refused; the actor's optimizer step is skipped on every rank when some rank's loss or the gradient norm is not
 finite (fp32 and bf16, real Megatron over gloo at DP=2), and the skips in a row are counted; a checkpoint is never
 written from non-finite weights."""
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
         log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
         advantages, _ = compute_advantages(batch, log_probs, settings)
         if rank == poison_rank:
-            advantages = torch.where(log_probs.mask.bool(), torch.full_like(advantages, float("nan")), advantages)
+            advantages = dataclasses.replace(advantages, values=torch.where(
+                log_probs.mask.bool(), torch.full_like(advantages.values, float("nan")), advantages.values))
         metrics = update_policy(actor, batch, log_probs, advantages, settings)
         return metrics["actor/update_skipped"], actor.guard.consecutive, list(actor.guard.first_stages)
 

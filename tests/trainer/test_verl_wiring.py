@@ -143,21 +143,47 @@ def test_val_max_samples_caps_the_validation_set():
         build_config({}, ["data.val_max_samples=0"])
 
 
-def test_hint_instruction_reaches_the_hint_context():
-    """`data.hint_instruction` is the second user turn's instruction of CPO's hinted prompt (the SmolLM2 example asks
-    for the sum last instead of a boxed answer)."""
+def _hint_builder(*overrides):
     from transformers import AutoTokenizer
 
-    from megatron_cpo.data.dataset import PromptRecord
     from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    config = build_config({}, ["algorithm.adv_estimator=cpo", "data.max_prompt_length=512",
-                               "data.hint_instruction=End with the sum."])
-    messages = [{"role": "user", "content": "What is 47 + 38?"}]
+    config = build_config({}, ["algorithm.adv_estimator=cpo", "data.max_prompt_length=512", *overrides])
+    algorithm = config.algorithm
+    return HintContextBuilder(algorithm.cpo, config.data, tokenizer, algorithm.shaper.hinted_responses), tokenizer
+
+
+def _addition_group(tokenizer, a, b, acc):
+    from megatron_cpo.data.dataset import PromptRecord
+
+    messages = [{"role": "user", "content": f"What is {a} + {b}?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    record = PromptRecord("u0", 0, messages, prompt, "megatron_cpo/addition", "85",
-                          extra_info={"solution": "So 47 + 38 = 85."})
-    contexts = HintContextBuilder(config.algorithm.cpo, config.data, tokenizer)([SimpleNamespace(record=record, n=1)], [prompt], [[5, 6]])
-    text = tokenizer.decode(contexts.prompt_ids[0])
+    record = PromptRecord(f"u{a}", 0, messages, prompt, "megatron_cpo/addition", str(a + b),
+                          extra_info={"solution": f"So {a} + {b} = {a + b}."})
+    return SimpleNamespace(record=record, n=len(acc), acc=torch.tensor(acc), prompt_token_ids=prompt)
+
+
+def test_hint_instruction_reaches_the_hint_context():
+    """`data.hint_instruction` is the second user turn's instruction of CPO's hinted prompt (the SmolLM2 example asks
+    for the sum last instead of a boxed answer)."""
+    builder, tokenizer = _hint_builder("data.hint_instruction=End with the sum.", "algorithm.cpo.wrap_method=mi3")
+    hints = builder([_addition_group(tokenizer, 47, 38, [0.0])])
+    text = tokenizer.decode(hints["hint_prompt_ids"][0])
     assert "So 47 + 38 = 85." in text and "What is 47 + 38?\nEnd with the sum." in text and "boxed" not in text
+
+
+def test_hinted_prompts_are_built_only_for_the_responses_the_rule_can_change():
+    """The shaper names the responses a hint can change (`hinted_responses`); only they get a hinted prompt, and a
+    batch where none qualifies (`negonly_mi3` on filter-groups' mixed prompts) builds none."""
+    builder, tokenizer = _hint_builder("algorithm.cpo.wrap_method=negonly_mi3")
+    mixed, all_wrong = _addition_group(tokenizer, 47, 38, [1.0, 0.0]), _addition_group(tokenizer, 12, 19, [0.0, 0.0])
+    hints = builder([mixed, all_wrong])
+    assert hints["has_hint"].tolist() == [False, False, True, True] and len(hints["hint_prompt_ids"]) == 2
+    assert "So 12 + 19 = 31." in tokenizer.decode(hints["hint_prompt_ids"][0])
+    assert hints["hint_metrics"]["cpo/hint_source/extra_info.solution"] == 2
+    assert set(builder([mixed, mixed])) == {"has_hint"} and not builder([mixed, mixed])["has_hint"].any()
+    mi3, _ = _hint_builder("algorithm.cpo.wrap_method=mi3")  # every wrong response
+    assert mi3([mixed, all_wrong])["has_hint"].tolist() == [False, True, True, True]
+    no_gold, _ = _hint_builder("algorithm.cpo.wrap_method=mi3", "algorithm.cpo.gold_as_hint=false")
+    assert not no_gold([mixed, all_wrong])["has_hint"].any()

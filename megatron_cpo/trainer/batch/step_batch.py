@@ -23,8 +23,8 @@ class StepBatch:
     group: torch.Tensor
     truncated: torch.Tensor
     kept_ratio: float  # the group filters' kept / judged groups (filter_loss_scaling scales by it)
-    hint_prompt_ids: RaggedRows | None = None
-    has_hint: torch.Tensor | None = None
+    hint_prompt_ids: RaggedRows | None = None  # CPO: the hinted prompts of the rows `has_hint` marks, in row order
+    has_hint: torch.Tensor | None = None  # [N] bool: the responses scored under a hint (data/hints.py, the shaper's)
     hints_truncated: int = 0
     hint_metrics: dict[str, float] | None = None  # cpo/hint_source/<key> counts (data.hint_key)
     loss_mask: RaggedRows | None = None  # multi-turn: 1 on sampled, 0 on observation tokens (None: all sampled)

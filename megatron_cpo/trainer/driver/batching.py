@@ -12,15 +12,10 @@ from megatron_cpo.trainer.driver.accumulator import ScoredGroup
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None,
                     policy_version: int | None = None) -> StepBatch:
-    """Flatten kept groups into a `StepBatch`; `hint_builder(groups, prompts, responses)` adds CPO hint contexts;
-    `policy_version`: the weight version that trains it (the token versions travel when every group has them)."""
-    hints = {}
-    if hint_builder is not None:
-        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
-        responses = [r for g in groups for r in g.response_token_ids]
-        contexts = hint_builder(groups, prompts, responses)
-        hints = {"hint_prompt_ids": contexts.prompt_ids, "has_hint": contexts.has_hint,
-                 "hints_truncated": contexts.num_truncated, "hint_metrics": contexts.source_metrics}
+    """Flatten kept groups into a `StepBatch`; `hint_builder(groups)` adds CPO's hinted prompts (its `StepBatch`
+    fields); `policy_version`: the weight version that trains it (the token versions travel when every group has
+    them)."""
+    hints = hint_builder(groups) if hint_builder is not None else {}
     group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
     return StepBatch(
         prompt_ids=RaggedRows.from_lists([g.prompt_token_ids for g in groups]).repeat_rows([g.n for g in groups]),

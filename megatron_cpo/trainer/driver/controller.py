@@ -129,7 +129,7 @@ class RolloutController:
         accumulator = GroupAccumulator(self.batch_size, self.group_filter, self.filter_groups.metric,
                                        start_seq=open_.first, pending=open_.finished)
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
-                                "timing/score_calls"), 0.0)
+                                "timing/score_calls", "rollout/generated_samples"), 0.0)
         logged_gen_batches = 0
         data_exhausted = False
         arrived = self._take(self._received + self._poll())
@@ -271,6 +271,7 @@ class RolloutController:
                                                                  else [])) for request, group in finished])
         timing["timing/score_calls"] += 1
         timing["timing/generated_tokens"] += sum(len(r) for group_responses in responses for r in group_responses)
+        timing["rollout/generated_samples"] += sum(len(group_responses) for group_responses in responses)
         return [ScoredGroup(seq=request.seq, record=request.record, prompt_token_ids=list(group.prompt_token_ids),
                             response_token_ids=group_responses,
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],

@@ -38,6 +38,7 @@ from megatron_cpo.trainer.driver.grading import ResponseScorer
 from megatron_cpo.trainer.driver.loggers import MetricLogger
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, training_sampling_params
+from megatron_cpo.trainer.driver.sample_budget import SampleBudget
 from megatron_cpo.trainer.driver.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ class RankZero:
                           else self.sampler)
         self.scorer = ResponseScorer(config.reward, tokenizer)
         eos = tokenizer.eos_token_id
-        self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer) if algorithm.shaper.needs_hint_contexts
-                      else None)
+        shaper = algorithm.shaper
+        self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer, shaper.hinted_responses)
+                      if shaper.needs_hint_contexts else None)
         selection = group_selection(algorithm.filter_groups, rollout, config.reward.overlong_buffer,
                                     data.train_batch_size, data.max_response_length)
         self.controller = RolloutController(
@@ -80,6 +82,7 @@ class RankZero:
                                    training_sampling_params(rollout, data.max_response_length, eos, None, greedy=True),
                                    rollout.val_kwargs, trainer.seed, data.val_max_samples, self.controller.receive)
         self.monitor = EarlyStopMonitor(trainer.early_stop) if trainer.early_stop.enable else None
+        self.samples = SampleBudget(trainer.total_rollout_samples, trainer.test_freq_samples)
         self.metric_logger: MetricLogger | None = None
 
     def open_log(self, total_steps: int, resume_step: int) -> None:
@@ -115,6 +118,13 @@ class RankZero:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints,
                                collected.policy_version)
+
+    def count_samples(self, collected: CollectedBatch, metrics: dict[str, float]) -> tuple[bool, bool]:
+        """Add the step's generated samples to the run's count (`train/generated_samples` in `metrics`); (whether
+        that makes a validation due by `trainer.test_freq_samples`, whether the budget is spent)."""
+        due = self.samples.add(int(collected.metrics["rollout/generated_samples"]))
+        metrics["train/generated_samples"] = float(self.samples.generated)
+        return due, self.samples.spent
 
     # --- step 8: early stop -----------------------------------------------------------------------------------
     def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:

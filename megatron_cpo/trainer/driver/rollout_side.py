@@ -1,7 +1,9 @@
 """What rank 0 builds for rollout besides the engines: the sampling parameters and CPO's hint contexts."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from megatron_cpo.algorithms.shapers import CPOConfig
 from megatron_cpo.data.config import DataConfig
@@ -21,24 +23,38 @@ def training_sampling_params(rollout: RolloutConfig, max_response_length: int, e
 
 
 class HintContextBuilder:
-    """CPO's hinted prompt for every response of a batch, built through the chat template (see data/hints.py):
-    `algorithm.cpo.gold_as_hint` says whether the data's solution is the hint, `data.*` where it is and how the
-    hinted prompt reads."""
+    """CPO's hinted prompts for the responses of a batch whose advantages a hint can change (`hinted_responses`, the
+    shaper's: from each response's correctness and prompt group), built through the chat template (see
+    data/hints.py): `algorithm.cpo.gold_as_hint` says whether the data's solution is the hint, `data.*` where it is
+    and how the hinted prompt reads."""
 
-    def __init__(self, cpo: CPOConfig, data: DataConfig, tokenizer: Any) -> None:
+    def __init__(self, cpo: CPOConfig, data: DataConfig, tokenizer: Any,
+                 hinted_responses: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.tokenizer = tokenizer
         self.gold_as_hint = cpo.gold_as_hint
+        self.hinted_responses = hinted_responses
         self.reader = HintReader(data.hint_key)
         self.max_prompt_length = data.max_prompt_length
         self.template = HintTemplate(instruction=data.hint_instruction)
 
-    def __call__(self, groups: list[ScoredGroup], prompts: list[list[int]], responses: list[list[int]]) -> Any:
+    def __call__(self, groups: list[ScoredGroup]) -> dict[str, Any]:
+        """The `StepBatch` fields of the hints: `has_hint` [N] (the responses to score under a hint),
+        `hint_prompt_ids` (their hinted prompts, in row order; None when there is none), `hints_truncated` and
+        `hint_metrics` (where the hints came from)."""
+        correct = torch.cat([g.acc for g in groups]) > 0
+        group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
+        rows = (self.hinted_responses(correct, group) if self.gold_as_hint
+                else torch.zeros_like(correct)).nonzero()[:, 0].tolist()
+        has_hint = torch.zeros(len(correct), dtype=torch.bool)
+        if not rows:  # no response's advantage can change through a hint: no hinted prompt is built
+            return {"has_hint": has_hint}
         records = [g.record for g in groups for _ in range(g.n)]
-        hints, source_metrics = [None] * len(records), {}
-        if self.gold_as_hint:
-            hints, source_metrics = self.reader.read([r.extra_info for r in records],
-                                                     [r.reward_model for r in records])
-        contexts = build_hint_contexts(self.tokenizer, [r.messages for r in records], hints, prompts,
-                                       self.max_prompt_length, self.template)
-        contexts.source_metrics = source_metrics
-        return contexts
+        prompts = [g.prompt_token_ids for g in groups for _ in range(g.n)]
+        hints, source_metrics = self.reader.read([records[r].extra_info for r in rows],
+                                                 [records[r].reward_model for r in rows])
+        contexts = build_hint_contexts(self.tokenizer, [records[r].messages for r in rows], hints,
+                                       [prompts[r] for r in rows], self.max_prompt_length, self.template)
+        has_hint[rows] = contexts.has_hint
+        hinted_prompts = [ids for ids, found in zip(contexts.prompt_ids, contexts.has_hint.tolist()) if found]
+        return {"has_hint": has_hint, "hints_truncated": contexts.num_truncated, "hint_metrics": source_metrics,
+                "hint_prompt_ids": hinted_prompts or None}

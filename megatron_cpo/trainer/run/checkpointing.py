@@ -104,11 +104,13 @@ def _megatron_rng_tracker() -> Any:
 class CheckpointManager:
     """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data position (`stream`: the
     controller, whose state is the first prompt not yet trained) and `controls`: named objects with `state_dict()` /
-    `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor})."""
+    `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor}). `keep` (`trainer.max_actor_ckpt_to_keep`): once a
+    checkpoint is in place, all but the newest `keep` are deleted (None: none is)."""
 
     def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None,
-                 export_hf: Callable[[Path], Any] | None = None) -> None:
+                 export_hf: Callable[[Path], Any] | None = None, keep: int | None = None) -> None:
         self.root = root
+        self.keep = keep
         self.actor = actor
         self.stream = stream
         self.controls = controls or {}
@@ -154,6 +156,10 @@ class CheckpointManager:
             write_latest(self.root, step)
             logger.info("saved checkpoint %s%s", final,
                         f" (with a Hugging Face model in {final / HF_DIR})" if self.export_hf is not None else "")
+            if self.keep is not None:  # only once `latest` names the new one
+                for old in sorted(step_dirs(self.root))[:-self.keep]:
+                    if old != step:
+                        shutil.rmtree(self.root / step_dir_name(old))
         dist.barrier()
         self.saved_step = step
         return final

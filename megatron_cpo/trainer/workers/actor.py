@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,17 @@ from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker,
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
+if TYPE_CHECKING:
+    from megatron_cpo.trainer.workers.shaping import ResponseShaping
+
 
 @dataclass
 class UpdateInputs:
     """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned), and the off-policy correction
     that weights and masks the policy gradient by them (`algorithm.rollout_correction`, resolved; None: off).
-    `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`)."""
+    `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`); then `shaping`,
+    when set, turns each micro-batch's `advantages` (GRPO's) into the ones to train on from that forward's
+    log-probs and entropy (trainer/workers/shaping.py)."""
     advantages: torch.Tensor
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
@@ -48,6 +53,7 @@ class UpdateInputs:
     correction: RolloutCorrectionConfig | None = None
     routing: RecordedRouting | None = None  # the old-log-prob pass's routing of the step batch (MoE)
     first_row: int = 0                      # this mini-batch's first row in the step batch
+    shaping: ResponseShaping | None = None
     probe: FiniteProbe | None = None        # the step's finiteness flags so far (update_guard.py)
 
 
@@ -310,6 +316,8 @@ class MegatronPolicy:
             extra["ref_log_probs"] = inputs.ref_log_probs
         if inputs.rollout_log_probs is not None:
             extra["rollout_log_probs"] = inputs.rollout_log_probs
+        shaping_rows = inputs.shaping.row_inputs() if inputs.shaping is not None else {}
+        extra.update({f"shaping/{name}": tensor for name, tensor in shaping_rows.items()})
         padded, plan = self._plan(seqs, self.config.ppo_max_token_len_per_gpu,
                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                   self.config.ppo_micro_batch_size_per_gpu)
@@ -328,9 +336,14 @@ class MegatronPolicy:
             device = log_probs.device
             response_mask = batch["seqs"].response_mask().to(device)
             old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
+            advantages = batch["advantages"].to(device)
             probe.observe("log-probs", log_probs, response_mask)
+            if inputs.shaping is not None:  # the shaper reads this forward's log-probs (on-policy: the old ones)
+                advantages = inputs.shaping(advantages, response_mask, old, entropy.detach(),
+                                            {name: batch[f"shaping/{name}"].to(device) for name in shaping_rows})
+                probe.observe("advantages", advantages, response_mask)
             loss, metrics = policy_loss(
-                log_probs, old, batch["advantages"].to(device), response_mask, self.config, entropy=entropy,
+                log_probs, old, advantages, response_mask, self.config, entropy=entropy,
                 ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
                 rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
                 global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction,

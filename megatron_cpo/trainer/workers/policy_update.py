@@ -2,9 +2,10 @@
 
 `compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (the
 estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss
-scaling) and `update_policy` (the PPO epochs over mini-batches). `Trainer.step()` calls them one by one, with the
-`PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts of
-other sections they read. Each stage's results are probed for NaN and infinity as they are made
+scaling: `shaping.py`) and `update_policy` (the PPO epochs over mini-batches; an on-policy update also finishes the
+shaping, from its own forward's log-probs, when the shaper reads them). `Trainer.step()` calls them one by one, with
+the `PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts
+of other sections they read. Each stage's results are probed for NaN and infinity as they are made
 (`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first non-finite value appeared.
 """
 from __future__ import annotations
@@ -16,16 +17,15 @@ import torch
 
 from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
-from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
-from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
+from megatron_cpo.trainer.workers.shaping import ResponseShaping
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
@@ -95,7 +95,8 @@ class BatchLogProbs:
     old_log_probs: torch.Tensor | None
     entropy: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
-    hint_log_probs: torch.Tensor | None  # CPO: the responses under the hinted prompts (the plain ones where no hint)
+    hint_log_probs: torch.Tensor | None  # CPO: [N, R], the responses `batch.has_hint` marks under their hinted
+    # prompts (0 on the other rows; None: none was scored)
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
@@ -106,8 +107,9 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate
     scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
     every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
-    KL-in-reward, a shaper such as CPO's that reads log-probs or entropy), nor records anything in that pass (routing
-    replay R2 records each token's experts there for the update to replay).
+    KL-in-reward), nor records anything in that pass (routing replay R2 records each token's experts there for the
+    update to replay). A shaper that reads them (CPO's) then shapes each micro-batch inside the update, from the
+    same forward (`shaping.py`).
 
     "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
     policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
@@ -115,8 +117,7 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     """
     actor, algorithm = settings.actor, settings.algorithm
     one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= settings.train_batch_size
-    return (one_update and not algorithm.use_kl_in_reward and not algorithm.shaper.needs_log_probs
-            and not actor.router_replay.replays)
+    return one_update and not algorithm.use_kl_in_reward and not actor.router_replay.replays
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None,
@@ -137,11 +138,12 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         start = time.perf_counter()
         ref_log_probs = reference.log_probs(seqs, temperature)[0]
         timing["timing/ref_s"] = time.perf_counter() - start
-    if batch.hint_prompt_ids is not None:
+    if batch.hint_prompt_ids is not None:  # only the responses whose advantages the hint can change
         start = time.perf_counter()
-        hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids, pad_token_id, width)
-        hint_log_probs = torch.where(batch.has_hint[:, None], actor.log_probs(hint_seqs, temperature)[0],
-                                     old_log_probs)
+        rows = batch.has_hint.nonzero()[:, 0]
+        hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids.select(rows), pad_token_id, width)
+        hint_log_probs = torch.zeros(batch.response_ids.rows, width)
+        hint_log_probs[rows] = actor.log_probs(hint_seqs, temperature)[0]
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
     lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
                        hint_log_probs, routing, routing_metrics, timing)
@@ -150,10 +152,21 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
     return lp
 
 
+@dataclass
+class StepAdvantages:
+    """Step 4's result: `values`, the advantages to train on; or, with `shaping` set (a shaper that reads the
+    log-probs an on-policy update computes itself), the estimator's advantages, which `shaping` turns into them
+    inside the update, micro-batch by micro-batch, from its own forward."""
+    values: torch.Tensor
+    shaping: ResponseShaping | None = None
+
+
 def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+                       ) -> tuple[StepAdvantages, dict[str, float]]:
     """The advantages of `algorithm.adv_estimator` (advantages.py; token rewards with verl's KL-in-reward penalty
-    when on), the shaper's rule (CPO's), and the filters' loss scaling (`actor.filter_loss_scaling`)."""
+    when on), the shaper's rule (CPO's), and the filters' loss scaling (`actor.filter_loss_scaling`); the last two
+    are left to the update when the shaper reads log-probs that only the update computes
+    (`old_log_probs_from_update`)."""
     algo, actor_cfg = settings.algorithm, settings.actor
     mask = lp.mask
     token_rewards, metrics = token_rewards_of(batch, lp, algo)
@@ -163,47 +176,54 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
     if batch.reward_baselines is not None:
         metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
     shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
-    hint_log_probs = signals = None
+    rows = batch.response_ids.rows
+    hinted = batch.has_hint if batch.hint_prompt_ids is not None else torch.zeros(rows, dtype=torch.bool)
+    shaping = ResponseShaping(shaper, batch.acc > 0, batch.group, hinted,
+                              lp.hint_log_probs if lp.hint_log_probs is not None else torch.zeros(rows, mask.shape[1]),
+                              batch.kept_ratio, actor_cfg.filter_loss_scaling)
     if shaper.needs_hint_contexts:
-        hint_log_probs = lp.hint_log_probs if lp.hint_log_probs is not None else lp.old_log_probs
-        signals = hint_mi_signals(lp.old_log_probs, hint_log_probs, lp.entropy, mask)
         metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-    advantages, shaping_metrics = shaper.shape(advantages, mask=mask, correct=batch.acc > 0, group=batch.group,
-                                               log_probs=lp.old_log_probs, entropy=lp.entropy,
-                                               hint_log_probs=hint_log_probs, signals=signals)
-    metrics.update(shaping_metrics)
-    advantages = scale_advantages(advantages, batch.kept_ratio, actor_cfg.filter_loss_scaling)
-    metrics["filter/loss_scale"] = filter_loss_scale(batch.kept_ratio, actor_cfg.filter_loss_scaling)
     lp.finite.observe("rewards", token_rewards, mask)
     lp.finite.observe("advantages", advantages, mask)
-    return advantages, metrics
+    if shaper.needs_log_probs and lp.old_log_probs is None:  # the update observes the shaped ones
+        return StepAdvantages(advantages, shaping), metrics
+    advantages, shaping_metrics = shaping.whole_batch(advantages, mask, lp.old_log_probs, lp.entropy)
+    metrics.update(shaping_metrics)
+    lp.finite.observe("advantages", advantages, mask)
+    return StepAdvantages(advantages), metrics
 
 
-def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: torch.Tensor,
+def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: StepAdvantages,
                   settings: PolicyUpdateConfig) -> dict[str, float]:
     """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
-    When the update computed the old log-probs and entropy itself, it fills them into `lp`."""
+    When the update computed the old log-probs and entropy itself, it fills them into `lp` (and finishes the
+    shaping with them: its metrics are among the returned ones)."""
     actor_cfg, temperature, width = settings.actor, settings.temperature, settings.response_width
     rows_per_mini, correction = settings.responses_per_mini_batch, settings.correction
     start = time.perf_counter()
     update_metrics: list[dict[str, float]] = []
+    trained, shaping_metrics = advantages.values, {}
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
-        inputs = UpdateInputs(advantages, None, lp.ref_log_probs,
+        inputs = UpdateInputs(advantages.values, None, lp.ref_log_probs,
                               lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
-                              probe=lp.finite)
+                              shaping=advantages.shaping, probe=lp.finite)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
         update_metrics.append(metrics)
+        if advantages.shaping is not None:  # what the micro-batches trained on, whole, with the step's metrics
+            trained, shaping_metrics = advantages.shaping.whole_batch(advantages.values, lp.mask, lp.old_log_probs,
+                                                                      lp.entropy)
     else:
         for _ in range(actor_cfg.ppo_epochs):
             for begin in range(0, lp.seqs.rows, rows_per_mini):
                 rows = slice(begin, begin + rows_per_mini)
                 engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
-                inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
+                inputs = UpdateInputs(trained[rows], lp.old_log_probs[rows],
                                       lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, correction, lp.routing, begin, lp.finite)
+                                      engine_log_probs, correction, lp.routing, begin, probe=lp.finite)
                 update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
     metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
-    metrics.update({**lp.routing_metrics, **lp.timing, "timing/update_actor_s": time.perf_counter() - start})
+    metrics.update({**lp.routing_metrics, **lp.timing, **shaping_metrics,
+                    "timing/update_actor_s": time.perf_counter() - start})
 
     mask = lp.mask
     lengths = lp.seqs.response_lengths.float()
@@ -212,8 +232,8 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
         "completions/clipped_ratio": float(batch.truncated.float().mean()),
-        "advantages/mean": float(masked_mean(advantages, mask)),
-        "advantages/abs_mean": float(masked_mean(advantages.abs(), mask)),
+        "advantages/mean": float(masked_mean(trained, mask)),
+        "advantages/abs_mean": float(masked_mean(trained.abs(), mask)),
         "timing/train_tokens": float(mask.sum()),
     })
     if lp.ref_log_probs is not None:

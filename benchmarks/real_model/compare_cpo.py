@@ -1,0 +1,221 @@
+"""Does CPO pay? GRPO, DAPO, CPO (on DAPO) and CPO on GRPO on SmolLM2-135M at an equal budget of generated samples.
+
+    nohup python benchmarks/real_model/compare_cpo.py > runs/compare_cpo/runner.log 2>&1 &   # all runs, in order
+    python benchmarks/real_model/compare_cpo.py --list                                        # the commands only
+    python benchmarks/real_model/compare_cpo_report.py                                        # curves, tables, docs
+
+Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
+run ends after the step at which it has generated `--budget` samples (`trainer.total_rollout_samples`; every sample
+counts, kept or dropped by filter-groups), and validates greedily on the same first 200 held-out questions before
+training and after every `--val-every` samples (`trainer.test_freq_samples`). Runs go one at a time, seeds round-robin
+over the arms (seed 1 of every arm first), so a comparison cut short stays balanced. Each run resumes
+(`trainer.resume=auto`) from its checkpoint, written every `--save-freq` steps with only the newest kept, so a stopped
+runner loses at most the steps since then: run the same command again. A run whose `run.json` says it finished is
+read, not repeated; its checkpoints are deleted then.
+
+`--code DIR` runs the package and the example configs of DIR instead of this checkout's (a frozen copy, e.g.
+`git archive HEAD | tar -x -C DIR`), so a comparison that takes a day runs one version of the code while the
+checkout moves on; the model, the data and the runs stay here. Each run's directory `runs/compare_cpo/<arm>/seed<k>/`
+holds the trainer's `metrics.jsonl` and `train.log`,
+`console.log`, `step_cpu.jsonl` (per logged step: the CPU seconds of the whole process tree so far in that attempt,
+trainer, Ray, vLLM engine and grading workers, sampled every second, and the wall seconds) and `run.json` (the
+command, each attempt's exit code, wall and CPU seconds and load average).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
+
+from run_table import TreeCpuSampler  # noqa: E402
+
+RUNS = REPO / "runs" / "compare_cpo"
+MODEL = REPO / "examples" / "smollm2-135m" / "model"
+ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
+SEEDS = (1, 2, 3)
+BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
+SAMPLES_PER_STEP = 64  # train_batch_size 8 x rollout.n 8: the fewest a step generates, so budget / 64 caps the steps
+
+
+@dataclass(frozen=True)
+class Run:
+    arm: str
+    seed: int
+    budget: int
+    val_every: int
+    save_freq: int
+    code: Path = REPO
+
+    @property
+    def out_dir(self) -> Path:
+        return RUNS / self.arm / f"seed{self.seed}"
+
+    def command(self) -> list[str]:
+        data = RUNS / "data"
+        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config",
+                str(self.code / "examples" / "smollm2-135m" / ARMS[self.arm]), f"actor_rollout_ref.model.path={MODEL}",
+                f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
+                f"data.val_max_samples={VAL_QUESTIONS}", f"trainer.default_local_dir={self.out_dir}",
+                "trainer.resume=auto", f"trainer.seed={self.seed}",
+                f"trainer.total_training_steps={-(-self.budget // SAMPLES_PER_STEP)}",
+                f"trainer.total_rollout_samples={self.budget}", f"trainer.test_freq_samples={self.val_every}",
+                "trainer.test_freq=-1", "trainer.val_before_train=true", f"trainer.save_freq={self.save_freq}",
+                "trainer.max_actor_ckpt_to_keep=1", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+                f"trainer.experiment_name=compare_cpo_{self.arm}_seed{self.seed}", "trainer.logger=[console,jsonl]",
+                "actor_rollout_ref.rollout.ray_address=local"]
+
+
+def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO
+         ) -> list[Run]:
+    """Seed-major: seed 1 of every arm, then seed 2, ..."""
+    return [Run(arm, seed, budget, val_every, save_freq, code) for seed in seeds for arm in arms]
+
+
+def read_record(run: Run) -> dict:
+    path = run.out_dir / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def finished(run: Run) -> bool:
+    record = read_record(run)
+    return bool(record.get("finished")) and record.get("budget") == run.budget
+
+
+class StepCpuLog(threading.Thread):
+    """Appends to `step_cpu.jsonl`, for every step row the trainer adds to `metrics.jsonl`, the tree's CPU seconds
+    (`sampler.cpu_s`) and the wall seconds since this attempt started."""
+
+    def __init__(self, run: Run, sampler: TreeCpuSampler, attempt: int) -> None:
+        super().__init__(daemon=True)
+        self.metrics, self.out = run.out_dir / "metrics.jsonl", run.out_dir / "step_cpu.jsonl"
+        self.sampler, self.attempt, self.started = sampler, attempt, time.perf_counter()
+        self.offset = self.metrics.stat().st_size if self.metrics.is_file() else 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.poll()
+        self.poll()
+
+    def poll(self) -> None:
+        if not self.metrics.is_file():
+            return
+        with self.metrics.open() as file:
+            file.seek(self.offset)
+            text = file.read()
+        complete = text[: text.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        with self.out.open("a") as out:
+            for line in complete.splitlines():
+                row = json.loads(line) if line.strip() else {}
+                if "step" in row:
+                    out.write(json.dumps({"step": row["step"], "attempt": self.attempt,
+                                          "tree_cpu_s": round(self.sampler.cpu_s, 2),
+                                          "wall_s": round(time.perf_counter() - self.started, 2)}) + "\n")
+
+
+def execute(run: Run) -> dict:
+    """One attempt at a run (a resume when it has a checkpoint); returns its updated run.json record."""
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    record = read_record(run) or {"arm": run.arm, "seed": run.seed, "budget": run.budget, "attempts": []}
+    command = run.command()
+    env = {**os.environ, "PYTHONPATH": str(run.code)}
+    env.pop("RAY_ADDRESS", None)
+    started, start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter()
+    with (run.out_dir / "console.log").open("a") as log:
+        log.write(f"\n== {started} {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler = TreeCpuSampler(process.pid)
+        steps = StepCpuLog(run, sampler, len(record["attempts"]))
+        sampler.start()
+        steps.start()
+        returncode = process.wait()
+    sampler.done.set()
+    sampler.join()
+    steps.done.set()
+    steps.join()
+    last = last_row(run.out_dir / "metrics.jsonl")
+    generated = last.get("train/generated_samples", 0.0)
+    record["command"] = " ".join(command[1:]).replace(str(REPO) + "/", "")
+    record["code"] = str(run.code)
+    record["attempts"].append({"started": started, "returncode": returncode,
+                               "wall_s": round(time.perf_counter() - start_wall, 1),
+                               "cpu_s_tree_sampled": round(sampler.cpu_s, 1), "last_step": last.get("step"),
+                               "generated_samples": generated,
+                               "loadavg_1min": {"min": min(sampler.loads, default=0),
+                                                "max": max(sampler.loads, default=0),
+                                                "mean": round(sum(sampler.loads) / max(1, len(sampler.loads)), 2)}})
+    record["finished"] = returncode == 0 and generated >= run.budget and "val/acc" in last
+    (run.out_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    if record["finished"]:
+        shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
+    return record
+
+
+def last_row(path: Path) -> dict:
+    """The last logged step's metrics, merged over the lines logged for it."""
+    rows: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows.setdefault(int(row["step"]), {}).update(row)
+    return rows[max(rows)] if rows else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--budget", type=int, default=BUDGET, help="generated samples per run")
+    parser.add_argument("--val-every", type=int, default=VAL_EVERY, help="validate after every this many samples")
+    parser.add_argument("--save-freq", type=int, default=SAVE_FREQ, help="checkpoint every this many steps")
+    parser.add_argument("--code", type=Path, default=REPO, help="the package and example configs to run (a frozen "
+                        "copy of the repository; default: this checkout)")
+    parser.add_argument("--list", action="store_true", help="print the commands and stop")
+    args = parser.parse_args(argv)
+    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve())
+    if args.list:
+        for run in runs:
+            print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
+        return 0
+    if not (MODEL / "config.json").is_file():
+        sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
+    if not (args.code / "megatron_cpo" / "__init__.py").is_file():
+        sys.exit(f"error: --code {args.code} holds no megatron_cpo package; make one with git archive HEAD | tar -x -C DIR")
+    if not (RUNS / "data" / "test.parquet").is_file():
+        subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(RUNS / "data")], cwd=REPO,
+                       check=True)
+    failed = []
+    for index, run in enumerate(runs, start=1):
+        name = f"[{index}/{len(runs)}] {run.arm}/seed{run.seed}"
+        if finished(run):
+            print(f"{name}: finished before, read", flush=True)
+            continue
+        print(f"{name} ... ({time.strftime('%H:%M:%S')})", flush=True)
+        record = execute(run)
+        attempt = record["attempts"][-1]
+        print(f"    rc={attempt['returncode']} finished={record['finished']} steps={attempt['last_step']} samples="
+              f"{attempt['generated_samples']:.0f} wall {attempt['wall_s']} s, tree cpu {attempt['cpu_s_tree_sampled']}"
+              f" s, load {attempt['loadavg_1min']}", flush=True)
+        if not record["finished"]:
+            failed.append(f"{run.arm}/seed{run.seed} (see {run.out_dir / 'console.log'})")
+    if failed:
+        print("not finished (run the same command again to resume them): " + ", ".join(failed), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
