@@ -14,7 +14,6 @@ RECIPES = ROOT / "examples" / "qwen2.5-math-7b"
 EXPECTED_IGNORED = {
     "grpo_qwen2_7b_math_megatron.txt": {
         "data.return_raw_chat", "actor_rollout_ref.rollout.name",
-        "trainer.critic_warmup",
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
     "dapo_qwen2.5_7b_math_megatron.txt": {
@@ -31,11 +30,10 @@ EXPECTED_IGNORED = {
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         "reward_model.reward_manager"},
     "gpg_qwen2_7b_math_megatron.txt": {
-        "actor_rollout_ref.rollout.name", "trainer.critic_warmup",
-        "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
     "reinforce_plus_plus_qwen2_7b_math.txt": {
-        "actor_rollout_ref.rollout.name", "trainer.critic_warmup", "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.ref.fsdp_config.param_offload"},
 }
 RECIPE_OF = {"grpo_qwen2_7b_math_megatron.txt": "grpo.yaml", "dapo_qwen2.5_7b_math_megatron.txt": "dapo.yaml",
@@ -123,8 +121,6 @@ def test_the_algorithm_scripts_select_their_estimator_and_loss():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae needs a critic (critic.enable / critic.model.path), "
-                                    "which is not available in this version"),
     ("algorithm.cpo.base_estimator=reinforce_plus_plus", "algorithm.cpo.base_estimator='reinforce_plus_plus' cannot "
                                                          "carry CPO's shaping"),
     ("algorithm.rollout_correction.bypass_mode=true", "bypass mode (the engine's as the old ones) is not built"),
@@ -145,7 +141,8 @@ def test_custom_reward_function_keys_load():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("trainer.critic_warmup=5", "trainer.critic_warmup=5 cannot be honoured here: there is no critic"),
+    ("trainer.critic_warmup=5", "trainer.critic_warmup=5 trains only a critic in the first steps, and "
+                                "algorithm.adv_estimator=grpo has none; set it to 0 (or use gae)"),
     ("actor_rollout_ref.rollout.name=sglang", "use 'vllm' or remove it"),
     ("reward_model.reward_manager=prime", "use 'naive' or 'dapo' or remove it"),
     ("algorithm.kl_ctrl.type=adaptive", "set algorithm.kl_ctrl.type=fixed"),
