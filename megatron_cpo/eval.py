@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.progress import ProgressLine
 
 
@@ -75,7 +77,7 @@ class EvalConfig:
     max_prompts: int = 0
     num_engines: int = 1
     tensor_model_parallel_size: int = 1
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     seed: int = 0
     output_dir: str = ""
     ray_address: str = "auto"
@@ -123,9 +125,11 @@ def generate_and_grade(config: EvalConfig) -> tuple[list[str], np.ndarray, np.nd
     missing = missing_graders(record.data_source for record in records)
     if missing:  # before the engines start
         raise ValueError(missing_grader_message(missing, ", ".join(config.data_files)))
+    dtype = resolve_dtype(config.dtype)
+    dtype.announce(logging.getLogger(__name__), "the engines", "--dtype")
     rollout = EngineLaunchConfig(model_path=config.model_path, engines=RolloutEngineConfig(
         num_engines=config.num_engines, tensor_model_parallel_size=config.tensor_model_parallel_size,
-        ray_address=config.ray_address), dtype=config.dtype,
+        ray_address=config.ray_address), dtype=dtype.name,
         max_model_len=config.max_prompt_length + config.max_response_length, seed=config.seed)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     groups = {}
@@ -197,8 +201,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(default: %(default)s)")
     parser.add_argument("--tensor-model-parallel-size", "--tensor-parallel-size", type=int, default=1,
                         help="GPUs per vLLM engine (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="engine weights' dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=PARAMS_DTYPES,
+                        help="engine weights' dtype; auto: bfloat16 where the machine multiplies it natively, else "
+                        "float32 (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed; each prompt's samples are seeded from "
                         "it and the prompt's index, so a rerun reproduces them (default: %(default)s)")
     parser.add_argument("--output-dir", default="", help="write metrics.json, samples.jsonl and eval.log here")

@@ -45,8 +45,10 @@ def ray_cluster():
     directory's tests run first must not start a smaller cluster that the other's engines would not fit in."""
     import ray
 
+    from megatron_cpo.rollout.ray_cluster import PRIVATE_CLUSTER_CONFIG
+
     ray.init(address="local", num_cpus=4, object_store_memory=256 * 1024**2, include_dashboard=False,
-             log_to_driver=False, namespace="megatron_cpo_tests")
+             log_to_driver=False, namespace="megatron_cpo_tests", _system_config=PRIVATE_CLUSTER_CONFIG)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

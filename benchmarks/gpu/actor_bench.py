@@ -170,13 +170,26 @@ def write_random_model(out_dir: Path, model: dict, device: torch.device) -> Path
     return out_dir
 
 
-def plan_prediction(model_dir: Path, shape: BatchShape, max_prompt: int, padded_length: int, gpu: str) -> dict:
-    """tools/plan_memory.py for this batch (padded to `padded_length` positions, no reference, unfused attention:
-    the local layer spec materialises attention scores)."""
+def token_budget(padded_length: int) -> int:
+    """The token budget of the modes that cut micro-batches by tokens: four of the batch's longest sequences."""
+    return max(4 * padded_length, 4096)
+
+
+def cuts_by_tokens(mode: Mode) -> bool:
+    """Whether the mode's micro-batches are cut by the token budget (else one padded row of `micro_batch` each)."""
+    return "actor_rollout_ref.actor.use_dynamic_bsz=true" in mode.switches
+
+
+def plan_prediction(model_dir: Path, shape: BatchShape, max_prompt: int, padded_length: int, gpu: str,
+                    by_tokens: bool) -> dict:
+    """tools/plan_memory.py for this batch (padded to `padded_length` positions, micro-batches of the token budget
+    when `by_tokens`, no reference, unfused attention: the local layer spec materialises attention scores)."""
     command = [sys.executable, str(ROOT / "tools" / "plan_memory.py"), "--model", str(model_dir), "--json",
                "--gpu", gpu, "--no-reference", "--unfused-attention", "--dtype", "bfloat16",
                "--train-batch-size", str(shape.prompts), "--n", str(shape.n), "--prompt-length", str(max_prompt),
                "--response-length", str(padded_length - max_prompt), "--micro-batch", str(shape.micro_batch)]
+    if by_tokens:
+        command += ["--dynamic-bsz", "--token-budget", str(token_budget(padded_length))]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         return {"plan_error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -224,7 +237,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     padded_length = max(totals)
     names = config_names()
     mode = next(m for m in MODES if m.name == mode_name)
-    switches = mode_overrides(mode, names, budget=max(4 * padded_length, 4096))
+    switches = mode_overrides(mode, names, budget=token_budget(padded_length))
     overrides = [f"actor_rollout_ref.model.path={model_dir}", f"data.train_batch_size={shape.prompts}",
                  f"data.max_prompt_length={shape.prompt_cap}", f"data.max_response_length={max_response}",
                  f"actor_rollout_ref.rollout.n={shape.n}",
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_lengths, response_lengths = lengths(shape, 0)
         totals = [prompt_lengths[i // shape.n] + r for i, r in enumerate(response_lengths)]
         gpu = "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "h100-sxm"
-        plan = plan_prediction(work, shape, max(prompt_lengths), max(totals), gpu)
+        plans: dict[bool, dict] = {}  # by whether the mode cuts micro-batches by tokens (one planner run each)
         for mode in modes:
             base = {"mode": mode.name, "layers": model["num_hidden_layers"]}
             remaining = args.deadline - time.time()
@@ -346,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"actor mode {mode.name}: {note}", flush=True)
                 if note != "time budget: stopped":
                     print("\n".join(proc.stderr.strip().splitlines()[-40:]), flush=True)
-            for record in _add_plan(args.out, before, plan):
+            by_tokens = cuts_by_tokens(mode)
+            if by_tokens not in plans:
+                plans[by_tokens] = plan_prediction(work, shape, max(prompt_lengths), max(totals), gpu, by_tokens)
+            for record in _add_plan(args.out, before, plans[by_tokens]):
                 print(record, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -3,7 +3,7 @@
 Runs in its own environment (TRL is not a dependency of megatron-cpo), e.g.
 
     python -m venv ../trl-venv
-    ../trl-venv/bin/pip install torch==2.13.0 trl math-verify==0.9.0   # torch: the CPU build
+    ../trl-venv/bin/pip install torch==2.13.0 trl math-verify==0.9.0 pandas pyarrow   # torch: the CPU build
     python -m megatron_cpo.data.synthetic --out DIR --keep-levels 1 2
     PYTHONPATH=$PWD ../trl-venv/bin/python benchmarks/trainer/bench_trl.py --data DIR/train.parquet --steps 12
 
@@ -12,7 +12,9 @@ batch), at most 48 new tokens, temperature 1, lr 1e-4 with 2 warm-up steps, clip
 "dapo" loss type), rewards normalised by the group's std, no KL term and so no reference model. The reward is
 megatron-cpo's own arithmetic grader (`megatron_cpo.rewards.compute_score`, which imports no torch). Differences
 that stay: TRL generates with `transformers.generate` in the training process (no vLLM on CPU here), our trainer with
-a vLLM engine in a Ray actor plus a weight push per step; TRL runs the 64 completions' forward/backward as one batch.
+a vLLM engine in a Ray actor plus a weight push per step; TRL runs the 64 completions' forward/backward as one batch,
+or, with `--grad-accum g` (where that batch does not fit in memory: SmolLM2's 64 x 128-token batch took TRL past
+24 GB), as g micro-batches of 64 / g accumulated into the same single optimizer step of one generation batch.
 The first `--warmup` steps are left out of the means.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -49,8 +52,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollout.temperature)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights), as our bf16 actor")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per optimizer step (one generation batch of prompts x n either way)")
     parser.add_argument("--out", default="benchmarks/trainer/trl_results.json")
     args = parser.parse_args()
+    if (args.prompts * args.n) % args.grad_accum:
+        parser.error(f"--grad-accum {args.grad_accum} must divide the {args.prompts * args.n} completions of a step")
 
     import datasets
     import torch
@@ -82,8 +89,9 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     config = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix("")) + "_run", use_cpu=True, bf16=args.bf16, seed=1,
-        max_steps=args.steps, per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
-        num_generations=args.n, steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
+        max_steps=args.steps, per_device_train_batch_size=args.prompts * args.n // args.grad_accum,
+        gradient_accumulation_steps=args.grad_accum, num_generations=args.n, steps_per_generation=args.grad_accum,
+        num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, learning_rate=args.lr, warmup_steps=2,
         lr_scheduler_type="constant_with_warmup",
         max_grad_norm=1.0, epsilon=0.2, beta=0.0, loss_type="dapo", scale_rewards="group", logging_steps=1,
@@ -104,6 +112,7 @@ def main() -> None:
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                      "datasets": datasets.__version__},
         "args": vars(args), "torch_threads": torch.get_num_threads(),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "load_1min_before_after": [load_before[0], load_after[0]],
         "step_s_mean": statistics.fmean(step_s), "step_s_median": statistics.median(step_s),
         "tokens_per_s_mean": statistics.fmean(tokens_per_s),

@@ -5,7 +5,9 @@ Names and numerics follow verl's `kl_penalty` so users see the same numbers:
 - `abs`: `|lp - ref|`.
 - `k2` / `mse`: `0.5 * (lp - ref)^2`.
 - `k3` / `low_var_kl`: Schulman's low-variance estimator `exp(ref - lp) - (ref - lp) - 1`, log-ratio clamped to +-20
-  and the result clamped to [-10, 10].
+  and the result clamped to [0, 10] (verl clamps to [-10, 10]; the estimator is never negative, and computed as
+  `expm1(x) - x` with the lower bound 0 it cannot come out negative by rounding either, as `exp(x) - x - 1` did for
+  log-ratios near 0).
 A trailing `+` (e.g. `k3+`) gives the straight-through variant: the forward value of the named estimator with the
 gradient of `k2`, whose gradient is the unbiased gradient of KL (Tang & Munos, 2025; verl's "+" kinds).
 """
@@ -34,7 +36,7 @@ def _k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
 
 def _k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     log_ratio = torch.clamp(ref_log_probs - log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -K3_CLAMP, K3_CLAMP)
+    return torch.clamp(torch.expm1(log_ratio) - log_ratio, 0.0, K3_CLAMP)
 
 
 _ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

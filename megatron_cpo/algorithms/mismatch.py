@@ -27,7 +27,7 @@ def rollout_mismatch_metrics(
         log_ratio = torch.clamp(trainer_log_probs - rollout_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         prob_diff = (trainer_log_probs.exp() - rollout_log_probs.exp()).abs()
         log_prob_diff = log_ratio.abs()
-        k3 = torch.exp(log_ratio) - log_ratio - 1.0
+        k3 = (torch.expm1(log_ratio) - log_ratio).clamp(min=0.0)  # >= 0: no rounding below 0 near log-ratio 0
         has_tokens = bool(valid.any())
         return {
             "mismatch/probs_diff_mean": float(masked_mean(prob_diff, mask)),

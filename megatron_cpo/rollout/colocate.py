@@ -104,7 +104,8 @@ class NodeEngineServers:
 
     def _start(self, config: EngineLaunchConfig, index: int, count: int, token_file: Path, host: str) -> None:
         tp = config.engines.tensor_model_parallel_size
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_space_gib), **config.engine_env)
+        kv_cache_gib = config.kv_cache_space_gib  # once: `auto` reads the free memory
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), **config.engine_env)
         if platform.has_cuda():
             env["CUDA_VISIBLE_DEVICES"] = _device_list(index * tp, tp)
         for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -113,7 +114,7 @@ class NodeEngineServers:
                    "--tensor-parallel-size", str(tp), "--host", host, "--port", "0", "--token-file", str(token_file),
                    "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
                    "--gpu-memory-utilization", str(config.engines.gpu_memory_utilization),
-                   "--kv-cache-gib", str(config.kv_cache_space_gib),
+                   "--kv-cache-gib", str(kv_cache_gib),
                    "--seed", str(config.seed + self.node * count + index), "--ready-file",
                    str(self._dir / f"ready-{index}"),
                    *(["--enable-sleep-mode"] if config.uses_gpu and config.enable_sleep_mode else [])]

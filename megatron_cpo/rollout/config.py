@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from megatron_cpo.algorithms.config import RolloutFilterConfig
 from megatron_cpo.config_checks import check, check_choice
 
-# Default tolerance per dtype of the weights (trainer and engine use the same: actor.megatron.params_dtype), in
-# log-prob units (nats) on the probe's greedy tokens; measurements in docs/launch.md, "Is the engine in sync?".
+# Default tolerance per dtype of the weights (trainer and engine use the same: actor.megatron.params_dtype with `auto`
+# resolved), in log-prob units (nats) on the probe's greedy tokens; measurements in docs/launch.md, "Is the engine in
+# sync?".
 # float32: engines in sync differ by <= 1e-6 (tiny models) and <= 3.1e-5 (SmolLM2-135M); an engine that kept its
 # tied head showed 0.33 after the first push at lr 3e-2 (tiny) and 2.6e-4 after the first push at lr 1e-6
 # (SmolLM2). 16-bit: engines in sync differ by up to 0.03 (tiny) and 0.11 (SmolLM2-135M), since the two sides'
@@ -67,7 +68,9 @@ class RolloutEngineConfig:
     class): how many engines, their layout and memory, where they run and how weights reach them.
 
     `tensor_model_parallel_size`: GPUs per engine (vLLM's tensor parallelism). On CPU each engine takes
-    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB); on GPU `gpu_memory_utilization` of its GPUs' memory.
+    `kv_cache_gib` GiB of KV cache (rounded up to whole GiB; `auto`: what its sequences can fill, within a quarter of
+    the memory free when the engines start, rollout/cpu_resources.py); on GPU `gpu_memory_utilization` of its GPUs'
+    memory.
     `enable_chunked_prefill` / `max_num_batched_tokens` (tokens one scheduler step may process) are vLLM's options
     on GPU; CPU engines never chunk prefills and take max(max_model_len, 2048) tokens per step (see engine.py).
     `ray_address`: "auto" joins the Ray cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher sets it)
@@ -81,7 +84,7 @@ class RolloutEngineConfig:
 
     num_engines: int = 1
     tensor_model_parallel_size: int = 1
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | str = "auto"
     gpu_memory_utilization: float = 0.6
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 8192
@@ -95,8 +98,15 @@ class RolloutEngineConfig:
             raise ValueError(f"{prefix}num_engines={self.num_engines} must be >= 1")
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"{prefix}tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"{prefix}kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB of KV cache per CPU engine)")
+        if self.kv_cache_gib != "auto":
+            given = self.kv_cache_gib
+            try:
+                self.kv_cache_gib = float(given)
+            except (TypeError, ValueError):
+                self.kv_cache_gib = 0.0
+            if not self.kv_cache_gib > 0:
+                raise ValueError(f"{prefix}kv_cache_gib={given!r} must be > 0 (GiB of KV cache per CPU engine) or "
+                                 "auto (sized from the model and the free memory)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{prefix}gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.max_num_batched_tokens < 1:

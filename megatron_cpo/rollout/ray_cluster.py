@@ -5,6 +5,10 @@ or another test run's; on a shared machine a run then lands on, and dies with, s
 here means: join the cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher, examples/slurm/launch.sh,
 and the multi-node torchrun example export it), otherwise start a private local cluster. Joining is always logged
 with the address.
+
+A private cluster runs its workers, the engines among them, at the trainer's priority (`PRIVATE_CLUSTER_CONFIG`):
+Ray's default niceness of 15 made a CPU engine lose every core it shared with anything else, the trainer included
+(on a 2-core machine it generated at a small fraction of its speed whenever another process was busy).
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 logger = logging.getLogger(__name__)
+
+PRIVATE_CLUSTER_CONFIG = {"worker_niceness": 0}  # Ray's `_system_config`; its default niceness is 15
 
 
 @dataclass(frozen=True)
@@ -60,5 +66,5 @@ def connect_ray(configured: str, namespace: str) -> bool:
     else:
         logger.info("starting a private local Ray cluster (%s; set RAY_ADDRESS or ray_address=host:port to join "
                     "a running one)", target.reason)
-        ray.init(address="local", **common)
+        ray.init(address="local", _system_config=PRIVATE_CLUSTER_CONFIG, **common)
     return True

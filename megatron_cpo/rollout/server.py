@@ -28,6 +28,7 @@ import signal
 import uuid
 from pathlib import Path
 
+from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.rollout import http_protocol as proto
 from megatron_cpo.rollout.buckets import BucketSpec
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEngineConfig
@@ -270,8 +271,9 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--port", type=int, default=8470, help="port to bind (0: the OS picks one)")
     parser.add_argument("--token-file", required=True,
                         help="file holding the secret every request but /health must carry")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
-                        help="engine weights' dtype (the trainer's actor.megatron.params_dtype)")
+    parser.add_argument("--dtype", default="auto", choices=PARAMS_DTYPES,
+                        help="engine weights' dtype (the trainer's actor.megatron.params_dtype); auto: bfloat16 where "
+                        "the machine multiplies it natively, else float32")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + response, in tokens")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                         help="fraction of each GPU vLLM may fill (weights + KV cache)")
@@ -290,7 +292,9 @@ def run_rollout_command(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     engines = RolloutEngineConfig(tensor_model_parallel_size=args.tensor_parallel_size,
                                   gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib)
-    config = EngineLaunchConfig(model_path=args.model, engines=engines, dtype=args.dtype,
+    dtype = resolve_dtype(args.dtype)
+    dtype.announce(logger, "the engines", "--dtype")
+    config = EngineLaunchConfig(model_path=args.model, engines=engines, dtype=dtype.name,
                                 max_model_len=args.max_model_len, seed=args.seed,
                                 enable_sleep_mode=args.enable_sleep_mode)
     asyncio.run(serve(config, args.data_parallel_size, token, args.host, args.port, args.ready_file))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from megatron_cpo import platform
 from megatron_cpo.rollout.config import RolloutEngineConfig
+from megatron_cpo.rollout.cpu_resources import auto_kv_cache_gib, available_memory_bytes
 
 _MASK64 = (1 << 64) - 1
 
@@ -195,7 +196,11 @@ class EngineLaunchConfig:
 
     @property
     def kv_cache_space_gib(self) -> int:
-        """vLLM's CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB): `engines.kv_cache_gib` rounded up."""
+        """vLLM's CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB): `engines.kv_cache_gib` rounded up, or for
+        `auto` sized for this model and the memory free now (rollout/cpu_resources.py)."""
+        if self.engines.kv_cache_gib == "auto":
+            return auto_kv_cache_gib(self.model_path, self.dtype, self.max_model_len, self.max_num_seqs,
+                                     self.engines.num_engines, available_memory_bytes())
         return max(1, math.ceil(self.engines.kv_cache_gib))
 
     @property

@@ -10,7 +10,10 @@ from typing import ClassVar
 from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
 from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
+from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
+
+PARAMS_DTYPE_KEY = "actor_rollout_ref.actor.megatron.params_dtype"
 
 
 @dataclass
@@ -102,7 +105,10 @@ class MegatronConfig:
     `expert_tensor_parallel_size` (ETP, null: the same as TP) ranks, inside each pipeline stage: world / PP must be a
     multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
     `freeze_moe_router` (NeMo-RL's name) keeps every router's weights as loaded; `override_transformer_config` holds
-    the MoE knobs (`MoeTransformerConfig`)."""
+    the MoE knobs (`MoeTransformerConfig`).
+    `params_dtype` is the actor's and the engines' compute dtype (the optimizer keeps float32 main weights for a 16-bit
+    one); `auto` takes bfloat16 where the machine multiplies it natively and float32 elsewhere
+    (megatron_cpo/compute_dtype.py): on a CPU without bf16 instructions a bf16 forward ran 2-4x slower than float32."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     use_distributed_optimizer: bool = True
@@ -125,8 +131,7 @@ class MegatronConfig:
                                                      f"{self.tensor_model_parallel_size} must be >= 1")
         check(self.pipeline_model_parallel_size >= 1, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size="
                                                        f"{self.pipeline_model_parallel_size} must be >= 1")
-        check_choice("actor_rollout_ref.actor.megatron.params_dtype", self.params_dtype,
-                      ("float32", "bfloat16", "float16"))
+        check_choice(PARAMS_DTYPE_KEY, self.params_dtype, PARAMS_DTYPES)
         check(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
               "actor_rollout_ref.actor.megatron.sequence_parallel=true needs tensor_model_parallel_size > 1 (it splits "
               "activations over the TP ranks); set it false or raise tensor_model_parallel_size")
@@ -144,6 +149,11 @@ class MegatronConfig:
                                                            and self.expert_tensor_parallel_size >= 1),
               "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size="
               f"{self.expert_tensor_parallel_size!r} must be an integer >= 1, or null (the same as TP)")
+
+    @property
+    def compute_dtype(self) -> str:
+        """`params_dtype` as this machine runs it (`auto` resolved): float32, bfloat16 or float16."""
+        return resolve_dtype(self.params_dtype).name
 
     @property
     def expert_tensor_parallel(self) -> int:

@@ -33,6 +33,7 @@ from megatron_cpo.rollout.types import EngineLaunchConfig
 from megatron_cpo.trainer.driver.controller import CollectedBatch
 from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
+from megatron_cpo.trainer.run.machine import check_dtype
 from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
                                                  nothing_to_train_message, prepare_run_directory,
                                                  rewards_refused_message, weights_not_finite_message)
@@ -97,10 +98,11 @@ class Trainer:
                                   expert_model_parallel_size=megatron.expert_model_parallel_size,
                                   expert_tensor_parallel_size=megatron.expert_tensor_parallel_size)
         prepare_run_directory(config.trainer)
+        check_dtype(megatron.params_dtype)
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.pad_token_id = tokenizer.pad_token_id
         launch = engine_launch_config(config)
-        self.sync_probe = SyncProbe(rollout.sync_check, megatron.params_dtype, launch.max_model_len, tokenizer,
+        self.sync_probe = SyncProbe(rollout.sync_check, megatron.compute_dtype, launch.max_model_len, tokenizer,
                                     self.pad_token_id)
         self.update_config = policy_update_config(config)
         started = time.perf_counter()
@@ -130,9 +132,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             Path(config.trainer.default_local_dir) / "checkpoints", self.actor,
             self.lead.controller if self.lead else None, {"early_stop": monitor} if monitor is not None else None,
-            hf_exporter(self.actor, model.path, megatron.params_dtype) if actor_cfg.checkpoint.hf_model else None,
+            hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None,
             critic=self.critic, export_critic=hf_exporter(self.critic, config.critic.model.path or model.path,
-                                                          megatron.params_dtype)
+                                                          megatron.compute_dtype)
             if self.critic and config.critic.checkpoint.hf_model else None)
 
     # --- the run ---------------------------------------------------------------------------------------------
@@ -403,7 +405,7 @@ def engine_launch_config(config: Config) -> EngineLaunchConfig:
     data, rollout = config.data, config.actor_rollout_ref.rollout
     return EngineLaunchConfig(
         model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.params_dtype,
+        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
         max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
         enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
 

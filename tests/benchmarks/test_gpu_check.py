@@ -94,6 +94,8 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     assert markdown.count("| padded |") == sum(r["mode"] == "padded" for r in actor) == 2
     # the trainer's other modes are picked up from the config as they land (token budgets, packing, fused lm-head)
     assert {r["mode"] for r in actor} == {"padded", "token_budget", "packed", "fused_lm_head"}
+    plans = {r["mode"]: r["plan_memory_gib"] for r in actor}
+    assert plans["token_budget"] > plans["padded"]  # the plan counts the mode's micro-batches of the token budget
 
 
 def math_finite(value) -> bool:

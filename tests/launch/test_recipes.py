@@ -62,14 +62,14 @@ SMOLLM2 = sorted(EXAMPLES.glob("smollm2-135m/*.yaml"))
 
 @pytest.mark.parametrize("path", SMOLLM2, ids=[p.name for p in SMOLLM2])
 def test_smollm2_examples_use_the_fast_cpu_settings(path):
-    """The real-model example: bf16 actor, token budgets that fit the prompt + response, an on-policy update (no
+    """The real-model example: the dtype the CPU computes fastest (`auto`), token budgets that fit the prompt + response, an on-policy update (no
     separate old-log-prob pass) except for CPO, whose shaping reads the log-probs before the update."""
     from megatron_cpo.trainer.loop import policy_update_config
     from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
     config = load_config(path)
     actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
-    assert actor.megatron.params_dtype == "bfloat16" and actor.use_dynamic_bsz and model.use_fused_kernels
+    assert actor.megatron.params_dtype == "auto" and actor.use_dynamic_bsz and model.use_fused_kernels
     assert actor.ppo_max_token_len_per_gpu >= config.data.max_prompt_length + config.data.max_response_length
     assert old_log_probs_from_update(policy_update_config(config)) == (path.stem != "cpo")
     assert "\\boxed" not in config.data.hint_instruction or path.stem != "cpo"

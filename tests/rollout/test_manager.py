@@ -110,3 +110,15 @@ def test_synced_weights_give_transformers_greedy_tokens_and_log_probs_and_temper
             untempered_gap = max(untempered_gap, (untempered - engine).abs().max().item())
     print(f"temperature {temperature}: max |engine - tempered| {tempered_diff:.2e}, vs untempered {untempered_gap:.2e}")
     assert tempered_diff < 1e-4 and untempered_gap > 1e-2
+
+
+
+def test_engines_run_at_the_trainers_priority(manager):
+    """The engines' processes (Ray actor, vLLM's engine core and worker) run at niceness 0, the private cluster's
+    setting: at Ray's default, 15, anything else busy on the machine took their cores."""
+    import psutil
+
+    for pid_file in manager._pid_dir.glob("*.pid"):
+        actor = psutil.Process(int(pid_file.read_text().split()[1]))
+        tree = [actor, *actor.children(recursive=True)]
+        assert len(tree) >= 3 and all(process.nice() == 0 for process in tree), [p.name() for p in tree]

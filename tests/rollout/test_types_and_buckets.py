@@ -50,8 +50,35 @@ def test_buckets_respect_the_size_and_round_trip_through_shared_memory():
 
 @pytest.mark.parametrize("field, value, shown, hint", [
     ("weight_transport", "nccl", "'nccl'", "'auto', 'shm', 'collective'"), ("weight_sync_timeout_s", 0, "0", "> 0"),
-    ("tensor_model_parallel_size", 0, "0", ">= 1"), ("kv_cache_gib", 0, "0", "> 0")])
+    ("tensor_model_parallel_size", 0, "0", ">= 1"), ("kv_cache_gib", 0, "0", "> 0"),
+    ("kv_cache_gib", "lots", "'lots'", "or auto")])
 def test_rollout_engine_config_rejects_bad_settings(field, value, shown, hint):
     with pytest.raises(ValueError, match=f"rollout.{field}={shown}") as err:
         RolloutEngineConfig(**{field: value})
     assert hint in str(err.value)
+
+
+def test_auto_kv_cache_fits_the_sequences_within_a_share_of_the_free_memory(tmp_path):
+    """`kv_cache_gib: auto`: K and V of every layer (SmolLM2's shape: 30 layers, 3 KV heads of 64, float32: 46,080
+    bytes a token) for max_num_seqs sequences in 128-token blocks, capped by a quarter of the free memory split over
+    the engines, at least 1 GiB; an explicit size is kept."""
+    import json
+
+    from megatron_cpo.rollout.cpu_resources import GIB, auto_kv_cache_gib, kv_bytes_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3, "num_hidden_layers": 30}))
+    model = str(tmp_path)
+    assert kv_bytes_per_token(model, "float32") == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert kv_bytes_per_token(model, "bfloat16") == 23_040
+    # 256 sequences x 1,024 tokens x 46,080 bytes = 11.25 GiB wanted
+    assert auto_kv_cache_gib(model, "float32", 1000, 256, engines=1, available_bytes=100 * GIB) == 12
+    assert auto_kv_cache_gib(model, "float32", 1000, 256, engines=2, available_bytes=40 * GIB) == 5  # 40 / 4 / 2
+    assert auto_kv_cache_gib(model, "float32", 180, None, engines=1, available_bytes=100 * GIB) == 2  # 128 x 256
+    assert auto_kv_cache_gib(model, "float32", 1000, 256, engines=1, available_bytes=2 * GIB) == 1  # at least 1
+    assert auto_kv_cache_gib(str(tmp_path / "missing"), "float32", 1000, 256, 1, 100 * GIB) == 1
+    explicit = EngineLaunchConfig(model_path=model, engines=RolloutEngineConfig(kv_cache_gib=2.5))
+    assert explicit.kv_cache_space_gib == 3
+    auto = EngineLaunchConfig(model_path=model, dtype="float32", max_model_len=180)
+    assert auto.engines.kv_cache_gib == "auto" and 1 <= auto.kv_cache_space_gib <= 2
+

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_cpo.compute_dtype import resolve_dtype
 from megatron_cpo.config import ConfigError, build_config
 from megatron_cpo.trainer.run.preflight import preflight
 
@@ -247,12 +248,16 @@ def test_dry_run_prints_config_ignored_keys_and_layout(files, tmp_path, capsys, 
     main(["train", "--config", str(ROOT / "examples/tiny/grpo_arith.yaml"), "--dry-run",
           f"data.train_files={files['train']}", f"data.val_files={files['val']}",
           f"trainer.default_local_dir={tmp_path / 'run'}", "actor_rollout_ref.rollout.name=vllm",
-          "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+          "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+          "actor_rollout_ref.actor.megatron.params_dtype=auto"])
     out = capsys.readouterr().out
     assert "# resolved config" in out and "  train_batch_size: 2" in out
     assert "# 1 verl setting(s) accepted but not used here: actor_rollout_ref.rollout.name='vllm'" in out
     assert "# trainer: 1 process(es) (a single process) = TP 1 x PP 1 x DP 1" in out
     assert "# per step: 16 responses in 1 optimizer step(s)" in out  # 2 prompts x n=8
+    chosen = resolve_dtype("auto")  # tests/foundation/test_compute_dtype.py checks the rule
+    assert (f"# dtype of the actor and the engines: {chosen.name} (actor_rollout_ref.actor.megatron.params_dtype=auto: "
+            f"{chosen.reason})") in out
     assert not (tmp_path / "run").exists(), "a dry run writes nothing"
 
 

@@ -75,7 +75,7 @@ class Layout:
                    world_size=world_size, ep=megatron.expert_model_parallel_size,
                    etp=megatron.expert_tensor_parallel_size, engines=engines,
                    rollout_tp=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
-                   params_dtype=megatron.params_dtype,
+                   params_dtype=megatron.compute_dtype,
                    distributed_optimizer=megatron.use_distributed_optimizer,
                    reference_model=reference_model, sequence_parallel=megatron.sequence_parallel,
                    context_parallel=megatron.context_parallel_size,

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_cpo.compute_dtype import ComputeDtype, resolve_dtype
 from megatron_cpo.config import Config
 from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.data.config import DataConfig
@@ -27,7 +28,7 @@ from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
-from megatron_cpo.trainer.config import ActorConfig, MegatronConfig, TrainerConfig
+from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
@@ -39,9 +40,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclass
 class RunPlan:
-    """What a valid config implies: its `Layout`, where the world size came from, and the batch arithmetic of a
-    step (`megatron-cpo train --dry-run` prints it)."""
+    """What a valid config implies: its `Layout`, where the world size came from, the dtype the actor and the engines
+    compute in (and why), and the batch arithmetic of a step (`megatron-cpo train --dry-run` prints it)."""
     layout: Layout
+    dtype: ComputeDtype
     world_source: str
     responses_per_step: int
     mini_batches_per_step: int
@@ -55,12 +57,19 @@ class RunPlan:
         steps = "unknown (data not readable)" if self.steps is None else str(self.steps)
         return "\n".join([
             *self.layout.describe_processes(self.world_source),
+            *self.describe_dtype(),
             f"per step: {self.responses_per_step} responses in {self.mini_batches_per_step} optimizer step(s), "
             f"{self.micro_batches_per_rank} micro-batch(es) per DP rank per optimizer step",
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
         ])
+
+    def describe_dtype(self) -> list[str]:
+        """The dtype line, and the slow-bf16 warning when it applies (also logged when a run starts)."""
+        warning = self.dtype.warning(PARAMS_DTYPE_KEY)
+        return [f"dtype of the actor and the engines: {self.dtype.describe(PARAMS_DTYPE_KEY)}",
+                *([f"warning: {warning}"] if warning else [])]
 
 
 def trainer_world_size(trainer: TrainerConfig, planning: bool) -> tuple[int, str]:
@@ -345,7 +354,8 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
     data = config.data
     per_mini = actor.ppo_mini_batch_size * rollout.n
     steps = config.total_steps(train_rows) if train_rows is not None else config.trainer.total_training_steps or None
-    return RunPlan(layout=layout, world_source=world_source, responses_per_step=data.train_batch_size * rollout.n,
+    return RunPlan(layout=layout, dtype=resolve_dtype(actor.megatron.params_dtype), world_source=world_source,
+                   responses_per_step=data.train_batch_size * rollout.n,
                    mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
                    micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
                    generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)

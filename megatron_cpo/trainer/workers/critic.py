@@ -122,11 +122,11 @@ def build_critic(model_cfg: ModelConfig, actor_cfg: ActorConfig, critic_cfg: Cri
     hf_config = load_hf_config(path)
     moe = family_of(hf_config).moe(hf_config) is not None
     megatron = actor_cfg.megatron
-    model = build_gpt_model(hf_config, params_dtype=getattr(torch, megatron.params_dtype), value_head=True,
+    model = build_gpt_model(hf_config, params_dtype=getattr(torch, megatron.compute_dtype), value_head=True,
                             **model_options(megatron, model_cfg.enable_gradient_checkpointing, moe))
     load_hf_weights(model, path)
     ddp_model = wrap_ddp(model, critic_cfg.megatron.use_distributed_optimizer)
-    optimizer, scheduler = megatron_optimizer(ddp_model, critic_cfg.optim, megatron.params_dtype,
+    optimizer, scheduler = megatron_optimizer(ddp_model, critic_cfg.optim, megatron.compute_dtype,
                                               critic_cfg.megatron.use_distributed_optimizer, total_updates)
     return MegatronCritic(model, pad_token_id, critic_cfg, ddp_model, optimizer, scheduler,
                           model_cfg.use_remove_padding)

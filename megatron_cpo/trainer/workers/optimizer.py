@@ -28,7 +28,7 @@ def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
 
 def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> tuple[Any, Any]:
     """The actor's optimizer and schedule (`actor.optim`, its dtype and distributed optimizer): `megatron_optimizer`."""
-    return megatron_optimizer(ddp_model, actor.optim, actor.megatron.params_dtype,
+    return megatron_optimizer(ddp_model, actor.optim, actor.megatron.compute_dtype,
                               actor.megatron.use_distributed_optimizer, total_updates)
 
 

@@ -52,7 +52,7 @@ def build_policies(model_cfg: ModelConfig, actor_cfg: ActorConfig, pad_token_id:
     """
     hf_config = load_hf_config(model_cfg.path)
     moe = family_of(hf_config).moe(hf_config) is not None
-    dtype = getattr(torch, actor_cfg.megatron.params_dtype)
+    dtype = getattr(torch, actor_cfg.megatron.compute_dtype)
     kernels = {"use_fused_kernels": model_cfg.use_fused_kernels, "use_remove_padding": model_cfg.use_remove_padding}
 
     checkpointing = model_cfg.enable_gradient_checkpointing

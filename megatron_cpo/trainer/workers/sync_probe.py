@@ -54,8 +54,8 @@ class SyncProbe:
 
     def __init__(self, settings: SyncCheckConfig, dtype: str, max_model_len: int, tokenizer: Any, pad_token_id: int
                  ) -> None:
-        """`settings`: `rollout.sync_check`; `dtype`: the actor's (`megatron.params_dtype`), which sets the default
-        tolerance; `max_model_len`: the engines' (`data.max_prompt_length + data.max_response_length`)."""
+        """`settings`: `rollout.sync_check`; `dtype`: the actor's (`megatron.params_dtype`, `auto` resolved), which sets
+        the default tolerance; `max_model_len`: the engines' (`data.max_prompt_length + data.max_response_length`)."""
         self.settings = settings
         self.dtype = dtype
         self.tolerance = self.settings.tolerance_for(self.dtype)
