@@ -13,6 +13,7 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
   `.rollout.*`: `rollout/config.py`, its `multi_turn.*`: `envs/config.py` (joined to the rollout section here, since
   `envs` sits above `rollout`).
 - `async_training.*`: `trainer/config.py` (`AsyncTrainingConfig`, read by `trainer/driver/admission.py`).
+- `critic.*`: `trainer/critic_config.py` (`CriticConfig`, read by `trainer/workers/critic.py`).
 
 Every section's module is torch-free, so loading a config imports no torch (tests/trainer/test_config.py). Each
 section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
@@ -37,6 +38,7 @@ from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
 from megatron_cpo.trainer.config import ActorConfig, AsyncTrainingConfig, RefConfig, TrainerConfig
+from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
 
 
@@ -62,19 +64,23 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
+        self.critic.take_actor_defaults(actor)  # the critic's batch settings left null are the actor's (verl's rule)
+        self._check_critic()
         grouped = algo.filter_groups.enable or algo.estimator_needs.grouped
         check(not grouped or rollout.n >= 2,
               f"actor_rollout_ref.rollout.n={rollout.n} cannot form groups for {algo.adv_estimator} advantages or "
               "filter_groups; set actor_rollout_ref.rollout.n >= 2")
-        check(self.data.train_batch_size % actor.ppo_mini_batch_size == 0,
-              f"data.train_batch_size={self.data.train_batch_size} is not a multiple of "
-              f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size}; make it one")
+        for section in ("actor_rollout_ref.actor", "critic"):
+            mini_batch = (actor if section != "critic" else self.critic).ppo_mini_batch_size
+            check(self.data.train_batch_size % mini_batch == 0, f"data.train_batch_size={self.data.train_batch_size}"
+                  f" is not a multiple of {section}.ppo_mini_batch_size={mini_batch}; make it one")
         if rollout.max_inflight_prompts:
             check(rollout.max_inflight_prompts >= self.data.train_batch_size,
                   f"actor_rollout_ref.rollout.max_inflight_prompts={rollout.max_inflight_prompts} is below "
@@ -109,6 +115,30 @@ class Config:
               f"algorithm.adv_estimator={algo.adv_estimator} with async_training.max_staleness={staleness}: the greedy "
               "baseline answers are generated with the synchronous loop's batches only; set max_staleness=0 or use "
               "another estimator (e.g. rloo)")
+
+    def _check_critic(self) -> None:
+        """A critic exactly when the estimator reads its values (gae): one without the other is refused."""
+        algo, critic = self.algorithm, self.critic
+        needs = algo.estimator_needs.critic
+        check(not (needs and critic.enable is False), f"algorithm.adv_estimator={algo.adv_estimator} needs a critic's "
+              "values, and critic.enable=false turns the critic off; set critic.enable=true (or leave it null), or "
+              "choose a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...; docs/algorithms.md)")
+        asked = "critic.enable=true" if critic.enable else (f"critic.model.path={critic.model.path!r}"
+                                                            if critic.model.path else None)
+        check(needs or asked is None, f"{asked} sets up a critic, but algorithm.adv_estimator={algo.adv_estimator} "
+              "does not read its values (only gae does); set algorithm.adv_estimator=gae, or remove the critic's "
+              "settings (critic.enable=null)")
+        warmup, steps = self.trainer.critic_warmup, self.trainer.total_training_steps
+        check(needs or warmup == 0, f"trainer.critic_warmup={warmup} trains only a critic in the first steps, and "
+              f"algorithm.adv_estimator={algo.adv_estimator} has none; set it to 0 (or use gae)")
+        check(not steps or warmup < steps, f"trainer.critic_warmup={warmup} leaves no step of "
+              f"trainer.total_training_steps={steps} to update the actor in; lower it")
+
+    @property
+    def critic_enabled(self) -> bool:
+        """Whether the run trains a critic: exactly when the estimator reads values (`algorithm.adv_estimator=gae`;
+        `critic.enable` may only confirm it)."""
+        return self.algorithm.estimator_needs.critic
 
     def total_steps(self, prompts: int) -> int:
         """Steps of the run on `prompts` training prompts: `trainer.total_training_steps`, or (when 0)

@@ -149,17 +149,19 @@ def coerce(name: str, value: Any, tp: Any) -> Any:
 
 def hint_for(name: str, known: list[str], moved: dict[str, str]) -> str:
     """The accepted name closest to an unknown `name`: a known verl move first, then the names ending in the most
-    of its last path components, then names whose last component is spelled alike; "" when nothing is close."""
+    of its last path components (the first declared of several: the actor's `optim.betas` before the critic's), then
+    names whose last component is spelled alike; "" when nothing is close."""
     if name in moved:
         return moved[name]
     parts = name.split(".")
     for count in range(len(parts) - 1, 0, -1):
         suffix = ".".join(parts[-count:])
         matches = [k for k in known if k.endswith("." + suffix)]
-        moved_matches = [target for source, target in moved.items() if source.endswith("." + suffix)]
-        matches = matches or moved_matches
         if matches:
-            return max(matches, key=lambda k: difflib.SequenceMatcher(None, name, k).ratio())
+            return matches[0]
+        moved_matches = [target for source, target in moved.items() if source.endswith("." + suffix)]
+        if moved_matches:
+            return max(moved_matches, key=lambda k: difflib.SequenceMatcher(None, name, k).ratio())
     last = parts[-1]
     alike = [k for k in known if difflib.SequenceMatcher(None, last, k.rsplit(".", 1)[-1]).ratio() >= 0.75]
     if alike:

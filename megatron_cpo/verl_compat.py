@@ -4,7 +4,7 @@ spellings of our own settings are aliases, in `megatron_cpo/config.py`'s one tab
 
 A key listed in `VERL_NO_OP_KEYS` is accepted, and reported in one warning with the reason it does not apply. It is
 listed only when it changes how fast or where verl computes, never what: a value that would change the algorithm
-(e.g. `trainer.critic_warmup > 0`, `rollout.name=sglang`) is in its `allowed` set's complement and refused.
+(e.g. `rollout.name=sglang`) is in its `allowed` set's complement and refused.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             "mean 1: that needs every weight of the batch before the update, and here they are computed per "
             "micro-batch, from the update's own forward when it is on-policy", (False,)),
     NoOpKey("data.return_raw_chat", "records always keep their chat messages"),
+    NoOpKey("critic.strategy", "the critic is a Megatron model like the actor", ("megatron",)),
+    NoOpKey("critic.model.tokenizer_path", "the critic reads the token ids the actor's tokenizer made"),
     NoOpKey("reward_model.reward_manager", "responses are graded per data source like verl's naive/dapo "
             "managers; DAPO's overlong penalty is reward.overlong_buffer", ("naive", "dapo")),
-    NoOpKey("trainer.critic_warmup", "there is no critic in this version (algorithm.adv_estimator=gae is refused); a "
-            "warm-up > 0 would skip actor updates", (0,)),
     NoOpKey("trainer.log_val_generations", "validation generations are not logged (trainer.log_completions logs "
             "training ones)"),
     NoOpKey("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "episodes are trained on the ids "
@@ -82,6 +82,16 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
        for key in ("expert_model_parallel_size", "expert_tensor_parallel_size")},
     "reward_model.reward_kwargs.max_resp_len": (
         "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
+    # the critic is built in the actor's process groups, with its packing and activation recompute
+    **{f"critic.megatron.{key}": (f"actor_rollout_ref.actor.megatron.{key}", "the critic runs in the actor's layout")
+       for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                   "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
+    **{f"critic.megatron.override_transformer_config.{key}": (
+        f"actor_rollout_ref.actor.megatron.{key}", "the critic recomputes activations as the actor does")
+       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
+    **{f"critic.model.{key}": (f"actor_rollout_ref.model.{key}", "the critic computes as the actor does")
+       for key in ("enable_gradient_checkpointing", "use_remove_padding")},
+    "critic.rollout_n": ("actor_rollout_ref.rollout.n", "the critic trains on the actor's batch"),
 }
 
 # verl names that moved or have another name here, for "did you mean" hints (not accepted silently).
@@ -96,4 +106,6 @@ VERL_MOVED_HINTS: dict[str, str] = {
     "trainer.resume_from_path": "trainer.resume",
     "async_training.staleness_threshold": "async_training.max_staleness",
     "async_training.trigger_parameter_sync_step": "async_training.max_staleness",
+    "critic.optim.lr_warmup_steps_ratio": "critic.optim.lr_warmup_steps",
+    "critic.optim.warmup_style": "critic.optim.lr_decay_style",
 }

@@ -14,7 +14,9 @@ Method (docs/planning.md has the derivation):
   moments (8 bytes) plus an fp32 master copy when the weights are 16-bit, divided by DP with the distributed optimizer
   (the experts' by the expert-data-parallel size, trainer GPUs / (PP x EP x ETP)); a frozen reference copy of the
   weights when the run keeps a reference model (KL loss, KL in the reward or verl's reference sync:
-  `Config.needs_reference_model`, the rule the trainer builds by).
+  `Config.needs_reference_model`, the rule the trainer builds by); PPO's critic (`--critic`, or a recipe with
+  `algorithm.adv_estimator=gae`) again as weights, gradients and optimizer state of the actor's stage with a one-row
+  value head in place of an untied lm-head (its activations come one phase after the actor's, not on top of them).
 - Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
   budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
   SwiGLU halves; in a MoE layer the router's scores and, per routed copy of a token, its dispatched input and the
@@ -29,7 +31,8 @@ Method (docs/planning.md has the derivation):
   forward-only log-prob pass costs 2 x (active) params x tokens FLOPs plus
   the attention's 2 x layers x heads x head_dim x L^2 per sequence (causal), about 1/3 of a training pass (6 x and
   3 x those); full recompute adds one forward to training (8 x). There is one log-prob pass for the old log-probs,
-  one for the reference (KL loss) and one for CPO's hinted contexts. Tokens are padded rows (prompt + response
+  one for the reference (KL loss) and one for CPO's hinted contexts; a critic adds its value pass and its own
+  training passes. Tokens are padded rows (prompt + response
   length) unless `--remove-padding` or `--dynamic-bsz`, then the real tokens (`--mean-response-length`). FLOPs run
   at the GPU's datasheet peak times `--mfu`. These are model estimates; benchmarks/trainer/README.md compares their
   ratios with CPU measurements of the trainer.
@@ -121,6 +124,19 @@ def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: 
     return result
 
 
+def critic_bytes(shape: ModelShape, layout: Layout, stage: dict, per_param: int, optimizer_per_param: int) -> float:
+    """PPO's critic on the same GPU (0 without one): the actor's stage (`stage`) with a one-row value head in place
+    of the untied lm-head of a single stage, as weights and fp32 gradients (`per_param` bytes) and optimizer state."""
+    if not layout.critic:
+        return 0.0
+    lm_head = (padded_vocab(shape.vocab_size, layout.tp) * shape.hidden_size / layout.tp
+               if layout.pp == 1 and not shape.tied_embeddings else 0.0)
+    dense = stage["dense"] - lm_head + shape.hidden_size
+    sharded = (dense / layout.dp + stage["experts"] / layout.expert_dp if layout.distributed_optimizer
+               else dense + stage["experts"])
+    return (dense + stage["experts"]) * per_param + sharded * optimizer_per_param
+
+
 def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str, float]:
     """Bytes per trainer GPU by component, and their total."""
     stage = shape.stage_params(layout.tp, layout.pp, padded_vocab(shape.vocab_size, layout.tp), layout.ep, layout.etp)
@@ -131,7 +147,8 @@ def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str,
                else params)
     memory = {"weights": params * weight_bytes, "gradients": params * 4,
               "optimizer": sharded * optimizer_per_param,
-              "reference": params * weight_bytes if layout.reference_model else 0.0}
+              "reference": params * weight_bytes if layout.reference_model else 0.0,
+              "critic": critic_bytes(shape, layout, stage, weight_bytes + 4, optimizer_per_param)}
     length = batch.prompt_length + batch.response_length
     tokens = batch.micro_batch * length
     if layout.dynamic_bsz and batch.token_budget:  # a micro-batch holds at most the budget's tokens
@@ -154,7 +171,8 @@ def colocated_memory(trainer: dict[str, float], engine_weights: float, kv_cache:
       `engine_overhead` (CUDA context and graph pools, which sleep mode does not free) at `sleep_level` 1 or 2, or
       its weights and KV cache too at level 0 (`rollout.free_cache_engine=false`: the engine never sleeps);
     - rollout, actor offloaded: the engine's weights + KV cache + overhead plus the trainer components that stay
-      (those not in `offload`, verl's `param`/`grad`/`optimizer`; the reference is never offloaded; no activations).
+      (those not in `offload`, verl's `param`/`grad`/`optimizer`; the reference is never offloaded, a critic is
+      counted as staying; no activations).
     Host memory holds the offloaded actor parts, and at level 1 the sleeping engine's weights.
     """
     unknown = set(offload) - set(OFFLOADABLE)
@@ -166,6 +184,7 @@ def colocated_memory(trainer: dict[str, float], engine_weights: float, kv_cache:
     asleep = engine_overhead if sleep_level else engine_awake
     moved = {OFFLOADABLE[name] for name in offload}
     kept = sum(trainer[name] for name in ("weights", "gradients", "optimizer", "reference") if name not in moved)
+    kept += trainer.get("critic", 0.0)  # a critic's state stays (its own critic.megatron.*_offload are not planned)
     memory = {"training/trainer": trainer["total"], "training/engines_asleep": asleep,
               "rollout/engines": engine_awake, "rollout/trainer_kept": kept}
     memory["training"] = memory["training/trainer"] + asleep
@@ -225,9 +244,10 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     tokens = responses * length
     flops_per_s = layout.world_size * peak_tflops * 1e12 * mfu
     forward_flops = 2 * active * tokens + attention_flops(shape, length) * responses
-    forwards = batch.extra_forwards * forward_flops / flops_per_s
+    models = 2 if layout.critic else 1  # a critic scores the batch once and trains as the actor does
+    forwards = (batch.extra_forwards + models - 1) * forward_flops / flops_per_s
     passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
-    training = batch.ppo_epochs * passes * forward_flops / flops_per_s
+    training = models * batch.ppo_epochs * passes * forward_flops / flops_per_s
     weight_sync = params * 2 / (bandwidth_gbs * 1e9 * 0.05)
     times = {"generation": generation, "log_prob_forwards": forwards, "training": training,
              "weight_sync": weight_sync}
@@ -241,7 +261,7 @@ def _from_recipe(path: str, trainer_gpus: int) -> tuple[dict, Layout, Batch]:
     config = load_config(path)
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     layout = Layout.from_sections(config.actor_rollout_ref.model, actor, rollout, config.needs_reference_model,
-                                  trainer_gpus)
+                                  trainer_gpus, critic=config.critic_enabled)
     batch = Batch(train_batch_size=config.data.train_batch_size, n=rollout.n,
                   prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                   micro_batch=actor.ppo_micro_batch_size_per_gpu, ppo_epochs=actor.ppo_epochs,
@@ -263,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--no-reference", action="store_true", help="no KL loss: no reference copy")
+    parser.add_argument("--critic", action="store_true", help="PPO with a critic (adv_estimator=gae): a value model")
     parser.add_argument("--unfused-attention", action="store_true", help="attention scores materialised (CPU)")
     parser.add_argument("--train-batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
@@ -304,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                             params_dtype=args.dtype, reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
                             context_parallel=args.cp, recompute=args.recompute,
                             recompute_num_layers=args.recompute_num_layers, remove_padding=args.remove_padding,
-                            dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels)
+                            dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels, critic=args.critic)
             batch = Batch(args.train_batch_size, args.n, args.prompt_length, args.response_length, args.micro_batch,
                           token_budget=args.token_budget)
             model = args.model
@@ -339,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f" CP={layout.context_parallel}" if layout.context_parallel > 1 else "") + experts)
     print(f"  SP {on[layout.sequence_parallel]}, recompute {layout.recompute or 'off'}, remove_padding "
           f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, fused_kernels {on[layout.fused_kernels]}; "
-          f"{batch.extra_forwards} log-prob pass(es) per step")
+          f"{batch.extra_forwards} log-prob pass(es) per step" + ("; a critic" if layout.critic else ""))
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")
     for name, value in report.get("colocated_gib", {}).items():

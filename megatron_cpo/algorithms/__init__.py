@@ -9,6 +9,7 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
   one function and one row each (returns.py: the reverse scan, discounted returns, GAE, whitening).
 - policy_losses.py: the policy-loss modes under verl's names (PPO clip, GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov,
   KL-Cov), one class each.
+- value_loss.py: the critic's clipped value loss (PPO with GAE) and verl's value metrics.
 - aggregation.py: the loss aggregations (`loss_agg_mode`), as additive shares of the batch loss.
 - losses.py: the actor's whole loss (the mode's term, aggregation, entropy bonus and mask, KL loss; kl.py: KL
   estimators; mismatch.py: rollout/trainer mismatch metrics and TIS, re-exported by losses.py).

@@ -196,7 +196,8 @@ class AlgorithmConfig:
     """Advantage estimator and its shaping: `adv_estimator` names an estimator of advantages.py under verl's names
     (`grpo`, `rloo`, `reinforce_plus_plus`, `remax`, ...; docs/algorithms.md), or `cpo`: CPO's shaping rule on the
     advantages of `algorithm.cpo.base_estimator` (its settings under `algorithm.cpo`, algorithms/shapers.py,
-    docs/cpo.md). `gamma` / `lam`: the discount and GAE's lambda (REINFORCE++'s returns; GAE).
+    docs/cpo.md); `gae` is PPO's, with a critic (the `critic` section, trainer/critic_config.py). `gamma` / `lam`: the
+    discount and GAE's lambda (REINFORCE++'s returns; GAE).
     `norm_adv_by_std_in_grpo`: GRPO's and grpo_passk's division by the group's std (false: Dr.GRPO).
     `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference)
     from every token's reward (the response's score sits on its last sampled token) before the advantages (needs the
@@ -223,10 +224,6 @@ class AlgorithmConfig:
         check(self.cpo.base_estimator in bases, f"algorithm.cpo.base_estimator={self.cpo.base_estimator!r} cannot "
               "carry CPO's shaping: the rule reads each prompt group's difficulty; choose grpo, rloo or "
               "reinforce_plus_plus_baseline")
-        check(not self.estimator_needs.critic, f"algorithm.adv_estimator={self.adv_estimator} needs a critic "
-              "(critic.enable / critic.model.path), which is not available in this version; use a critic-free "
-              "estimator: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ... "
-              "(docs/algorithms.md)")
         check(0.0 <= self.gamma <= 1.0, f"algorithm.gamma={self.gamma} must be in [0, 1] (1: no discount)")
         check(0.0 <= self.lam <= 1.0, f"algorithm.lam={self.lam} must be in [0, 1] (GAE's lambda)")
 

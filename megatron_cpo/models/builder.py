@@ -21,6 +21,7 @@ from megatron_cpo import platform
 from megatron_cpo.models.families import LinearBiases, family_of
 from megatron_cpo.models.hf_options import (check_supported_options, rope_settings,  # noqa: F401 (re-exported)
                                             sliding_window_settings)
+from megatron_cpo.models.value_head import ValueHead, head_has_bias
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:
@@ -233,12 +234,15 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
         layer_specs=layers, layer_norm=final_norm))
 
 
-def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, **options: Any):
+def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, value_head: bool = False,
+                    **options: Any):
     """A Megatron `GPTModel` for this rank's TP slice and PP stage, randomly initialised, on `platform.device()`.
 
     Call `init_distributed` first. The model returns vocab-parallel logits (`parallel_output=True`), padded to
     `model.padded_vocab_size`; `model.hf_vocab_size` is the tokenizer's real vocabulary and `model.hf_config` the
-    config it was built from. `options`: see `transformer_config`.
+    config it was built from. `options`: see `transformer_config`. `value_head` (the critic): the last stage's output
+    layer is a scalar `ValueHead` instead (value_head.py; untied, with a bias when `hf_config` is a saved critic's), so
+    the model returns `[b, s, 1]` values; `model.value_head` says which kind it is.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -254,11 +258,15 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         position_embedding_type="rope",
         rotary_percent=1.0,
         **rope_settings(hf_config),
     )
+    model.value_head = value_head
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(config.hidden_size, head_has_bias(hf_config), config.sequence_parallel,
+                                       params_dtype, platform.device())
     model.hf_config = hf_config
     model.hf_vocab_size = hf_config.vocab_size
     model.padded_vocab_size = vocab

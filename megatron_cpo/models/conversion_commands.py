@@ -231,9 +231,13 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
 
     Each pipeline stage's exporting rank (`iter_hf_weights`: TP rank 0 of the first data-parallel replica, with the
     experts gathered from every EP/ETP rank) streams its layers into safetensors files; rank 0 names and indexes
-    them and copies config and tokenizer files from `hf_source_dir`. Written into `<out_dir>.partial` and moved into
-    place when complete.
+    them and copies config and tokenizer files from `hf_source_dir`. A value model (the critic) is written as
+    transformers' token-classification model with one label (value_head.py). Written into `<out_dir>.partial` and
+    moved into place when complete.
     """
+    from megatron_cpo.models.builder import unwrap_model
+    from megatron_cpo.models.value_head import head_has_bias, value_model_config
+
     out = Path(out_dir)
     staging = _staging_dir(out)
     files = _write_stage_shards(model, hf_config, staging, dtype, max_shard_bytes, say)
@@ -243,6 +247,8 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
         _name_shards(staging, [entry for rank_files in per_rank for entry in rank_files])
         say(f"[3/3] copying config and tokenizer from {hf_source_dir}: "
             f"{', '.join(_copy_non_weight_files(Path(hf_source_dir), staging))}")
+        if unwrap_model(model).value_head:
+            value_model_config(hf_config, head_has_bias(hf_config)).to_json_file(staging / "config.json")
     _publish(staging, out)
     return out
 

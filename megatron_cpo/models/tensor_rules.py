@@ -179,5 +179,8 @@ FINAL_NORM = Mapping(("model.norm.weight",), ("decoder.final_layernorm.weight",)
 LM_HEAD = Mapping(("lm_head.weight",), ("output_layer.weight",), 0, pad_vocab, trim_vocab)
 # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as the output layer.
 TIED_LM_HEAD = Mapping(EMBEDDING.hf_names, LM_HEAD.megatron_names, 0, pad_vocab, trim_vocab, exported=False)
+# A value model's scalar head (value_head.py), replicated over TP: transformers' token-classification `score`.
+VALUE_HEAD = Mapping(("score.weight",), ("output_layer.weight",), None)
+VALUE_HEAD_BIAS = Mapping(("score.bias",), ("output_layer.bias",), None)
 # Buffers some checkpoints carry that transformers recomputes from the config and ignores when loading.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)

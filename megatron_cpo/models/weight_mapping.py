@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_cpo.models.builder import head_dim_of, unwrap_model
 from megatron_cpo.models.families import family_of
 from megatron_cpo.models.tensor_rules import (EMBEDDING, FINAL_NORM, IGNORED_HF_SUFFIXES, LM_HEAD, TIED_LM_HEAD,
-                                              Mapping, Shape)
+                                              VALUE_HEAD, VALUE_HEAD_BIAS, Mapping, Shape)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def _layer_entries(mapping: Mapping, layer: torch.nn.Module, hf_prefix: str, loc
 def model_entries(model: Any, hf_config: Any) -> Iterator[Entry]:
     """Every mapped parameter of this rank (model from `build_gpt_model`, unwrapped), in HF order.
 
-    With tied embeddings the last stage's output layer is filled from (but never exported as) the HF embedding.
+    With tied embeddings the last stage's output layer is filled from (but never exported as) the HF embedding. A
+    value model's (`build_gpt_model(value_head=True)`) is its scalar head, `score.weight` (and `score.bias`).
     """
     family = family_of(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -101,7 +102,12 @@ def model_entries(model: Any, hf_config: Any) -> Iterator[Entry]:
                                       params)
     if model.post_process:
         yield Entry(FINAL_NORM, "", *_bound(FINAL_NORM.megatron_names, top))
-        if not tied:
+        if getattr(model, "value_head", False):
+            for mapping in (VALUE_HEAD, VALUE_HEAD_BIAS):
+                bound = _bound(mapping.megatron_names, top)
+                if bound is not None:
+                    yield Entry(mapping, "", *bound)
+        elif not tied:
             yield Entry(LM_HEAD, "", *_bound(LM_HEAD.megatron_names, top))
         elif not model.pre_process:
             yield Entry(TIED_LM_HEAD, "", *_bound(TIED_LM_HEAD.megatron_names, top))
@@ -168,6 +174,9 @@ def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     for entry in model_entries(model, hf_config):
         expert = entry.mapping.expert
         hf_names = entry.hf_names(ep_rank)
+        if entry.mapping in (VALUE_HEAD, VALUE_HEAD_BIAS) and hf_names[0] not in reader.files:
+            loaded.add(entry.name)  # a causal LM starts a value model: its head stays the fresh one (value_head.py)
+            continue
         full = entry.mapping.merge([reader.get(n) for n in hf_names], shapes[expert])
         used.update(hf_names)
         shard = _shard(full, entry.mapping, ranks[expert], shapes[expert].tp_size)
@@ -191,7 +200,9 @@ def _check_every_tensor_used(model: Any, reader: "SafetensorsReader", used: set[
     left_over = set(reader.files) - set().union(*map(set, per_rank))
     left_over = {n for n in left_over if not n.endswith(IGNORED_HF_SUFFIXES)}
     tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
-    if tied and LM_HEAD.hf_names[0] in left_over:
+    if getattr(model, "value_head", False):  # a value model started from a causal LM has no use for its lm_head
+        left_over.discard(LM_HEAD.hf_names[0])
+    elif tied and LM_HEAD.hf_names[0] in left_over:
         if torch.equal(reader.get(LM_HEAD.hf_names[0]), reader.get(EMBEDDING.hf_names[0])):
             left_over.discard(LM_HEAD.hf_names[0])
     if left_over:

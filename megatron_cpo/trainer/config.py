@@ -5,6 +5,7 @@ names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
 from megatron_cpo.algorithms.loss_config import PolicyLossConfig
@@ -17,7 +18,9 @@ PARAMS_DTYPE_KEY = "actor_rollout_ref.actor.megatron.params_dtype"
 
 @dataclass
 class OptimConfig:
-    """Adam with linear warm-up then constant / linear / cosine decay, and global-norm gradient clipping."""
+    """Adam with linear warm-up then constant / linear / cosine decay, and global-norm gradient clipping.
+    `SECTION` is where the settings live, for the messages (the critic's optimizer extends this class)."""
+    SECTION: ClassVar[str] = "actor_rollout_ref.actor.optim"
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -27,16 +30,15 @@ class OptimConfig:
     clip_grad: float = 1.0
 
     def __post_init__(self) -> None:
+        prefix = self.SECTION + "."
         self.betas = tuple(self.betas)
-        check(len(self.betas) == 2, f"actor_rollout_ref.actor.optim.betas={list(self.betas)} must hold two numbers "
-                                     "(Adam's beta1, beta2), e.g. [0.9,0.999]")
-        check(self.lr > 0, f"actor_rollout_ref.actor.optim.lr={self.lr} must be > 0")
-        check(0 <= self.min_lr <= self.lr, f"actor_rollout_ref.actor.optim.min_lr={self.min_lr} must be in [0, lr]")
-        check(self.lr_warmup_steps >= 0, f"actor_rollout_ref.actor.optim.lr_warmup_steps={self.lr_warmup_steps} "
-                                          "must be >= 0")
-        check_choice("actor_rollout_ref.actor.optim.lr_decay_style", self.lr_decay_style,
-                      ("constant", "linear", "cosine"))
-        check(self.clip_grad > 0, f"actor_rollout_ref.actor.optim.clip_grad={self.clip_grad} must be > 0")
+        check(len(self.betas) == 2, f"{prefix}betas={list(self.betas)} must hold two numbers (Adam's beta1, beta2), "
+                                     "e.g. [0.9,0.999]")
+        check(self.lr > 0, f"{prefix}lr={self.lr} must be > 0")
+        check(0 <= self.min_lr <= self.lr, f"{prefix}min_lr={self.min_lr} must be in [0, lr]")
+        check(self.lr_warmup_steps >= 0, f"{prefix}lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        check_choice(prefix + "lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+        check(self.clip_grad > 0, f"{prefix}clip_grad={self.clip_grad} must be > 0")
 
 
 LOAD_BALANCING_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -166,11 +168,13 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 class CheckpointContentsConfig:
     """verl's `actor_rollout_ref.actor.checkpoint.save_contents`: what each checkpoint holds. `model`, `optimizer`
     and `extra` (schedule, RNG, data position, run controls) are what `trainer.resume=auto` restores, so they are
-    always saved; `hf_model` also writes the actor as a Hugging Face model directory (`step_<k>/huggingface`)."""
+    always saved; `hf_model` also writes the actor as a Hugging Face model directory (`step_<k>/huggingface`).
+    `SECTION` names the section for the messages (the critic's checkpoint contents extend this class)."""
+    SECTION: ClassVar[str] = "actor_rollout_ref.actor.checkpoint"
     save_contents: list[str] = field(default_factory=lambda: list(CHECKPOINT_CONTENTS))
 
     def __post_init__(self) -> None:
-        name = "actor_rollout_ref.actor.checkpoint.save_contents"
+        name = self.SECTION + ".save_contents"
         unknown = [item for item in self.save_contents if item not in CHECKPOINT_CONTENTS]
         check(not unknown, f"{name}={self.save_contents} holds unknown entries {unknown}; choose from "
                             f"{list(CHECKPOINT_CONTENTS)}")
@@ -288,6 +292,8 @@ class TrainerConfig:
     `resume="disable"` refuses a `default_local_dir` that holds an earlier run unless `overwrite=true`, which first
     moves that run aside to `<default_local_dir>.archived-<UTC time>` (nothing is deleted). The last step is always
     checkpointed; `max_actor_ckpt_to_keep` (verl's name; None: all) keeps only the newest k checkpoints.
+    `critic_warmup` (verl's name; PPO with a critic): the first that many steps train only the critic, the actor's
+    update starts at step `critic_warmup + 1`.
 
     `total_rollout_samples` (0: off) ends the run, checkpointed and validated, after the step at which the samples
     generated so far reach it, counting every finished sample, kept or dropped by a group filter (so arms that
@@ -315,6 +321,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None
     total_rollout_samples: int = 0
     test_freq_samples: int = 0
+    critic_warmup: int = 0
 
     def __post_init__(self) -> None:
         check(self.total_epochs >= 1, f"trainer.total_epochs={self.total_epochs} must be >= 1")
@@ -331,6 +338,8 @@ class TrainerConfig:
               "checkpoint)")
         for name in ("total_rollout_samples", "test_freq_samples"):
             check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0: off)")
+        check(self.critic_warmup >= 0, f"trainer.critic_warmup={self.critic_warmup} must be >= 0 (steps that train "
+                                       "only the critic)")
 
 
 @dataclass

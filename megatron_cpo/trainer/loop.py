@@ -40,12 +40,13 @@ from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engi
                                                  nothing_to_train_message, prepare_run_directory,
                                                  rewards_refused_message, weights_not_finite_message)
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
+from megatron_cpo.trainer.workers.critic import MegatronCritic, build_critic
 from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                                       broadcast_object, push_weights)
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
 from megatron_cpo.trainer.workers.policies import build_policies
 from megatron_cpo.trainer.workers.policy_update import (PolicyUpdateConfig, compute_advantages, compute_log_probs,
-                                                        update_policy)
+                                                        update_critic, update_policy)
 from megatron_cpo.trainer.workers.sync_probe import (EngineOutOfSyncError, SyncProbe, TrainerNotFiniteError,
                                                      sync_check_metrics)
 
@@ -125,8 +126,11 @@ class Trainer:
         updates = (self.total_steps * actor_cfg.ppo_epochs
                    * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
         self.actor, self.reference = policies_for(config, self.pad_token_id, updates)
-        # colocated engines share the trainer's devices: the actor's state goes to host memory while they generate
-        self.offload = colocated_offload(self.actor, megatron, rollout.mode)
+        self.critic = critic_for(config, self.pad_token_id, self.total_steps)
+        # colocated engines share the trainer's devices: the models' state goes to host memory while they generate
+        self.offloads = (colocated_offload(self.actor, megatron, rollout.mode),
+                         colocated_offload(self.critic, config.critic.megatron, rollout.mode, "critic.megatron")
+                         if self.critic else None)
         controls = {"early_stop": self.lead.monitor, "samples": self.lead.samples} if self.lead else {}
         # the data position a checkpoint keeps is the controller's: the first prompt not yet trained
         self.checkpoints = CheckpointManager(
@@ -134,7 +138,9 @@ class Trainer:
             self.lead.controller if self.lead else None,
             {name: control for name, control in controls.items() if control is not None},
             hf_exporter(self.actor, model.path, megatron.compute_dtype) if actor_cfg.checkpoint.hf_model else None,
-            config.trainer.max_actor_ckpt_to_keep)
+            config.trainer.max_actor_ckpt_to_keep, critic=self.critic,
+            export_critic=hf_exporter(self.critic, config.critic.model.path or model.path, megatron.compute_dtype)
+            if self.critic and config.critic.checkpoint.hf_model else None)
 
     # --- the run ---------------------------------------------------------------------------------------------
     def fit(self, stop: StopSignal) -> dict[str, float]:
@@ -196,9 +202,13 @@ class Trainer:
         if batch is None:
             return None
         settings = self.update_config
-        log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id)  # 3
+        log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id,   # 3
+                                      self.critic)
         advantages, metrics = compute_advantages(batch, log_probs, settings)                        # 4
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings))           # 5
+        if self.critic is not None:                                                                 # 5
+            metrics.update(update_critic(self.critic, log_probs, settings))
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings,
+                                     train=step > settings.critic_warmup))
         if lead:
             self.sync_probe.observe_mismatch(step, metrics)
         pushed = self.push_weights(step)                                                            # 6
@@ -227,7 +237,7 @@ class Trainer:
         When no engine is left, or a reward is not finite (`reward.non_finite=error`), every rank checkpoints the
         steps trained so far (with the actor back in place) and the run is aborted."""
         collected = lost = refused = None
-        with offloaded_during(self.offload):
+        with offloaded_during(*self.offloads):
             if self.lead:
                 try:
                     collected, lost = self.lead.collect(step)
@@ -295,14 +305,16 @@ class Trainer:
                                   "trains on regardless)")
 
     def abort_if_updates_skipped(self, step: int) -> None:
-        """Every rank ends the run, checkpointed, once the actor's guard skipped too many steps in a row."""
-        if self.actor.guard.exhausted:
+        """Every rank ends the run, checkpointed, once the actor's (or the critic's) guard skipped too many steps in a
+        row."""
+        guard = next((model.guard for model in (self.actor, self.critic) if model and model.guard.exhausted), None)
+        if guard is not None:
             try:
                 kept = f"checkpointed in {self._checkpoint_before_abort(step)} (resume with trainer.resume=auto once " \
                        "the cause is fixed)"
             except CheckpointError as err:  # the weights themselves are not finite: nothing is written
                 kept = str(err)
-            raise RunAbortedError(f"{self.actor.guard.abort_message(step)}; {kept}")
+            raise RunAbortedError(f"{guard.abort_message(step)}; {kept}")
 
     def sync_reference(self, step: int) -> None:
         """verl's `ref.sync_ref_model`: mix the actor into the reference every `ref_model_sync_steps` steps."""
@@ -339,9 +351,9 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Rank 0 validates on the engines (metrics on rank 0, {} elsewhere); colocated, every rank's actor stays
         offloaded until rank 0 is done, since the engines generate on the trainer's devices."""
-        with offloaded_during(self.offload):
+        with offloaded_during(*self.offloads):
             metrics = self.lead.validate() if self.lead else {}
-            if self.offload is not None:
+            if any(self.offloads):
                 barrier()
         return metrics
 
@@ -425,6 +437,17 @@ def policies_for(config: Config, pad_token_id: int, total_updates: int
                           parts.ref if config.needs_reference_model else None)
 
 
+def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronCritic | None:
+    """The run's critic when it trains one (`Config.critic_enabled`: GAE), from the model, actor and critic
+    sections (`workers/critic.py`); `total_steps` sizes its learning-rate schedule."""
+    if not config.critic_enabled:
+        return None
+    critic = config.critic
+    updates = total_steps * critic.ppo_epochs * (config.data.train_batch_size // critic.ppo_mini_batch_size)
+    parts = config.actor_rollout_ref
+    return build_critic(parts.model, parts.actor, critic, pad_token_id, updates)
+
+
 def policy_update_config(config: Config) -> PolicyUpdateConfig:
     """What steps 3-5 read (`PolicyUpdateConfig`), built once for the run."""
     rollout = config.actor_rollout_ref.rollout
@@ -432,4 +455,6 @@ def policy_update_config(config: Config) -> PolicyUpdateConfig:
                               response_width=config.data.max_response_length,
                               temperature=rollout.log_prob_temperature, samples_per_prompt=rollout.n,
                               train_batch_size=config.data.train_batch_size,
-                              max_staleness=config.async_training.max_staleness)
+                              max_staleness=config.async_training.max_staleness,
+                              critic=config.critic if config.critic_enabled else None,
+                              critic_warmup=config.trainer.critic_warmup)

@@ -12,9 +12,9 @@ MODELS = {"qwen2.5-math-1.5b": ("Qwen/Qwen2.5-Math-1.5B", 4096), "qwen2.5-math-7
           "qwen3-8b": ("Qwen/Qwen3-8B", 40960), "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", 40960)}
 
 
-def test_every_size_has_grpo_dapo_and_cpo():
+def test_every_size_has_grpo_dapo_and_cpo_and_the_7b_ppo():
     assert {(path.parent.name, path.stem) for path in RECIPES} == {
-        (size, algo) for size in MODELS for algo in ("grpo", "dapo", "cpo")}
+        (size, algo) for size in MODELS for algo in ("grpo", "dapo", "cpo")} | {("qwen2.5-math-7b", "ppo")}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[f"{p.parent.name}/{p.name}" for p in RECIPES])
@@ -24,7 +24,8 @@ def test_recipe_loads_and_validates(path):
     model, context = MODELS[path.parent.name]
     assert config.actor_rollout_ref.model.path == model
     assert config.data.max_prompt_length + config.data.max_response_length <= context, "beyond the model's context"
-    assert config.data.train_batch_size % actor.ppo_mini_batch_size == 0 and rollout.n >= 2
+    assert config.data.train_batch_size % actor.ppo_mini_batch_size == 0
+    assert rollout.n >= 2 or not config.algorithm.estimator_needs.grouped  # PPO's critic needs no group
     assert config.trainer.experiment_name == f"{path.parent.name}-{path.stem}"
     if path.stem == "dapo":
         assert actor.clip_ratio_high == 0.28 and actor.loss_agg_mode == "token-mean" and not actor.use_kl_loss
@@ -37,6 +38,8 @@ def test_recipe_loads_and_validates(path):
         assert cpo.gold_as_hint and config.algorithm.shaper.needs_hint_contexts
     if path.stem == "grpo":
         assert config.algorithm.adv_estimator == "grpo" and not config.algorithm.filter_groups.enable
+    if path.stem == "ppo":
+        assert config.algorithm.adv_estimator == "gae" and config.critic_enabled and rollout.n == 1
 
 
 @pytest.mark.parametrize("path", RECIPES[:1], ids=["override"])

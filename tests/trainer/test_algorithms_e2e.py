@@ -1,5 +1,8 @@
 """verl's other algorithms train end to end on the session's engine and tiny model: RLOO advantages with GSPO's
-sequence-level loss, and ReMax, whose greedy baseline answers the same engine generates with the batch."""
+sequence-level loss, ReMax, whose greedy baseline answers the same engine generates with the batch, and PPO, whose
+Megatron critic (GAE) is checkpointed with the actor and resumed with it."""
+import math
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -10,7 +13,7 @@ from megatron_cpo.trainer.driver.rank_zero import RankZero
 from megatron_cpo.trainer.loop import run_training
 from tests.trainer.graders import even_first_character
 from tests.rollout.servers import assert_engine_in_sync
-from tests.trainer.test_e2e import read_metrics
+from tests.trainer.test_e2e import deterministic, read_metrics, send_sigterm_after_first_step
 
 pytestmark = pytest.mark.usefixtures("restore_environment")
 
@@ -35,6 +38,50 @@ def test_two_steps_train_with_the_engine_in_sync(name, overrides, make_config, r
         assert max(metrics[step]["actor/pg_clipfrac"] for step in (1, 2)) > 0
     else:
         assert all(0 <= metrics[step]["reward/greedy_baseline_mean"] <= 1 for step in (1, 2))
+
+
+CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean",
+                  "critic/returns/mean", "critic/vf_explained_var", "critic/grad_norm", "critic/lr",
+                  "timing/update_critic_s")
+
+
+def test_ppo_trains_its_critic_checkpoints_it_with_the_actor_and_resumes_both(make_config, rollout_manager,
+                                                                              tmp_path):
+    """PPO (GAE, lam 0.95, and a critic) for 3 steps straight logs verl's critic metrics, finite, and checkpoints the
+    critic beside the actor (its shard and Adam state in the rank file, its Hugging Face export); the same run
+    stopped by SIGTERM after step 2 and resumed logs the same metrics at every step, so the actor and the critic both
+    came back at the step they were saved (a critic restored from another step, or a fresh one, gives other values,
+    returns and value losses at step 3)."""
+    straight_dir, preempted_dir = tmp_path / "straight", tmp_path / "preempted"
+    overrides = ("algorithm.adv_estimator=gae", "algorithm.lam=0.95", "trainer.total_training_steps=3",
+                 "trainer.val_before_train=false", "actor_rollout_ref.actor.optim.lr=3e-2", "critic.optim.lr=1e-2",
+                 "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
+    run_training(make_config(*overrides, f"trainer.default_local_dir={straight_dir}"), rollout_manager)
+    straight = read_metrics(straight_dir)
+    assert max(straight) == 3
+    assert_engine_in_sync(straight, range(1, 4))
+    for step in (1, 2, 3):
+        for key in CRITIC_METRICS:
+            assert math.isfinite(straight[step][key]), (step, key)
+        assert straight[step]["critic/lr"] > 0 and straight[step]["critic/update_skipped"] == 0
+    assert straight[3]["critic/values/mean"] != straight[1]["critic/values/mean"]  # the critic learns
+    checkpoint = straight_dir / "checkpoints" / "step_000003"
+    state = torch.load(checkpoint / "rank_00000.pt", weights_only=False)
+    assert state["step"] == 3 and state["critic"]["model"] and state["critic"]["optimizer"]
+    assert (checkpoint / "critic_huggingface" / "config.json").is_file()
+
+    preempted = make_config(*overrides, f"trainer.default_local_dir={preempted_dir}", "trainer.resume=auto")
+    watcher = send_sigterm_after_first_step(preempted_dir)
+    run_training(preempted, rollout_manager)
+    watcher.join(timeout=5)
+    assert max(step for step in read_metrics(preempted_dir) if step > 0) == 2, "SIGTERM should stop it at step 2"
+    run_training(preempted, rollout_manager)
+    resumed = read_metrics(preempted_dir)
+    for step in (1, 2, 3):
+        expected, got = deterministic(straight[step]), deterministic(resumed[step])
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], abs=1e-6), (step, key)
 
 
 def test_the_greedy_baseline_is_the_engines_greedy_answer(rollout_manager):

@@ -119,9 +119,10 @@ def test_example_configs_are_valid():
     from pathlib import Path
 
     examples = sorted((Path(__file__).parents[2] / "examples" / "tiny").glob("*_arith.yaml"))
-    assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml"]
+    assert [p.name for p in examples] == ["cpo_arith.yaml", "dapo_arith.yaml", "grpo_arith.yaml", "ppo_arith.yaml"]
     estimators = {p.name: load_config(p).algorithm.adv_estimator for p in examples}
-    assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo"}
+    assert estimators == {"cpo_arith.yaml": "cpo", "dapo_arith.yaml": "grpo", "grpo_arith.yaml": "grpo",
+                          "ppo_arith.yaml": "gae"}
 
 
 def test_dapo_recipes_shape_overlong_responses():

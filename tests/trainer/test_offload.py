@@ -133,7 +133,7 @@ def test_parts_follow_verls_switches_and_cpu_says_it_frees_nothing(caplog):
         assert colocated_offload(policy, build_config({}, []).actor_rollout_ref.actor.megatron, "colocate") is None
     assert [r.getMessage() for r in caplog.records] == [
         "actor_rollout_ref.actor.megatron.param_offload, actor_rollout_ref.actor.megatron.optimizer_offload do(es) "
-        "nothing with actor_rollout_ref.rollout.mode=ray: the engines have devices of their own; the actor is "
+        "nothing with actor_rollout_ref.rollout.mode=ray: the engines have devices of their own; models are "
         "offloaded only when colocated (mode=colocate)"]
     caplog.clear()
     assert colocated_offload(policy, config.actor_rollout_ref.actor.megatron, "colocate").parts == parts

@@ -9,7 +9,6 @@ built fp32 actors train on the same batch, one through the separate old-log-prob
 `update_on_policy`: their weights after the update, the loss terms and the old log-probs / entropy the step reports
 (gathered over DP, broadcast from the last pipeline stage) must agree.
 """
-import pytest
 import torch
 
 from tests.multiprocess import run_processes

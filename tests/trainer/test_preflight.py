@@ -153,6 +153,45 @@ def test_moe_settings_on_a_dense_model_are_refused(make, override, expected):
     assert expected in problems_of(config, planning=True)
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (("algorithm.adv_estimator=gae", "critic.enable=false"),
+     "algorithm.adv_estimator=gae needs a critic's values, and critic.enable=false turns the critic off; set "
+     "critic.enable=true (or leave it null), or choose a critic-free estimator"),
+    (("critic.enable=true",), "critic.enable=true sets up a critic, but algorithm.adv_estimator=grpo does not read "
+                              "its values (only gae does); set algorithm.adv_estimator=gae, or remove the critic's "
+                              "settings (critic.enable=null)"),
+    (("algorithm.adv_estimator=rloo", f"critic.model.path={TINY_MODEL}"),
+     f"critic.model.path='{TINY_MODEL}' sets up a critic, but algorithm.adv_estimator=rloo does not read its values"),
+    (("trainer.critic_warmup=2",), "trainer.critic_warmup=2 trains only a critic in the first steps, and "
+                                   "algorithm.adv_estimator=grpo has none; set it to 0 (or use gae)"),
+])
+def test_a_critic_exactly_when_the_estimator_reads_values(make, overrides, expected):
+    """gae without a critic, a critic (or its warm-up) with another estimator: one line naming the key and the fix,
+    when the config loads (before preflight, Ray or any engine)."""
+    with pytest.raises(ConfigError) as err:
+        make(*overrides)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_critic_checkpoint_of_another_architecture_is_refused_before_starting(make, tmp_path):
+    assert preflight(make("algorithm.adv_estimator=gae")).layout.critic  # the layout counts a critic
+    same = tmp_path / "same_architecture"
+    shutil.copytree(TINY_MODEL, same)
+    preflight(make("algorithm.adv_estimator=gae", f"critic.model.path={same}"))
+    other = tmp_path / "other_architecture"
+    shutil.copytree(TINY_MODEL, other)
+    hf_config = json.loads((other / "config.json").read_text())
+    hf_config.update(hidden_size=2 * hf_config["hidden_size"], num_hidden_layers=hf_config["num_hidden_layers"] + 1)
+    (other / "config.json").write_text(json.dumps(hf_config))
+    message = problems_of(make("algorithm.adv_estimator=gae", f"critic.model.path={other}"))
+    assert message.startswith(f"critic.model.path='{other}' is another architecture than the actor's "
+                              f"actor_rollout_ref.model.path='{TINY_MODEL}': hidden_size {hf_config['hidden_size']} "
+                              f"(the actor's: {hf_config['hidden_size'] // 2}); num_hidden_layers")
+    assert "point critic.model.path at a checkpoint of the actor's architecture" in message and "\n" not in message
+    assert "is not a model directory (no config.json)" in problems_of(
+        make("algorithm.adv_estimator=gae", f"critic.model.path={tmp_path}"))
+
+
 def test_nnodes_times_gpus_must_be_the_world_but_plans_a_dry_run(make, monkeypatch):
     config = make("trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron."
                   "tensor_model_parallel_size=2")

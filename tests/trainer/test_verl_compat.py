@@ -1,5 +1,8 @@
-"""verl launch scripts load: five real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
-every problem of a command reported at once with right hints, and no key that changes the algorithm ignored."""
+"""verl launch scripts load: seven real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
+every problem of a command reported at once with right hints, and no key that changes the algorithm ignored; verl's
+PPO scripts (GAE with a Megatron critic) pass `megatron-cpo train --dry-run`."""
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,6 @@ RECIPES = ROOT / "examples" / "qwen2.5-math-7b"
 EXPECTED_IGNORED = {
     "grpo_qwen2_7b_math_megatron.txt": {
         "data.return_raw_chat", "actor_rollout_ref.rollout.name",
-        "trainer.critic_warmup",
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
     "dapo_qwen2.5_7b_math_megatron.txt": {
@@ -31,16 +33,22 @@ EXPECTED_IGNORED = {
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
         "reward_model.reward_manager"},
     "gpg_qwen2_7b_math_megatron.txt": {
-        "actor_rollout_ref.rollout.name", "trainer.critic_warmup",
-        "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
     "reinforce_plus_plus_qwen2_7b_math.txt": {
-        "actor_rollout_ref.rollout.name", "trainer.critic_warmup", "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor_rollout_ref.ref.fsdp_config.param_offload"},
+    "ppo_qwen2_7b_math_megatron.txt": {
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
+    "ppo_deepseek_llm_7b_math_megatron.txt": {
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
 }
 RECIPE_OF = {"grpo_qwen2_7b_math_megatron.txt": "grpo.yaml", "dapo_qwen2.5_7b_math_megatron.txt": "dapo.yaml",
              "dapo_qwen2.5_32b.txt": "dapo.yaml", "gpg_qwen2_7b_math_megatron.txt": "grpo.yaml",
-             "reinforce_plus_plus_qwen2_7b_math.txt": "grpo.yaml"}
+             "reinforce_plus_plus_qwen2_7b_math.txt": "grpo.yaml", "ppo_qwen2_7b_math_megatron.txt": "ppo.yaml",
+             "ppo_deepseek_llm_7b_math_megatron.txt": "ppo.yaml"}
 
 
 def overrides_of(name: str) -> list[str]:
@@ -51,11 +59,12 @@ def distinct_keys(overrides: list[str]) -> set[str]:
     return {line.split("=", 1)[0].lstrip("+") for line in overrides}
 
 
-def test_fixtures_hold_the_five_scripts():
+def test_fixtures_hold_the_seven_scripts():
     sizes = {name: len(distinct_keys(overrides_of(name))) for name in EXPECTED_IGNORED}
     assert sizes == {"grpo_qwen2_7b_math_megatron.txt": 39, "dapo_qwen2.5_7b_math_megatron.txt": 66,
                      "dapo_qwen2.5_32b.txt": 70, "gpg_qwen2_7b_math_megatron.txt": 37,
-                     "reinforce_plus_plus_qwen2_7b_math.txt": 37}
+                     "reinforce_plus_plus_qwen2_7b_math.txt": 37, "ppo_qwen2_7b_math_megatron.txt": 34,
+                     "ppo_deepseek_llm_7b_math_megatron.txt": 34}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_IGNORED))
@@ -83,6 +92,35 @@ def test_at_least_90_percent_of_the_keys_load_one_at_a_time(name):
             failed.append(str(err))
     keys = distinct_keys(overrides_of(name))
     assert (len(keys) - len(failed)) / len(keys) >= 0.9, failed
+
+
+def test_the_docs_count_every_script():
+    """docs/verl_compat.md's counts are the fixtures': distinct keys, honoured or checked, accepted without effect,
+    and overrides that load one at a time, in the order of its list of scripts."""
+    names = ["grpo_qwen2_7b_math_megatron.txt", "dapo_qwen2.5_7b_math_megatron.txt", "dapo_qwen2.5_32b.txt",
+             "gpg_qwen2_7b_math_megatron.txt", "reinforce_plus_plus_qwen2_7b_math.txt",
+             "ppo_qwen2_7b_math_megatron.txt", "ppo_deepseek_llm_7b_math_megatron.txt"]
+    assert sorted(names) == sorted(EXPECTED_IGNORED)
+    keys = [len(distinct_keys(overrides_of(name))) for name in names]
+    ignored = [len(EXPECTED_IGNORED[name]) for name in names]
+    alone = []
+    for name in names:
+        loaded = 0
+        for override in overrides_of(name):
+            try:
+                resolve_config(RECIPES / RECIPE_OF[name], [override])
+                loaded += 1
+            except ConfigError:
+                pass
+        alone.append(loaded)
+
+    def listed(counts):
+        return ", ".join(map(str, counts[:-1])) + f" and {counts[-1]}"
+
+    text = " ".join((ROOT / "docs" / "verl_compat.md").read_text().split())
+    assert "Tested on seven real scripts" in text
+    assert (f"({listed(keys)} keys; {listed([k - i for k, i in zip(keys, ignored)])} of them are honoured or checked, "
+            f"and {listed(ignored)} accepted without effect). One at a time, {listed(alone)} load") in text
 
 
 def test_the_scripts_values_reach_the_config():
@@ -122,9 +160,50 @@ def test_the_algorithm_scripts_select_their_estimator_and_loss():
     assert not rf.algorithm.estimator_needs.grouped and rf.needs_reference_model
 
 
+# The real models' config.json values the layout checks read (heads, layers), on the Hub.
+PPO_MODELS = {"ppo_qwen2_7b_math_megatron.txt": dict(num_attention_heads=28, num_key_value_heads=4,
+                                                     num_hidden_layers=28),
+              "ppo_deepseek_llm_7b_math_megatron.txt": dict(num_attention_heads=32, num_key_value_heads=32,
+                                                            num_hidden_layers=30)}
+
+
+def test_the_ppo_scripts_train_a_critic_of_their_settings():
+    for name in PPO_MODELS:
+        config = resolve_config(RECIPES / "ppo.yaml", overrides_of(name)).config
+        critic = config.critic
+        assert config.algorithm.adv_estimator == "gae" and config.critic_enabled
+        assert critic.model.path == config.actor_rollout_ref.model.path and critic.optim.lr == 1e-5
+        assert (critic.ppo_micro_batch_size_per_gpu, critic.ppo_mini_batch_size) == (4, 256)  # mini: the actor's
+        assert config.trainer.critic_warmup == 0
+
+
+@pytest.mark.parametrize("name", sorted(PPO_MODELS))
+def test_the_ppo_scripts_pass_the_dry_run(name, tmp_path, capsys, monkeypatch):
+    """verl's PPO scripts as they are but for the paths (the data: this test's rows; the model of the actor and of
+    the critic: a stand-in folder with the real model's heads and layers and tiny weights) and the logger (wandb is
+    not installed here), on the script's 1 node x 8 GPUs at its TP 2 x PP 2."""
+    from megatron_cpo.cli import main
+    from tests.trainer.test_preflight import TINY_MODEL, _row, write_rows
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model)
+    hf = json.loads((model / "config.json").read_text())
+    hf.pop("layer_types", None)  # transformers derives it from num_hidden_layers
+    hf.update(PPO_MODELS[name])
+    (model / "config.json").write_text(json.dumps(hf))
+    data = write_rows(tmp_path / "train.parquet", [_row(), _row(truth="5")])
+    main(["train", "--config", str(RECIPES / "ppo.yaml"), "--dry-run", *overrides_of(name),
+          f"data.train_files={data}", f"data.val_files={data}", f"actor_rollout_ref.model.path={model}",
+          f"critic.model.path={model}", f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[console]"])
+    out = capsys.readouterr().out
+    assert "nothing was started" in out and "  adv_estimator: gae" in out
+    assert "# trainer: 8 process(es)" in out and "TP 2 x PP 2 x DP 2" in out
+    assert "a critic (value model) beside the actor, in the same layout" in out
+    assert not (tmp_path / "run").exists(), "a dry run writes nothing"
+
+
 @pytest.mark.parametrize("override, expected", [
-    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator=gae needs a critic (critic.enable / critic.model.path), "
-                                    "which is not available in this version"),
     ("algorithm.cpo.base_estimator=reinforce_plus_plus", "algorithm.cpo.base_estimator='reinforce_plus_plus' cannot "
                                                          "carry CPO's shaping"),
     ("algorithm.rollout_correction.bypass_mode=true", "bypass mode (the engine's as the old ones) is not built"),
@@ -145,7 +224,8 @@ def test_custom_reward_function_keys_load():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("trainer.critic_warmup=5", "trainer.critic_warmup=5 cannot be honoured here: there is no critic"),
+    ("trainer.critic_warmup=5", "trainer.critic_warmup=5 trains only a critic in the first steps, and "
+                                "algorithm.adv_estimator=grpo has none; set it to 0 (or use gae)"),
     ("actor_rollout_ref.rollout.name=sglang", "use 'vllm' or remove it"),
     ("reward_model.reward_manager=prime", "use 'naive' or 'dapo' or remove it"),
     ("algorithm.kl_ctrl.type=adaptive", "set algorithm.kl_ctrl.type=fixed"),

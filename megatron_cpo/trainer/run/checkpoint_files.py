@@ -1,7 +1,7 @@
 """The on-disk layout of a run's checkpoints, and how each one is verified before it is trusted.
 
 `<root>/step_<k>/` holds one `rank_<r>.pt` per rank, `manifest.json` (step, world size, and the byte count and
-SHA-256 of every rank file) and optionally `huggingface/`. A step directory is written as `step_<k>.tmp` and renamed
+SHA-256 of every rank file) and optionally `huggingface/` (the actor) and `critic_huggingface/` (PPO's critic). A step directory is written as `step_<k>.tmp` and renamed
 into place once complete; `<root>/latest` (one line, `step_<k>`) is replaced last. So at any moment the newest
 directory without the `.tmp` suffix is whole, and a check against its manifest finds a truncated or altered file.
 """
@@ -17,6 +17,7 @@ from megatron_cpo.trainer.run.errors import RunAbortedError
 
 LATEST = "latest"
 HF_DIR = "huggingface"
+CRITIC_HF_DIR = "critic_huggingface"
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d+)$")

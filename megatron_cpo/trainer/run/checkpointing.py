@@ -1,14 +1,17 @@
 """Checkpoints of a run and `trainer.resume=auto`: everything needed to continue bit-for-bit on the same layout.
 
 `<root>/step_<k>/rank_<r>.pt` holds each rank's model shard, the optimizer's local state (Adam moments, step, and
-the fp32 main parameters of a reduced-precision model), the schedule and the RNG states; rank 0's file also holds the
-data position and the state of rank 0's run controls (the early-stop monitor), each under its name. A checkpoint is
+the fp32 main parameters of a reduced-precision model), the schedule and the RNG states, and with PPO's critic the
+critic's shard, optimizer state and schedule beside the actor's (one file per rank, so resume restores both at the
+same step or neither); rank 0's file also holds the data position and the state of rank 0's run controls (the
+early-stop monitor), each under its name. A checkpoint is
 written into `step_<k>.tmp`, gets a manifest (sizes and SHA-256 of the rank files), is renamed into place, and only
 then does `<root>/latest` name it, so a run killed mid-save resumes from the previous one (checkpoint_files.py). On
 resume a damaged checkpoint (or `latest`) is reported and the newest intact one is used. With `hf_model` in
 `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is also written as a Hugging Face model
 directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or convertible to a Megatron checkpoint at
-any TP/PP). Resuming needs the same world size and TP/PP layout; to change the
+any TP/PP); with `hf_model` in `critic.checkpoint.save_contents` the critic too, as a token-classification model with
+one label (`step_<k>/critic_huggingface`). Resuming needs the same world size and TP/PP layout; to change the
 layout, start a new run from that Hugging Face directory. No checkpoint holds a NaN or infinity: weights or optimizer
 state that are not finite on some rank are never written (nor exported), and on resume a checkpoint that holds one
 (written before this check existed) is passed over like a damaged one, naming it, for the newest good one.
@@ -30,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.trainer.run.checkpoint_files import (HF_DIR, LATEST, TMP_SUFFIX, CheckpointError, file_digest,
-                                                   read_latest, step_dir_name, step_dirs, verify_checkpoint,
-                                                   write_latest, write_manifest)
+from megatron_cpo.trainer.run.checkpoint_files import (CRITIC_HF_DIR, HF_DIR, LATEST, TMP_SUFFIX, CheckpointError,
+                                                       file_digest, read_latest, step_dir_name, step_dirs,
+                                                       verify_checkpoint, write_latest, write_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,15 @@ def first_non_finite(tree: Any, path: str) -> str | None:
         return None
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
     return next((found for key, value in items if (found := first_non_finite(value, f"{path}/{key}"))), None)
+
+
+def first_non_finite_model_state(state: dict) -> str | None:
+    """Where a checkpoint state's weights or optimizer state (the actor's, and a critic's) first hold a NaN or an
+    infinity, e.g. "critic/model/output_layer.weight"; None when all are finite."""
+    found = first_non_finite({"actor": {key: state.get(key) for key in ("model", "optimizer")},
+                              "critic": {key: (state.get("critic") or {}).get(key) for key in ("model", "optimizer")}},
+                             "")
+    return found.lstrip("/") if found else None
 
 
 def optimizer_state(optimizer: Any) -> list[dict]:
@@ -101,20 +113,36 @@ def _megatron_rng_tracker() -> Any:
     return get_cuda_rng_tracker()
 
 
+def model_state(model: Any) -> dict:
+    """A trainable model's (the actor's, the critic's) shard, optimizer state and schedule on this rank."""
+    return {"model": model.model.state_dict(), "optimizer": optimizer_state(model.optimizer),
+            "scheduler": model.scheduler.state_dict()}
+
+
+def load_model_state(model: Any, state: dict) -> None:
+    model.model.load_state_dict(state["model"])
+    load_optimizer_state(model.optimizer, state["optimizer"])
+    model.scheduler.load_state_dict(state["scheduler"])
+
+
 class CheckpointManager:
-    """Saves and restores the actor, its optimizer and schedule, RNG states, rank 0's data position (`stream`: the
-    controller, whose state is the first prompt not yet trained) and `controls`: named objects with `state_dict()` /
-    `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor}). `keep` (`trainer.max_actor_ckpt_to_keep`): once a
-    checkpoint is in place, all but the newest `keep` are deleted (None: none is)."""
+    """Saves and restores the actor, its optimizer and schedule, a `critic`'s (PPO) the same way, RNG states, rank 0's
+    data position (`stream`: the controller, whose state is the first prompt not yet trained) and `controls`: named
+    objects with `state_dict()` / `load_state_dict()` (rank 0's, e.g. {"early_stop": monitor}). `export_hf` /
+    `export_critic` write the actor / the critic as Hugging Face models into a checkpoint's directory. `keep`
+    (`trainer.max_actor_ckpt_to_keep`): once a checkpoint is in place, all but the newest `keep` are deleted (None:
+    none is)."""
 
     def __init__(self, root: Path, actor: Any, stream: Any, controls: dict[str, Any] | None = None,
-                 export_hf: Callable[[Path], Any] | None = None, keep: int | None = None) -> None:
+                 export_hf: Callable[[Path], Any] | None = None, keep: int | None = None, critic: Any = None,
+                 export_critic: Callable[[Path], Any] | None = None) -> None:
         self.root = root
         self.keep = keep
         self.actor = actor
+        self.critic = critic
         self.stream = stream
         self.controls = controls or {}
-        self.export_hf = export_hf
+        self.exports = {HF_DIR: export_hf, CRITIC_HF_DIR: export_critic}
         self.saved_step: int | None = None  # the step of the newest checkpoint written or loaded by this run
 
     @property
@@ -131,11 +159,11 @@ class CheckpointManager:
         rename it into place, then point `latest` at it (so a kill at any moment leaves the previous one intact)."""
         final = self.root / step_dir_name(step)
         staging = self.root / (step_dir_name(step) + TMP_SUFFIX)
-        state = {"step": step, "world_size": dist.get_world_size(), "model": self.actor.model.state_dict(),
-                 "optimizer": optimizer_state(self.actor.optimizer),
-                 "scheduler": self.actor.scheduler.state_dict(), "rng": rng_state(),
+        state = {"step": step, "world_size": dist.get_world_size(), **model_state(self.actor), "rng": rng_state(),
                  "stream": self.stream.state_dict() if self.stream is not None else None,
                  "controls": {name: control.state_dict() for name, control in self.controls.items()}}
+        if self.critic is not None:
+            state["critic"] = model_state(self.critic)
         self._refuse_non_finite(state, step)
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving this step
@@ -145,8 +173,9 @@ class CheckpointManager:
         torch.save(state, path)
         entries = [None] * dist.get_world_size()
         dist.all_gather_object(entries, (path.name, file_digest(path)))
-        if self.export_hf is not None:
-            self.export_hf(staging / HF_DIR)
+        for directory, export in self.exports.items():
+            if export is not None:
+                export(staging / directory)
         dist.barrier()
         if dist.get_rank() == 0:
             write_manifest(staging, step, dist.get_world_size(), dict(entries))
@@ -154,8 +183,9 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(staging, final)
             write_latest(self.root, step)
+            exported = [str(final / directory) for directory, export in self.exports.items() if export is not None]
             logger.info("saved checkpoint %s%s", final,
-                        f" (with a Hugging Face model in {final / HF_DIR})" if self.export_hf is not None else "")
+                        f" (with Hugging Face models in {', '.join(exported)})" if exported else "")
             if self.keep is not None:  # only once `latest` names the new one
                 for old in sorted(step_dirs(self.root))[:-self.keep]:
                     if old != step:
@@ -168,7 +198,7 @@ class CheckpointManager:
         """Collective: raise `CheckpointError` on every rank when some rank's weights or optimizer state hold a NaN
         or an infinity (nothing is written then), naming it and the last good checkpoint."""
         entries = [None] * dist.get_world_size()
-        dist.all_gather_object(entries, first_non_finite({key: state[key] for key in ("model", "optimizer")}, "actor"))
+        dist.all_gather_object(entries, first_non_finite_model_state(state))
         bad = next(((rank, entry) for rank, entry in enumerate(entries) if entry is not None), None)
         if bad is None:
             return
@@ -230,8 +260,7 @@ class CheckpointManager:
                 state = torch.load(directory / self._rank_name(), weights_only=False)
             except Exception as err:  # a file that matches its manifest but does not load is damaged all the same
                 problem = f"{directory / self._rank_name()} does not load ({type(err).__name__}: {err})"
-            entry = None if state is None else first_non_finite(
-                {key: state.get(key) for key in ("model", "optimizer")}, "actor")
+            entry = None if state is None else first_non_finite_model_state(state)
             if entry is not None:  # written before checkpoints were checked: poisoned weights or optimizer state
                 problem, state = f"{directory / self._rank_name()} holds a NaN or infinity in {entry}", None
         reports = [None] * dist.get_world_size()
@@ -248,9 +277,15 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {directory} was written by {state['world_size']} ranks, this run has "
                                   f"{dist.get_world_size()}; resume with the same layout or set "
                                   "trainer.resume=disable with a new trainer.default_local_dir")
-        self.actor.model.load_state_dict(state["model"])
-        load_optimizer_state(self.actor.optimizer, state["optimizer"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
+        saved_critic = state.get("critic")
+        if (self.critic is None) != (saved_critic is None):  # both models come from one step, or the run stops
+            has = "holds no critic" if saved_critic is None else "holds a critic"
+            raise CheckpointError(f"checkpoint {directory} {has} and this run {'has' if self.critic else 'has none'} "
+                                  "(algorithm.adv_estimator=gae trains one): resume with the algorithm it was written "
+                                  "with, or set trainer.resume=disable with a new trainer.default_local_dir")
+        load_model_state(self.actor, state)
+        if self.critic is not None:
+            load_model_state(self.critic, saved_critic)
         set_rng_state(state["rng"])
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
@@ -265,8 +300,8 @@ class CheckpointManager:
 
 
 def hf_exporter(actor: Any, model_path: str, dtype: str) -> Callable[[Path], Any]:
-    """Collective: writes the actor as a Hugging Face model directory in `dtype` (`megatron.params_dtype`), its
-    config and tokenizer from `model_path` (`actor_rollout_ref.model.path`)."""
+    """Collective: writes the actor (or the critic) as a Hugging Face model directory in `dtype`
+    (`megatron.params_dtype`), its config and tokenizer from `model_path` (the model it started from)."""
     from megatron_cpo.models.conversion_commands import export_hf_model
 
     return lambda out: export_hf_model(actor.model, actor.model.hf_config, model_path, out,

@@ -35,6 +35,7 @@ class Layout:
     remove_padding: bool = False
     dynamic_bsz: bool = False
     fused_kernels: bool = False
+    critic: bool = False          # PPO's value model (trainer/workers/critic.py): the actor's size again, trained
 
     @property
     def model_parallel(self) -> int:
@@ -61,11 +62,11 @@ class Layout:
 
     @classmethod
     def from_sections(cls, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, reference_model: bool,
-                      world_size: int) -> "Layout":
+                      world_size: int, critic: bool = False) -> "Layout":
         """The layout the model, actor and rollout sections imply on `world_size` trainer processes, with a frozen
-        reference when `reference_model` (`Config.needs_reference_model`). Engines: `rollout.num_engines` Ray actors,
-        one per `rollout.server_urls` entry (server mode), or one per rollout-TP group of the trainer's processes
-        (colocate)."""
+        reference when `reference_model` (`Config.needs_reference_model`) and a critic when `critic`
+        (`Config.critic_enabled`). Engines: `rollout.num_engines` Ray actors, one per `rollout.server_urls` entry
+        (server mode), or one per rollout-TP group of the trainer's processes (colocate)."""
         megatron = actor.megatron
         engines = {"server": len(rollout.server_urls),
                    "colocate": max(1, world_size // rollout.tensor_model_parallel_size)}.get(rollout.mode,
@@ -80,7 +81,7 @@ class Layout:
                    context_parallel=megatron.context_parallel_size,
                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,
-                   dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels)
+                   dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels, critic=critic)
 
     def describe_processes(self, world_source: str) -> list[str]:
         """The trainer's and the engines' lines of `--dry-run` (`world_source`: where the world size came from)."""
@@ -90,6 +91,8 @@ class Layout:
         if self.ep > 1 or (self.etp or self.tp) != self.tp:
             trainer += (f"; experts: EP {self.ep} x ETP {self.etp or self.tp} x expert-DP {self.expert_dp} per "
                         "pipeline stage")
+        if self.critic:
+            trainer += "; a critic (value model) beside the actor, in the same layout"
         if self.rollout_mode == "server":
             return [trainer, f"rollout: {self.engines} external `megatron-cpo rollout` server(s) (rollout.server_urls)"]
         if self.rollout_mode == "colocate":

@@ -29,6 +29,7 @@ from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
+from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
 
@@ -123,6 +124,37 @@ def model_problems(model: ModelConfig, actor: ActorConfig, rollout_tp: int) -> l
         problems.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"model's num_attention_heads={heads}; vLLM needs a TP that divides it")
     return problems + family_problems(model, actor, path, layout_checked=not problems)
+
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size", "num_experts", "num_local_experts",
+                     "moe_intermediate_size")
+"""The config.json entries that make two checkpoints the same architecture (the critic's and the actor's)."""
+
+
+def critic_problems(model: ModelConfig, critic: CriticConfig) -> list[str]:
+    """`critic.model.path`, when set, is a model directory of the actor's architecture: the critic is the actor's
+    model with a value head, in the actor's layout."""
+    path = Path(critic.model.path)
+    if not critic.model.path or not Path(model.path, "config.json").is_file():
+        return []  # the actor's model (checked above)
+    name = f"critic.model.path={critic.model.path!r}"
+    if not (path / "config.json").is_file():
+        return [f"{name} is not a model directory (no config.json); point it at the actor's model or a critic "
+                "saved by a PPO run (checkpoints/step_<k>/critic_huggingface), or leave it unset (the actor's model)"]
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return [f"{name} holds no weights (*.safetensors / *.bin)"]
+    try:
+        mine, actor = (json.loads(Path(folder, "config.json").read_text()) for folder in (path, model.path))
+    except (OSError, ValueError) as err:
+        return [f"{name}: config.json is not readable JSON ({err})"]
+    differ = [f"{key} {mine.get(key)} (the actor's: {actor.get(key)})" for key in ARCHITECTURE_KEYS
+              if mine.get(key) != actor.get(key)]
+    if differ:
+        return [f"{name} is another architecture than the actor's {MODEL_KEY}={model.path!r}: {'; '.join(differ)}; "
+                "the critic is the actor's model with a value head, so point critic.model.path at a checkpoint of "
+                "the actor's architecture, or leave it unset (the actor's model)"]
+    return []
 
 
 def family_problems(model: ModelConfig, actor: ActorConfig, path: Path, layout_checked: bool) -> list[str]:
@@ -305,9 +337,11 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
     model, actor, rollout = (config.actor_rollout_ref.model, config.actor_rollout_ref.actor,
                              config.actor_rollout_ref.rollout)
     world_size, world_source = trainer_world_size(config.trainer, planning)
-    layout = Layout.from_sections(model, actor, rollout, config.needs_reference_model, world_size)
+    layout = Layout.from_sections(model, actor, rollout, config.needs_reference_model, world_size,
+                                  critic=config.critic_enabled)
     lead = planning or os.environ.get("RANK", "0") == "0"
     problems = model_problems(model, actor, rollout.tensor_model_parallel_size)
+    problems += critic_problems(model, config.critic) if config.critic_enabled else []
     problems += layout_problems(layout, model, actor, config.trainer, world_source, planning)
     found, train_rows = data_problems(config.data, config.reward, rollout.multi_turn) if lead else ([], None)
     problems += found + output_problems(config.trainer) + sink_package_problems(config.trainer.logger)

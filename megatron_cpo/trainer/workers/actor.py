@@ -1,36 +1,29 @@
 """The Megatron actor and its frozen reference, as every rank of the trainer runs them.
 
-Both are `GPTModel`s built from the HF config (TP x PP from `parallel_state`). The actor trains under Megatron DDP and
-the (distributed) optimizer; the reference only scores. Every forward goes through Megatron's
-`get_forward_backward_func`, so pipeline parallelism works unchanged, and every log-prob / entropy comes from the
-fused kernel, with the padded vocabulary columns left out of the softmax: either on the vocab-parallel logits, or
-(`use_fused_kernels`) on the final hidden states and the vocab-parallel lm-head weight, so the logits are never
-materialised (`linear_log_probs_and_entropy`; tied embeddings use the shared weight).
-
-Rows are split over the data-parallel ranks and cut into micro-batches (a fixed row count, or a token budget: see
-`micro_batches`); each rank computes its share and the per-token results are gathered, so every rank ends with the
-whole batch's tensors (the advantage math then runs identically everywhere).
+Both are `GPTModel`s built from the HF config (TP x PP from `parallel_state`), run over sequence batches as every
+model of the trainer is (megatron_model.py: Megatron's schedule, micro-batches, packing, rows split over DP and the
+results gathered on every rank). The actor trains under Megatron DDP and the (distributed) optimizer; the reference
+only scores. Every log-prob / entropy comes from the fused kernel, with the padded vocabulary columns left out of the
+softmax: either on the vocab-parallel logits, or (`use_fused_kernels`) on the final hidden states and the
+vocab-parallel lm-head weight, so the logits are never materialised (`linear_log_probs_and_entropy`; tied embeddings
+use the shared weight).
 """
 from __future__ import annotations
 
-import contextlib
-import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from megatron_cpo import platform
 from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.algorithms.config import RolloutCorrectionConfig
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
-from megatron_cpo.models.builder import (decoder_hidden_states, gather_sequence_parallel, lm_head_weight,
-                                         output_logits, uses_transformer_engine)
+from megatron_cpo.models.builder import gather_sequence_parallel, lm_head_weight
 from megatron_cpo.trainer.batch.context_parallel import chunk_index, gather_positions
 from megatron_cpo.trainer.config import ActorConfig
-from megatron_cpo.trainer.batch.micro_batches import Plan, fixed_plan, token_budget_plan
-from megatron_cpo.trainer.batch.packing import PackedRows, pack_rows
+from megatron_cpo.trainer.batch.micro_batches import Plan
+from megatron_cpo.trainer.batch.packing import PackedRows
+from megatron_cpo.trainer.workers.megatron_model import MegatronModel, TokenOutputs
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
@@ -60,17 +53,7 @@ class UpdateInputs:
 LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _pad_rows(seqs: PackedSequences, multiple: int) -> PackedSequences:
-    """Append empty rows (no response tokens) so the row count is a multiple of `multiple`."""
-    extra = (-seqs.rows) % multiple
-    return seqs.with_empty_rows(extra) if extra else seqs
-
-
-class MegatronPolicy:
+class MegatronPolicy(MegatronModel):
     """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates.
 
     `config` (`actor_rollout_ref.actor`, as it is) sets the loss and the micro-batches: `ppo_micro_batch_size_per_gpu`
@@ -83,74 +66,20 @@ class MegatronPolicy:
     def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
                  ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,
                  use_remove_padding: bool = False, routing: RouterTracker | None = None) -> None:
-        from megatron.core import parallel_state
-
-        self.model = model
+        super().__init__(model, pad_token_id, config, ddp_model, optimizer, scheduler, use_fused_kernels,
+                         use_remove_padding)
         self.routing = routing
-        self.ddp_model = ddp_model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
         # no optimizer step applies a non-finite value; too many skipped in a row end the run (update_guard.py)
         self.guard = UpdateGuard("actor", config.max_consecutive_skipped_updates,
                                  "actor_rollout_ref.actor.max_consecutive_skipped_updates") if optimizer else None
-        self.pad_token_id = pad_token_id
-        self.config = config
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
-        self.use_fused_kernels = use_fused_kernels
         # the loss mode's random choices (Clip-Cov's tokens): one seeded stream per rank, drawn in the same order on
         # every TP rank of a data-parallel rank, so the ranks that compute the same loss choose the same tokens
         self.loss_generator = torch.Generator().manual_seed(LOSS_GENERATOR_SEED)
-        # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
-        self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
-        if self.packing and model.config.context_parallel_size > 1:
-            raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
-                             "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")
-        if ((config.use_dynamic_bsz or self.packing) and parallel_state.get_pipeline_model_parallel_world_size() > 1):
-            model.config.variable_seq_lengths = True  # micro-batches differ in shape; stages exchange shapes first
 
-    @property
-    def _module(self) -> Any:
-        return self.ddp_model if self.ddp_model is not None else self.model
-
-    def _run(self, micro_batches: list[dict], temperature: float, step_fn: Callable, forward_only: bool,
-             around_forward: Callable[[dict, Any], Any] | None = None) -> list:
-        """Megatron's schedule over `micro_batches`; `step_fn(log_probs, entropy, batch)` is the loss function;
-        `around_forward(batch, layout)`, when given, is a context manager around each micro-batch's forward."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, stage_model):
-            batch = next(data_iterator)
-            layout = batch.get("packed", batch["seqs"])
-            with around_forward(batch, layout) if around_forward else contextlib.nullcontext():
-                output = self._forward(stage_model, layout)
-            return output, lambda out: step_fn(*self._log_probs_entropy(out, layout, temperature), batch)
-
-        shapes = [tuple(b.get("packed", b["seqs"]).tokens_shape) for b in micro_batches]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self._module],
-            num_microbatches=len(micro_batches), seq_length=max(width for _, width in shapes),
-            micro_batch_size=max(rows for rows, _ in shapes), forward_only=forward_only)
-
-    def _forward(self, stage_model: Any, layout: PackedSequences | PackedRows) -> torch.Tensor:
-        """This stage's output for right-padded rows (`PackedSequences`, causal mask) or packed rows (`PackedRows`:
-        per-sequence mask and positions, or THD): logits, or with fused kernels the hidden states."""
-        device = platform.device()
-        tokens = layout.tokens.to(device)
-        if isinstance(layout, PackedRows):
-            positions = layout.positions.to(device)
-            if layout.layout == "thd":
-                hidden = decoder_hidden_states(stage_model, tokens, positions,
-                                               packed_seq_params=layout.packed_seq_params(device))
-            else:
-                hidden = decoder_hidden_states(stage_model, tokens, positions, layout.attention_mask(device))
-            return hidden if self.use_fused_kernels else output_logits(stage_model, hidden)
-        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-        if self._cp_size() > 1:  # this CP rank's two chunks of every row
-            index = chunk_index(tokens.shape[1], self._cp_size(), self._cp_rank()).to(device)
-            tokens, positions = tokens[:, index], positions[:, index]
-        if self.use_fused_kernels:
-            return decoder_hidden_states(stage_model, tokens, positions)
-        return stage_model(tokens, positions, attention_mask=None)
+    def _token_outputs(self, temperature: float) -> TokenOutputs:
+        """The last stage's output -> response-aligned (log-probs, entropy) at `temperature`."""
+        return lambda output, layout: self._log_probs_entropy(output, layout, temperature)
 
     def _log_probs_entropy(self, output: torch.Tensor, seqs: PackedSequences | PackedRows, temperature: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,57 +107,6 @@ class MegatronPolicy:
             entropy = gather_positions(entropy, seqs.length, group)
         return seqs.to_response(log_probs), seqs.to_response(entropy)
 
-    def _plan(self, seqs: PackedSequences, token_budget: int, budget_name: str, micro_rows: int
-              ) -> tuple[PackedSequences, Plan]:
-        """`seqs` padded with empty rows as the mode needs, and every DP rank's micro-batches (row indices) of it:
-        `micro_rows` rows each, or cut by `token_budget` with `use_dynamic_bsz`."""
-        from megatron.core import parallel_state
-
-        dp_size = parallel_state.get_data_parallel_world_size()
-        if not self.config.use_dynamic_bsz:
-            padded = _pad_rows(seqs, dp_size * micro_rows)
-            return padded, fixed_plan(padded.rows, dp_size, micro_rows)
-        padded = _pad_rows(seqs, dp_size) if seqs.rows < dp_size else seqs
-        stages = parallel_state.get_pipeline_model_parallel_world_size()
-        return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages,
-                                         packed=self.packing is not None)
-
-    def _micro_batches(self, padded: PackedSequences, plan: Plan, extra: dict[str, torch.Tensor] | None = None
-                       ) -> list[dict]:
-        """This DP rank's micro-batches: sequences (cut to their own longest row when dynamic) and extra rows."""
-        from megatron.core import parallel_state
-
-        full = {name: torch.cat([tensor, tensor.new_zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]))])
-                for name, tensor in (extra or {}).items()}  # zero rows for the empty padding rows, made once
-        micro = []
-        for index in plan[parallel_state.get_data_parallel_rank()]:
-            seqs = padded.select(index)
-            seqs = seqs.trimmed() if self.config.use_dynamic_bsz else seqs
-            multiple = self._sequence_multiple()
-            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple)), "rows": index}
-            if self.packing:
-                batch["packed"] = pack_rows(seqs, self.packing, multiple)
-            batch.update({name: tensor[index] for name, tensor in full.items()})
-            micro.append(batch)
-        return micro
-
-    def _sequence_multiple(self) -> int:
-        """Rows are padded to a multiple of the TP size under sequence parallelism (they are split over TP) and of
-        2 x CP under context parallelism (two chunks per CP rank)."""
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size() if self.model.config.sequence_parallel else 1
-        cp = self._cp_size()
-        return math.lcm(tp, 2 * cp) if cp > 1 else tp
-
-    def _cp_size(self) -> int:
-        return self.model.config.context_parallel_size
-
-    def _cp_rank(self) -> int:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_context_parallel_rank()
-
     def log_probs(self, seqs: PackedSequences, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy of every response token, [rows, R] float32 each, on every rank."""
         return self._score(seqs, temperature)[:2]
@@ -246,7 +124,7 @@ class MegatronPolicy:
         padded, plan = self._plan(seqs, self.config.log_prob_max_token_len_per_gpu,
                                   "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
                                   self.log_prob_micro_batch_size or self.config.ppo_micro_batch_size_per_gpu)
-        outputs = self._run(self._micro_batches(padded, plan), temperature,
+        outputs = self._run(self._micro_batches(padded, plan), self._token_outputs(temperature),
                             lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
                                                                (log_probs, entropy)),
                             forward_only=True,
@@ -254,29 +132,7 @@ class MegatronPolicy:
                             if record_routing else None)
         routing, routing_metrics = (self.routing.finish_recording(plan, seqs.lengths()) if record_routing
                                     else (None, {}))
-        return (*self._gather_rows(outputs, plan, padded.rows, seqs), routing, routing_metrics)
-
-    def _gather_rows(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, padded_rows: int,
-                     seqs: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's per-micro-batch (log-probs, entropy) of the last stage -> the whole batch's [rows, R] pair,
-        on every rank (broadcast from the last stage, gathered over DP)."""
-        from megatron.core import parallel_state
-
-        rank_rows = [torch.cat(micro) for micro in plan]
-        local = torch.zeros(2, max(len(rows) for rows in rank_rows), seqs.response_width, device=platform.device())
-        if parallel_state.is_pipeline_last_stage():
-            mine = len(rank_rows[parallel_state.get_data_parallel_rank()])
-            local[0, :mine] = torch.cat([lp for lp, _ in outputs]).to(local.device)
-            local[1, :mine] = torch.cat([ent for _, ent in outputs]).to(local.device)
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(local, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())
-        pieces = [torch.empty_like(local) for _ in rank_rows]
-        dist.all_gather(pieces, local, group=parallel_state.get_data_parallel_group())
-        full = torch.zeros(2, padded_rows, seqs.response_width)
-        for rows, piece in zip(rank_rows, pieces):
-            full[:, rows] = piece[:, : len(rows)].cpu()
-        return full[0, : seqs.rows], full[1, : seqs.rows]
+        return (*self._gather_rows(outputs, plan, padded.rows, seqs, count=2), routing, routing_metrics)
 
     def update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> dict[str, float]:
         """One optimizer step on `seqs` (a mini-batch): forward/backward over micro-batches, clip, Adam, schedule; the
@@ -298,7 +154,8 @@ class MegatronPolicy:
             raise ValueError("update_on_policy takes its old log-probs from its own forward; pass "
                              "UpdateInputs(old_log_probs=None) or call update()")
         metrics, outputs, plan, padded_rows = self._update(seqs, inputs, temperature)
-        log_probs, entropy = self._gather_rows([(lp, ent) for _, lp, ent in outputs], plan, padded_rows, seqs)
+        log_probs, entropy = self._gather_rows([(lp, ent) for _, lp, ent in outputs], plan, padded_rows, seqs,
+                                               count=2)
         return metrics, log_probs, entropy
 
     def _update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
@@ -355,12 +212,12 @@ class MegatronPolicy:
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, temperature, loss_step, forward_only=False,
+        outputs = self._run(micro, self._token_outputs(temperature), loss_step, forward_only=False,
                             around_forward=(lambda batch, layout: self.routing.updating(layout, batch["routing"]))
                             if routed else None)
         self.scheduler.step(increment=1)
         updated, grad_norm = self.guard.step(self.optimizer, probe)
-        metrics = self._reduce_metrics([output[0] for output in outputs])
+        metrics = self._reduce_metrics([output[0] for output in outputs], {"pg_loss", "entropy", "kl_loss"}, "actor")
         if routed:
             metrics.update(self.routing.finish_update())
         if self.routing is not None:
@@ -369,30 +226,6 @@ class MegatronPolicy:
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
         return metrics, outputs, plan, padded.rows
-
-    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
-        """Micro-batch metrics summed where they are shares of the batch loss, averaged otherwise; on every rank."""
-        from megatron.core import parallel_state
-
-        summed = {"pg_loss", "entropy", "kl_loss"}
-        local: dict[str, float] = {}
-        if parallel_state.is_pipeline_last_stage() and outputs:
-            for key in outputs[0]:
-                values = torch.stack([o[key] for o in outputs])
-                local[key] = float(values.sum() if key in summed else values.mean())
-        payload = [local]
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast_object_list(payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                       group=parallel_state.get_pipeline_model_parallel_group())
-        keys = sorted(payload[0])
-        values = torch.tensor([payload[0][k] for k in keys], dtype=torch.float64)
-        dp_size = parallel_state.get_data_parallel_world_size()
-        if dp_size > 1 and keys:
-            values = values.to(platform.device())  # NCCL reduces device tensors only
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-            values = values.cpu()
-            values = torch.where(torch.tensor([k in summed for k in keys]), values, values / dp_size)
-        return {(k if "/" in k else f"actor/{k}"): float(v) for k, v in zip(keys, values)}
 
     @torch.no_grad()
     def mix_into(self, target: "MegatronPolicy", alpha: float) -> None:

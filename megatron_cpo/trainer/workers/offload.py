@@ -114,7 +114,7 @@ class ActorOffload:
 
     @classmethod
     def for_policy(cls, policy: Any, parts: tuple[str, ...]) -> "ActorOffload":
-        """The offload of a `MegatronPolicy` (its model, DDP wrapper and optimizer)."""
+        """The offload of a `MegatronPolicy` or `MegatronCritic` (its model, DDP wrapper and optimizer)."""
         return cls(policy.model, policy.ddp_model, policy.optimizer, parts)
 
     def refresh(self) -> None:
@@ -182,17 +182,18 @@ class ActorOffload:
 
 
 @contextlib.contextmanager
-def offloaded_during(offload: ActorOffload | None) -> Iterator[None]:
-    """The rollout phase of a colocated step: the actor's configured parts are on the host inside the block and
-    back on the device after it (also when it raises); nothing happens when `offload` is None (not colocated)."""
-    if offload is None:
-        yield
-        return
-    offload.offload()
+def offloaded_during(*offloads: ActorOffload | None) -> Iterator[None]:
+    """The rollout phase of a colocated step: the configured parts of each model (the actor's, a critic's) are on the
+    host inside the block and back on the device after it (also when it raises); None (not colocated, or nothing
+    configured) does nothing."""
+    active = [offload for offload in offloads if offload is not None]
+    for offload in active:
+        offload.offload()
     try:
         yield
     finally:
-        offload.reload()
+        for offload in active:
+            offload.reload()
 
 
 def _log_cpu_notice_once(device: torch.device) -> None:
@@ -203,17 +204,18 @@ def _log_cpu_notice_once(device: torch.device) -> None:
                     "the same); the state is still copied to a separate host buffer and back")
 
 
-def colocated_offload(policy: Any, megatron: Any, rollout_mode: str) -> ActorOffload | None:
-    """The actor offload of a run, or None: when no `actor.megatron.*_offload` switch is on, or when the engines
-    are not colocated (`rollout_mode` other than "colocate": they have devices of their own, so there is nothing to
-    make room for, and one log line says the switches do nothing)."""
+def colocated_offload(policy: Any, megatron: Any, rollout_mode: str,
+                      section: str = "actor_rollout_ref.actor.megatron") -> ActorOffload | None:
+    """The offload of a trainable model of the run (the actor; a critic, whose switches are `critic.megatron.*`:
+    `section`), or None: when none of its `*_offload` switches is on, or when the engines are not colocated
+    (`rollout_mode` other than "colocate": they have devices of their own, so there is nothing to make room for, and
+    one log line says the switches do nothing)."""
     parts = configured_parts(megatron)
     if not parts:
         return None
     if rollout_mode != "colocate":
-        switches = ", ".join(f"actor_rollout_ref.actor.megatron.{name}" for name in SWITCHES
-                             if getattr(megatron, name))
+        switches = ", ".join(f"{section}.{name}" for name in SWITCHES if getattr(megatron, name))
         logger.info("%s do(es) nothing with actor_rollout_ref.rollout.mode=%s: the engines have devices of their own; "
-                    "the actor is offloaded only when colocated (mode=colocate)", switches, rollout_mode)
+                    "models are offloaded only when colocated (mode=colocate)", switches, rollout_mode)
         return None
     return ActorOffload.for_policy(policy, parts)

@@ -1,4 +1,5 @@
-"""The actor's Megatron optimizer: DDP wrapper, (distributed) Adam, warm-up + decay schedule, gradient clipping.
+"""The Megatron optimizers of the actor and the critic: DDP wrapper, (distributed) Adam, warm-up + decay schedule,
+gradient clipping.
 
 On a machine without CUDA, `platform.apply_cpu_optimizer_adaptation` lets Megatron-Core's optimizers accept CPU
 parameters (they check legacy CUDA type strings).
@@ -10,10 +11,12 @@ from typing import Any
 import torch
 
 from megatron_cpo import platform
-from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.config import ActorConfig, OptimConfig
+
 
 def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
-    """Megatron DDP around the actor: contiguous fp32 grad buffers, reduce-scatter for the distributed optimizer."""
+    """Megatron DDP around a trainable model (the actor, the critic): contiguous fp32 grad buffers, reduce-scatter
+    for the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
@@ -24,6 +27,13 @@ def wrap_ddp(model: Any, use_distributed_optimizer: bool) -> Any:
 
 
 def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> tuple[Any, Any]:
+    """The actor's optimizer and schedule (`actor.optim`, its dtype and distributed optimizer): `megatron_optimizer`."""
+    return megatron_optimizer(ddp_model, actor.optim, actor.megatron.compute_dtype,
+                              actor.megatron.use_distributed_optimizer, total_updates)
+
+
+def megatron_optimizer(ddp_model: Any, optim: OptimConfig, params_dtype: str, use_distributed_optimizer: bool,
+                       total_updates: int) -> tuple[Any, Any]:
     """Adam (decoupled weight decay) over the DDP model and its schedule: linear warm-up then `lr_decay_style`.
 
     `total_updates` is the number of optimizer steps of the whole run (steps x PPO epochs x mini-batches); the
@@ -33,12 +43,11 @@ def build_optimizer(ddp_model: Any, actor: ActorConfig, total_updates: int) -> t
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     platform.apply_cpu_optimizer_adaptation()
-    optim = actor.optim
-    dtype = getattr(torch, actor.megatron.compute_dtype)
+    dtype = getattr(torch, params_dtype)
     config = OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], clip_grad=optim.clip_grad,
-        use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
+        use_distributed_optimizer=use_distributed_optimizer,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype)
     optimizer = get_megatron_optimizer(config, [ddp_model])
     warmup = min(optim.lr_warmup_steps, max(total_updates - 1, 0))

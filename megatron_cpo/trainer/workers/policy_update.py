@@ -1,11 +1,13 @@
 """Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones), `compute_advantages` (the
-estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as CPO's rule, filter loss
-scaling: `shaping.py`) and `update_policy` (the PPO epochs over mini-batches; an on-policy update also finishes the
-shaping, from its own forward's log-probs, when the shaper reads them). `Trainer.step()` calls them one by one, with
-the `PolicyUpdateConfig` the trainer builds once: the actor's and the algorithm's sections as they are, plus the facts
-of other sections they read. Each stage's results are probed for NaN and infinity as they are made
+`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones, a critic's values),
+`compute_advantages` (the estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as
+CPO's rule, filter loss scaling: `shaping.py`), `update_critic` (PPO with GAE: the critic's epochs over mini-batches
+towards the returns, before the actor's, as verl orders them) and `update_policy` (the PPO epochs over mini-batches;
+an on-policy update also finishes the shaping, from its own forward's log-probs, when the shaper reads them).
+`Trainer.step()` calls them one by one, with the `PolicyUpdateConfig` the trainer builds once: the actor's, the
+algorithm's and the critic's sections as they are, plus the facts of other sections they read. Each stage's results
+are probed for NaN and infinity as they are made
 (`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first non-finite value appeared.
 """
 from __future__ import annotations
@@ -20,9 +22,12 @@ from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionCon
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
+from megatron_cpo.algorithms.value_loss import value_metrics
 from megatron_cpo.rewards.manager import token_level_rewards
 from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
+from megatron_cpo.trainer.workers.critic import MegatronCritic
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
 from megatron_cpo.trainer.workers.shaping import ResponseShaping
@@ -36,7 +41,8 @@ class PolicyUpdateConfig:
     """What steps 3-5 read: `actor_rollout_ref.actor` and `algorithm` as they are, and from the other sections the
     response width (`data.max_response_length`), the scoring temperature (`rollout.log_prob_temperature`), the
     responses per prompt (`rollout.n`), the batch's prompts (`data.train_batch_size`) and the staleness bound
-    (`async_training.max_staleness`). The trainer builds it once (`trainer/loop.py`)."""
+    (`async_training.max_staleness`); with a critic, its section and `trainer.critic_warmup`. The trainer builds it
+    once (`trainer/loop.py`)."""
     actor: ActorConfig
     algorithm: AlgorithmConfig
     response_width: int
@@ -44,6 +50,8 @@ class PolicyUpdateConfig:
     samples_per_prompt: int = 1
     train_batch_size: int = 1
     max_staleness: int = 0
+    critic: CriticConfig | None = None
+    critic_warmup: int = 0
 
     @property
     def correction(self) -> RolloutCorrectionConfig | None:
@@ -101,6 +109,8 @@ class BatchLogProbs:
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
     finite: FiniteProbe = field(default_factory=FiniteProbe)  # the step's finiteness flags, stage by stage
+    values: torch.Tensor | None = None   # a critic's value of every response token (GAE)
+    returns: torch.Tensor | None = None  # GAE's returns, the critic's targets (step 4 fills them in)
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
@@ -108,8 +118,8 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
     every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
     KL-in-reward), nor records anything in that pass (routing replay R2 records each token's experts there for the
-    update to replay). A shaper that reads them (CPO's) then shapes each micro-batch inside the update, from the
-    same forward (`shaping.py`).
+    update to replay), nor skips the update (a critic's warm-up steps, `trainer.critic_warmup`). A shaper that reads
+    them (CPO's) then shapes each micro-batch inside the update, from the same forward (`shaping.py`).
 
     "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
     policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
@@ -117,14 +127,17 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     """
     actor, algorithm = settings.actor, settings.algorithm
     one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= settings.train_batch_size
-    return one_update and not algorithm.use_kl_in_reward and not actor.router_replay.replays
+    return (one_update and not algorithm.use_kl_in_reward and not actor.router_replay.replays
+            and settings.critic_warmup == 0)
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None,
-                      settings: PolicyUpdateConfig, pad_token_id: int) -> BatchLogProbs:
+                      settings: PolicyUpdateConfig, pad_token_id: int, critic: MegatronCritic | None = None
+                      ) -> BatchLogProbs:
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
-    and the hinted ones for CPO. The old pass is left to the update when `old_log_probs_from_update` holds and the
-    actor tracks no routing (a mixture of experts records it in this pass)."""
+    the hinted ones for CPO and a critic's values. The old pass is left to the update when
+    `old_log_probs_from_update` holds and the actor tracks no routing (a mixture of experts records it in this
+    pass)."""
     temperature, width = settings.temperature, settings.response_width
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     timing: dict[str, float] = {}
@@ -147,8 +160,13 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
     lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
                        hint_log_probs, routing, routing_metrics, timing)
+    if critic is not None:
+        start = time.perf_counter()
+        lp.values = critic.values(seqs)
+        timing["timing/values_s"] = time.perf_counter() - start
     for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
         lp.finite.observe("log-probs", log_probs, lp.mask)
+    lp.finite.observe("values", lp.values, lp.mask)
     return lp
 
 
@@ -171,8 +189,11 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
     mask = lp.mask
     token_rewards, metrics = token_rewards_of(batch, lp, algo)
     inputs = AdvantageInputs(token_rewards, mask, batch.group, gamma=algo.gamma, lam=algo.lam,
-                             norm_by_std=algo.norm_adv_by_std_in_grpo, reward_baselines=batch.reward_baselines)
-    advantages, _ = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)  # returns: a critic's targets (none here)
+                             norm_by_std=algo.norm_adv_by_std_in_grpo, values=lp.values,
+                             reward_baselines=batch.reward_baselines)
+    advantages, returns = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)
+    if lp.values is not None:
+        lp.returns = returns  # the critic's targets (GAE)
     if batch.reward_baselines is not None:
         metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
     shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
@@ -193,37 +214,69 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
     return StepAdvantages(advantages), metrics
 
 
-def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: StepAdvantages,
-                  settings: PolicyUpdateConfig) -> dict[str, float]:
-    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
-    When the update computed the old log-probs and entropy itself, it fills them into `lp` (and finishes the
-    shaping with them: its metrics are among the returned ones)."""
-    actor_cfg, temperature, width = settings.actor, settings.temperature, settings.response_width
-    rows_per_mini, correction = settings.responses_per_mini_batch, settings.correction
+def _mini_batches(rows: int, rows_per_mini: int, epochs: int) -> list[slice]:
+    """The rows of each optimizer step: `epochs` passes over consecutive mini-batches of `rows_per_mini`."""
+    return [slice(begin, begin + rows_per_mini) for _ in range(epochs) for begin in range(0, rows, rows_per_mini)]
+
+
+def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(m[key] for m in per_update) / len(per_update) for key in (per_update[0] if per_update else ())}
+
+
+def update_critic(critic: MegatronCritic, lp: BatchLogProbs, settings: PolicyUpdateConfig) -> dict[str, float]:
+    """The critic's epochs over mini-batches (`critic.ppo_epochs`, `critic.ppo_mini_batch_size` prompts; one
+    optimizer step each) towards GAE's returns, clipped around the values of step 3; verl's critic metrics."""
+    config = settings.critic
     start = time.perf_counter()
-    update_metrics: list[dict[str, float]] = []
-    trained, shaping_metrics = advantages.values, {}
+    metrics = _mean_metrics([
+        critic.update(lp.seqs.select(rows), lp.values[rows], lp.returns[rows], lp.finite)
+        for rows in _mini_batches(lp.seqs.rows, config.ppo_mini_batch_size * settings.samples_per_prompt,
+                                  config.ppo_epochs)])
+    metrics.update(value_metrics(lp.values, lp.returns, lp.mask))
+    metrics["timing/update_critic_s"] = time.perf_counter() - start
+    return metrics
+
+
+def _actor_updates(actor: MegatronPolicy, lp: BatchLogProbs, advantages: StepAdvantages, settings: PolicyUpdateConfig
+                   ) -> tuple[list[dict[str, float]], torch.Tensor, dict[str, float]]:
+    """The actor's optimizer steps of one RL step: each one's metrics, the advantages they trained on and, when the
+    on-policy update shaped them itself, the shaping's metrics."""
+    temperature, width, correction = settings.temperature, settings.response_width, settings.correction
     if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
         inputs = UpdateInputs(advantages.values, None, lp.ref_log_probs,
                               lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
                               shaping=advantages.shaping, probe=lp.finite)
         metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
-        update_metrics.append(metrics)
-        if advantages.shaping is not None:  # what the micro-batches trained on, whole, with the step's metrics
-            trained, shaping_metrics = advantages.shaping.whole_batch(advantages.values, lp.mask, lp.old_log_probs,
-                                                                      lp.entropy)
-    else:
-        for _ in range(actor_cfg.ppo_epochs):
-            for begin in range(0, lp.seqs.rows, rows_per_mini):
-                rows = slice(begin, begin + rows_per_mini)
-                engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
-                inputs = UpdateInputs(trained[rows], lp.old_log_probs[rows],
-                                      lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                                      engine_log_probs, correction, lp.routing, begin, probe=lp.finite)
-                update_metrics.append(actor.update(lp.seqs.select(rows), inputs, temperature))
-    metrics = {key: sum(m[key] for m in update_metrics) / len(update_metrics) for key in update_metrics[0]}
-    metrics.update({**lp.routing_metrics, **lp.timing, **shaping_metrics,
-                    "timing/update_actor_s": time.perf_counter() - start})
+        if advantages.shaping is None:
+            return [metrics], advantages.values, {}
+        # what the micro-batches trained on, whole, with the step's metrics
+        trained, shaping_metrics = advantages.shaping.whole_batch(advantages.values, lp.mask, lp.old_log_probs,
+                                                                  lp.entropy)
+        return [metrics], trained, shaping_metrics
+    per_update = []
+    for rows in _mini_batches(lp.seqs.rows, settings.responses_per_mini_batch, settings.actor.ppo_epochs):
+        engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
+        inputs = UpdateInputs(advantages.values[rows], lp.old_log_probs[rows],
+                              lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
+                              engine_log_probs, correction, lp.routing, rows.start, probe=lp.finite)
+        per_update.append(actor.update(lp.seqs.select(rows), inputs, temperature))
+    return per_update, advantages.values, {}
+
+
+def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: StepAdvantages,
+                  settings: PolicyUpdateConfig, train: bool = True) -> dict[str, float]:
+    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
+    When the update computed the old log-probs and entropy itself, it fills them into `lp` (and finishes the
+    shaping with them: its metrics are among the returned ones). `train=False` (a critic's warm-up step,
+    `trainer.critic_warmup`) leaves the actor as it is and logs the stats only."""
+    actor_cfg = settings.actor
+    start = time.perf_counter()
+    per_update, trained, shaping_metrics = (_actor_updates(actor, lp, advantages, settings) if train
+                                            else ([], advantages.values, {}))
+    metrics = _mean_metrics(per_update)
+    metrics.update({**lp.routing_metrics, **lp.timing, **shaping_metrics})
+    if train:
+        metrics["timing/update_actor_s"] = time.perf_counter() - start
 
     mask = lp.mask
     lengths = lp.seqs.response_lengths.float()

@@ -9,8 +9,8 @@ instead (`prepare_grads`, `get_grad_norm`, clipping, `step_with_ready_grads`) an
 a step is applied only when every rank saw finite values, whatever the dtype. A skipped step leaves the weights, the
 optimizer state and Adam's step count as they were.
 
-`FiniteProbe` follows one step's data through the stages of `STAGES`: the rewards, log-probs and advantages every rank
-holds (trainer/workers/policy_update.py), then each update's own log-probs and loss (the actor's loss function, on the
+`FiniteProbe` follows one step's data through the stages of `STAGES`: the rewards, log-probs, a critic's values and the
+advantages every rank holds (trainer/workers/policy_update.py), then each update's own log-probs and loss (the actor's loss function, on the
 last pipeline stage) and its gradient norm. A flag per stage stays on the device and is read once, in the guard's
 all-reduce, so probing adds no pass over the data and no host synchronisation. The guard is not the actor's alone:
 any model the trainer updates (a critic's value head included) runs its optimizer steps through an `UpdateGuard` of
@@ -29,12 +29,13 @@ from megatron_cpo import platform
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("rewards", "log-probs", "advantages", "loss", "gradients")
+STAGES = ("rewards", "log-probs", "values", "advantages", "loss", "gradients")
 """Where a non-finite value can appear in a step, in the order the data flows through them."""
 
 _HINTS = {
     "rewards": "the scores the advantages are computed from (with verl's KL in the reward, the log-probs' KL term)",
     "log-probs": "the model's forward pass (weights, or activations that overflow params_dtype)",
+    "values": "the critic's forward pass (its weights, or activations that overflow params_dtype)",
     "advantages": "the advantage estimator or the shaper",
     "loss": "a term of the loss (importance ratio, KL, entropy) on finite log-probs and advantages",
     "gradients": "the backward pass (e.g. gradients that overflow: lower the learning rate or train in float32)",
