@@ -1,15 +1,16 @@
 """The training run: SPMD under torchrun; rank 0 also drives the rollout engines (`rank_zero.py`).
 
-`Trainer.step()` is the numbered list of docs/architecture.md ("One RL step"), one call per item: 1 collect (rank 0)
--> 2 broadcast the batch -> 3 log-probs -> 4 advantages -> 5 update -> 6 push weights -> 7 sync the reference ->
-8 early-stop check -> 9 validate when due -> 10 log (rank 0) -> 11 checkpoint when due. Every collective is in
-`collectives.py`; rank-0 work is in `RankZero`'s methods. `Trainer.fit()` resumes, validates before the first step
-and after the last, and always checkpoints the last step; with `trainer.early_stop.enable` the run also ends
-(checkpointed, reason logged) once the reward variance has collapsed, and with `trainer.total_rollout_samples` once
-it has generated that many samples (validation is also due after every `trainer.test_freq_samples` of them). SIGTERM (SLURM preemption) finishes the
-current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and raises
-`RunAbortedError` (one line naming the engine and the fix), as does a non-finite reward (`reward.non_finite=error`)
-or too many optimizer steps skipped in a row for non-finite values (trainer/workers/update_guard.py).
+`Trainer.step()` is the numbered list of docs/architecture.md ("One RL step"), one call per item: 1 collect (rank 0) ->
+2 broadcast the batch -> 3 log-probs -> 4 advantages -> 5 update -> 6 push weights -> 7 sync the reference -> 8
+early-stop check -> 9 validate when due -> 10 log (rank 0) -> 11 checkpoint when due. Every collective is in
+`collectives.py`; rank-0 work is in `RankZero`'s methods. `Trainer.fit()` resumes, validates before the first step and
+after the last, and always checkpoints the last step; with `trainer.early_stop.enable` the run also ends (checkpointed,
+reason logged) once the reward variance has collapsed, and with `trainer.total_rollout_samples` once it has generated
+that many samples (validation is also due after every `trainer.test_freq_samples` of them). SIGTERM (SLURM preemption)
+finishes the current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and
+raises `RunAbortedError` (one line naming the engine and the fix), as does a non-finite reward
+(`reward.non_finite=error`) or too many optimizer steps skipped in a row for non-finite values
+(trainer/workers/update_guard.py).
 
 This module, with `megatron_cpo/config.py` and `command.py`, is the composition root: the one place that reads the
 whole `Config` (rank 0's `RankZero` too, for its side) and hands every component its own section, or the launch

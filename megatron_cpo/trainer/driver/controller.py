@@ -9,8 +9,9 @@ cancellation), with at most `inflight_cap` of them running on the engines. Promp
 earlier one to commit do not count against that cap, so a long response holds up the commit order but not the
 engines (benchmarks/streaming/README.md measures why this matters when response lengths have a long tail). When
 `train_batch_size` prompts are kept, what is still running is cancelled and the unused prompts go back to the data
-stream. `max_num_gen_batches` caps the prompts requested (in units of
-`gen_batch_size`, verl's DAPO generation batch, by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the partial batch.
+stream. `max_num_gen_batches` caps the prompts requested (in units of `gen_batch_size`, verl's DAPO generation batch,
+by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the
+partial batch.
 Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
 keep-rate history is a speed hint that checkpoints need not hold.
 

@@ -10,11 +10,11 @@ a step is applied only when every rank saw finite values, whatever the dtype. A 
 optimizer state and Adam's step count as they were.
 
 `FiniteProbe` follows one step's data through the stages of `STAGES`: the rewards, log-probs, a critic's values and the
-advantages every rank holds (trainer/workers/policy_update.py), then each update's own log-probs and loss (the actor's loss function, on the
-last pipeline stage) and its gradient norm. A flag per stage stays on the device and is read once, in the guard's
-all-reduce, so probing adds no pass over the data and no host synchronisation. The guard is not the actor's alone:
-any model the trainer updates (a critic's value head included) runs its optimizer steps through an `UpdateGuard` of
-its own and reports its skips the same way.
+advantages every rank holds (trainer/workers/policy_update.py), then each update's own log-probs and loss (the actor's
+loss function, on the last pipeline stage) and its gradient norm. A flag per stage stays on the device and is read once,
+in the guard's all-reduce, so probing adds no pass over the data and no host synchronisation. The guard is not the
+actor's alone: any model the trainer updates (a critic's value head included) runs its optimizer steps through an
+`UpdateGuard` of its own and reports its skips the same way.
 """
 from __future__ import annotations
 
