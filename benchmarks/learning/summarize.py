@@ -29,13 +29,16 @@ NEVER_SEEN = "val/megatron_cpo/arith/acc"
 COMPARISONS = {"a": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
                "b": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
                "c": [(rule, "cpo") for rule in TABLES["c"][1]] + [(rule, "grpo") for rule in TABLES["c"][1]],
-               "d": [("grpo_k1", "grpo"), ("dapo_k1", "dapo"), ("cpo_k1", "cpo")]}
+               "d": [("grpo_k1", "grpo"), ("dapo_k1", "dapo"), ("cpo_k1", "cpo")],
+               "e": [(algo, "grpo") for algo in TABLES["e"][1]]}
 TABLE_TITLES = {"a": "(a) the shipped task (levels 1-2), 400 held-out questions",
                 "b": "(b) the harder variant (levels 1-3), 595 held-out questions",
                 "c": "(c) CPO rule ablation on the shipped task (same seeds as (a))",
-                "d": "(d) asynchronous training at k = 1 on the shipped task (same seeds as (a))"}
+                "d": "(d) asynchronous training at k = 1 on the shipped task (same seeds as (a))",
+                "e": "(e) verl's other estimators and loss modes on the shipped task (same seeds as (a))"}
 ALGO_NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO negonly_mi3", "grpo_k1": "GRPO k=1", "dapo_k1": "DAPO k=1",
-              "cpo_k1": "CPO negonly_mi3 k=1"}
+              "cpo_k1": "CPO negonly_mi3 k=1", "ppo": "PPO (GAE + critic)", "rloo": "RLOO",
+              "reinforce_plus_plus": "REINFORCE++", "gspo": "GSPO"}
 
 
 @dataclass

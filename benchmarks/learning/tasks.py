@@ -142,6 +142,15 @@ ALGOS = {
     "dapo_k1": Algo("dapo_k1", "examples/tiny/dapo_arith.yaml", ("async_training.max_staleness=1",)),
     "cpo_k1": Algo("cpo_k1", "examples/tiny/cpo_arith.yaml",
                    ("algorithm.wrap_method=negonly_mi3", "async_training.max_staleness=1")),
+    # verl's other estimators and loss modes (docs/algorithms.md), each on GRPO's example otherwise unchanged
+    "ppo": Algo("ppo", "examples/tiny/ppo_arith.yaml"),
+    "rloo": Algo("rloo", "examples/tiny/grpo_arith.yaml", ("algorithm.adv_estimator=rloo",)),
+    "reinforce_plus_plus": Algo("reinforce_plus_plus", "examples/tiny/grpo_arith.yaml",
+                                ("algorithm.adv_estimator=reinforce_plus_plus",)),
+    # GSPO's sequence-level ratio with its own clip ranges and aggregation (the GSPO paper's and verl's recipe)
+    "gspo": Algo("gspo", "examples/tiny/grpo_arith.yaml", (
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")),
 }
 
 # table -> (task, algorithms); priority order.
@@ -150,6 +159,7 @@ TABLES = {
     "b": ("arith123", ("grpo", "cpo", "dapo")),
     "c": ("arith12", ("cpo_naive", "cpo_mi3", "cpo_mi_clamp_unify_difficulty", "cpo_tok_kl")),
     "d": ("arith12", ("grpo_k1", "dapo_k1", "cpo_k1")),
+    "e": ("arith12", ("ppo", "rloo", "reinforce_plus_plus", "gspo")),
 }
 
 
