@@ -119,7 +119,7 @@ class SyncProbe:
         if not gap.max_abs_diff <= self.tolerance:
             raise EngineOutOfSyncError(
                 f"the engines do not serve the trainer's weights after the {where}: the largest |engine - trainer| "
-                f"log-prob difference on the sync probe is {gap.max_abs_diff:.3g} ({gap.worst}), above the "
+                f"log-prob difference on the sync probe is {gap.max_abs_diff:.6g} ({gap.worst}), above the "
                 f"tolerance {self.tolerance:g} for {self.dtype} (actor_rollout_ref.rollout.sync_check.tolerance)",
                 metrics)
         logger.log(logging.INFO if push == 0 else logging.DEBUG, "sync check of the %s: engines and trainer agree "
