@@ -121,7 +121,7 @@ def test_a_run_whose_engine_misses_a_push_stops_there_naming_it(make_config, rol
     assert "\n" not in message
     assert message.startswith("the engines do not serve the trainer's weights after the weight push of step 1: the "
                               "largest |engine - trainer| log-prob difference on the sync probe is ")
-    assert "above the tolerance 0.0002 for float32" in message and "checkpoints/step_000001" in message
+    assert "above the tolerance 0.001 for float32" in message and "checkpoints/step_000001" in message
     metrics = read_metrics(run_dir)
     assert max(metrics) == 1 and metrics[1]["actor/grad_norm"] > 0  # the weights did change, the engine did not
     assert metrics[1]["rollout/sync_check_max_abs_diff"] > 1e-3

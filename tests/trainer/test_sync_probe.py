@@ -29,7 +29,7 @@ def test_probe_prompts_are_the_chat_templated_texts_and_must_fit_the_engines(mak
     texts = ["<|im_start|>user\nCompute 1 + 2.<|im_end|>\n<|im_start|>assistant\n",
              "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"]
     assert [tokenizer.decode(ids) for ids in probe.prompts] == texts
-    assert probe.tolerance == 2e-4 and make("actor_rollout_ref.rollout.sync_check.tolerance=0.05").tolerance == 0.05
+    assert probe.tolerance == 1e-3 and make("actor_rollout_ref.rollout.sync_check.tolerance=0.05").tolerance == 0.05
     with pytest.raises(ValueError, match=r"the longest sync-check probe prompt has \d+ tokens; with actor_rollout_ref."
                                          r"rollout.sync_check.max_tokens=390 it exceeds the engines' 396 tokens"):
         make("actor_rollout_ref.rollout.sync_check.max_tokens=390")
@@ -60,7 +60,7 @@ def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
     (record,) = caplog.records
     assert record.getMessage().startswith(
         "mismatch/log_probs_diff_mean jumped from 5e-06 at step 2 to 0.2 at step 3 (max 0.99, above the float32 "
-        "sync-check tolerance 0.0002): step 3 sampled right after the weight push of step 2, so the engines most "
+        "sync-check tolerance 0.001): step 3 sampled right after the weight push of step 2, so the engines most "
         "likely do not serve the pushed weights (a layer their reload did not update, e.g. a tied output head")
 
 
