@@ -156,9 +156,11 @@ class Trainer:
             return {}
         if start_step >= total or broadcast_object(lead is not None and lead.samples.spent):
             if lead:
-                logger.warning("not training: the checkpoint of step %d already ends this run of %d steps and %d "
-                               "samples (raise trainer.total_training_steps or trainer.total_rollout_samples to train "
-                               "on)", start_step, total, self.config.trainer.total_rollout_samples)
+                budget = self.config.trainer.total_rollout_samples
+                logger.warning("not training: the checkpoint of step %d already ends this run of %d steps%s (raise "
+                               "trainer.total_training_steps%s to train on)", start_step, total,
+                               f" and {budget} generated samples" if budget else "",
+                               " or trainer.total_rollout_samples" if budget else "")
             return {}
         pushed = self.push_weights_or_abort(start_step)
         last: dict[str, float] = {}

@@ -234,7 +234,7 @@ def test_damaged_checkpoints_fall_back_or_stop_naming_the_file_and_runs_never_mi
         with caplog.at_level(logging.WARNING):
             run_training(resume, rollout_manager)  # resumes from step 2, which already ends the run
         assert problem in caplog.text and "intact checkpoint" in caplog.text
-        assert "already ends this 2-step run" in caplog.text
+        assert "already ends this run of 2 steps (raise trainer.total_training_steps to" in caplog.text
         assert logged_steps(run_dir) == [1, 2]
 
     for step in (1, 2):
