@@ -164,14 +164,20 @@ def execute(run: Run) -> dict:
     return record
 
 
-def last_row(path: Path) -> dict:
-    """The last logged step's metrics, merged over the lines logged for it."""
+def read_rows(path: Path) -> dict[int, dict]:
+    """A run's metrics by step, in step order, each merged over the lines logged for it ({} without the file)."""
     rows: dict[int, dict] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
                 rows.setdefault(int(row["step"]), {}).update(row)
+    return dict(sorted(rows.items()))
+
+
+def last_row(path: Path) -> dict:
+    """The last logged step's metrics, merged over the lines logged for it."""
+    rows = read_rows(path)
     return rows[max(rows)] if rows else {}
 
 

@@ -33,7 +33,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
-from compare_cpo import ARMS, RUNS  # noqa: E402
+from compare_cpo import ARMS, RUNS, read_rows  # noqa: E402
 from stats import Summary, paired_difference, summarize, verdict  # noqa: E402
 
 NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO on DAPO (cpo.yaml)", "cpo_grpo": "CPO on GRPO (cpo_grpo.yaml)"}
@@ -80,16 +80,6 @@ class RunData:
     def mean_of(self, key: str) -> float | None:
         values = [row[key] for step, row in self.rows.items() if step > 0 and key in row]
         return statistics.mean(values) if values else None
-
-
-def read_rows(path: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows.setdefault(int(row["step"]), {}).update(row)
-    return dict(sorted(rows.items()))
 
 
 def step_cpu(path: Path) -> dict[int, float]:
