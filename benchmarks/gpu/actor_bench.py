@@ -228,7 +228,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     """Build the actor for one mode, run two trainer steps (warm-up, measured) and return the measured phases."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, model["vocab_size"])

@@ -75,7 +75,7 @@ def run_setting(name: str, batches: dict[str, str], repeats: int, port: int) -> 
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.driver.batching import make_step_batch
     from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
     from transformers import AutoTokenizer

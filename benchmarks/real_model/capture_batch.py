@@ -32,7 +32,7 @@ def main() -> None:
 
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.driver.rank_zero import RankZero
-    from megatron_cpo.trainer.loop import engine_launch_config
+    from megatron_cpo.trainer.components import engine_launch_config
 
     example = "dapo.yaml" if args.filter_groups else "grpo.yaml"
     config = load_config(str(ROOT / "examples/smollm2-135m" / example), [

@@ -13,9 +13,9 @@ raises `RunAbortedError` (one line naming the engine and the fix), as does a non
 (trainer/workers/update_guard.py).
 
 This module, with `megatron_cpo/config.py` and `command.py`, is the composition root: the one place that reads the
-whole `Config` (rank 0's `RankZero` too, for its side) and hands every component its own section, or the launch
-settings built once from several (`engine_launch_config`, `policy_update_config`); `run/preflight.py`'s `preflight`
-checks each section before anything starts.
+whole `Config` (rank 0's `RankZero` too, for its side) and hands every component its own section, or what
+`components.py` builds once from several (the engines' launch settings, the actor, reference and critic, the update's
+settings); `run/preflight.py`'s `preflight` checks each section before anything starts.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from megatron_cpo.config import Config
 from megatron_cpo.rewards.non_finite import NonFiniteRewardError
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
-from megatron_cpo.rollout.types import EngineLaunchConfig
+from megatron_cpo.trainer.components import critic_for, engine_launch_config, policies_for, policy_update_config
 from megatron_cpo.trainer.driver.controller import CollectedBatch
 from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
@@ -40,14 +40,11 @@ from megatron_cpo.trainer.run.machine import check_dtype
 from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
                                                  nothing_to_train_message, prepare_run_directory,
                                                  rewards_refused_message, weights_not_finite_message)
-from megatron_cpo.trainer.workers.actor import MegatronPolicy
-from megatron_cpo.trainer.workers.critic import MegatronCritic, build_critic
 from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
                                                       broadcast_object, push_weights)
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
-from megatron_cpo.trainer.workers.policies import build_policies
-from megatron_cpo.trainer.workers.policy_update import (PolicyUpdateConfig, compute_advantages, compute_log_probs,
-                                                        update_critic, update_policy)
+from megatron_cpo.trainer.workers.policy_update import (compute_advantages, compute_log_probs, update_critic,
+                                                        update_policy)
 from megatron_cpo.trainer.workers.sync_probe import (EngineOutOfSyncError, SyncProbe, TrainerNotFiniteError,
                                                      sync_check_metrics)
 
@@ -417,47 +414,3 @@ def run_training(config: Config, manager: RolloutEngines | None = None, checked:
         if trainer is not None:
             trainer.close()
         platform.destroy_distributed()
-
-
-def engine_launch_config(config: Config) -> EngineLaunchConfig:
-    """The engines' launch settings, built once for the run: the user's `actor_rollout_ref.rollout` as given, plus
-    the model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`."""
-    data, rollout = config.data, config.actor_rollout_ref.rollout
-    return EngineLaunchConfig(
-        model_path=config.actor_rollout_ref.model.path, engines=rollout,
-        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
-        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
-        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
-
-
-def policies_for(config: Config, pad_token_id: int, total_updates: int
-                 ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
-    """The run's actor and, when it needs one, its reference (`workers/policies.py`), from the model, actor, rollout
-    and reference sections."""
-    parts = config.actor_rollout_ref
-    return build_policies(parts.model, parts.actor, pad_token_id, total_updates,
-                          parts.rollout.log_prob_micro_batch_size_per_gpu,
-                          parts.ref if config.needs_reference_model else None)
-
-
-def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronCritic | None:
-    """The run's critic when it trains one (`Config.critic_enabled`: GAE), from the model, actor and critic
-    sections (`workers/critic.py`); `total_steps` sizes its learning-rate schedule."""
-    if not config.critic_enabled:
-        return None
-    critic = config.critic
-    updates = total_steps * critic.ppo_epochs * (config.data.train_batch_size // critic.ppo_mini_batch_size)
-    parts = config.actor_rollout_ref
-    return build_critic(parts.model, parts.actor, critic, pad_token_id, updates)
-
-
-def policy_update_config(config: Config) -> PolicyUpdateConfig:
-    """What steps 3-5 read (`PolicyUpdateConfig`), built once for the run."""
-    rollout = config.actor_rollout_ref.rollout
-    return PolicyUpdateConfig(actor=config.actor_rollout_ref.actor, algorithm=config.algorithm,
-                              response_width=config.data.max_response_length,
-                              temperature=rollout.log_prob_temperature, samples_per_prompt=rollout.n,
-                              train_batch_size=config.data.train_batch_size,
-                              max_staleness=config.async_training.max_staleness,
-                              critic=config.critic if config.critic_enabled else None,
-                              critic_warmup=config.trainer.critic_warmup)

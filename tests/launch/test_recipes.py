@@ -66,7 +66,7 @@ def test_smollm2_examples_use_the_fast_cpu_settings(path):
     response, an on-policy update (no separate old-log-prob pass; CPO's shaping reads the update's own forward), CPO's
     hint asking for the sum last; CPO on DAPO is dapo.yaml plus the shaping, CPO on GRPO grpo.yaml plus the same
     shaping."""
-    from megatron_cpo.trainer.loop import policy_update_config
+    from megatron_cpo.trainer.components import policy_update_config
     from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
     config = load_config(path)

@@ -20,7 +20,7 @@ def two_updates(model_dir, tp, pp, *overrides):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
     from megatron_cpo.trainer.batch.step_batch import StepBatch
 

@@ -41,7 +41,7 @@ def test_colocated_training_pushes_into_its_own_engine_and_resumes(arith_data, t
 
     from megatron_cpo.rollout.colocate import ColocatedRolloutManager
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import engine_launch_config
+    from megatron_cpo.trainer.components import engine_launch_config
 
     out = tmp_path / "run"
     ray_was_running = ray.is_initialized()
@@ -131,7 +131,7 @@ def test_an_engine_that_does_not_start_in_time_fails_every_rank_naming_its_node_
     from megatron_cpo.rollout.colocate import start_colocated_engines
     from megatron_cpo.rollout.modes import colocated_client_settings
     from megatron_cpo.rollout.types import RolloutEngineStartError
-    from megatron_cpo.trainer.loop import engine_launch_config
+    from megatron_cpo.trainer.components import engine_launch_config
 
     config = _config(arith_data, tmp_path / "run", 1)
     engines = dataclasses.replace(engine_launch_config(config), engine_start_timeout_s=0.5)

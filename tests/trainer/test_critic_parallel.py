@@ -46,7 +46,7 @@ def one_layout(model_dir, export_dir, tp, pp, sequence_parallel):
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.models.conversion_commands import export_hf_model
-    from megatron_cpo.trainer.loop import critic_for
+    from megatron_cpo.trainer.components import critic_for
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "algorithm.adv_estimator=gae", "data.train_batch_size=2",
@@ -124,7 +124,7 @@ def start_from_export(rank, world_size, model_dir, export_dir):
     """A critic whose `critic.model.path` is an exported critic keeps the exported head (TP=2 here)."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import critic_for
+    from megatron_cpo.trainer.components import critic_for
 
     config = build_config({}, [f"actor_rollout_ref.model.path={model_dir}", "algorithm.adv_estimator=gae",
                                f"critic.model.path={export_dir}", "data.train_batch_size=2",

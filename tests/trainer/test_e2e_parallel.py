@@ -26,7 +26,8 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, second_port):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import engine_launch_config, run_training
+    from megatron_cpo.trainer.components import engine_launch_config
+    from megatron_cpo.trainer.loop import run_training
 
     configs = {layout: build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data['train']}",

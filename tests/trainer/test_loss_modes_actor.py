@@ -49,7 +49,7 @@ def test_every_loss_mode_updates_the_megatron_actor(tiny_model_dir):
     from megatron_cpo import platform
     from megatron_cpo.algorithms.losses import policy_loss
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
 
     assert set(MODE_SETTINGS) == set(POLICY_LOSS_MODES)

@@ -58,7 +58,7 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
     from megatron_cpo.trainer.workers.routing import moe_routers
 

@@ -94,7 +94,7 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager
     from megatron_cpo.trainer.workers.offload import actor_tensors
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy

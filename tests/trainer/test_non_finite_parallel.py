@@ -52,7 +52,8 @@ def train_both_layouts(rank, world_size, model_dir, data, run_dir, ports):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
-    from megatron_cpo.trainer.loop import engine_launch_config, run_training
+    from megatron_cpo.trainer.components import engine_launch_config
+    from megatron_cpo.trainer.loop import run_training
     from megatron_cpo.trainer.run.errors import RunAbortedError
 
     def config(layout, pipeline_size, steps):

@@ -45,7 +45,7 @@ def _compare(model_dir, pp, cpo=False):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
 
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -98,7 +98,7 @@ def _compare(model_dir, pp, cpo=False):
 
 
 def _bf16_update(bf16_config, batch):
-    from megatron_cpo.trainer.loop import policies_for, policy_update_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
 
     actor, _ = policies_for(bf16_config, pad_token_id=0, total_updates=4)
@@ -135,7 +135,7 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policy_update_config
+    from megatron_cpo.trainer.components import policy_update_config
     from megatron_cpo.trainer.workers.policy_update import old_log_probs_from_update
 
     def from_update(overrides):

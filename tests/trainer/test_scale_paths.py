@@ -79,7 +79,7 @@ def _compare_modes(model_dir, tp, pp, modes):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import policies_for
+    from megatron_cpo.trainer.components import policies_for
 
     base = [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",

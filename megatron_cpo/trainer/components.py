@@ -1,0 +1,58 @@
+"""What the composition root builds once for a run from several sections of the `Config`: the engines' launch
+settings, the actor and reference, the critic, and the settings steps 3-5 read.
+
+`trainer/loop.py` calls these while it builds the `Trainer`; tests and benchmarks call them to build the same parts
+without a run. Every other module receives its own section (docs/architecture.md, "Where each setting lives").
+"""
+from __future__ import annotations
+
+from megatron_cpo.config import Config
+from megatron_cpo.rollout.types import EngineLaunchConfig
+from megatron_cpo.trainer.workers.actor import MegatronPolicy
+from megatron_cpo.trainer.workers.critic import MegatronCritic, build_critic
+from megatron_cpo.trainer.workers.policies import build_policies
+from megatron_cpo.trainer.workers.policy_update import PolicyUpdateConfig
+
+
+def engine_launch_config(config: Config) -> EngineLaunchConfig:
+    """The engines' launch settings, built once for the run: the user's `actor_rollout_ref.rollout` as given, plus
+    the model, dtype, lengths and seed; colocated GPU engines start able to sleep when `rollout.free_cache_engine`."""
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    return EngineLaunchConfig(
+        model_path=config.actor_rollout_ref.model.path, engines=rollout,
+        dtype=config.actor_rollout_ref.actor.megatron.compute_dtype,
+        max_model_len=data.max_prompt_length + data.max_response_length, seed=config.trainer.seed,
+        enable_sleep_mode=rollout.mode == "colocate" and rollout.free_cache_engine)
+
+
+def policies_for(config: Config, pad_token_id: int, total_updates: int
+                 ) -> tuple[MegatronPolicy, MegatronPolicy | None]:
+    """The run's actor and, when it needs one, its reference (`workers/policies.py`), from the model, actor, rollout
+    and reference sections."""
+    parts = config.actor_rollout_ref
+    return build_policies(parts.model, parts.actor, pad_token_id, total_updates,
+                          parts.rollout.log_prob_micro_batch_size_per_gpu,
+                          parts.ref if config.needs_reference_model else None)
+
+
+def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronCritic | None:
+    """The run's critic when it trains one (`Config.critic_enabled`: GAE), from the model, actor and critic
+    sections (`workers/critic.py`); `total_steps` sizes its learning-rate schedule."""
+    if not config.critic_enabled:
+        return None
+    critic = config.critic
+    updates = total_steps * critic.ppo_epochs * (config.data.train_batch_size // critic.ppo_mini_batch_size)
+    parts = config.actor_rollout_ref
+    return build_critic(parts.model, parts.actor, critic, pad_token_id, updates)
+
+
+def policy_update_config(config: Config) -> PolicyUpdateConfig:
+    """What steps 3-5 read (`PolicyUpdateConfig`), built once for the run."""
+    rollout = config.actor_rollout_ref.rollout
+    return PolicyUpdateConfig(actor=config.actor_rollout_ref.actor, algorithm=config.algorithm,
+                              response_width=config.data.max_response_length,
+                              temperature=rollout.log_prob_temperature, samples_per_prompt=rollout.n,
+                              train_batch_size=config.data.train_batch_size,
+                              max_staleness=config.async_training.max_staleness,
+                              critic=config.critic if config.critic_enabled else None,
+                              critic_warmup=config.trainer.critic_warmup)
