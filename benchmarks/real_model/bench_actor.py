@@ -12,17 +12,18 @@ and move less with the load than wall seconds on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from alternated import cpu_seconds, print_result, run_alternated  # noqa: E402
 
 # The starting point, overridden by each setting: fp32, micro-batches of 16 padded rows, the logits path, and
 # a separate old-log-prob pass (`+old_log_probs=from_update` lets the on-policy update compute them instead, as the
@@ -64,11 +65,6 @@ SETTINGS: dict[str, list[str]] = {
 }
 MODEL = ROOT / "examples/smollm2-135m/model"
 CONFIG = ROOT / "examples/smollm2-135m/grpo.yaml"
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def make_batch(prompts: int, n: int, prompt_len: int, seed: int):
@@ -117,14 +113,14 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
     for index in range(repeats + 1):
         times = {}
         for part in ("log_probs", "update"):
-            times[part] = (time.perf_counter(), _cpu_seconds())
+            times[part] = (time.perf_counter(), cpu_seconds())
             if part == "log_probs":
                 log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=2)
                 advantages, _ = compute_advantages(batch, log_probs, settings)
             else:
                 metrics = update_policy(actor, batch, log_probs, advantages, settings)
             start_wall, start_cpu = times[part]
-            times[part] = (time.perf_counter() - start_wall, _cpu_seconds() - start_cpu)
+            times[part] = (time.perf_counter() - start_wall, cpu_seconds() - start_cpu)
         if index:
             steps.append({"log_prob_s": times["log_probs"][0], "log_prob_cpu_s": times["log_probs"][1],
                           "update_s": times["update"][0], "update_cpu_s": times["update"][1],
@@ -151,24 +147,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/real_model/actor_results.jsonl")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_setting(args.one, args.repeats, args.port)), flush=True)
+        print_result(run_setting(args.one, args.repeats, args.port))
         return
     if not (MODEL / "config.json").is_file():
         sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
-    with open(args.out, "a") as out:
-        for round_index in range(args.rounds):
-            order = args.settings if round_index % 2 == 0 else list(reversed(args.settings))
-            for name in order:
-                load = os.getloadavg()[0]
-                done = subprocess.run([sys.executable, __file__, "--one", name, "--repeats", str(args.repeats),
-                                       "--port", str(args.port)], cwd=ROOT, capture_output=True, text=True)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    sys.exit(f"error: setting {name} failed:\n{done.stderr[-3000:]}")
-                result = {**json.loads(lines[-1][7:]), "round": round_index, "load_1min_start": load}
-                out.write(json.dumps(result) + "\n")
-                out.flush()
-                print(json.dumps({k: v for k, v in result.items() if k != "steps"}), flush=True)
+    run_alternated(__file__, args.settings, args.rounds, ["--repeats", str(args.repeats), "--port", str(args.port)],
+                   args.out, ROOT)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,19 @@ pass), `hint_pass` (the hinted one), `update` (the PPO update, with the shaping 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from alternated import cpu_seconds, print_result, run_alternated  # noqa: E402
 
 MODEL = ROOT / "examples/smollm2-135m/model"
 EXAMPLES = ROOT / "examples/smollm2-135m"
@@ -44,11 +45,6 @@ SETTINGS: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class PartClock:
     """CPU and wall seconds of the named parts of one step, including calls made inside another part."""
 
@@ -58,11 +54,11 @@ class PartClock:
 
     def wrap(self, name: str, function):
         def timed(*args, **kwargs):
-            cpu, wall = _cpu_seconds(), time.perf_counter()
+            cpu, wall = cpu_seconds(), time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + _cpu_seconds() - cpu
+                self.cpu[name] = self.cpu.get(name, 0.0) + cpu_seconds() - cpu
                 self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - wall
         return timed
 
@@ -136,25 +132,12 @@ def main() -> None:
     args = parser.parse_args()
     batches = {"grpo": args.grpo_batch, "dapo": args.dapo_batch}
     if args.one:
-        print("RESULT " + json.dumps(run_setting(args.one, batches, args.repeats, args.port)), flush=True)
+        print_result(run_setting(args.one, batches, args.repeats, args.port))
         return
     if not (MODEL / "config.json").is_file():
         sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
-    with open(args.out, "a") as out:
-        for round_index in range(args.rounds):
-            order = args.settings if round_index % 2 == 0 else list(reversed(args.settings))
-            for name in order:
-                load = os.getloadavg()[0]
-                done = subprocess.run([sys.executable, __file__, "--one", name, "--repeats", str(args.repeats),
-                                       "--port", str(args.port), "--grpo-batch", args.grpo_batch,
-                                       "--dapo-batch", args.dapo_batch], cwd=ROOT, capture_output=True, text=True)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    sys.exit(f"error: setting {name} failed:\n{done.stderr[-3000:]}")
-                result = {**json.loads(lines[-1][7:]), "round": round_index, "load_1min_start": load}
-                out.write(json.dumps(result) + "\n")
-                out.flush()
-                print(json.dumps({k: v for k, v in result.items() if k != "steps"}), flush=True)
+    run_alternated(__file__, args.settings, args.rounds, ["--repeats", str(args.repeats), "--port", str(args.port),
+                   "--grpo-batch", args.grpo_batch, "--dapo-batch", args.dapo_batch], args.out, ROOT)
 
 
 if __name__ == "__main__":
