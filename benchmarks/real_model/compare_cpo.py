@@ -10,7 +10,9 @@ counts, kept or dropped by filter-groups), and validates greedily on the same fi
 training and after every `--val-every` samples (`trainer.test_freq_samples`). Runs go one at a time, seeds round-robin
 over the arms (seed 1 of every arm first), so a comparison cut short stays balanced. Each run resumes
 (`trainer.resume=auto`) from its checkpoint, written every `--save-freq` steps with only the newest kept, so a stopped
-runner loses at most the steps since then: run the same command again. A run whose `run.json` says it finished is
+runner loses at most the steps since then: run the same command again. To pause the comparison, send the runner
+SIGTERM (`kill <runner pid>`, or Ctrl-C): its trainer finishes the current step and checkpoints it, and no other run
+starts. A run whose `run.json` says it finished is
 read, not repeated; its checkpoints are deleted then.
 
 `--code DIR` runs the package and the example configs of DIR instead of this checkout's (a frozen copy, e.g.
@@ -26,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -45,6 +49,7 @@ MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
+RESUMED = re.compile(r"resumed from .* \(step (\d+)\)")  # the checkpoint manager's line
 SAMPLES_PER_STEP = 64  # train_batch_size 8 x rollout.n 8: the fewest a step generates, so budget / 64 caps the steps
 
 
@@ -92,15 +97,34 @@ def finished(run: Run) -> bool:
     return bool(record.get("finished")) and record.get("budget") == run.budget
 
 
+class NewLines:
+    """The complete lines a growing file has gained since the last call (none before the file exists)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size if path.is_file() else 0
+
+    def read(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        with self.path.open("rb") as file:
+            file.seek(self.offset)
+            data = file.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return complete.decode(errors="replace").splitlines()
+
+
 class StepCpuLog(threading.Thread):
     """Appends to `step_cpu.jsonl`, for every step row the trainer adds to `metrics.jsonl`, the tree's CPU seconds
-    (`sampler.cpu_s`) and the wall seconds since this attempt started."""
+    (`sampler.cpu_s`) and the wall seconds since this attempt started; and, when a resumed attempt's trainer logs
+    "resumed from ... (step k)", a row `{"resumed": k, ...}` with the tree's CPU seconds then, so that the start-up of
+    a resumed attempt (Ray, the engines, the model, the checkpoint) is not counted as its first step's work."""
 
     def __init__(self, run: Run, sampler: TreeCpuSampler, attempt: int) -> None:
         super().__init__(daemon=True)
-        self.metrics, self.out = run.out_dir / "metrics.jsonl", run.out_dir / "step_cpu.jsonl"
+        self.metrics, self.console = NewLines(run.out_dir / "metrics.jsonl"), NewLines(run.out_dir / "console.log")
+        self.out = run.out_dir / "step_cpu.jsonl"
         self.sampler, self.attempt, self.started = sampler, attempt, time.perf_counter()
-        self.offset = self.metrics.stat().st_size if self.metrics.is_file() else 0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -109,23 +133,35 @@ class StepCpuLog(threading.Thread):
         self.poll()
 
     def poll(self) -> None:
-        if not self.metrics.is_file():
-            return
-        with self.metrics.open() as file:
-            file.seek(self.offset)
-            text = file.read()
-        complete = text[: text.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        with self.out.open("a") as out:
-            for line in complete.splitlines():
-                row = json.loads(line) if line.strip() else {}
-                if "step" in row:
-                    out.write(json.dumps({"step": row["step"], "attempt": self.attempt,
-                                          "tree_cpu_s": round(self.sampler.cpu_s, 2),
+        entries = [{"resumed": int(match.group(1))} for line in self.console.read()
+                   if (match := RESUMED.search(line))]
+        entries += [{"step": row["step"]} for row in map(json.loads, filter(str.strip, self.metrics.read()))
+                    if "step" in row]
+        if entries:
+            with self.out.open("a") as out:
+                for entry in entries:
+                    out.write(json.dumps({**entry, "attempt": self.attempt, "tree_cpu_s": round(self.sampler.cpu_s, 2),
                                           "wall_s": round(time.perf_counter() - self.started, 2)}) + "\n")
 
 
-def execute(run: Run) -> dict:
+class StopRequest:
+    """SIGTERM or SIGINT to the runner: the running trainer gets SIGTERM (it finishes its step, checkpoints and
+    exits), the runner records that attempt and starts no other run. Run the same command again to go on."""
+
+    def __init__(self) -> None:
+        self.requested, self.process = False, None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+        print(f"runner: signal {signum}: the running trainer finishes its step and checkpoints; no further run "
+              "starts", flush=True)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+
+def execute(run: Run, stop: StopRequest | None = None) -> dict:
     """One attempt at a run (a resume when it has a checkpoint); returns its updated run.json record."""
     run.out_dir.mkdir(parents=True, exist_ok=True)
     record = read_record(run) or {"arm": run.arm, "seed": run.seed, "budget": run.budget, "attempts": []}
@@ -137,6 +173,8 @@ def execute(run: Run) -> dict:
         log.write(f"\n== {started} {' '.join(command)}\n")
         log.flush()
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if stop is not None:
+            stop.process = process
         sampler = TreeCpuSampler(process.pid)
         steps = StepCpuLog(run, sampler, len(record["attempts"]))
         sampler.start()
@@ -204,14 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (RUNS / "data" / "test.parquet").is_file():
         subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(RUNS / "data")], cwd=REPO,
                        check=True)
-    failed = []
+    failed, stop = [], StopRequest()
     for index, run in enumerate(runs, start=1):
         name = f"[{index}/{len(runs)}] {run.arm}/seed{run.seed}"
         if finished(run):
             print(f"{name}: finished before, read", flush=True)
             continue
+        if stop.requested:
+            failed.append(f"{run.arm}/seed{run.seed} (not started)")
+            continue
         print(f"{name} ... ({time.strftime('%H:%M:%S')})", flush=True)
-        record = execute(run)
+        record = execute(run, stop)
         attempt = record["attempts"][-1]
         print(f"    rc={attempt['returncode']} finished={record['finished']} steps={attempt['last_step']} samples="
               f"{attempt['generated_samples']:.0f} wall {attempt['wall_s']} s, tree cpu {attempt['cpu_s_tree_sampled']}"

@@ -83,14 +83,16 @@ class RunData:
 
 
 def step_cpu(path: Path) -> dict[int, float]:
-    """Cumulative CPU seconds after each step: each step's own (its tree CPU minus the previous logged row's in the
-    same attempt; the last attempt's when a resume redid it), summed from step 1."""
+    """Cumulative CPU seconds after each step: each step's own (its tree CPU minus the previous row's in the same
+    attempt, a resumed attempt's "resumed" row included, so its start-up is not counted; the last attempt's when a
+    resume redid the step), summed from step 1."""
     own: dict[int, float] = {}
     if path.is_file():
         previous: dict[int, float] = {}
         for line in path.read_text().splitlines():
             entry = json.loads(line)
-            own[entry["step"]] = entry["tree_cpu_s"] - previous.get(entry["attempt"], 0.0)
+            if "step" in entry:
+                own[entry["step"]] = entry["tree_cpu_s"] - previous.get(entry["attempt"], 0.0)
             previous[entry["attempt"]] = entry["tree_cpu_s"]
     total, cumulative = 0.0, {}
     for step in sorted(s for s in own if s > 0):

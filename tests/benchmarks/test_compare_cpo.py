@@ -1,0 +1,53 @@
+"""The CPO comparison's bookkeeping: a paused and resumed run's CPU seconds per step leave its start-up out.
+
+`benchmarks/real_model/compare_cpo.py` appends to a run's `step_cpu.jsonl` the process tree's CPU seconds at every
+step row the trainer logs, and at the checkpoint manager's "resumed from ... (step k)" line of a resumed attempt;
+`compare_cpo_report.step_cpu` turns those rows into cumulative CPU seconds per step. Real files, a real growing log.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "real_model"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "learning"))
+
+from compare_cpo import RESUMED, NewLines  # noqa: E402
+from compare_cpo_report import step_cpu  # noqa: E402
+
+
+def test_new_lines_returns_each_complete_line_once(tmp_path):
+    log = tmp_path / "console.log"
+    log.write_text("before the attempt\n")
+    lines = NewLines(log)
+    assert lines.read() == []
+    with log.open("a") as file:
+        file.write("12:00 resumed from /runs/x/checkpoints/step_000005 (step 5)\npartial")
+    assert lines.read() == ["12:00 resumed from /runs/x/checkpoints/step_000005 (step 5)"]
+    with log.open("a") as file:
+        file.write(" line\n")
+    assert lines.read() == ["partial line"]
+    assert lines.read() == []
+    assert NewLines(tmp_path / "absent.log").read() == []
+
+
+def test_the_checkpoint_managers_resume_line_is_recognised():
+    from megatron_cpo.trainer.run import checkpointing
+
+    source = Path(checkpointing.__file__).read_text()
+    assert 'logger.info("resumed from %s (step %d)", directory, step)' in source  # the line RESUMED reads
+    match = RESUMED.search("07:40:02 resumed from runs/compare_cpo/cpo/seed1/checkpoints/step_000010 (step 10)")
+    assert match and int(match.group(1)) == 10
+
+
+def test_a_resumed_attempts_start_up_is_not_a_steps_cpu(tmp_path):
+    rows = [{"step": 0, "attempt": 0, "tree_cpu_s": 100.0}, {"step": 1, "attempt": 0, "tree_cpu_s": 160.0},
+            {"step": 2, "attempt": 0, "tree_cpu_s": 230.0},
+            # attempt 1 resumes from step 1's checkpoint: 90 s of start-up, then step 2 again and step 3
+            {"resumed": 1, "attempt": 1, "tree_cpu_s": 90.0}, {"step": 2, "attempt": 1, "tree_cpu_s": 155.0},
+            {"step": 3, "attempt": 1, "tree_cpu_s": 215.0}]
+    path = tmp_path / "step_cpu.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert step_cpu(path) == {1: 60.0, 2: 125.0, 3: 185.0}
