@@ -1,10 +1,13 @@
 """Session-wide real components for the trainer tests: a tiny model (Llama with tied embeddings), the arithmetic
-data, one vLLM engine."""
+data, one vLLM engine serving it, and one serving the quickstart's warm-started model."""
 import os
+from pathlib import Path
 
 import pytest
 
 from megatron_cpo.config import build_config
+
+WARM_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 
 
 @pytest.fixture
@@ -41,6 +44,19 @@ def rollout_manager(ray_cluster, tiny_model):
     from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
 
     manager = RolloutManager(EngineLaunchConfig(model_path=tiny_model, dtype="float32", max_model_len=512, seed=1,
+                                                engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local")))
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="session")
+def warm_engine(ray_cluster):
+    """One engine of the quickstart's warm-started model (examples/tiny/model; the other engines serve random models):
+    the learning run and the multi-turn runs, whose episodes need a model that ends its turns."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
+
+    manager = RolloutManager(EngineLaunchConfig(model_path=str(WARM_MODEL), dtype="float32", max_model_len=512, seed=1,
                                                 engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local")))
     yield manager
     manager.shutdown()

@@ -27,19 +27,7 @@ from tests.trainer.test_e2e import read_metrics
 from tests.trainer.test_run_recovery import EXAMPLE, TrainProcess, latest, logged_steps
 
 pytestmark = pytest.mark.usefixtures("restore_environment")
-WARM_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
-
-
-@pytest.fixture(scope="module")
-def warm_engine(ray_cluster):
-    """One engine of the warm-started model (the session's engines serve random models of other families)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig, RolloutManager
-
-    manager = RolloutManager(EngineLaunchConfig(model_path=str(WARM_MODEL), dtype="float32", max_model_len=512, seed=1,
-                                                engines=RolloutEngineConfig(kv_cache_gib=1, ray_address="local")))
-    yield manager
-    manager.shutdown()
+WARM_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"  # what the `warm_engine` serves
 
 
 def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(make_config, warm_engine, tmp_path,
