@@ -2,13 +2,14 @@
 nothing mixed, and no process outlives the run.
 
 Real runs of the tiny GRPO example (examples/tiny/grpo_arith.yaml, shrunk by the session's overrides): as
-`python -m megatron_cpo.trainer` subprocesses where the case is about processes (kill -9 of the job, a killed engine
-worker, SIGTERM during start-up), in-process on the session's engine where it is about files (damaged checkpoints,
+`python -m megatron_cpo.trainer` subprocesses where the case is about processes (killed engine workers, SIGTERM
+during start-up), in-process on the session's engine where it is about files (damaged checkpoints,
 an earlier run in the output directory).
 """
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,58 +138,47 @@ class TrainProcess:
         psutil.wait_procs(list(self.seen.values()), timeout=30)
 
 
-def test_killed_job_and_dead_engines_lose_and_repeat_no_step(small_run_overrides, rollout_manager, tmp_path):
-    """Three attempts at one 5-step run (save_freq=2), as the issue's repros:
-    1. two engines: one engine's worker is killed during step 2's rollout (the run goes on with the other: logged
-       once, counted in rollout/engines_alive), then the whole job is killed with -9 during step 4's rollout, held
-       there so that the kill cannot race step 4's checkpoint (the checkpoint is step 2's);
-    2. resume=auto with one engine: step 3 is redone (its first row is dropped), then the engine's worker is killed
-       during step 4's rollout: the run checkpoints what it trained (step 3, or 4 when the death is noticed only at
-       the weight sync after step 4's update) and exits with one line naming the engine and the fix, leaving no
-       process behind;
-    3. resume=auto on the session's engine: to step 5, which is checkpointed although 2 does not divide 5.
-    metrics.jsonl then reads every step once."""
+def test_dead_engines_lose_and_repeat_no_step(small_run_overrides, rollout_manager, tmp_path):
+    """Two attempts at one 5-step run (save_freq=2), as the issue's repros:
+    1. a job with two engines: one engine's worker is killed during step 2's rollout (the run goes on with the
+       other: logged once, counted in rollout/engines_alive), then the other's during step 4's rollout: the run
+       checkpoints what it trained (step 3, or 4 when the death is noticed only at the weight sync after step 4's
+       update) and exits with one line naming that engine and the fix, leaving no process behind;
+    2. resume=auto on the session's engine: to step 5, which is checkpointed although 2 does not divide 5.
+    metrics.jsonl then reads every step once. (A job killed with -9, whose resume drops the rows logged after its
+    checkpoint: test_async_resume.py and test_multi_turn_e2e.py.)"""
     run_dir = tmp_path / "run"
     run = [*small_run_overrides, "trainer.total_training_steps=5", "trainer.save_freq=2",
            "trainer.val_before_train=true"]
-    subprocess_run = [*run, "actor_rollout_ref.rollout.ray_address=local"]
-
-    first = TrainProcess.pausing([*subprocess_run, "actor_rollout_ref.rollout.num_engines=2"], tmp_path / "first",
-                                 run_dir, after_steps=(1, 3))
+    job = TrainProcess.pausing([*run, "actor_rollout_ref.rollout.ray_address=local",
+                                "actor_rollout_ref.rollout.num_engines=2"], tmp_path / "job", run_dir,
+                               after_steps=(1, 3))
     try:
-        first.wait_until_paused(after_step=1)
-        workers = first.engine_workers()
+        job.wait_until_paused(after_step=1)
+        workers = job.engine_workers()
         assert len(workers) == 2, workers
         workers[0].kill()
-        first.resume_rollout(after_step=1)
-        first.wait_until_paused(after_step=3)
-    finally:
-        first.kill_all()
-    assert logged_steps(run_dir) == [0, 1, 2, 3]
-    assert [rows(run_dir)[step]["rollout/engines_alive"] for step in (1, 2, 3)] == [2.0, 1.0, 1.0]
-    assert first.stderr.read_text().count("died; 1 of 2 engines left") == 1
-    assert latest(run_dir) == "step_000002"
-
-    second = TrainProcess.pausing([*subprocess_run, "trainer.resume=auto"], tmp_path / "second", run_dir,
-                                  after_steps=(3,))
-    try:
-        second.wait_until_paused(after_step=3)
-        assert logged_steps(run_dir) == [0, 1, 2, 3]  # step 3's row of the killed attempt was dropped and redone
-        workers = second.engine_workers()
+        job.resume_rollout(after_step=1)
+        job.wait_until_paused(after_step=3)
+        assert logged_steps(run_dir) == [0, 1, 2, 3] and latest(run_dir) == "step_000002"
+        workers = job.engine_workers()
         assert len(workers) == 1, workers
         workers[0].kill()
-        second.resume_rollout(after_step=3)
-        returncode = second.wait_exit()
-        stray = second.still_running(grace_s=30)
+        job.resume_rollout(after_step=3)
+        returncode = job.wait_exit()
+        stray = job.still_running(grace_s=30)
     finally:
-        second.kill_all()
-    stderr = second.stderr.read_text()
+        job.kill_all()
+    stderr = job.stderr.read_text()
     assert returncode == 1, stderr[-3000:]
+    [first_death] = re.findall(r"engine (\d) \(.*\) died; 1 of 2 engines left", stderr)
     trained = max(logged_steps(run_dir))
     assert trained in (3, 4) and logged_steps(run_dir) == list(range(trained + 1))
+    assert [rows(run_dir)[step]["rollout/engines_alive"] for step in (1, 2, 3)] == [2.0, 1.0, 1.0]
     assert latest(run_dir) == f"step_{trained:06d}"
     [error] = error_lines(stderr)
-    assert "engine 0" in error and f"step_{trained:06d}" in error and "trainer.resume=auto" in error, error
+    assert f"engine {1 - int(first_death)}" in error and f"step_{trained:06d}" in error, error
+    assert "trainer.resume=auto" in error, error
     assert stray == [], stderr[-3000:]
 
     run_training(load_config(EXAMPLE, [*run, "trainer.resume=auto"]), rollout_manager)
