@@ -12,7 +12,8 @@ over the arms (seed 1 of every arm first), so a comparison cut short stays balan
 (`trainer.resume=auto`) from its checkpoint, written every `--save-freq` steps with only the newest kept, so a stopped
 runner loses at most the steps since then: run the same command again. To pause the comparison, send the runner
 SIGTERM (`kill <runner pid>`, or Ctrl-C): its trainer finishes the current step and checkpoints it, and no other run
-starts. A run whose `run.json` says it finished is
+starts; or create `runs/compare_cpo/PAUSE`: the runner finishes the run under way and starts no other (delete the
+file before running the command again). A run whose `run.json` says it finished is
 read, not repeated; its checkpoints are deleted then.
 
 `--code DIR` runs the package and the example configs of DIR instead of this checkout's (a frozen copy, e.g.
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 from run_table import TreeCpuSampler  # noqa: E402
 
 RUNS = REPO / "runs" / "compare_cpo"
+PAUSE = RUNS / "PAUSE"  # while it exists, no run starts
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
 SEEDS = (1, 2, 3)
@@ -248,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         if finished(run):
             print(f"{name}: finished before, read", flush=True)
             continue
-        if stop.requested:
-            failed.append(f"{run.arm}/seed{run.seed} (not started)")
+        if stop.requested or PAUSE.exists():
+            why = f"{PAUSE} exists" if PAUSE.exists() else "stopped by a signal"
+            failed.append(f"{run.arm}/seed{run.seed} (not started: {why})")
             continue
         print(f"{name} ... ({time.strftime('%H:%M:%S')})", flush=True)
         record = execute(run, stop)
