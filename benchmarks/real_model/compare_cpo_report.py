@@ -112,12 +112,12 @@ def load_runs() -> list[RunData]:
     return runs
 
 
-def _cell(summary: Summary | None, digits: int = 1) -> str:
+def _cell(summary: Summary | None, digits: int = 1, unit: str = "") -> str:
     if summary is None:
         return "-"
     if summary.n < 2:
-        return f"{summary.mean:.{digits}f} (1 seed)"
-    return f"{summary.mean:.{digits}f} ± {summary.std / math.sqrt(summary.n):.{digits}f}"
+        return f"{summary.mean:.{digits}f}{unit} (1 seed)"
+    return f"{summary.mean:.{digits}f}{unit} ± {summary.std / math.sqrt(summary.n):.{digits}f}"
 
 
 def final_table(done: list[RunData]) -> list[str]:
@@ -134,8 +134,8 @@ def final_table(done: list[RunData]) -> list[str]:
         steps = summarize([r.last("steps") for r in runs])
         cpu = summarize([r.last("cpu") for r in runs])
         per_step = summarize([r.last("cpu") / r.last("steps") for r in runs])
-        lines.append(f"| {NAMES[arm]} | {len(runs)} | {_cell(start)}% | {_cell(end)}% | {_cell(change)} | "
-                     f"{_cell(steps, 0)} | {_cell(cpu, 0)} | {_cell(per_step, 0)} |")
+        lines.append(f"| {NAMES[arm]} | {len(runs)} | {_cell(start, unit='%')} | {_cell(end, unit='%')} | "
+                     f"{_cell(change)} | {_cell(steps, 0)} | {_cell(cpu, 0)} | {_cell(per_step, 0)} |")
     return lines
 
 
