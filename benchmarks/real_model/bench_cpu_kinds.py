@@ -112,7 +112,8 @@ def summarize(runs: list[dict], facts: dict[str, dict]) -> dict:
 
 
 def markdown(kinds: dict) -> str:
-    lines = ["| CPU kind | dtype (auto) | ours s/step | TRL s/step | ours / TRL | runs each |", "|---|---|---|---|---|---|"]
+    lines = ["| CPU kind | dtype (auto) | ours s/step | TRL s/step | ours / TRL | runs each |",
+             "|---|---|---|---|---|---|"]
     for isa, kind in kinds.items():
         arms = kind["arms"]
         cell = {arm: f"{arms[arm]['step_s_mean']:.1f}" if arm in arms else "-" for arm in ("ours", "trl")}
@@ -154,11 +155,13 @@ def main() -> None:
                     print(f"{isa} {arm} round {round_index}: {row['step_s_mean']:.1f} s/step", flush=True)
     kinds = summarize(runs, facts)
     if not args.markdown:
-        Path(args.out).write_text(json.dumps({"settings": {"config": CONFIG, "prompts": PROMPTS, "samples": SAMPLES,
-                                                           "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE,
-                                                           "lr": LR, "steps": args.steps, "warmup": args.warmup,
-                                                           "trl_grad_accum": args.trl_grad_accum},
-                                              "kinds": kinds, "runs": runs}, indent=2) + "\n")
+        text = json.dumps({"settings": {"config": CONFIG, "prompts": PROMPTS, "samples": SAMPLES,
+                                        "max_new_tokens": MAX_NEW_TOKENS, "temperature": TEMPERATURE, "lr": LR,
+                                        "steps": args.steps, "warmup": args.warmup,
+                                        "trl_grad_accum": args.trl_grad_accum},
+                           "kinds": kinds, "runs": runs}, indent=2) + "\n"
+        # paths relative to the repository (its parent as ../), so the committed summary names no one's machine
+        Path(args.out).write_text(text.replace(f"{ROOT}/", "").replace(f"{ROOT.parent}/", "../"))
     print(markdown(kinds), flush=True)
 
 
