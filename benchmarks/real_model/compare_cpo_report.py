@@ -252,8 +252,8 @@ def report(runs: list[RunData]) -> dict[str, list[str]]:
     head = [f"Runs read: {status or 'none'}. Numbers below are over the finished runs only.", ""]
     return {"when": head + ["Held-out accuracy (greedy, 200 questions; mean ± one standard error over seeds):", ""]
             + final_table(done) + ["", "Paired differences by seed, in points (95% t interval over seeds):", ""]
-            + paired_table(done) + ["", "What a step cost (means over steps and seeds; seconds are wall seconds on a "
-                                        "shared machine, the CPU column above is what to compare):", ""]
+            + paired_table(done) + ["", "What a step cost (means over steps and seeds, in wall seconds, which move "
+                                        "with the machine's load):", ""]
             + cost_table(done) + ["", "The hint's signal (MI quantiles over scored tokens; 'not scored': the rule "
                                       "read no hint there):", ""] + mi_table(done),
             "rows": final_table(done)}
