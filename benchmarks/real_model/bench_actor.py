@@ -28,9 +28,10 @@ from alternated import cpu_seconds, print_result, run_alternated  # noqa: E402
 # The starting point, overridden by each setting: fp32, micro-batches of 16 padded rows, the logits path, and
 # a separate old-log-prob pass (`+old_log_probs=from_update` lets the on-policy update compute them instead, as the
 # trainer does when `policy_update.old_log_probs_from_update` holds; `+threads=N` sets torch's intra-op threads).
-BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.megatron.params_dtype=float32",
-        "actor_rollout_ref.model.use_fused_kernels=false", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-        "actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
+BASE = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.megatron.params_dtype=float32", "actor_rollout_ref.model.use_fused_kernels=false",
+        "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
 BF16 = ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16"]
 SKIP = ["+old_log_probs=from_update"]
 DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",

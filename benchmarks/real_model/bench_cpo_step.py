@@ -97,12 +97,14 @@ def run_setting(name: str, batches: dict[str, str], repeats: int, port: int) -> 
         actor.log_probs_and_routing = clock.wrap("old_pass", type(actor).log_probs_and_routing.__get__(actor))
         actor.log_probs = clock.wrap("hint_pass", type(actor).log_probs.__get__(actor))
         batch = clock.wrap("hints", make_step_batch)(captured["groups"], 1.0, builder)
-        log_probs = clock.wrap("log_probs", compute_log_probs)(batch, actor, reference, settings, tokenizer.pad_token_id)
+        log_probs = clock.wrap("log_probs", compute_log_probs)(batch, actor, reference, settings,
+                                                               tokenizer.pad_token_id)
         advantages, metrics = clock.wrap("advantages", compute_advantages)(batch, log_probs, settings)
         metrics.update(clock.wrap("update", update_policy)(actor, batch, log_probs, advantages, settings))
         if index:
             step = {f"{part}_cpu_s": clock.cpu.get(part, 0.0) for part in ("hints", "old_pass", "hint_pass", "update")}
-            step.update({f"{part}_s": clock.wall.get(part, 0.0) for part in ("hints", "old_pass", "hint_pass", "update")})
+            step.update({f"{part}_s": clock.wall.get(part, 0.0)
+                         for part in ("hints", "old_pass", "hint_pass", "update")})
             step["actor_cpu_s"] = sum(clock.cpu.get(part, 0.0) for part in ("log_probs", "advantages", "update"))
             step["actor_s"] = sum(clock.wall.get(part, 0.0) for part in ("log_probs", "advantages", "update"))
             step.update({key: value for key, value in metrics.items()

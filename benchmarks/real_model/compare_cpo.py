@@ -78,7 +78,8 @@ class Run:
                 f"trainer.total_training_steps={-(-self.budget // SAMPLES_PER_STEP)}",
                 f"trainer.total_rollout_samples={self.budget}", f"trainer.test_freq_samples={self.val_every}",
                 "trainer.test_freq=-1", "trainer.val_before_train=true", f"trainer.save_freq={self.save_freq}",
-                "trainer.max_actor_ckpt_to_keep=1", "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+                "trainer.max_actor_ckpt_to_keep=1",
+                "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
                 f"trainer.experiment_name=compare_cpo_{self.arm}_seed{self.seed}", "trainer.logger=[console,jsonl]",
                 "actor_rollout_ref.rollout.ray_address=local"]
 
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (MODEL / "config.json").is_file():
         sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
     if not (args.code / "megatron_cpo" / "__init__.py").is_file():
-        sys.exit(f"error: --code {args.code} holds no megatron_cpo package; make one with git archive HEAD | tar -x -C DIR")
+        sys.exit(f"error: --code {args.code} holds no megatron_cpo package; "
+                 "make one with git archive HEAD | tar -x -C DIR")
     if not (RUNS / "data" / "test.parquet").is_file():
         subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(RUNS / "data")], cwd=REPO,
                        check=True)

@@ -25,6 +25,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,7 +250,8 @@ def report(runs: list[RunData]) -> dict[str, list[str]]:
     done = [r for r in runs if r.finished]
     status = ", ".join(f"{r.arm}/seed{r.seed}" + ("" if r.finished else f" (not finished: {max(r.rows, default=0)} "
                                                                          "steps logged)") for r in runs)
-    head = [f"Runs read: {status or 'none'}. Numbers below are over the finished runs only.", ""]
+    head = textwrap.wrap(f"Runs read: {status or 'none'}. Numbers below are over the finished runs only.", 120,
+                         break_on_hyphens=False) + [""]
     return {"when": head + ["Held-out accuracy (greedy, 200 questions; mean ± one standard error over seeds):", ""]
             + final_table(done) + ["", "Paired differences by seed, in points (95% t interval over seeds):", ""]
             + paired_table(done) + ["", "What a step cost (means over steps and seeds, in wall seconds, which move "
