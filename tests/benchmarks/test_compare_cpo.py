@@ -51,3 +51,29 @@ def test_a_resumed_attempts_start_up_is_not_a_steps_cpu(tmp_path):
     path = tmp_path / "step_cpu.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert step_cpu(path) == {1: 60.0, 2: 125.0, 3: 185.0}
+
+
+def test_the_curve_table_pairs_seeds_at_each_sample_count_interpolating_off_grid_validations():
+    from compare_cpo_report import RunData, curve_table
+
+    def run(arm, seed, points):  # points: (generated samples, accuracy) at each validation after step 0
+        rows = {0: {"val/acc": 0.2}}
+        rows.update({step: {"val/acc": acc, "train/generated_samples": samples}
+                     for step, (samples, acc) in enumerate(points, start=1)})
+        return RunData(arm, seed, True, rows, {step: 10.0 * step for step in rows if step})
+
+    grid = [(320 * k, 0.2 + 0.05 * k) for k in range(1, 9)]
+    runs = [run("grpo", 1, grid), run("grpo", 2, grid),
+            run("cpo_grpo", 1, [(s, a + 0.02) for s, a in grid]), run("cpo_grpo", 2, [(s, a + 0.04) for s, a in grid]),
+            # DAPO validates off the grid: 400 samples at 30%, 800 at 40%: 30% + 10 * (640 - 400) / 400 = 36% at 640
+            run("dapo", 1, [(400, 0.3), (800, 0.4), (2700, 0.5)]),
+            run("dapo", 2, [(400, 0.3), (800, 0.4), (2700, 0.5)])]
+    table = curve_table(runs)
+    assert table[0].startswith("| comparison | 320 | 640 |") and table[0].endswith("2,560 | mean over these |")
+    cpo_row = next(line for line in table if line.startswith("| CPO on GRPO"))
+    cells = [cell.strip() for cell in cpo_row.strip("|").split("|")][1:]
+    assert len(cells) == 9 and all(cell.startswith("+3.0 [") for cell in cells)  # +2 and +4 points: mean +3
+    dapo_row = next(line for line in table if line.startswith("| DAPO - GRPO"))
+    at_640 = [cell.strip() for cell in dapo_row.strip("|").split("|")][2]
+    assert at_640 == "+6.0 [+6.0, +6.0]"  # 36% against GRPO's 30% in both seeds
+    assert not any(line.startswith("| CPO on DAPO") for line in table)  # no seed of cpo: no row
