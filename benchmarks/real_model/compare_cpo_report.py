@@ -34,7 +34,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
-from compare_cpo import ARMS, RUNS, read_rows  # noqa: E402
+from compare_cpo import ARMS, BUDGET, RUNS, VAL_EVERY, read_rows  # noqa: E402
 from stats import Summary, paired_difference, summarize, verdict  # noqa: E402
 
 NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO on DAPO (cpo.yaml)", "cpo_grpo": "CPO on GRPO (cpo_grpo.yaml)"}
@@ -144,9 +144,7 @@ def paired_table(done: list[RunData]) -> list[str]:
     lines = ["| comparison | at the budget's end | at equal steps | at equal CPU seconds | reading (samples) |",
              "| --- | --- | --- | --- | --- |"]
     for arm, other in PAIRS:
-        a = {r.seed: r for r in done if r.arm == arm}
-        b = {r.seed: r for r in done if r.arm == other}
-        seeds = sorted(set(a) & set(b))
+        a, b, seeds = paired_runs(done, arm, other)
         if not seeds:
             lines.append(f"| {NAMES[arm]} - {NAMES[other]} | no seed finished in both | | | |")
             continue
@@ -169,17 +167,22 @@ def paired_table(done: list[RunData]) -> list[str]:
     return lines
 
 
-def curve_table(done: list[RunData], every: int = 320) -> list[str]:
+def paired_runs(done: list[RunData], arm: str, other: str) -> tuple[dict, dict, list[int]]:
+    """The finished runs of `arm` and of `other` by seed, and the seeds both finished."""
+    a = {r.seed: r for r in done if r.arm == arm}
+    b = {r.seed: r for r in done if r.arm == other}
+    return a, b, sorted(set(a) & set(b))
+
+
+def curve_table(done: list[RunData], every: int = VAL_EVERY) -> list[str]:
     """Paired differences along the sample axis: at each validation point (interpolated where an arm validated at
     other counts) and averaged over all of them. Many looks at one pair of curves: an interval here that excludes 0
     is a lead to test with more seeds, not a finding."""
-    grid = list(range(every, 2560 + 1, every))
+    grid = list(range(every, BUDGET + 1, every))
     lines = ["| comparison | " + " | ".join(f"{x:,}" for x in grid) + " | mean over these |",
              "| --- |" + " --- |" * (len(grid) + 1)]
     for arm, other in PAIRS:
-        a = {r.seed: r for r in done if r.arm == arm}
-        b = {r.seed: r for r in done if r.arm == other}
-        seeds = sorted(set(a) & set(b))
+        a, b, seeds = paired_runs(done, arm, other)
         if len(seeds) < 2:
             continue
         cells = []
@@ -273,7 +276,7 @@ def report(runs: list[RunData]) -> dict[str, list[str]]:
     done = [r for r in runs if r.finished]
     status = ", ".join(f"{r.arm}/seed{r.seed}" + ("" if r.finished else f" (not finished: {max(r.rows, default=0)} "
                                                                          "steps logged)") for r in runs)
-    ends = [r.last("samples") for r in done if r.last("samples") > 2560]
+    ends = [r.last("samples") for r in done if r.last("samples") > BUDGET]
     past = f"{min(ends):,.0f}-{max(ends):,.0f}" if ends else "none did here"
     head = textwrap.wrap(f"Runs read: {status or 'none'}. Numbers below are over the finished runs only.", 120,
                          break_on_hyphens=False) + [""]
@@ -281,15 +284,16 @@ def report(runs: list[RunData]) -> dict[str, list[str]]:
                           "ends a run at the step that reaches 2,560 generated samples: filter-groups' arms end past "
                           f"it ({past}), so their 'budget's end' is a little more than GRPO's; the table along the "
                           "way compares every arm at exactly 2,560:", 120) + [""]
+    rows = final_table(done)
     return {"when": head
-            + final_table(done) + ["", "Paired differences by seed, in points (95% t interval over seeds):", ""]
+            + rows + ["", "Paired differences by seed, in points (95% t interval over seeds):", ""]
             + paired_table(done) + ["", "Along the way: paired differences at each count of generated samples, in "
                                     "points (95% t interval over seeds):", ""]
             + curve_table(done) + ["", "What a step cost (means over steps and seeds, in wall seconds, which move "
                                         "with the machine's load):", ""]
             + cost_table(done) + ["", "The hint's signal (MI quantiles over scored tokens; 'not scored': the rule "
                                       "read no hint there):", ""] + mi_table(done),
-            "rows": final_table(done)}
+            "rows": rows}
 
 
 def write_block(path: Path, name: str, lines: list[str]) -> None:
