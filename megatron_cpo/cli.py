@@ -6,13 +6,17 @@ that runs it with the parsed arguments. Multi-process commands run under torchru
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megatron_cpo.console import run_reporting_errors, setup_logging
 from megatron_cpo.eval import add_eval_arguments, run_eval_command
-from megatron_cpo.models.conversion_commands import (add_hf_to_mcore_arguments, add_mcore_to_hf_arguments, run_hf_to_mcore,
-                                            run_mcore_to_hf)
+from megatron_cpo.models.conversion_commands import (
+    add_hf_to_mcore_arguments,
+    add_mcore_to_hf_arguments,
+    run_hf_to_mcore,
+    run_mcore_to_hf,
+)
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
 from megatron_cpo.rollout.server import add_rollout_arguments, run_rollout_command
 from megatron_cpo.trainer.command import add_train_arguments, run_train

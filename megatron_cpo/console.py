@@ -15,8 +15,9 @@ import logging.handlers
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 PACKAGE = "megatron_cpo"
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 FORMS = "'pkg.module:Name', 'pkg.module.Name' or 'path/to/file.py:name'"
 

@@ -20,7 +20,8 @@ import datetime
 import os
 import socket
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -213,7 +214,7 @@ class _CudaTypeNamesMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_CPU_TYPE_NAMES_MODE: "_CudaTypeNamesMode | None" = None
+_CPU_TYPE_NAMES_MODE: _CudaTypeNamesMode | None = None
 
 
 def apply_cpu_optimizer_adaptation() -> None:

@@ -3,7 +3,8 @@ sleeping a fixed time and hoping (too short on a loaded machine, wasted time on 
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 

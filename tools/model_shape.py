@@ -38,7 +38,7 @@ class ModelShape:
     shared_expert_gate: bool = False
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelShape":
+    def from_hf_config(cls, config: dict) -> ModelShape:
         """From an HF `config.json` dict of a supported family (read through transformers' config class, so aliases
         such as Qwen3-MoE's num_local_experts / num_experts resolve)."""
         from transformers import AutoConfig

@@ -49,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 from megatron_cpo.trainer.run.layout import Layout  # noqa: E402  (the layout preflight prints, one class for both)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shape import ModelShape  # noqa: E402  (tools/ is not a package)
 

@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.actor_bench import QWEN25_1_5B, TINY_BATCH, TINY_MODEL, BatchShape, length_skewed_batch, \
-    write_random_model
+from benchmarks.gpu.actor_bench import (
+    QWEN25_1_5B,
+    TINY_BATCH,
+    TINY_MODEL,
+    BatchShape,
+    length_skewed_batch,
+    write_random_model,
+)
 from benchmarks.gpu.report import append_record
 
 GPU_BATCH = BatchShape(prompts=4, n=4, prompt_median=128, prompt_cap=256, response_median=256, response_sigma=0.5,
@@ -44,8 +50,8 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     """Build two identical actors, step both, offload and reload one, step both again; the record of it."""
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.components import policies_for, policy_update_config
+    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     batch = length_skewed_batch(shape, vocab)

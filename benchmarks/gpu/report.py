@@ -9,9 +9,10 @@ import datetime
 import json
 import platform
 import subprocess
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 Column = tuple[str, str, Callable[[Any], str]]  # header, record key, formatter
 
@@ -37,14 +38,14 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def _version(distribution: str) -> Optional[str]:
+def _version(distribution: str) -> str | None:
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 
 
-def _driver() -> Optional[str]:
+def _driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -18,8 +18,8 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ class Inputs:
     hidden: torch.Tensor
     weight: torch.Tensor
     targets: torch.Tensor
-    logits: Optional[torch.Tensor] = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,13 +45,13 @@ class Result:
     h: int
     v: int
     device: str
-    forward_ms: Optional[float] = None
-    backward_ms: Optional[float] = None
-    forward_tflops: Optional[float] = None
-    backward_tflops: Optional[float] = None
-    peak_extra_mib: Optional[float] = None
-    extra_over_fp32_logits: Optional[float] = None
-    error: Optional[str] = None
+    forward_ms: float | None = None
+    backward_ms: float | None = None
+    forward_tflops: float | None = None
+    backward_tflops: float | None = None
+    peak_extra_mib: float | None = None
+    extra_over_fp32_logits: float | None = None
+    error: str | None = None
 
 
 def _verl(inputs: Inputs):
@@ -178,7 +178,7 @@ def _run_isolated(args: argparse.Namespace, method: str, size: tuple[int, int, i
     return Result(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def _fmt(value: Optional[float], digits: int = 1) -> str:
+def _fmt(value: float | None, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 

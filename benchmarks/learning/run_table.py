@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 
 from tasks import SEEDS, TABLES, Run, plan, write_task  # noqa: E402
 
+
 class TreeCpuSampler(threading.Thread):
     """Samples the CPU time of every live descendant of a process once a second; keeps each pid's last value, so the
     sum is the CPU time of the tree up to the last sample before each process ended (an under-estimate by <= 1 s of

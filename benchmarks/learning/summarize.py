@@ -21,8 +21,8 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from tasks import SEEDS, TABLES, plan  # noqa: E402
 from stats import binomial_se, paired_difference, summarize, verdict  # noqa: E402
+from tasks import SEEDS, TABLES, plan  # noqa: E402
 
 START, END = "<!-- generated:start (summarize.py) -->", "<!-- generated:end -->"
 NEVER_SEEN = "val/megatron_cpo/arith/acc"

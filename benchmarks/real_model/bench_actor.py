@@ -96,8 +96,8 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
         torch.set_num_threads(int(options["threads"]))
     from megatron_cpo import platform
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.workers import policy_update
     from megatron_cpo.trainer.components import policies_for, policy_update_config
+    from megatron_cpo.trainer.workers import policy_update
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     if options.get("old_log_probs") != "from_update":

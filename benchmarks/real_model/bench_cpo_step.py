@@ -65,16 +65,16 @@ class PartClock:
 
 def run_setting(name: str, batches: dict[str, str], repeats: int, port: int) -> dict:
     import torch
+    from transformers import AutoTokenizer
 
     from megatron_cpo import platform
     from megatron_cpo.algorithms.shapers import CPOShaper
     from megatron_cpo.config import load_config
+    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.driver.batching import make_step_batch
     from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder
-    from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
-    from transformers import AutoTokenizer
 
     example, batch_name, before = SETTINGS[name]
     if before:  # the step before issue 35: the separate old-log-prob pass, and every response scored under its hint

@@ -31,8 +31,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.driver.rank_zero import RankZero
     from megatron_cpo.trainer.components import engine_launch_config
+    from megatron_cpo.trainer.driver.rank_zero import RankZero
 
     example = "dapo.yaml" if args.filter_groups else "grpo.yaml"
     config = load_config(str(ROOT / "examples/smollm2-135m" / example), [

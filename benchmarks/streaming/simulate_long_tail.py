@@ -25,8 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.streaming.bench_long_tail import (  # noqa: E402
-    add_workload_arguments, long_tail_tokens, sequential_batch)
+from benchmarks.streaming.bench_long_tail import add_workload_arguments, long_tail_tokens, sequential_batch  # noqa: E402
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample, SamplingParams  # noqa: E402
 
 

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -132,8 +131,8 @@ def main() -> None:
 
     from megatron_cpo.rewards.manager import RewardConfig, RewardManager
     from megatron_cpo.rollout import SamplingParams
-    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
     from megatron_cpo.trainer.driver import controller as controller_module
+    from megatron_cpo.trainer.driver.accumulator import keep_varied_groups
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     tokenizer, dataset, manager = untrained_setup("bench_controller_", max_num_seqs=args.max_num_seqs)

@@ -62,9 +62,9 @@ def throughput_mode(args: argparse.Namespace) -> dict:
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
     from megatron_cpo.models.tiny import write_tiny_model
-    from megatron_cpo.trainer.workers.actor import UpdateInputs
     from megatron_cpo.trainer.batch.sequences import pack_sequences
     from megatron_cpo.trainer.components import policies_for
+    from megatron_cpo.trainer.workers.actor import UpdateInputs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "model", max_position_embeddings=8192)

@@ -14,8 +14,8 @@ estimators (config.ESTIMATOR_ALIASES; verl's `rloo_vectorized` alone differs the
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -38,8 +38,8 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     norm_by_std: bool = True
-    values: Optional[torch.Tensor] = None
-    reward_baselines: Optional[torch.Tensor] = None
+    values: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.token_rewards.dim() != 2 or self.mask.shape != self.token_rewards.shape:

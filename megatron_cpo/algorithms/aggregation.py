@@ -6,7 +6,7 @@ the whole batch, so the result does not depend on how the batch is split. A trai
 averages gradients multiplies by the DP size. `seq-mean-token-sum-norm` is Dr.GRPO's `sum_i sum_t loss / (num_seqs *
 L)` with L the constant generation budget (verl omits the 1/num_seqs).
 """
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -58,9 +58,9 @@ def aggregate_loss(
     values: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    norm_length: Optional[int] = None,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss Tensor[N, T] to a scalar with `mode`.
 

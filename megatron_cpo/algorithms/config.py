@@ -13,7 +13,6 @@ that every table implements exactly them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper, CPOConfig, build_shaper
 from megatron_cpo.config_checks import check, check_choice
@@ -116,7 +115,7 @@ DIVERGENCE_RS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k
 AUTO = "auto"
 
 
-def _off(value: Optional[str]) -> Optional[str]:
+def _off(value: str | None) -> str | None:
     """YAML's null and the spellings "none" / "null" all mean off."""
     return None if value is None or str(value).lower() in ("none", "null", "") else value
 
@@ -135,12 +134,12 @@ class RolloutCorrectionConfig:
         for a divergence bound, its upper end (required, e.g. 0.01 for k3).
     rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
     """
-    rollout_is: Optional[str] = AUTO
+    rollout_is: str | None = AUTO
     rollout_is_threshold: float = 2.0
-    rollout_rs: Optional[str] = None
-    rollout_rs_threshold: Optional[float] = None
-    rollout_rs_threshold_lower: Optional[float] = None
-    rollout_token_veto_threshold: Optional[float] = None
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
+    rollout_token_veto_threshold: float | None = None
 
     def __post_init__(self) -> None:
         prefix = "algorithm.rollout_correction."
@@ -180,7 +179,7 @@ class RolloutCorrectionConfig:
         """Whether the importance weights were switched on by name (not by `auto`)."""
         return self.rollout_is in IS_LEVELS
 
-    def resolve(self, max_staleness: int, tis_on: bool) -> Optional["RolloutCorrectionConfig"]:
+    def resolve(self, max_staleness: int, tis_on: bool) -> RolloutCorrectionConfig | None:
         """The correction a run applies (None: nothing to do): `auto` becomes token-level IS when the samples may
         be stale (`max_staleness` > 0) and the actor's TIS is off, and is off otherwise."""
         level = self.rollout_is

@@ -18,7 +18,8 @@ spec's `yw`), every term that selects wrong responses also requires it (the refe
 that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
 correctness.
 """
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -170,8 +171,8 @@ def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficult
         )
 
 
-def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Tensor, pos_alpha: Optional[float],
-                     neg_alpha: Optional[float], hint_correct: Optional[torch.Tensor] = None) -> torch.Tensor:
+def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Tensor, pos_alpha: float | None,
+                     neg_alpha: float | None, hint_correct: torch.Tensor | None = None) -> torch.Tensor:
     """The responses whose advantages the rule can change through a hint signal, BoolTensor[N]: those that the
     response selectors of some term reading the hint pick, over the terms whose alpha is not 0.
 
@@ -204,10 +205,10 @@ def shape_advantages(
     difficulty: torch.Tensor,
     log_probs: torch.Tensor,
     hint_log_probs: torch.Tensor,
-    pos_alpha: Optional[float],
-    neg_alpha: Optional[float],
+    pos_alpha: float | None,
+    neg_alpha: float | None,
     cpo_lambda: float,
-    hint_correct: Optional[torch.Tensor] = None,
+    hint_correct: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
 

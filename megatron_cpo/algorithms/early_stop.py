@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -39,14 +38,14 @@ class EarlyStopMonitor:
     """Stop training when the in-group reward std has collapsed: all of the last `window` attempts are below
     `ratio` x the baseline (the mean over the first `baseline_steps` successful steps)."""
 
-    def __init__(self, config: Optional[EarlyStopConfig] = None) -> None:
+    def __init__(self, config: EarlyStopConfig | None = None) -> None:
         self.config = config or EarlyStopConfig()
         self._baseline_values: list[float] = []
         self._recent: deque = deque(maxlen=self.config.window)
         self.stopped = False
 
     @property
-    def baseline(self) -> Optional[float]:
+    def baseline(self) -> float | None:
         """The baseline std once `baseline_steps` successful steps were seen, else None."""
         if len(self._baseline_values) < self.config.baseline_steps:
             return None

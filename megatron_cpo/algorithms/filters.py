@@ -9,13 +9,12 @@
 Every filter keeps or drops whole groups and returns a `GroupFilterResult`. Group indices are 0..G-1 (see groups.py).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
 from megatron_cpo.algorithms.config import RolloutFilterConfig
-
 from megatron_cpo.algorithms.groups import (
     check_group,
     group_count,
@@ -164,7 +163,7 @@ GROUP_SCORES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
 
 
 def ragen_group_scores(
-    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: Optional[torch.Tensor] = None
+    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The per-group score RAGEN ranks by, Tensor[G]: reward std / mean / sum, or mean response length."""
     if config.group_score == "length":
@@ -176,7 +175,7 @@ def ragen_group_scores(
 
 
 def ragen_filter(
-    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: Optional[torch.Tensor] = None
+    rewards: torch.Tensor, group: torch.Tensor, config: RolloutFilterConfig, lengths: torch.Tensor | None = None
 ) -> GroupFilterResult:
     """Keep the prompt groups that RAGEN's strategy selects by group score; returns whole-group keep mask + metrics.
 

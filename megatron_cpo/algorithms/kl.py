@@ -11,7 +11,7 @@ Names and numerics follow verl's `kl_penalty` so users see the same numbers:
 A trailing `+` (e.g. `k3+`) gives the straight-through variant: the forward value of the named estimator with the
 gradient of `k2`, whose gradient is the unbiased gradient of KL (Tang & Munos, 2025; verl's "+" kinds).
 """
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from megatron_cpo.algorithms.config import LOSS_AGGREGATION_MODES, check_kl_kind
 from megatron_cpo.config_checks import check_choice
@@ -55,12 +54,12 @@ class TISConfig:
             raise ValueError(f"tis.threshold={self.threshold} must be > 0 (typical values 1.5 to 5)")
 
 
-def _sapo_problems(config: "PolicyLossConfig") -> list[str]:
+def _sapo_problems(config: PolicyLossConfig) -> list[str]:
     return [f"actor_rollout_ref.actor.{name}={getattr(config, name)} must be > 0 (SAPO's gate temperature)"
             for name in ("tau_pos", "tau_neg") if getattr(config, name) <= 0]
 
 
-def _clip_cov_problems(config: "PolicyLossConfig") -> list[str]:
+def _clip_cov_problems(config: PolicyLossConfig) -> list[str]:
     loss, prefix = config.policy_loss, "actor_rollout_ref.actor.policy_loss."
     problems = [] if loss.clip_cov_ratio > 0 else [f"{prefix}clip_cov_ratio={loss.clip_cov_ratio} must be > 0 (e.g. "
                                                    "0.0002)"]
@@ -69,7 +68,7 @@ def _clip_cov_problems(config: "PolicyLossConfig") -> list[str]:
     return problems
 
 
-def _kl_cov_problems(config: "PolicyLossConfig") -> list[str]:
+def _kl_cov_problems(config: PolicyLossConfig) -> list[str]:
     loss, prefix = config.policy_loss, "actor_rollout_ref.actor.policy_loss."
     problems = [] if loss.kl_cov_ratio > 0 else [f"{prefix}kl_cov_ratio={loss.kl_cov_ratio} must be > 0 (e.g. "
                                                  "0.0002)"]
@@ -172,6 +171,6 @@ class PolicyLossConfig:
                              "all, e.g. 0.2 for the top 20%)")
 
     @property
-    def tis(self) -> Optional[TISConfig]:
+    def tis(self) -> TISConfig | None:
         """Token-level TIS at `tis_imp_ratio_cap`, or None when it is off."""
         return TISConfig(level="token", threshold=self.tis_imp_ratio_cap) if self.tis_imp_ratio_cap > 0 else None

@@ -9,20 +9,19 @@ KL loss, TIS and the off-policy correction.
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
-from typing import Optional
 
 import torch
 
 from megatron_cpo.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate_loss  # noqa: F401  (the table: re-exported)
 from megatron_cpo.algorithms.config import RolloutCorrectionConfig
-from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.kl import kl_penalty
-from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
-from megatron_cpo.algorithms.rollout_correction import rollout_correction
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the loss module's public surface)
     rollout_mismatch_metrics,
     truncated_importance_weights,
 )
+from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
+from megatron_cpo.algorithms.rollout_correction import rollout_correction
 
 
 def entropy_mask(
@@ -53,13 +52,13 @@ def policy_loss(
     mask: torch.Tensor,
     config: PolicyLossConfig,
     *,
-    entropy: Optional[torch.Tensor] = None,
-    ref_log_probs: Optional[torch.Tensor] = None,
-    rollout_log_probs: Optional[torch.Tensor] = None,
-    global_tokens: Optional[float] = None,
-    global_seqs: Optional[float] = None,
-    correction: Optional[RolloutCorrectionConfig] = None,
-    generator: Optional[torch.Generator] = None,
+    entropy: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    correction: RolloutCorrectionConfig | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total actor loss `pg - entropy_coeff * entropy + kl_loss_coef * kl` for one micro-batch, and its metrics.
 

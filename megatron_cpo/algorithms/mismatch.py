@@ -9,9 +9,10 @@ the product of the token ratios.
 """
 import torch
 
-from megatron_cpo.algorithms.loss_config import TISConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
+from megatron_cpo.algorithms.loss_config import TISConfig
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
+
 
 def rollout_mismatch_metrics(
     trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor

@@ -15,12 +15,11 @@ arithmetic, so neither the loss nor its gradient can pick a NaN up from a padded
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
 
 import torch
 
-from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.masked import masked_mean, masked_select_zero
 
 GSPO_LOG_RATIO_MAX = 10.0  # verl's bound on GSPO's combined log-ratio
@@ -99,7 +98,7 @@ class PolicyLossMode(ABC):
 
     @abstractmethod
     def losses(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor, config: PolicyLossConfig, generator: Optional[torch.Generator] = None
+               mask: torch.Tensor, config: PolicyLossConfig, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-token losses [N, T] (0 on padding) and metrics; `generator` draws a mode's random choices."""
 

@@ -33,6 +33,7 @@ from megatron_cpo.algorithms.config import IS_LEVELS, RS_LEVELS, RolloutCorrecti
 from megatron_cpo.algorithms.kl import LOG_RATIO_CLAMP
 from megatron_cpo.algorithms.masked import masked_mean, masked_sum
 
+
 @dataclass
 class RolloutCorrection:
     """`weights`: detached importance weights [N, T] (1 on padding and where IS is off); `keep`: bool [N, T], the

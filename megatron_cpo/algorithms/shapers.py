@@ -20,7 +20,7 @@ a shaper's math (cpo.py) loads when it first shapes a batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar
 
 from megatron_cpo.algorithms.cpo_rules import known_rules
 
@@ -84,14 +84,14 @@ class AdvantageShaper:
         return torch.zeros_like(correct, dtype=torch.bool)
 
     def shape_rows(self, advantages: torch.Tensor, *, mask: torch.Tensor, log_probs: torch.Tensor,
-                   entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor], signals: Optional[HintSignals],
+                   entropy: torch.Tensor, hint_log_probs: torch.Tensor | None, signals: HintSignals | None,
                    **response_inputs: torch.Tensor) -> torch.Tensor:
         """The shaped advantages of some whole responses (rows of every tensor, `response_inputs` included)."""
         return advantages
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
-              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional[HintSignals] = None, hinted: Optional[torch.Tensor] = None
+              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: torch.Tensor | None = None,
+              signals: HintSignals | None = None, hinted: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
         """(advantages to train on, metrics); all per-token tensors [N, T], `correct` / `group` [N]; `hinted` [N]:
         the responses scored under a hint (the others' `hint_log_probs` are their plain ones)."""
@@ -129,13 +129,13 @@ class CPOShaper(AdvantageShaper):
                                 log_probs, hint_log_probs, cfg.pos_alpha, cfg.neg_alpha, cfg.cpo_lambda)
 
     def shape_rows(self, advantages: torch.Tensor, *, mask: torch.Tensor, log_probs: torch.Tensor,
-                   entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor], signals: Optional[HintSignals],
+                   entropy: torch.Tensor, hint_log_probs: torch.Tensor | None, signals: HintSignals | None,
                    **response_inputs: torch.Tensor) -> torch.Tensor:
         return self._shape(advantages, mask, log_probs, entropy, hint_log_probs, signals, **response_inputs)[0]
 
     def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
-              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: Optional[torch.Tensor] = None,
-              signals: Optional[HintSignals] = None, hinted: Optional[torch.Tensor] = None
+              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: torch.Tensor | None = None,
+              signals: HintSignals | None = None, hinted: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
         import torch
 

@@ -9,8 +9,6 @@ is split over micro-batches and data-parallel ranks.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megatron_cpo.algorithms.aggregation import aggregate_loss
@@ -20,8 +18,8 @@ EXPLAINED_VARIANCE_EPS = 1e-5
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float, loss_agg_mode: str, global_tokens: Optional[float] = None,
-               global_seqs: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               cliprange_value: float, loss_agg_mode: str, global_tokens: float | None = None,
+               global_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped value loss of one micro-batch and its metrics, verl's names: `vf_loss` (the loss), `vf_clipfrac`
     (the share of tokens whose clipped error is the larger) and `vpred_mean` (the mean new value), each a share of
     the mini-batch's when the global counts are given (else this micro-batch's own value)."""

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 DATA_SOURCE = "megatron_cpo/arith"
 ABILITY = "math"

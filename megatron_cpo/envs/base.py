@@ -11,8 +11,8 @@ implementation may block; it is never called twice at once for one episode.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import yaml

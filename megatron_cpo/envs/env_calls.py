@@ -9,8 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megatron_cpo.envs.base import Message, StepResult
 from megatron_cpo.envs.episode import Episode

@@ -7,7 +7,8 @@ arguments its constructor gets. One registry serves a run: tools and interaction
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
 from megatron_cpo.envs.base import SingleTurnEnvironment, scores_itself

@@ -32,15 +32,15 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_cpo.data.dataset import fit_prompt
 from megatron_cpo.envs.base import Message, StepResult
 from megatron_cpo.envs.config import MultiTurnConfig
-from megatron_cpo.envs.env_calls import (Call, EnvironmentCalls, as_step_result, finish_environment,
-                                         make_and_reset)
+from megatron_cpo.envs.env_calls import Call, EnvironmentCalls, as_step_result, finish_environment, make_and_reset
 from megatron_cpo.envs.episode import Episode, turn_seed
 from megatron_cpo.envs.registry import EnvironmentRegistry, agent_of
 from megatron_cpo.envs.templates import ChatTemplate

@@ -9,8 +9,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 
 class DaemonThreads:

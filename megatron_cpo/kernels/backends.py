@@ -29,7 +29,7 @@ class RowGrads:
     grad_log_probs: torch.Tensor
     grad_entropy: torch.Tensor
 
-    def rows(self, begin: int, end: int) -> "RowGrads":
+    def rows(self, begin: int, end: int) -> RowGrads:
         return RowGrads(*(t[begin:end] for t in (self.local_targets, self.max, self.log_sum_exp, self.entropy,
                                                    self.grad_log_probs, self.grad_entropy)))
 
@@ -224,7 +224,7 @@ class TritonBackend:
 BACKENDS: dict[str, KernelBackend] = {"torch": TorchChunkedBackend(), "triton": TritonBackend()}
 
 
-def resolve_backend(impl: "str | KernelBackend", device: torch.device) -> KernelBackend:
+def resolve_backend(impl: str | KernelBackend, device: torch.device) -> KernelBackend:
     """``"auto"`` is Triton on CUDA and chunked torch elsewhere; a name from ``BACKENDS``; or a backend instance."""
     if not isinstance(impl, str):
         return impl

@@ -15,7 +15,7 @@ Backward:
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ def _check_inputs(name: str, tensor: torch.Tensor, targets: torch.Tensor, temper
         raise ValueError(f"temperature={temperature} must be > 0")
 
 
-def _row_grads(ctx, grad_log_probs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]) -> RowGrads:
+def _row_grads(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> RowGrads:
     local_targets, z_max, log_sum_exp, entropy, ignored = ctx.saved_tensors[-5:]
 
-    def incoming(grad: Optional[torch.Tensor]) -> torch.Tensor:
+    def incoming(grad: torch.Tensor | None) -> torch.Tensor:
         if grad is None:
             return torch.zeros_like(entropy)
         return grad.reshape(-1).float().masked_fill(ignored, 0.0).contiguous()
@@ -110,8 +110,8 @@ class _LinearLogProbsEntropy(torch.autograd.Function):
 
 
 def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         tp_group: Optional[dist.ProcessGroup] = None, ignore_index: int = -100,
-                         vocab_size: Optional[int] = None, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                         tp_group: dist.ProcessGroup | None = None, ignore_index: int = -100,
+                         vocab_size: int | None = None, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and the entropy of its distribution, float32, from (vocab-parallel) logits.
 
     Args:
@@ -133,8 +133,8 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
 
 
 def linear_log_probs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                temperature: float = 1.0, tp_group: Optional[dist.ProcessGroup] = None,
-                                ignore_index: int = -100, vocab_size: Optional[int] = None,
+                                temperature: float = 1.0, tp_group: dist.ProcessGroup | None = None,
+                                ignore_index: int = -100, vocab_size: int | None = None,
                                 impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``log_probs_and_entropy(hidden @ weight.T, ...)`` without ever holding the logits (online softmax over tiles).
 

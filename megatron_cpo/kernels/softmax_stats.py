@@ -16,7 +16,7 @@ sum), the reductions Megatron's vocab-parallel cross entropy performs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class VocabShard:
     vocab_size: int
 
     @classmethod
-    def of_rank(cls, local_size: int, tp_group: Optional[dist.ProcessGroup], vocab_size: Optional[int]) -> "VocabShard":
+    def of_rank(cls, local_size: int, tp_group: dist.ProcessGroup | None, vocab_size: int | None) -> VocabShard:
         """Describe this rank's slice, given the local width of the logits and the real (unpadded) vocabulary size."""
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
         world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -114,7 +114,7 @@ def combine_partials(parts: SoftmaxStats) -> SoftmaxStats:
     return SoftmaxStats(new_max, sum_exp.sum(0), sum_exp_shift.sum(0), parts.target_z.sum(0))
 
 
-def finalize(stats: SoftmaxStats, tp_group: Optional[dist.ProcessGroup]) -> LogProbsEntropy:
+def finalize(stats: SoftmaxStats, tp_group: dist.ProcessGroup | None) -> LogProbsEntropy:
     """Reduce a rank's statistics over the tensor-parallel group and form log-probs, entropy and log-sum-exp."""
     global_max = stats.max.clone()
     if tp_group is not None:

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from megatron_cpo import platform
 from megatron_cpo.models.families import LinearBiases, family_of
-from megatron_cpo.models.hf_options import (check_supported_options, rope_settings,  # noqa: F401 (re-exported)
-                                            sliding_window_settings)
+from megatron_cpo.models.hf_options import check_supported_options, rope_settings, sliding_window_settings  # noqa: F401 (re-exported)
 from megatron_cpo.models.value_head import ValueHead, head_has_bias
 
 
@@ -184,8 +183,10 @@ class SequenceParallelRMSNorm:
 def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int | None):
     """The spec of one dense (`num_experts` None) or MoE layer: Transformer Engine's when TE is importable (GPU),
     Megatron-Core's local one otherwise, with exactly the HF biases (see `layer_spec`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     kind = {"num_experts": num_experts, "moe_grouped_gemm": bool(num_experts) and config.moe_grouped_gemm,
             "qk_layernorm": config.qk_layernorm}

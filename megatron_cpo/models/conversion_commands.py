@@ -11,9 +11,9 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

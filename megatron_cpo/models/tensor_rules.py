@@ -12,8 +12,8 @@ exporting. Megatron layouts that differ from HF:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

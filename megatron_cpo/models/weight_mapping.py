@@ -9,17 +9,27 @@ them). The rollout weight sync streams the same iterator.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_cpo.models.builder import head_dim_of, unwrap_model
 from megatron_cpo.models.families import family_of
-from megatron_cpo.models.tensor_rules import (EMBEDDING, FINAL_NORM, IGNORED_HF_SUFFIXES, LM_HEAD, TIED_LM_HEAD,
-                                              VALUE_HEAD, VALUE_HEAD_BIAS, Mapping, Shape)
+from megatron_cpo.models.tensor_rules import (
+    EMBEDDING,
+    FINAL_NORM,
+    IGNORED_HF_SUFFIXES,
+    LM_HEAD,
+    TIED_LM_HEAD,
+    VALUE_HEAD,
+    VALUE_HEAD_BIAS,
+    Mapping,
+    Shape,
+)
 
 
 @dataclass(frozen=True)
@@ -192,7 +202,7 @@ def load_hf_weights(model: Any, hf_dir: str | Path) -> None:
     _check_every_tensor_used(model, reader, used)
 
 
-def _check_every_tensor_used(model: Any, reader: "SafetensorsReader", used: set[str]) -> None:
+def _check_every_tensor_used(model: Any, reader: SafetensorsReader, used: set[str]) -> None:
     """Raise naming the HF tensors no rank loaded; a tied checkpoint's lm_head.weight counts if it equals the
     embedding (transformers ignores it then, and so do we)."""
     per_rank: list = [None] * dist.get_world_size()
@@ -239,7 +249,7 @@ class _ExportRoles:
     yields: bool   # the stage's exporter: TP rank 0 of the exporting replica (also ETP and EP rank 0)
 
     @classmethod
-    def of_this_rank(cls) -> "_ExportRoles":
+    def of_this_rank(cls) -> _ExportRoles:
         from megatron.core import parallel_state as ps
 
         dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0

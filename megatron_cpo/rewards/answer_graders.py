@@ -123,7 +123,7 @@ def compute_multiple_choice_score(
 
 def has_geometry_format(solution_str: str) -> bool:
     """``<think>...</think> ... \\boxed{...} ...`` with the response starting at ``<think>`` (verl's geo3k format
-    reward, the regex ``<think>.*</think>.*\\boxed\{.*\}.*`` fully matched), decided with three ``find`` calls."""
+    reward, the regex ``<think>.*</think>.*\\boxed\\{.*\\}.*`` fully matched), decided with three ``find`` calls."""
     if not solution_str.startswith("<think>"):
         return False
     think_end = solution_str.find("</think>", len("<think>"))

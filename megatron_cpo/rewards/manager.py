@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rewards.non_finite import screen_scores, source_row
 from megatron_cpo.rewards.pool import GraderPool, TaskOutcome
-from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.registry import get_grader
 from megatron_cpo.rewards.remote import RemoteRewardModel
 from megatron_cpo.rewards.sandbox import configure_sandbox, sandbox_metrics

@@ -38,13 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.answer_graders import (
     compute_geometry_score,
     compute_gsm8k_score,
     compute_last_number_score,
     compute_multiple_choice_score,
 )
-from megatron_cpo.import_paths import import_callable
 from megatron_cpo.rewards.code_grader import compute_code_score
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rewards.dataset_graders import compute_dapo_score, compute_qa_exact_match_score

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
@@ -40,7 +40,7 @@ class BucketSpec:
         return [self.path, self.nbytes, entries_to_wire(self.entries)]
 
     @classmethod
-    def from_wire(cls, wire: list) -> "BucketSpec":
+    def from_wire(cls, wire: list) -> BucketSpec:
         path, nbytes, entries = wire
         return cls(path, nbytes, entries_from_wire(entries))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

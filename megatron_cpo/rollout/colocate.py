@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -158,7 +159,7 @@ class NodeEngineServers:
 
 
 def start_colocated_engines(config: EngineLaunchConfig, exchange: Callable[[Any], list], client: dict[str, Any]
-                            ) -> tuple["ColocatedRolloutManager | None", NodeEngineServers | None]:
+                            ) -> tuple[ColocatedRolloutManager | None, NodeEngineServers | None]:
     """Every trainer rank calls this together; `exchange(value)` returns every rank's value in rank order. Each
     node's first rank starts the node's engine servers; rank 0 gets the manager over all nodes' servers (which also
     stops rank 0's own servers at shutdown). Returns (the manager on rank 0, else None; the servers this rank started
@@ -214,7 +215,7 @@ class ColocatedRolloutManager(ServerRolloutManager):
 
     @classmethod
     def start(cls, config: EngineLaunchConfig, num_engines: int, timeout_s: float, min_model_len: int,
-              sleep_level: int = 1) -> "ColocatedRolloutManager":
+              sleep_level: int = 1) -> ColocatedRolloutManager:
         """`num_engines` servers on this node (loopback, a fresh token) and the manager over them: one process's
         colocated rollout (a multi-node trainer uses `start_colocated_engines` on every rank)."""
         token = secrets.token_hex(32)

@@ -7,8 +7,8 @@ A subclass keeps `engines`, `_alive` and `_pending` (its own handle -> request e
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
 
@@ -50,7 +50,7 @@ class RequestBook:
     def _live_indices(self) -> list[int]:
         return [i for i, alive in enumerate(self._alive) if alive]
 
-    def __enter__(self) -> "RequestBook":
+    def __enter__(self) -> RequestBook:
         return self
 
     def __exit__(self, *exc) -> None:

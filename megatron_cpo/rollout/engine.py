@@ -16,8 +16,14 @@ import time
 import uuid
 
 from megatron_cpo.rollout.buckets import BucketSpec
-from megatron_cpo.rollout.types import (IN_FLIGHT_POLICIES, EngineLaunchConfig, RolloutGroup, RolloutSample,
-                                        SamplingParams, derive_sample_seeds)
+from megatron_cpo.rollout.types import (
+    IN_FLIGHT_POLICIES,
+    EngineLaunchConfig,
+    RolloutGroup,
+    RolloutSample,
+    SamplingParams,
+    derive_sample_seeds,
+)
 
 WORKER_EXTENSION = "megatron_cpo.rollout.worker_extension.WeightReloadExtension"
 PROCESS_CHECK_S = 1.0  # how often a pending weight RPC checks that the engine's processes are alive

@@ -19,15 +19,22 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 
 from megatron_cpo.rollout import http_protocol as proto
-from megatron_cpo.rollout.buckets import (bucket_layout, entries_to_wire, iter_buckets, pack_bucket, release_bucket,
-                                          write_bucket)
+from megatron_cpo.rollout.buckets import (
+    bucket_layout,
+    entries_to_wire,
+    iter_buckets,
+    pack_bucket,
+    release_bucket,
+    write_bucket,
+)
 from megatron_cpo.rollout.collective import WeightGroup, host_weight_store
 
 
@@ -135,7 +142,7 @@ class ServerSenderSpec:
     timeout_s: float
     session: str  # the run's id, so a new run never reuses an old run's group
 
-    def make_sender(self) -> "HttpWeightSender":
+    def make_sender(self) -> HttpWeightSender:
         return HttpWeightSender(self)
 
 

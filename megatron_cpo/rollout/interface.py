@@ -6,7 +6,8 @@ types every engine handle as `RolloutEngines`, so a new mode is one class that s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: this module stays a leaf that imports neither Ray nor the HTTP client
     import torch

@@ -19,8 +19,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -28,10 +28,18 @@ from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
 from megatron_cpo.rollout.engine import VLLMEngine
 from megatron_cpo.rollout.processes import end_processes, engine_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
-from megatron_cpo.rollout.types import (EngineLaunchConfig, RolloutEngineStartError, RolloutEnginesLostError,
-                                        RolloutGroup)
-from megatron_cpo.rollout.weight_sync import (WeightSender, WeightSenderSpec, close_weight_groups,
-                                              resolve_weight_transport)
+from megatron_cpo.rollout.types import (
+    EngineLaunchConfig,
+    RolloutEnginesLostError,
+    RolloutEngineStartError,
+    RolloutGroup,
+)
+from megatron_cpo.rollout.weight_sync import (
+    WeightSender,
+    WeightSenderSpec,
+    close_weight_groups,
+    resolve_weight_transport,
+)
 
 logger = logging.getLogger(__name__)
 

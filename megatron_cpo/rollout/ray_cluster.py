@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 logger = logging.getLogger(__name__)
 

@@ -15,17 +15,24 @@ import logging
 import queue
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
 from megatron_cpo.rollout import http_protocol as proto
-from megatron_cpo.rollout.http_client import (HttpCaller, HttpWeightSender, RolloutServerAuthError,
-                                              RolloutServerError, ServerSenderSpec, close_server_groups,
-                                              health_problem, wait_all)
 from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
-from megatron_cpo.rollout.types import RolloutEngineStartError, RolloutEnginesLostError, RolloutGroup
+from megatron_cpo.rollout.http_client import (
+    HttpCaller,
+    HttpWeightSender,
+    RolloutServerAuthError,
+    RolloutServerError,
+    ServerSenderSpec,
+    close_server_groups,
+    health_problem,
+    wait_all,
+)
+from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutEngineStartError, RolloutGroup
 
 logger = logging.getLogger(__name__)
 

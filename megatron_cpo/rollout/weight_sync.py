@@ -27,14 +27,20 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from megatron_cpo.rollout.buckets import (bucket_layout, entries_to_wire, iter_buckets, pack_bucket, release_bucket,
-                                          write_bucket)
+from megatron_cpo.rollout.buckets import (
+    bucket_layout,
+    entries_to_wire,
+    iter_buckets,
+    pack_bucket,
+    release_bucket,
+    write_bucket,
+)
 from megatron_cpo.rollout.collective import WeightGroup, host_weight_store
 
 WEIGHT_TRANSPORTS = ("auto", "shm", "collective")

@@ -28,7 +28,7 @@ Two things vLLM's layerwise reload (`model_executor/model_loader/reload/layerwis
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megatron_cpo.algorithms.config import FILTER_LOSS_SCALING_MODES
-from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopConfig
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
 

@@ -12,7 +12,7 @@ settings left unset (null) take the actor's values when the config loads, as ver
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 from megatron_cpo.algorithms.config import LOSS_AGGREGATION_MODES
 from megatron_cpo.config_checks import check, check_choice
@@ -69,19 +69,19 @@ class CriticConfig:
     the actor's value. An optimizer step whose loss or gradient norm is not finite is skipped on every rank
     (`critic/update_skipped`); `max_consecutive_skipped_updates` in a row stop the run, checkpointed.
     """
-    enable: Optional[bool] = None
+    enable: bool | None = None
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
     megatron: CriticMegatronConfig = field(default_factory=CriticMegatronConfig)
     checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
-    ppo_epochs: Optional[int] = None
-    ppo_mini_batch_size: Optional[int] = None
-    ppo_micro_batch_size_per_gpu: Optional[int] = None
-    use_dynamic_bsz: Optional[bool] = None
+    ppo_epochs: int | None = None
+    ppo_mini_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool | None = None
     ppo_max_token_len_per_gpu: int = 32768
     forward_max_token_len_per_gpu: int = 0
     cliprange_value: float = 0.5
-    loss_agg_mode: Optional[str] = None
+    loss_agg_mode: str | None = None
     max_consecutive_skipped_updates: int = 3
 
     def __post_init__(self) -> None:

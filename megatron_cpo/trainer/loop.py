@@ -37,16 +37,36 @@ from megatron_cpo.trainer.driver.controller import CollectedBatch
 from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager, hf_exporter
 from megatron_cpo.trainer.run.errors import RunAbortedError
 from megatron_cpo.trainer.run.machine import check_dtype
-from megatron_cpo.trainer.run.run_guards import (StartupSignal, StopSignal, engines_lost_message,
-                                                 nothing_to_train_message, prepare_run_directory,
-                                                 rewards_refused_message, weights_not_finite_message)
-from megatron_cpo.trainer.workers.collectives import (all_gather_object, any_rank, barrier, broadcast_batch,
-                                                      broadcast_object, push_weights)
+from megatron_cpo.trainer.run.run_guards import (
+    StartupSignal,
+    StopSignal,
+    engines_lost_message,
+    nothing_to_train_message,
+    prepare_run_directory,
+    rewards_refused_message,
+    weights_not_finite_message,
+)
+from megatron_cpo.trainer.workers.collectives import (
+    all_gather_object,
+    any_rank,
+    barrier,
+    broadcast_batch,
+    broadcast_object,
+    push_weights,
+)
 from megatron_cpo.trainer.workers.offload import colocated_offload, offloaded_during
-from megatron_cpo.trainer.workers.policy_update import (compute_advantages, compute_log_probs, update_critic,
-                                                        update_policy)
-from megatron_cpo.trainer.workers.sync_probe import (EngineOutOfSyncError, SyncProbe, TrainerNotFiniteError,
-                                                     sync_check_metrics)
+from megatron_cpo.trainer.workers.policy_update import (
+    compute_advantages,
+    compute_log_probs,
+    update_critic,
+    update_policy,
+)
+from megatron_cpo.trainer.workers.sync_probe import (
+    EngineOutOfSyncError,
+    SyncProbe,
+    TrainerNotFiniteError,
+    sync_check_metrics,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from megatron_cpo.algorithms.early_stop import EarlyStopConfig, EarlyStopMonitor
 from megatron_cpo.algorithms.filters import (
     RolloutFilterConfig,
     filter_groups,
@@ -13,7 +14,6 @@ from megatron_cpo.algorithms.filters import (
     scale_advantages,
 )
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
-from megatron_cpo.algorithms.early_stop import EarlyStopConfig, EarlyStopMonitor
 
 
 def test_filter_groups_hand_computed():

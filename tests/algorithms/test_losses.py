@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_cpo.algorithms.loss_config import PolicyLossConfig, TISConfig
 from megatron_cpo.algorithms.kl import kl_in_reward
-from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
+from megatron_cpo.algorithms.loss_config import PolicyLossConfig, TISConfig
 from megatron_cpo.algorithms.losses import (
     aggregate_loss,
     entropy_mask,
@@ -15,6 +14,7 @@ from megatron_cpo.algorithms.losses import (
     rollout_mismatch_metrics,
     truncated_importance_weights,
 )
+from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 
 LN2 = math.log(2.0)
 

@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 from megatron_cpo.algorithms.advantages import grpo_scalar_advantages
 from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
 from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES
-from megatron_cpo.kernels import hint_mi_signals
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
+from megatron_cpo.kernels import hint_mi_signals
 
 FAST = settings(max_examples=25, deadline=None)
 

@@ -20,8 +20,8 @@ from megatron_cpo.algorithms.advantages import grpo_advantages
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter, ragen_group_scores
 from megatron_cpo.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron_cpo.algorithms.losses import aggregate_loss
-from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 from megatron_cpo.algorithms.overlong import overlong_reward_penalty
+from megatron_cpo.algorithms.policy_losses import clipped_policy_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
 SEEDS = st.integers(0, 2 ** 31 - 1)

@@ -7,8 +7,11 @@ import torch
 
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness, rollout_mismatch_metrics
-from megatron_cpo.algorithms.rollout_correction import (RolloutCorrectionConfig, effective_sample_size,
-                                                         rollout_correction)
+from megatron_cpo.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    effective_sample_size,
+    rollout_correction,
+)
 
 LN2 = math.log(2.0)
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])

@@ -1,8 +1,18 @@
 """Every variant name a setting accepts (declared torch-free in algorithms/config.py and cpo_rules.py, so that
 loading a config needs no torch) has its implementation in the table of the math module, and every implementation
 is reachable by a name: the two lists cannot drift apart."""
-from megatron_cpo.algorithms import (advantages, config, cpo, cpo_rules, filters, kl, loss_config, losses,
-                                    policy_losses, rollout_correction)
+from megatron_cpo.algorithms import (
+    advantages,
+    config,
+    cpo,
+    cpo_rules,
+    filters,
+    kl,
+    loss_config,
+    losses,
+    policy_losses,
+    rollout_correction,
+)
 
 
 def test_each_table_implements_exactly_the_names_its_setting_accepts():

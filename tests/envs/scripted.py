@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
 from megatron_cpo.envs.base import StepResult, TextEnvironment, user

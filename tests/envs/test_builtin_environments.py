@@ -4,8 +4,13 @@ import pyarrow.parquet as pq
 
 from megatron_cpo.data.dataset import PromptRecord
 from megatron_cpo.envs.arith_retry import ArithmeticRetryEnvironment
-from megatron_cpo.envs.frozen_lake import (FrozenLakeEnvironment, board_text, read_move, shortest_path,
-                                           write_frozen_lake_parquet)
+from megatron_cpo.envs.frozen_lake import (
+    FrozenLakeEnvironment,
+    board_text,
+    read_move,
+    shortest_path,
+    write_frozen_lake_parquet,
+)
 
 
 def lake(grid: list[str]) -> PromptRecord:

@@ -15,8 +15,7 @@ from megatron_cpo.envs.templates import ChatTemplate
 from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.rollout.types import SamplingParams
 from tests.conditions import wait_until
-from tests.envs.scripted import (Counted, HeldUntilReleased, HoldsFirstStep,
-                                 ScriptedEngines, SlowFirst, SlowScore)
+from tests.envs.scripted import Counted, HeldUntilReleased, HoldsFirstStep, ScriptedEngines, SlowFirst, SlowScore
 
 TOKENIZER = build_char_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -301,7 +300,6 @@ def test_the_controller_cancels_episodes_in_flight_and_the_next_step_regenerates
     from megatron_cpo.trainer.driver.admission import admission_for
     from megatron_cpo.trainer.driver.controller import RolloutController
     from megatron_cpo.trainer.driver.prompt_stream import PromptStream
-
     from tests.envs.scripted import HeldUntilReleased
 
     HeldUntilReleased.release = threading.Event()

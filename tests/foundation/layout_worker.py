@@ -49,8 +49,14 @@ def check_layouts(rank: int, world_size: int, hf_dirs: dict, work_dir: str, inpu
     Megatron at EP=2 and the TP=2 checkpoint back to HF at EP=2. At TP=2 with EP=2 and ETP=1 (each rank two whole
     experts) and the alltoall token dispatcher they load the EP=2 checkpoint and convert it back to HF."""
     from megatron_cpo import platform
-    from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, load_checkpoint, load_hf_config,
-                                     load_hf_weights)
+    from megatron_cpo.models import (
+        build_gpt_model,
+        forward_logits,
+        greedy_generate,
+        load_checkpoint,
+        load_hf_config,
+        load_hf_weights,
+    )
     from megatron_cpo.models.conversion_commands import convert_hf_to_mcore, convert_mcore_to_hf
 
     work = Path(work_dir)

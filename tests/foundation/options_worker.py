@@ -90,8 +90,14 @@ def check_options_and_checkpoints(rank: int, world_size: int, hf_dirs: dict, wor
     from megatron.core import dist_checkpointing
 
     from megatron_cpo import platform
-    from megatron_cpo.models import (build_gpt_model, forward_logits, load_checkpoint, load_hf_config, load_hf_weights,
-                                     save_checkpoint)
+    from megatron_cpo.models import (
+        build_gpt_model,
+        forward_logits,
+        load_checkpoint,
+        load_hf_config,
+        load_hf_weights,
+        save_checkpoint,
+    )
     from megatron_cpo.models.conversion_commands import convert_hf_to_mcore, convert_mcore_to_hf
 
     work = Path(work_dir)

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from megatron_cpo.models.builder import build_gpt_model, check_parallel_sizes, load_hf_config, rope_settings
 from megatron_cpo.models.checkpoint import read_checkpoint_info
-from megatron_cpo.models.weight_mapping import SafetensorsReader
 from megatron_cpo.models.conversion_commands import convert_mcore_to_hf
 from megatron_cpo.models.tiny import tiny_config
+from megatron_cpo.models.weight_mapping import SafetensorsReader
 
 REPO = Path(__file__).resolve().parents[2]
 

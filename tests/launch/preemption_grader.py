@@ -10,7 +10,6 @@ from pathlib import Path
 
 from megatron_cpo.rewards.registry import compute_score
 
-
 SIGTERM_LOGGED = "SIGTERM received"  # what megatron_cpo.trainer.run.run_guards.StopSignal logs on each signalled rank
 
 

@@ -10,8 +10,14 @@ import json
 import pytest
 
 from megatron_cpo.rewards import compute_score
-from megatron_cpo.rewards.registry import CODE_SOURCES, DAPO_SOURCES, NUMINA_SOURCES, SEARCH_R1_SOURCES, \
-    VERL_MATH_SOURCES, missing_graders
+from megatron_cpo.rewards.registry import (
+    CODE_SOURCES,
+    DAPO_SOURCES,
+    NUMINA_SOURCES,
+    SEARCH_R1_SOURCES,
+    VERL_MATH_SOURCES,
+    missing_graders,
+)
 
 PADDING = "\nThat is all." * 40  # 520 characters: pushes an answer out of verl's last-300-character window
 

@@ -5,8 +5,7 @@ import json
 import pytest
 import ray
 
-from megatron_cpo.rollout import RolloutEngineStartError, RolloutEnginesLostError, RolloutManager, SamplingParams
-
+from megatron_cpo.rollout import RolloutEnginesLostError, RolloutEngineStartError, RolloutManager, SamplingParams
 from tests.conditions import wait_until
 from tests.rollout.conftest import tiny_rollout_config
 

@@ -25,8 +25,14 @@ def _megatron_sender(rank, world_size, model_dir, tp, pp, spec, prompts, max_new
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
-    from megatron_cpo.models import (build_gpt_model, forward_logits, greedy_generate, iter_hf_weights,
-                                     load_hf_config, load_hf_weights)
+    from megatron_cpo.models import (
+        build_gpt_model,
+        forward_logits,
+        greedy_generate,
+        iter_hf_weights,
+        load_hf_config,
+        load_hf_weights,
+    )
     from megatron_cpo.rollout import close_weight_groups, send_from_pipeline_stages
 
     torch.set_num_threads(1)

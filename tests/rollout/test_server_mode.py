@@ -22,8 +22,7 @@ from megatron_cpo.rollout import RolloutEnginesLostError, SamplingParams
 from megatron_cpo.rollout.http_client import RolloutServerAuthError
 from megatron_cpo.rollout.server_client import ServerClientConfig, ServerRolloutManager
 from megatron_cpo.rollout.types import RolloutEngineStartError
-from tests.rollout.servers import (assert_engine_in_sync, end_server, greedy_matches_transformers, start_server,
-                                   wait_url)
+from tests.rollout.servers import assert_engine_in_sync, end_server, greedy_matches_transformers, start_server, wait_url
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

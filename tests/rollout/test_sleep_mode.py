@@ -4,8 +4,7 @@ import logging
 
 import pytest
 
-from megatron_cpo.rollout import SamplingParams
-from megatron_cpo.rollout import sleep_mode
+from megatron_cpo.rollout import SamplingParams, sleep_mode
 
 
 @pytest.mark.parametrize("enabled, platform, sleeps", [(True, True, True), (False, True, False),

@@ -30,8 +30,8 @@ def measure_tiny_run(rank: int, world_size: int, model_dir: str) -> dict[str, in
     import torch
 
     from megatron_cpo import platform
-    from megatron_cpo.trainer.config import ActorConfig
     from megatron_cpo.models.builder import build_gpt_model, load_hf_config
+    from megatron_cpo.trainer.config import ActorConfig
     from megatron_cpo.trainer.workers.optimizer import build_optimizer, wrap_ddp
 
     platform.init_distributed(1, 1)

@@ -3,8 +3,8 @@ RAGEN windows and the overlong penalty."""
 import pytest
 import torch
 
-from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.algorithms.config import OverlongBufferConfig, RolloutFilterConfig
+from megatron_cpo.models.tiny import build_char_tokenizer
 from megatron_cpo.trainer.driver.accumulator import (
     GroupAccumulator,
     GroupSelection,

@@ -20,9 +20,9 @@ def two_updates(model_dir, tp, pp, *overrides):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
+    from megatron_cpo.trainer.batch.step_batch import StepBatch
     from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
-    from megatron_cpo.trainer.batch.step_batch import StepBatch
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",

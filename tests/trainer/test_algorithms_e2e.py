@@ -11,8 +11,8 @@ from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.rollout.generators import GREEDY_SUFFIX, GreedyBaselineGenerator, SingleTurnGenerator
 from megatron_cpo.trainer.driver.rank_zero import RankZero
 from megatron_cpo.trainer.loop import run_training
-from tests.trainer.graders import even_first_character
 from tests.rollout.servers import assert_engine_in_sync
+from tests.trainer.graders import even_first_character
 from tests.trainer.test_e2e import deterministic, read_metrics, send_sigterm_after_first_step
 
 pytestmark = pytest.mark.usefixtures("restore_environment")

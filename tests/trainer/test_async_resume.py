@@ -28,8 +28,8 @@ def epoch_prompts(config) -> list[str]:
     """The prompts of the run's first epoch, in the order its data stream yields them."""
     from transformers import AutoTokenizer
 
-    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
     from megatron_cpo.data.dataset import PromptDataset
+    from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     dataset = PromptDataset(config.data.train_files, tokenizer, config.data,

@@ -4,12 +4,12 @@ by (DAPO's overlong penalty, RAGEN's length score) count only the tokens the mod
 import pytest
 import torch
 
-from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.algorithms.config import OverlongBufferConfig
+from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.rollout.types import RolloutSample
-from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupSelection, ScoredGroup, episode_fields
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.batch.sequences import pack_sequences
+from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupSelection, ScoredGroup, episode_fields
 from megatron_cpo.trainer.driver.batching import make_step_batch
 
 # two episodes: model tokens (mask 1) around an observation (mask 0); and a plain answer (no mask) in another group

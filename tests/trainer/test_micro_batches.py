@@ -2,8 +2,12 @@
 import pytest
 import torch
 
-from megatron_cpo.trainer.batch.micro_batches import (balance_rows, fixed_plan, token_budget_micro_batches,
-                                                token_budget_plan)
+from megatron_cpo.trainer.batch.micro_batches import (
+    balance_rows,
+    fixed_plan,
+    token_budget_micro_batches,
+    token_budget_plan,
+)
 from megatron_cpo.trainer.batch.sequences import pack_sequences
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_cpo.trainer.workers.actor as actor_module
 import megatron_cpo.trainer.driver.rank_zero as rank_zero
+import megatron_cpo.trainer.workers.actor as actor_module
 from megatron_cpo.config import load_config
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
 from megatron_cpo.trainer.loop import run_training

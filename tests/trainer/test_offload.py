@@ -35,8 +35,8 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.components import policies_for, policy_update_config
+    from megatron_cpo.trainer.workers.offload import actor_tensors, colocated_offload
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
 
     config = build_config({}, [

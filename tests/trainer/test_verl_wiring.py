@@ -9,8 +9,8 @@ import torch
 
 from megatron_cpo.config import build_config
 from megatron_cpo.trainer.driver.controller import prompt_limit
-from megatron_cpo.trainer.workers.policy_update import token_rewards_of
 from megatron_cpo.trainer.driver.verl_metrics import with_verl_names
+from megatron_cpo.trainer.workers.policy_update import token_rewards_of
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_cpo.models.hf_options import Option
-from megatron_cpo.models.tensor_rules import (ExpertNames, Mapping, attention_rules, dense_mlp_rules, moe_rules,
-                                              post_attention_norm_rule)
+from megatron_cpo.models.tensor_rules import (
+    ExpertNames,
+    Mapping,
+    attention_rules,
+    dense_mlp_rules,
+    moe_rules,
+    post_attention_norm_rule,
+)
 
 
 @dataclass(frozen=True)

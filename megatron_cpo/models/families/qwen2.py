@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_cpo.models.families.base import Family, LinearBiases
-from megatron_cpo.models.hf_options import HONOURED, Option, SLIDING_WINDOW_HOW
+from megatron_cpo.models.hf_options import HONOURED, SLIDING_WINDOW_HOW, Option
 
 
 class Qwen2(Family):

@@ -6,7 +6,7 @@ from typing import Any
 
 from megatron_cpo.models.families.base import Family, LinearBiases, MoeLayout, refuse_router_options
 from megatron_cpo.models.families.qwen3_moe import QWEN_MOE_OPTIONS, qwen_moe_layout
-from megatron_cpo.models.hf_options import HONOURED, Option, SLIDING_WINDOW_HOW
+from megatron_cpo.models.hf_options import HONOURED, SLIDING_WINDOW_HOW, Option
 from megatron_cpo.models.tensor_rules import ExpertNames
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron_cpo.models.families.base import Family
-from megatron_cpo.models.hf_options import HONOURED, Option, SLIDING_WINDOW_HOW
+from megatron_cpo.models.hf_options import HONOURED, SLIDING_WINDOW_HOW, Option
 
 QK_NORM = Option("q_norm, k_norm (Qwen3)", HONOURED,
                  "per-head RMSNorm of queries and keys before RoPE: qk_layernorm (q_layernorm / k_layernorm, "

@@ -6,9 +6,9 @@ broadcast, packing and padding); a flat tensor is one buffer. Conversion from th
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ class RaggedRows:
     offsets: torch.Tensor
 
     @classmethod
-    def from_lists(cls, rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.long) -> "RaggedRows":
+    def from_lists(cls, rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.long) -> RaggedRows:
         """Flatten Python rows (token ids, or log-probs with dtype=torch.float32)."""
         if dtype not in _NUMPY_DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use torch.long or torch.float32")
@@ -34,7 +34,7 @@ class RaggedRows:
         return cls(torch.from_numpy(values), torch.from_numpy(offsets))
 
     @classmethod
-    def of(cls, rows: "RaggedRows | Sequence[Sequence[float]]", dtype: torch.dtype = torch.long) -> "RaggedRows":
+    def of(cls, rows: RaggedRows | Sequence[Sequence[float]], dtype: torch.dtype = torch.long) -> RaggedRows:
         """`rows` itself when already ragged, else `from_lists(rows, dtype)`."""
         return rows if isinstance(rows, RaggedRows) else cls.from_lists(rows, dtype)
 
@@ -61,7 +61,7 @@ class RaggedRows:
         return torch.full((self.rows, width), fill, dtype=self.values.dtype).masked_scatter_(
             self.within(width), self.values)
 
-    def select(self, rows: torch.Tensor) -> "RaggedRows":
+    def select(self, rows: torch.Tensor) -> RaggedRows:
         """The given rows (a long index tensor), in that order."""
         lengths = self.lengths()[rows]
         offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
@@ -69,7 +69,7 @@ class RaggedRows:
         within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(lengths)
         return RaggedRows(self.values[self.offsets[:-1][rows].repeat_interleave(lengths) + within], offsets)
 
-    def repeat_rows(self, counts: Sequence[int]) -> "RaggedRows":
+    def repeat_rows(self, counts: Sequence[int]) -> RaggedRows:
         """Row i repeated `counts[i]` times, in place (one tile per row: a group's prompt for each of its samples)."""
         values, bounds = self.values.numpy(), self.offsets.tolist()
         lengths = np.repeat(np.diff(self.offsets.numpy()), counts)
@@ -80,7 +80,7 @@ class RaggedRows:
         return RaggedRows(torch.from_numpy(flat), torch.from_numpy(offsets))
 
     @classmethod
-    def cat(cls, parts: Sequence["RaggedRows"]) -> "RaggedRows":
+    def cat(cls, parts: Sequence[RaggedRows]) -> RaggedRows:
         """The rows of `parts`, one after another (one concatenation of the values, offsets shifted)."""
         # numpy's single-threaded copy: torch.cat's thread pool stalls on a loaded machine (seconds, measured)
         lengths = np.concatenate([np.diff(part.offsets.numpy()) for part in parts])

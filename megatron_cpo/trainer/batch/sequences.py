@@ -86,19 +86,19 @@ class PackedSequences:
         """[rows] long, prompt + response tokens of each row (its length before right padding)."""
         return self.prompt_lengths + self.response_lengths
 
-    def trimmed(self) -> "PackedSequences":
+    def trimmed(self) -> PackedSequences:
         """The same rows padded only to their own longest row (a micro-batch padded only as far as it needs)."""
         return PackedSequences(self.prompts, self.responses, int(self.lengths().max()), self.response_width,
                                self.pad_token_id, self.loss_mask)
 
-    def select(self, rows: torch.Tensor | slice) -> "PackedSequences":
+    def select(self, rows: torch.Tensor | slice) -> PackedSequences:
         """The given rows (index tensor or slice), at the same padded length."""
         index = torch.arange(self.rows)[rows] if isinstance(rows, slice) else rows
         return PackedSequences(self.prompts.select(index), self.responses.select(index), self.length,
                                self.response_width, self.pad_token_id,
                                self.loss_mask.select(index) if self.loss_mask is not None else None)
 
-    def with_empty_rows(self, extra: int) -> "PackedSequences":
+    def with_empty_rows(self, extra: int) -> PackedSequences:
         """`extra` rows appended with a one-token (padding) prompt and no response: they add nothing to any loss."""
         prompts = RaggedRows(torch.cat([self.prompts.values, torch.full((extra,), self.pad_token_id)]),
                              torch.cat([self.prompts.offsets, self.prompts.offsets[-1] + torch.arange(1, extra + 1)]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from megatron_cpo.trainer.batch.ragged import RaggedRows

@@ -10,8 +10,9 @@ prompt is lost and none is trained on twice in an epoch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -40,8 +41,7 @@ from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.types import RolloutGroup, RolloutSample
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, GroupFilter, ScoredGroup, episode_fields
-from megatron_cpo.trainer.driver.admission import (Admission, EngineIdleWatch, OpenRequests, Request,
-                                                   staleness_metrics)
+from megatron_cpo.trainer.driver.admission import Admission, EngineIdleWatch, OpenRequests, Request, staleness_metrics
 from megatron_cpo.trainer.driver.batching import batch_loss_mask
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
 

@@ -5,8 +5,9 @@ saved in checkpoints and restored exactly; `rewind` hands back prompts that were
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -1,7 +1,8 @@
 """What rank 0 builds for rollout besides the engines: the sampling parameters and CPO's hint contexts."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

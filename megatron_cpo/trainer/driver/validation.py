@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 

@@ -25,17 +25,29 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.trainer.run.checkpoint_files import (CRITIC_HF_DIR, HF_DIR, LATEST, TMP_SUFFIX, CheckpointError,
-                                                       file_digest, read_latest, step_dir_name, step_dirs,
-                                                       verify_checkpoint, write_latest, write_manifest)
+from megatron_cpo.trainer.run.checkpoint_files import (
+    CRITIC_HF_DIR,
+    HF_DIR,
+    LATEST,
+    TMP_SUFFIX,
+    CheckpointError,
+    file_digest,
+    read_latest,
+    step_dir_name,
+    step_dirs,
+    verify_checkpoint,
+    write_latest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ class Layout:
 
     @classmethod
     def from_sections(cls, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, reference_model: bool,
-                      world_size: int, critic: bool = False) -> "Layout":
+                      world_size: int, critic: bool = False) -> Layout:
         """The layout the model, actor and rollout sections imply on `world_size` trainer processes, with a frozen
         reference when `reference_model` (`Config.needs_reference_model`) and a critic when `critic`
         (`Config.critic_enabled`). Engines: `rollout.num_engines` Ray actors, one per `rollout.server_urls` entry

@@ -3,6 +3,7 @@ machine, compute_dtype.py)."""
 from __future__ import annotations
 
 import logging
+
 import torch.distributed as dist
 
 from megatron_cpo.compute_dtype import resolve_dtype

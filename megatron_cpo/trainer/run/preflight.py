@@ -27,9 +27,9 @@ from megatron_cpo.envs.registry import check_rows
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.modes import rollout_mode_problems
-from megatron_cpo.trainer.driver.loggers import sink_package_problems
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
+from megatron_cpo.trainer.driver.loggers import sink_package_problems
 from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
 

@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.algorithms.config import RolloutCorrectionConfig
+from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import gather_sequence_parallel, lm_head_weight
 from megatron_cpo.trainer.batch.context_parallel import chunk_index, gather_positions
-from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.batch.micro_batches import Plan
 from megatron_cpo.trainer.batch.packing import PackedRows
+from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
+from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.workers.megatron_model import MegatronModel, TokenOutputs
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
-from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 
 if TYPE_CHECKING:
     from megatron_cpo.trainer.workers.shaping import ResponseShaping
@@ -228,7 +228,7 @@ class MegatronPolicy(MegatronModel):
         return metrics, outputs, plan, padded.rows
 
     @torch.no_grad()
-    def mix_into(self, target: "MegatronPolicy", alpha: float) -> None:
+    def mix_into(self, target: MegatronPolicy, alpha: float) -> None:
         """`target = alpha * self + (1 - alpha) * target`, parameter by parameter (the reference-model sync)."""
         for (name, mine), (other_name, theirs) in zip(self.model.named_parameters(), target.model.named_parameters()):
             if name != other_name or mine.shape != theirs.shape:

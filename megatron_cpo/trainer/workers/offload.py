@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ class ActorOffload:
         self.refresh()
 
     @classmethod
-    def for_policy(cls, policy: Any, parts: tuple[str, ...]) -> "ActorOffload":
+    def for_policy(cls, policy: Any, parts: tuple[str, ...]) -> ActorOffload:
         """The offload of a `MegatronPolicy` or `MegatronCritic` (its model, DDP wrapper and optimizer)."""
         return cls(policy.model, policy.ddp_model, policy.optimizer, parts)
 

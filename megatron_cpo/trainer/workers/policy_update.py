@@ -24,16 +24,16 @@ from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
 from megatron_cpo.algorithms.value_loss import value_metrics
 from megatron_cpo.rewards.manager import token_level_rewards
+from megatron_cpo.trainer.batch.ragged import RaggedRows
+from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
+from megatron_cpo.trainer.batch.step_batch import StepBatch
 from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.workers.critic import MegatronCritic
-from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.workers.routing import RecordedRouting
 from megatron_cpo.trainer.workers.shaping import ResponseShaping
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe
-from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
-from megatron_cpo.trainer.batch.step_batch import StepBatch
 
 
 @dataclass
@@ -71,7 +71,7 @@ def prepare_sequences(batch: StepBatch, pad_token_id: int, width: int) -> tuple[
             batch.rollout_log_probs)
 
 
-def token_rewards_of(batch: StepBatch, lp: "BatchLogProbs", algo: AlgorithmConfig
+def token_rewards_of(batch: StepBatch, lp: BatchLogProbs, algo: AlgorithmConfig
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """Each response's score on its last sampled token, [N, R], minus verl's KL penalty per token (`coef` x the
     `algorithm.kl_penalty` estimate of KL(actor || reference)) when `algorithm.use_kl_in_reward`."""

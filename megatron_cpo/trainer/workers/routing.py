@@ -17,8 +17,9 @@ the old-log-prob pass; the share of (token, layer) routings whose top-k set diff
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -23,12 +23,12 @@ from typing import Any
 from megatron_cpo.config_checks import ConfigError
 from megatron_cpo.data.dataset import encode_texts, render_prompts
 from megatron_cpo.rollout import RolloutEnginesLostError
-from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.config import SyncCheckConfig
+from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
-from megatron_cpo.trainer.workers.collectives import broadcast_object
 from megatron_cpo.trainer.batch.sequences import pack_sequences
+from megatron_cpo.trainer.workers.collectives import broadcast_object
 
 logger = logging.getLogger(__name__)
 
