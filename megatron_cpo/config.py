@@ -174,7 +174,8 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
     # verl sets the forward-only token budget on the rollout (actor log-probs) and the reference separately; here
     # one budget serves both passes (the reference's must repeat it, VERL_MUST_EQUAL).
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu":
+        "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu",
     # verl's agent-loop default (rows without an agent_name column)
     "actor_rollout_ref.rollout.agent.default_agent_loop": "actor_rollout_ref.rollout.multi_turn.default_agent",
     # vLLM's and TRL's name for verl's free_cache_engine (sleep the colocated engines while the actor trains)

@@ -8,10 +8,10 @@ Megatron-Core assumes a GPU in three places that matter for running it for real 
 When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
 the CPU generator and redirects (3) with a `TorchFunctionMode`; the attention's causal-mask helpers, which also run
 when activation recompute repeats a forward inside the backward (where that per-thread mode was seen not to be
-active: "Torch not compiled with CUDA enabled"), are replaced by CPU versions. With CUDA present all of this is skipped, so GPU runs
-execute Megatron-Core unchanged. `apply_moe_adaptations` does the same for mixture-of-experts layers (no Transformer
-Engine; the alltoall dispatcher on the CPU). The rest of the package calls `device()`, `backend()` and
-`megatron_config_kwargs()` and never tests for CUDA.
+active: "Torch not compiled with CUDA enabled"), are replaced by CPU versions. With CUDA present all of this is
+skipped, so GPU runs execute Megatron-Core unchanged. `apply_moe_adaptations` does the same for mixture-of-experts
+layers (no Transformer Engine; the alltoall dispatcher on the CPU). The rest of the package calls `device()`,
+`backend()` and `megatron_config_kwargs()` and never tests for CUDA.
 """
 from __future__ import annotations
 

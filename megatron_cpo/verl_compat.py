@@ -102,7 +102,8 @@ VERL_MOVED_HINTS: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps",
     "actor_rollout_ref.actor.optim.warmup_style": "actor_rollout_ref.actor.optim.lr_decay_style",
     "actor_rollout_ref.rollout.tensor_parallel_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
-    "actor_rollout_ref.actor.megatron.tensor_parallel_size": "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.tensor_parallel_size":
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
     "trainer.resume_from_path": "trainer.resume",
     "async_training.staleness_threshold": "async_training.max_staleness",
     "async_training.trigger_parameter_sync_step": "async_training.max_staleness",

@@ -11,9 +11,9 @@ are marked without anyone remembering to:
   starts this interpreter again (`subprocess` with `sys.executable`: the child imports torch, Megatron or the
   trainer before it does anything, seconds each).
 The code read is that of the test and fixture functions, of functions nested in them, and of the functions and
-classes (their methods) of the test's own module that they use (at any depth); not that of other modules' helpers: a test that starts engines,
-ranks or interpreters through one of those marks itself, and so does a module whose tests run something slow that
-the names do not show (the code sandbox's tests, the setup script's).
+classes (their methods) of the test's own module that they use (at any depth); not that of other modules' helpers: a
+test that starts engines, ranks or interpreters through one of those marks itself, and so does a module whose tests
+run something slow that the names do not show (the code sandbox's tests, the setup script's).
 """
 import os
 from pathlib import Path

@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=WarmStartConfig.learning_rate)
     parser.add_argument("--levels", type=int, nargs="+", default=list(WarmStartConfig.levels),
                         help="arithmetic levels the warm-up trains on and the report covers")
-    parser.add_argument("--direct-answer-levels", type=int, nargs="*", default=list(WarmStartConfig.direct_answer_levels),
+    parser.add_argument("--direct-answer-levels", type=int, nargs="*",
+                        default=list(WarmStartConfig.direct_answer_levels),
                         help="levels where part of the targets is the bare boxed answer instead of the worked steps")
     parser.add_argument("--direct-answer-fraction", type=float, default=WarmStartConfig.direct_answer_fraction)
     args = parser.parse_args(argv)

@@ -20,11 +20,11 @@ Method (docs/planning.md has the derivation):
 - Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
   budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
   SwiGLU halves; in a MoE layer the router's scores and, per routed copy of a token, its dispatched input and the
-  expert's SwiGLU activations), plus attention scores and probabilities when attention is not fused (CPU, or GPUs without flash
-  attention), plus the fp32 logits and their gradient for the log-prob kernel (only per-token statistics with
-  `--fused-kernels`). Pipeline parallelism keeps up to PP micro-batches in flight on the first stage. Sequence
-  parallelism divides the norm/residual activations by TP too; context parallelism divides the tokens by CP; full
-  recompute (`--recompute full`, uniform, `--recompute-num-layers` N) keeps only every N-th layer input, plus one
+  expert's SwiGLU activations), plus attention scores and probabilities when attention is not fused (CPU, or GPUs
+  without flash attention), plus the fp32 logits and their gradient for the log-prob kernel (only per-token
+  statistics with `--fused-kernels`). Pipeline parallelism keeps up to PP micro-batches in flight on the first stage.
+  Sequence parallelism divides the norm/residual activations by TP too; context parallelism divides the tokens by CP;
+  full recompute (`--recompute full`, uniform, `--recompute-num-layers` N) keeps only every N-th layer input, plus one
   group of N layers' activations while it is recomputed; selective recompute drops the unfused attention scores.
 - Step time = generation + log-prob forwards + training + weight sync. Generation is memory-bandwidth bound: a
   decode step of an engine reads its weights once (all experts of a MoE: a batch of sequences touches them all). A
@@ -323,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             model = args.model or meta["model"]
         else:
             layout = Layout(args.tp, args.pp, args.trainer_gpus, engines=args.engines, rollout_tp=args.rollout_tp,
-                            params_dtype=args.dtype, reference_model=not args.no_reference, sequence_parallel=args.sequence_parallel,
-                            context_parallel=args.cp, recompute=args.recompute,
-                            recompute_num_layers=args.recompute_num_layers, remove_padding=args.remove_padding,
-                            dynamic_bsz=args.dynamic_bsz, fused_kernels=args.fused_kernels, critic=args.critic)
+                            params_dtype=args.dtype, reference_model=not args.no_reference,
+                            sequence_parallel=args.sequence_parallel, context_parallel=args.cp,
+                            recompute=args.recompute, recompute_num_layers=args.recompute_num_layers,
+                            remove_padding=args.remove_padding, dynamic_bsz=args.dynamic_bsz,
+                            fused_kernels=args.fused_kernels, critic=args.critic)
             batch = Batch(args.train_batch_size, args.n, args.prompt_length, args.response_length, args.micro_batch,
                           token_budget=args.token_budget)
             model = args.model
@@ -360,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['params'] / 1e9:.3f} B parameters{active}; TP={layout.tp} PP={layout.pp} DP={layout.dp}"
           + (f" CP={layout.context_parallel}" if layout.context_parallel > 1 else "") + experts)
     print(f"  SP {on[layout.sequence_parallel]}, recompute {layout.recompute or 'off'}, remove_padding "
-          f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, fused_kernels {on[layout.fused_kernels]}; "
+          f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, "
+          f"fused_kernels {on[layout.fused_kernels]}; "
           f"{batch.extra_forwards} log-prob pass(es) per step" + ("; a critic" if layout.critic else ""))
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")

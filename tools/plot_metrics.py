@@ -91,7 +91,8 @@ def read_metrics(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             raise ValueError(f"{path} line {number} has no 'step'; expected {{\"step\": N, \"metric\": value, ...}}")
         values = by_step.setdefault(int(record["step"]), {})
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key != "step" and numeric and math.isfinite(value):
                 values[key] = float(value)
     series: dict[str, tuple[list[int], list[float]]] = {}
     for step in sorted(by_step):
@@ -224,8 +225,8 @@ def plot_groups(groups: dict[str, list[dict[str, tuple[np.ndarray, np.ndarray]]]
                 axis.fill_between(steps, smooth(low, weight), smooth(high, weight), color=color, alpha=0.18,
                                   linewidth=0)
                 axis.plot(steps, smooth(mean, weight), color=color, label=name, linewidth=1.6,
-                          linestyle=LINE_STYLES[metric_index % len(LINE_STYLES)], marker="o" if len(steps) < 30 else None,
-                          markersize=3)
+                          linestyle=LINE_STYLES[metric_index % len(LINE_STYLES)],
+                          marker="o" if len(steps) < 30 else None, markersize=3)
         _label(axis, panel)
     _save(plt, figure, axes, shown, out, title, title_size=10)
     return [panel.title for panel in shown]
@@ -250,8 +251,9 @@ def plot(runs: list[dict[str, tuple[np.ndarray, np.ndarray]]], labels: list[str]
                 if weight > 0:
                     axis.plot(steps, values, color=color, alpha=0.25, linewidth=1)
                 marker = "o" if len(steps) < 30 else None
+                linestyle = "-" if len(runs) == 1 else LINE_STYLES[metric_index % len(LINE_STYLES)]
                 axis.plot(steps, smooth(values, weight), color=color, label=name, marker=marker, markersize=3,
-                          linestyle="-" if len(runs) == 1 else LINE_STYLES[metric_index % len(LINE_STYLES)], linewidth=1.6)
+                          linestyle=linestyle, linewidth=1.6)
         _label(axis, panel)
     _save(plt, figure, axes, shown, out, title)
     return [panel.title for panel in shown]

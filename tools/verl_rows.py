@@ -68,7 +68,8 @@ class SolutionIndex:
         question = (row.get("extra_info") or {}).get("question")
         if question is not None and _key(question) in self.by_question:
             return self.by_question[_key(question)]
-        users = [m.get("content", "") for m in row.get("prompt") or [] if isinstance(m, dict) and m.get("role") == "user"]
+        users = [m.get("content", "") for m in row.get("prompt") or []
+                 if isinstance(m, dict) and m.get("role") == "user"]
         if not users:
             return None
         content = _key(users[-1])

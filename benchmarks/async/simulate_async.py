@@ -192,7 +192,7 @@ def main() -> None:
         per_token = max(0.0, ratio * baseline["collect_s"] - args.train_fixed_s) / tokens_per_step
         for keep_rate in args.keep_rates:
             rows = {k: simulate(k, keep_rate, per_token, args) for k in args.ks}
-            for k, row in rows.items():
+            for row in rows.values():
                 row["train_to_gen"] = ratio
                 row["step_ratio_vs_k0"] = row["step_s"] / rows[args.ks[0]]["step_s"]
                 print(json.dumps(row), flush=True)

@@ -1,10 +1,10 @@
 """The Megatron actor on the device: log-prob pass and one update on a length-skewed batch, through the trainer's code.
 
 A randomly initialised model of Qwen2.5-1.5B's shape (`--layers` fewer to fit a time budget) is written as an HF
-checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's steps 3-5 (`trainer/workers/policy_update.py`) on a
-`StepBatch` of prompts x samples with log-normal response lengths (the long tail of RL responses), with the actor's
-`log_probs` and `update` timed in place (the instance's methods are wrapped; nothing else changes). The first step
-warms up (kernel compilation, allocator); the next one is measured.
+checkpoint and loaded by the trainer's `build_policies`; each step is the trainer's steps 3-5
+(`trainer/workers/policy_update.py`) on a `StepBatch` of prompts x samples with log-normal response lengths (the long
+tail of RL responses), with the actor's `log_probs` and `update` timed in place (the instance's methods are wrapped;
+nothing else changes). The first step warms up (kernel compilation, allocator); the next one is measured.
 
 Modes: every row of `MODES` whose config switches exist in `megatron_cpo.config` runs, one process per mode (the
 padded path always; token-budget micro-batches, packing and the fused lm-head when the trainer offers them).

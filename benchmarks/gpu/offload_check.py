@@ -1,8 +1,8 @@
 """The colocated actor offload on the device: parameters, gradients and optimizer state to pinned host memory and back.
 
 A randomly initialised model of Qwen2.5-1.5B's shape (8 of its layers by default, `--layers`) is written as an HF
-checkpoint and built twice by the trainer's `build_policies` (bf16, distributed Adam); both take one
-trainer step (log-probs, advantages, update), then one is offloaded with `trainer/workers/offload.py` (all three parts, as
+checkpoint and built twice by the trainer's `build_policies` (bf16, distributed Adam); both take one trainer step
+(log-probs, advantages, update), then one is offloaded with `trainer/workers/offload.py` (all three parts, as
 `actor.megatron.{param,grad,optimizer}_offload=true` in `rollout.mode=colocate`) and reloaded. Recorded: the bytes
 of each part, the allocator's allocated memory before, while offloaded and after reload (the offloaded bytes must
 really leave the device and come back), the copy times and bandwidths, whether every parameter, gradient and

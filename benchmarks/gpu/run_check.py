@@ -46,7 +46,8 @@ KERNEL_COLUMNS: list[Column] = [
     ("N", "n", text), ("H", "h", text), ("V (+pad)", "v", text), ("T", "temperature", fmt(1)),
     ("err log-prob", "err_log_probs", fmt(8)), ("err entropy", "err_entropy", fmt(8)),
     ("err grad input", "err_grad_input", fmt(8)), ("err grad weight", "err_grad_weight", fmt(8)),
-    ("torch err grad input", "torch_err_grad_input", fmt(8)), ("torch err grad weight", "torch_err_grad_weight", fmt(8)),
+    ("torch err grad input", "torch_err_grad_input", fmt(8)),
+    ("torch err grad weight", "torch_err_grad_weight", fmt(8)),
     ("tolerance", "tolerance", text), ("pad grad 0", "padding_grad_zero", _ok), ("status", "status", text),
     ("note", "note", text)]
 ACTOR_COLUMNS: list[Column] = [

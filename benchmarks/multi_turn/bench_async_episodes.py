@@ -56,7 +56,8 @@ def run_arm(name: str, seed: int, steps: int, test_freq: int, data: Path, root: 
                f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                f"data.val_max_samples={val_samples}", f"trainer.default_local_dir={out / 'run'}",
                "trainer.resume=disable", f"trainer.seed={seed}", f"trainer.total_training_steps={steps}",
-               f"trainer.test_freq={test_freq}", "trainer.logger=[jsonl]", "actor_rollout_ref.rollout.ray_address=local",
+               f"trainer.test_freq={test_freq}", "trainer.logger=[jsonl]",
+               "actor_rollout_ref.rollout.ray_address=local",
                f"actor_rollout_ref.rollout.multi_turn.default_agent={AGENT}",
                "actor_rollout_ref.rollout.multi_turn.env_workers=64",
                f"async_training.max_staleness={ARMS[name]}"]
@@ -82,7 +83,8 @@ def summarize(results: dict[str, dict[int, dict]]) -> dict:
         table["arms"][name] = {
             "seeds": sorted(runs), "step_s": statistics.fmean(r["step_s"] for r in runs.values()),
             "trainer_idle_s": statistics.fmean(r["trainer_idle_s"] for r in runs.values()),
-            "final_acc": statistics.fmean(finals), "final_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "final_acc": statistics.fmean(finals),
+            "final_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "time_to_target_s": [time_to(r["curve"], target) if target is not None else None for r in runs.values()],
             "runs": runs}
     return table
@@ -120,10 +122,9 @@ def main() -> int:
                     print(f"    FAILED: {error}", flush=True)
                     failed.append(f"{name} seed {seed}: {error}")
                     continue
-            results.setdefault(name, {})[seed] = read_run(out)
-            print(f"    step {results[name][seed]['step_s']:.2f} s, trainer idle "
-                  f"{results[name][seed]['trainer_idle_s']:.2f} s, final val/acc {results[name][seed]['final_acc']:.3f}",
-                  flush=True)
+            run = results.setdefault(name, {})[seed] = read_run(out)
+            print(f"    step {run['step_s']:.2f} s, trainer idle {run['trainer_idle_s']:.2f} s, "
+                  f"final val/acc {run['final_acc']:.3f}", flush=True)
     table = summarize(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **table, "failed": failed},

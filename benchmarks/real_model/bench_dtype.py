@@ -57,7 +57,7 @@ def measure(threads: int, seconds: float, forward_tokens: tuple[int, int]) -> di
         for dtype in (torch.float32, torch.bfloat16):
             a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
             key = f"[{m}x{k}]@[{k}x{n}] {str(dtype).removeprefix('torch.')}"
-            result["matmul_gflops"][key] = round(_rate(lambda: a @ b, 2 * m * k * n, seconds), 2)
+            result["matmul_gflops"][key] = round(_rate(lambda a=a, b=b: a @ b, 2 * m * k * n, seconds), 2)
     rows, length = forward_tokens
     config = LlamaConfig(**SMOLLM2_SHAPE)
     model = LlamaForCausalLM(config).eval()

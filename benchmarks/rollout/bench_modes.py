@@ -102,7 +102,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
         work = Path(tmp)
-        data = {k: str(v) for k, v in write_arith_parquet(work / "data", ArithConfig(num_train=256, num_test=8)).items()}
+        written = write_arith_parquet(work / "data", ArithConfig(num_train=256, num_test=8))
+        data = {k: str(v) for k, v in written.items()}
         results = []
         for mode in args.modes:
             saved = dict(os.environ)

@@ -217,7 +217,8 @@ def main() -> None:
                             live[mode].stream = stream
                             requested += int(live[mode].collect(step).metrics["timing/requested_prompts"])
                     end = time.perf_counter()
-                    runs[mode].append({"s": end - start, "batches": batches, "engine_cpu_s": engine_cpu_seconds(engine) - cpu,
+                    runs[mode].append({"s": end - start, "batches": batches,
+                                       "engine_cpu_s": engine_cpu_seconds(engine) - cpu,
                                        "requested_prompts": requested, "load_1min": load,
                                        "returned_tokens": manager.tokens - tokens,
                                        **manager.usage(start, end, slots)})

@@ -62,7 +62,7 @@ def sequential_batch(manager, stream, rewards, tokenizer, batch_size, params, st
     kept, rollouts = 0, 0
     while kept < batch_size:
         records = {}
-        for offset in range(batch_size):
+        for _ in range(batch_size):
             position, record = stream.next()
             request_id = f"seq-{step}-{position.epoch}-{position.offset}"
             records[request_id] = record

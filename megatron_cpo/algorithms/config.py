@@ -5,10 +5,10 @@ correction), and the parts of other sections that select a pure-math variant: RA
 loss's settings (`actor_rollout_ref.actor`) are loss_config.py's, torch-free too.
 
 Each variant table lives with its math (advantages.py `ADVANTAGE_ESTIMATORS`, policy_losses.py `POLICY_LOSS_MODES`
-(its names: loss_config.py), kl.py `KL_ESTIMATORS`, aggregation.py `LOSS_AGGREGATIONS`, filters.py `RAGEN_STRATEGIES` and `FILTER_LOSS_SCALINGS`,
-shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the names a setting accepts, and what each variant needs
-of the rest of the config, are declared here next to the setting, and tests/algorithms/test_variant_names.py checks
-that every table implements exactly them.
+(its names: loss_config.py), kl.py `KL_ESTIMATORS`, aggregation.py `LOSS_AGGREGATIONS`, filters.py `RAGEN_STRATEGIES`
+and `FILTER_LOSS_SCALINGS`, shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the names a setting
+accepts, and what each variant needs of the rest of the config, are declared here next to the setting, and
+tests/algorithms/test_variant_names.py checks that every table implements exactly them.
 """
 from __future__ import annotations
 

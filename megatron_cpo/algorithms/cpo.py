@@ -212,10 +212,10 @@ def shape_advantages(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
 
-    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from `megatron_cpo.kernels.hint_mi_signals`;
-    correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`, LongTensor[N]; hint_correct: optional
-    BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms on wrong responses then also
-    require it). Values on padding are returned unchanged. Nothing here needs gradients.
+    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from
+    `megatron_cpo.kernels.hint_mi_signals`; correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`,
+    LongTensor[N]; hint_correct: optional BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms
+    on wrong responses then also require it). Values on padding are returned unchanged. Nothing here needs gradients.
     """
     rule = resolve_rule(rule_name)
     _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,

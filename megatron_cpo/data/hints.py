@@ -124,13 +124,15 @@ def _split_at_slot(text: str) -> tuple[str, str]:
 
 def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hints: list[str | None],
                         plain_prompt_ids: list[list[int]], max_prompt_length: int,
-                        template: HintTemplate = HintTemplate()) -> HintContexts:
+                        template: HintTemplate | None = None) -> HintContexts:
     """Hinted prompt ids for a batch: conversation + assistant(hint) + user(question, instruction) + generation prompt,
     at most `max_prompt_length` (`data.max_prompt_length`) tokens: a longer hint loses its start.
 
     `plain_prompt_ids` are used unchanged for rows whose hint is None. Text before and after the hint is tokenized
     in one batched call each; the hint is tokenized on its own so its tokens can be cut from the left exactly.
+    `template`: the hint turn's wording (`HintTemplate()` when None).
     """
+    template = HintTemplate() if template is None else template
     if not len(conversations) == len(hints) == len(plain_prompt_ids):
         raise ValueError(f"batch sizes differ: {len(conversations)} conversations, {len(hints)} hints, "
                          f"{len(plain_prompt_ids)} prompts")
@@ -139,7 +141,8 @@ def build_hint_contexts(tokenizer, conversations: list[list[dict[str, str]]], hi
     for i in hinted:
         question = _last_user_question(conversations[i])
         second_turn = template.second_turn_template.format(question=question, instruction=template.instruction)
-        messages = [*conversations[i], {"role": "assistant", "content": _SLOT}, {"role": "user", "content": second_turn}]
+        messages = [*conversations[i], {"role": "assistant", "content": _SLOT},
+                    {"role": "user", "content": second_turn}]
         texts.append(_split_at_slot(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                   tokenize=False)))
     before = encode_texts(tokenizer, [t[0] for t in texts])

@@ -15,15 +15,13 @@ Backward:
 """
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 import torch.distributed as dist
 
 from megatron_cpo.kernels.backends import KernelBackend, RowGrads, resolve_backend
 from megatron_cpo.kernels.softmax_stats import VocabShard, finalize
 
-Impl = Union[str, KernelBackend]
+Impl = str | KernelBackend
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

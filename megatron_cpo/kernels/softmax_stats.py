@@ -66,8 +66,8 @@ class VocabShard:
         padded = local_size * world
         real = padded if vocab_size is None else int(vocab_size)
         if not 0 < real <= padded:
-            raise ValueError(f"vocab_size={vocab_size} must lie in [1, {padded}] (local vocab {local_size} x TP {world});"
-                             " pass the real vocabulary size or None when the logits hold no padding")
+            raise ValueError(f"vocab_size={vocab_size} must lie in [1, {padded}] (local vocab {local_size} x TP "
+                             f"{world}); pass the real vocabulary size or None when the logits hold no padding")
         start = rank * local_size
         return cls(start=start, local_size=local_size, n_valid=max(0, min(local_size, real - start)), vocab_size=real)
 

@@ -231,8 +231,8 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
     offset = get_transformer_layer_offset(config)
     layers = [specs[kind] for kind in routed[offset:offset + transformer_block.get_num_layers_to_build(config)]]
     final_norm = SequenceParallelRMSNorm if sequence_parallel_norms else transformer_block.LayerNormImpl
-    return ModuleSpec(module=transformer_block.TransformerBlock, submodules=transformer_block.TransformerBlockSubmodules(
-        layer_specs=layers, layer_norm=final_norm))
+    submodules = transformer_block.TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+    return ModuleSpec(module=transformer_block.TransformerBlock, submodules=submodules)
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, value_head: bool = False,

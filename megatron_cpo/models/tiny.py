@@ -107,8 +107,8 @@ def write_tiny_model(out_dir: str | Path, family: str = "qwen2", seed: int = 0, 
 
     transformers initialises biases to zero; `random_biases` draws them (std 0.1) so that a dropped bias shows in the
     logits; `random_norms` draws the RMSNorm weights (1 + std 0.1; transformers sets them to 1) so that a swapped or
-    dropped norm shows too. MoE routers are drawn with std `ROUTER_STD`. The weights are drawn in float32 and saved in `dtype` (which
-    the saved config then declares).
+    dropped norm shows too. MoE routers are drawn with std `ROUTER_STD`. The weights are drawn in float32 and saved in
+    `dtype` (which the saved config then declares).
     """
     from transformers import AutoModelForCausalLM
 

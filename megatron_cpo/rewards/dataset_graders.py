@@ -60,9 +60,8 @@ def dapo_answer(solution_str: str) -> tuple[str | None, str]:
     ``\\boxed{}`` comes after its "Answer:" (a response to a boxed-style prompt that said "answer:" mid-reasoning; for
     "Answer: \\boxed{x}" both read x), else the last ``\\boxed{}`` (a lenient fallback verl does not have), else
     (None, "none")."""
-    last = None
-    for last in _ANSWER_LINE.finditer(solution_str):
-        pass
+    matches = list(_ANSWER_LINE.finditer(solution_str))
+    last = matches[-1] if matches else None
     boxed = last_boxed_at(solution_str)
     if last is not None and (boxed is None or boxed[1] < last.start()):
         return last.group(1)[:MAX_ANSWER_CHARS], "answer_line"

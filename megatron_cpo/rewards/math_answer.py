@@ -92,9 +92,8 @@ def announced_answer(text: str) -> str | None:
     an optional colon, the rest of that line) is read with plain scans, so a failed match never backtracks over
     long runs of whitespace.
     """
-    last = None
-    for last in _ANSWER_PHRASES.finditer(text):
-        pass
+    matches = list(_ANSWER_PHRASES.finditer(text))
+    last = matches[-1] if matches else None
     if last is None:
         return None
     start = _WHITESPACE.match(text, last.end()).end()

@@ -9,9 +9,9 @@ wrong-answer score, and ``defaults``, keyword arguments that give a source verl'
 
 Every source verl's ``default_compute_score`` grades is covered with verl's score values:
 
-==========================================================  ===========  ================================================
+==========================================================  ===========  ===============================================
 data_source                                                  scores       where ours is more lenient than verl
-==========================================================  ===========  ================================================
+==========================================================  ===========  ===============================================
 openai/gsm8k                                                 1 / 0        ``\\boxed{}`` fallback, numbers by value,
                                                                           whole response (verl: last 300 chars)
 lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,          1 / 0        numeric and symbolic (math-verify) equivalence
@@ -28,7 +28,7 @@ codecontests, apps, codeforces, taco                         [0, 1]       none: 
 hiyouga/geometry3k                                           1/.9/.1/0    1% numeric slack on the boxed value
 searchR1_nq, _triviaqa, _popqa, _hotpotqa,                   1/.25/0      none (exact match after SQuAD normalisation)
 _2wikimultihopqa, _musique, _bamboogle
-==========================================================  ===========  ================================================
+==========================================================  ===========  ===============================================
 
 Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, amc23 strict) or 1/0 (gpqa;
 megatron_cpo/addition, whose answer is the response's last number: the real-model example's task).

@@ -83,9 +83,12 @@ def _check(result: int, what: str) -> None:
         raise OSError(error, f"sandbox launcher: {what}: {os.strerror(error)}")
 
 
+def _encode(text: str | None) -> bytes | None:
+    return text.encode() if text is not None else None
+
+
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    encode = (lambda text: text.encode() if text is not None else None)
-    _check(libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+    _check(libc.mount(_encode(source), _encode(target), _encode(fstype), ctypes.c_ulong(flags), _encode(data)),
            f"mount {source} on {target}")
 
 

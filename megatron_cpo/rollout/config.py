@@ -15,9 +15,10 @@ from megatron_cpo.config_checks import check, check_choice
 # 1.0e-4 (RLOO, step 38) and 2.0e-4 (PPO, step 26) once training at lr 1e-3 has made the tiny model's logits peaked:
 # false stops at the former 1e-4 and 2e-4. An engine that kept its tied head showed 0.33 after the first push at lr
 # 3e-2 (tiny) and 2.6e-4 / 3.9e-4 after the first two pushes at lr 1e-6 (SmolLM2): at 1e-3 such a small per-push
-# change is caught only once it has added up, which the reload report (every parameter filled) does not wait for. 16-bit: engines in sync differ by up to 0.03 (tiny) and 0.11 (SmolLM2-135M), since the two sides'
-# kernels round differently; only a stale engine whose weights moved far stands out (float16: not measured here,
-# the bfloat16 value, which has fewer mantissa bits, is kept).
+# change is caught only once it has added up, which the reload report (every parameter filled) does not wait for.
+# 16-bit: engines in sync differ by up to 0.03 (tiny) and 0.11 (SmolLM2-135M), since the two sides' kernels round
+# differently; only a stale engine whose weights moved far stands out (float16: not measured here, the bfloat16
+# value, which has fewer mantissa bits, is kept).
 DEFAULT_TOLERANCES = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.5}
 
 DEFAULT_PROMPTS = ("Compute 17 + 25.", "Write one sentence about a lighthouse.")

@@ -58,7 +58,8 @@ class VLLMEngine:
             # vLLM's CPU sampler cannot rewind a seeded request's torch generator when a chunked prefill discards
             # its token ("CPU Generator does not use offset" kills the engine), so on CPU prompts are never chunked.
             enable_chunked_prefill=config.uses_gpu and config.engines.enable_chunked_prefill,
-            max_num_batched_tokens=config.engines.max_num_batched_tokens if config.uses_gpu else max(config.max_model_len, 2048),
+            max_num_batched_tokens=(config.engines.max_num_batched_tokens if config.uses_gpu
+                                    else max(config.max_model_len, 2048)),
             enable_sleep_mode=config.uses_gpu and config.enable_sleep_mode,
         )
         self.engine_index = engine_index

@@ -242,7 +242,8 @@ class _ServerGroups:
         firsts = [1 + sum(spec.workers[:i]) for i in range(len(spec.urls))]
         joins = [caller.spawn(url, proto.WEIGHTS_JOIN, {"name": name, "host": host, "port": store.port,
                                                          "first_rank": first, "world_size": world_size,
-                                                         "timeout_s": spec.timeout_s, "session": spec.session}, spec.timeout_s + 30)
+                                                         "timeout_s": spec.timeout_s, "session": spec.session},
+                              spec.timeout_s + 30)
                  for url, first in zip(spec.urls, firsts)]
 
         def failed_join() -> str | None:

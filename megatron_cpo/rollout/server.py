@@ -181,8 +181,9 @@ class RolloutServer:
                 del self._group_sessions[name]
         self._group_sessions[body["name"]] = body["session"]
         workers = self.config.engines.tensor_model_parallel_size
+        first_rank = int(body["first_rank"])
         ranks = await asyncio.gather(*(
-            engine.join_weight_group(body["name"], body["host"], int(body["port"]), int(body["first_rank"]) + i * workers,
+            engine.join_weight_group(body["name"], body["host"], int(body["port"]), first_rank + i * workers,
                                      int(body["world_size"]), float(body["timeout_s"]))
             for i, engine in enumerate(self.engines)))
         return web.json_response({"ranks": [rank for engine_ranks in ranks for rank in engine_ranks]})

@@ -193,9 +193,9 @@ ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 @dataclass
 class RouterReplayConfig:
     """verl's `actor_rollout_ref.actor.router_replay`: make the update route every token of a mixture of experts as
-    an earlier pass did (trainer/workers/routing.py). `R2` records each token's top-k experts in the old-log-prob pass and
-    replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same experts
-    (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
+    an earlier pass did (trainer/workers/routing.py). `R2` records each token's top-k experts in the old-log-prob pass
+    and replays them in the update's forward passes (recomputed ones included), so the PPO ratio compares the same
+    experts (Megatron's `moe_enable_routing_replay`; docs/moe.md). `R3` would replay the rollout engine's routing; vLLM
     returns routed experts only on GPUs (its V2 model runner) and the rollout samples do not carry them here, so it is
     refused."""
     mode: str = "disabled"

@@ -319,8 +319,8 @@ class Trainer:
             raise RunAbortedError(weights_not_finite_message(pushed.out_of_sync, self.checkpoints.saved_path))
         if pushed.out_of_sync is not None:
             saved = self._checkpoint_before_abort(step)
-            kept = (f"the trained weights are checkpointed in {saved}; resume with trainer.resume=auto once the engines "
-                    "take weights correctly" if saved else "nothing was trained yet")
+            kept = (f"the trained weights are checkpointed in {saved}; resume with trainer.resume=auto once the "
+                    "engines take weights correctly" if saved else "nothing was trained yet")
             raise RunAbortedError(f"{pushed.out_of_sync}; {kept} (actor_rollout_ref.rollout.sync_check.enable=false "
                                   "trains on regardless)")
 

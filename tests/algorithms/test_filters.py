@@ -68,7 +68,8 @@ def _kept_groups(config):
     (RolloutFilterConfig("top_p", 0.5, rollout_filter_type="smallest", rollout_filter_include_zero=False), [0, 2]),
     (RolloutFilterConfig("top_k", 1, rollout_filter_metric="reward_mean"), [1]),  # means 0.5, 1, 0.25, 0.5
     (RolloutFilterConfig("top_k", 1, rollout_filter_metric="reward_sum"), [1]),  # sums 2, 4, 1, 2
-    (RolloutFilterConfig("top_k", 2, rollout_filter_metric="reward_sum", rollout_filter_type="smallest"), [0, 2]),  # ties: group order
+    # ties: group order
+    (RolloutFilterConfig("top_k", 2, rollout_filter_metric="reward_sum", rollout_filter_type="smallest"), [0, 2]),
 ])
 def test_ragen_strategies_hand_computed(config, kept):
     assert _kept_groups(config) == kept
@@ -94,7 +95,8 @@ def test_top_p_one_keeps_every_group_issue_repro(mode):
 def test_min_p_smallest_keeps_scores_up_to_min_over_value_issue_repro():
     # group means 0.2, 0.3, 0.5; min / value = 0.4: groups 0 and 1
     rewards, group = torch.tensor([0.2, 0.2, 0.3, 0.3, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2])
-    keep = ragen_filter(rewards, group, RolloutFilterConfig("min_p", 0.5, "smallest", rollout_filter_metric="reward_mean")).keep
+    config = RolloutFilterConfig("min_p", 0.5, "smallest", rollout_filter_metric="reward_mean")
+    keep = ragen_filter(rewards, group, config).keep
     assert keep.tolist() == [True, True, True, True, False, False]
 
 
@@ -103,22 +105,26 @@ def test_min_p_with_only_negative_scores_keeps_the_best(filter_type, kept):
     # means -1, -0.5, -2. largest: value * best = -0.25 lies above every score; smallest: best / value = -4 lies
     # below every score; RAGEN would keep nothing, we keep the best group (docs/filters.md).
     rewards, group = torch.tensor([-1.0, -1.0, -0.5, -0.5, -2.0, -2.0]), torch.tensor([0, 0, 1, 1, 2, 2])
-    keep = ragen_filter(rewards, group, RolloutFilterConfig("min_p", 0.5, filter_type, rollout_filter_metric="reward_mean")).keep
+    config = RolloutFilterConfig("min_p", 0.5, filter_type, rollout_filter_metric="reward_mean")
+    keep = ragen_filter(rewards, group, config).keep
     expected = [1] if filter_type == "largest" else [2]
     assert [g for g in range(3) if bool(keep[2 * g])] == expected and kept
 
 
 def test_constant_group_std_is_exactly_zero_issue_repro():
-    # float32 [0.9, 0.9, 0.9] has a rounding std of 7e-8; it must count as 0: dropped with rollout_filter_include_zero=false, and
-    # tied with the other constant group under top_k (ties go to the earlier group), never ahead of it.
+    # float32 [0.9, 0.9, 0.9] has a rounding std of 7e-8; it must count as 0: dropped with
+    # rollout_filter_include_zero=false, and tied with the other constant group under top_k (ties go to the earlier
+    # group), never ahead of it.
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.9, 0.9, 0.9])
     group = torch.tensor([0, 0, 0, 1, 1, 1])
-    assert not ragen_filter(rewards, group, RolloutFilterConfig("top_k", 1, rollout_filter_include_zero=False)).keep.any()
-    assert not ragen_filter(rewards, group, RolloutFilterConfig("top_p", 1.0, rollout_filter_include_zero=False)).keep.any()
+    top_k_without_zero = RolloutFilterConfig("top_k", 1, rollout_filter_include_zero=False)
+    top_p_without_zero = RolloutFilterConfig("top_p", 1.0, rollout_filter_include_zero=False)
+    assert not ragen_filter(rewards, group, top_k_without_zero).keep.any()
+    assert not ragen_filter(rewards, group, top_p_without_zero).keep.any()
     keep = ragen_filter(rewards, group, RolloutFilterConfig("top_k", 1)).keep
     assert keep.tolist() == [True, True, True, False, False, False]
     varied = torch.tensor([0.9, 0.9, 0.9, 0.0, 1.0, 0.0])
-    keep = ragen_filter(varied, group, RolloutFilterConfig("top_p", 1.0, rollout_filter_include_zero=False)).keep
+    keep = ragen_filter(varied, group, top_p_without_zero).keep
     assert keep.tolist() == [False, False, False, True, True, True]
 
 
@@ -126,7 +132,8 @@ def test_ragen_metrics_and_empty_candidates():
     result = ragen_filter(RAGEN_REWARDS, RAGEN_GROUP, RolloutFilterConfig("top_k", 1))
     assert result.metrics["kept"] == 1 and result.metrics["kept_ratio"] == 0.25
     assert result.metrics["mean_std"] == pytest.approx((math.sqrt(1 / 3) + 0 + 0.5 + 1) / 4)
-    nothing = ragen_filter(torch.ones(4), torch.tensor([0, 0, 1, 1]), RolloutFilterConfig("top_p", 0.9, rollout_filter_include_zero=False))
+    without_zero = RolloutFilterConfig("top_p", 0.9, rollout_filter_include_zero=False)
+    nothing = ragen_filter(torch.ones(4), torch.tensor([0, 0, 1, 1]), without_zero)
     assert not nothing.keep.any() and nothing.metrics["filter_rate"] == 1.0
 
 

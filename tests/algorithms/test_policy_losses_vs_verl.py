@@ -250,10 +250,12 @@ def test_what_a_mode_does_not_define_is_refused_at_load(overrides, message):
 
 def test_verls_keys_load_and_cispo_takes_an_open_lower_clip():
     config = build_config({}, ["actor_rollout_ref.actor.policy_loss.loss_mode=cispo",
-                               "actor_rollout_ref.actor.clip_ratio_low=10", "actor_rollout_ref.actor.clip_ratio_high=0.2"])
+                               "actor_rollout_ref.actor.clip_ratio_low=10",
+                               "actor_rollout_ref.actor.clip_ratio_high=0.2"])
     actor = config.actor_rollout_ref.actor
     assert (actor.policy_loss.loss_mode, actor.clip_ratio_low) == ("cispo", 10.0)
     gspo = build_config({}, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
                              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-                             "actor_rollout_ref.actor.clip_ratio_low=3e-4", "actor_rollout_ref.actor.clip_ratio_high=4e-4"])
+                             "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+                             "actor_rollout_ref.actor.clip_ratio_high=4e-4"])
     assert gspo.actor_rollout_ref.actor.policy_loss.rules is POLICY_LOSS_MODE_RULES["gspo"]

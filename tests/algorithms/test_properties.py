@@ -55,12 +55,13 @@ def test_filter_groups_keeps_whole_groups_in_any_order(batch):
 
 @FAST
 @given(grouped_batch(binary=True), st.sampled_from(["top_p", "top_k", "min_p"]), st.floats(0.05, 1.0),
-       st.sampled_from(["largest", "smallest"]), st.booleans(), st.sampled_from(["reward_std", "reward_mean", "reward_sum"]),
-       st.sampled_from(["linear", "softmax"]))
+       st.sampled_from(["largest", "smallest"]), st.booleans(),
+       st.sampled_from(["reward_std", "reward_mean", "reward_sum"]), st.sampled_from(["linear", "softmax"]))
 def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, include_zero, group_score, mode):
     scores, group, perm = batch
     value = float(max(1, round(value * 4))) if strategy == "top_k" and value > 0.5 else value
-    config = RolloutFilterConfig(strategy, value, filter_type, include_zero, group_score, rollout_filter_top_p_prob_mode=mode)
+    config = RolloutFilterConfig(strategy, value, filter_type, include_zero, group_score,
+                                 rollout_filter_top_p_prob_mode=mode)
     keep = ragen_filter(scores, group, config).keep
     for g in group.unique():
         assert keep[group == g].all() or not keep[group == g].any()
@@ -73,7 +74,8 @@ def test_ragen_filters_keep_whole_groups(batch, strategy, value, filter_type, in
 @given(grouped_batch(), st.floats(0.01, 1.0))
 def test_softmax_top_p_keeps_at_least_one_group(batch, value):
     scores, group, _ = batch
-    assert ragen_filter(scores, group, RolloutFilterConfig("top_p", value, rollout_filter_top_p_prob_mode="softmax")).keep.any()
+    config = RolloutFilterConfig("top_p", value, rollout_filter_top_p_prob_mode="softmax")
+    assert ragen_filter(scores, group, config).keep.any()
 
 
 @st.composite

@@ -174,7 +174,8 @@ def ragen_select(scores, config, num_groups):
             count += 1
         return {idx[j] for j in order[:count]} if total >= threshold else set()
     if config.rollout_filter_strategy == "top_k":
-        k = int(config.rollout_filter_value * num_groups) if config.rollout_filter_value < 1 else int(config.rollout_filter_value)
+        value = config.rollout_filter_value
+        k = int(value * num_groups) if value < 1 else int(value)
         k = max(min(k, len(idx)), 1)
         order = sorted(range(len(s)), key=lambda j: -s[j] if largest else s[j])
         return {idx[j] for j in order[:k]}

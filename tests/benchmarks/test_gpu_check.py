@@ -2,8 +2,9 @@
 
 `bash scripts/gpu_check.sh --cpu-smoke` runs every part the GPU run runs (kernel correctness on the Triton
 interpreter and the chunked torch path, the Megatron actor through the trainer's own step on gloo with a tiny model,
-the actor's offload round trip, the kernel grid, plan_memory.py, the JSON and Markdown writers) and installs a wheel from the wheel folder offline,
-so CI proves the script is not broken. The numbers it prints at tiny shapes are not measurements.
+the actor's offload round trip, the kernel grid, plan_memory.py, the JSON and Markdown writers) and installs a wheel
+from the wheel folder offline, so CI proves the script is not broken. The numbers it prints at tiny shapes are not
+measurements.
 """
 from __future__ import annotations
 

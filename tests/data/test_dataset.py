@@ -64,7 +64,8 @@ def test_missing_fields_and_wrong_types_are_named():
     del row["prompt"]
     assert row_problems(row) == ["missing field 'prompt'"]
     assert row_problems(_row(extra_info="x")) == ["extra_info must be a dict, got str"]
-    assert row_problems(_row(prompt=[{"role": "user", "content": 5}])) == ["prompt[0].content must be a string, got int"]
+    assert row_problems(_row(prompt=[{"role": "user", "content": 5}])) == [
+        "prompt[0].content must be a string, got int"]
     assert row_problems(_row(prompt="Compute 1+2")) == ["prompt must be a list of chat messages, got str"]
     assert row_problems(_row(reward_model={"ground_truth": True})) == [
         "reward_model.ground_truth must be a string or number (or a dict/list such as Search-R1's {'target': [...]}), "

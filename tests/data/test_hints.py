@@ -14,7 +14,7 @@ def records(arith_files, tokenizer):
     return dataset.records[:6]
 
 
-def _build(tokenizer, records, max_prompt_length=LENGTH, template=HintTemplate(), hints=None):
+def _build(tokenizer, records, max_prompt_length=LENGTH, template=None, hints=None):
     hints = [r.extra_info["solution"] for r in records] if hints is None else hints
     return build_hint_contexts(tokenizer, [r.messages for r in records], hints, [r.prompt_ids for r in records],
                                max_prompt_length, template)

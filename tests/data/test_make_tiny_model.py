@@ -37,7 +37,8 @@ def test_supervised_batch_trains_only_on_solution_and_end_of_turn(tool, tokenize
         prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         target = labels[i][labels[i] != -100].tolist()
         assert tokenizer.decode(target) == row["extra_info"]["solution"] + "<|im_end|>"
-        assert tokenizer.decode(ids[i][mask[i].bool()].tolist()) == prompt + row["extra_info"]["solution"] + "<|im_end|>"
+        prompt_and_target = ids[i][mask[i].bool()].tolist()
+        assert tokenizer.decode(prompt_and_target) == prompt + row["extra_info"]["solution"] + "<|im_end|>"
 
 
 @pytest.mark.slow
@@ -52,7 +53,7 @@ def test_warm_start_is_deterministic_and_a_prefix_of_a_longer_run(tool, tokenize
     tool.warm_start(longer, tokenizer, rows["train"], tool.WarmStartConfig(steps=3, batch_size=4, warmup_steps=1,
                                                                           log_every=0),
                     on_step=lambda step: snapshots.setdefault(step, [p.detach().clone() for p in longer.parameters()]))
-    for a, b, c, start in zip(first.parameters(), second.parameters(), snapshots[2], initial):
+    for a, b, c in zip(first.parameters(), second.parameters(), snapshots[2]):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert any(not torch.equal(a, start) for a, start in zip(first.parameters(), initial))
 

@@ -1,6 +1,7 @@
 """Tools (hermes tool calls, verl's tool YAML, the calculator, the code sandbox, verl's GSM8K tool), verl-style
 interactions without verl, and the tool agent's error observations: malformed calls, unknown tools, missing
 arguments, exceptions and timeouts (each answered and counted, the episode goes on)."""
+import os
 import re
 import threading
 from pathlib import Path
@@ -77,7 +78,7 @@ def test_bad_tool_configs_name_the_entry_and_the_fix(tmp_path):
 
 def test_code_runs_in_the_sandbox_not_in_the_trainer():
     tool = CodeExecutionTool({"timeout_s": 5}, sandbox=SandboxConfig())  # auto: namespaces where allowed
-    assert tool.call({"code": "import os; print(6 * 7, os.getpid() != %d)" % __import__("os").getpid()},
+    assert tool.call({"code": f"import os; print(6 * 7, os.getpid() != {os.getpid()})"},
                      ToolContext()) == "42 True"
     assert "ZeroDivisionError" in tool.call({"code": "1/0"}, ToolContext())
 

@@ -65,4 +65,5 @@ def test_a_reward_model_answering_nan_or_infinity_is_refused_per_row_not_retried
                                     "'math500')",
                                  2: f"the reward model at {server.url}/score gave inf for row 6 (data_source "
                                     "'math500')"}
-    assert result.metrics["reward/remote/score_mean"] == pytest.approx(0.75 / 4) and result.details[1]["rule_score"] == 1
+    assert result.metrics["reward/remote/score_mean"] == pytest.approx(0.75 / 4)
+    assert result.details[1]["rule_score"] == 1

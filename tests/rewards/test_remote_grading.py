@@ -1,6 +1,6 @@
 """`reward.remote.*` end to end: the trainer's grading path (`ResponseScorer.score_groups` with the reward manager of
-the config's `reward.*`) against the reference reward server run as its own process on loopback (real HTTP), healthy, down
-and too slow."""
+the config's `reward.*`) against the reference reward server run as its own process on loopback (real HTTP), healthy,
+down and too slow."""
 import selectors
 import subprocess
 import sys

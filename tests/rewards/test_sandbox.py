@@ -279,9 +279,10 @@ def test_limits_are_validated():
 def test_killing_the_grading_process_ends_its_sandboxes():
     """The reward pool SIGKILLs a grading worker that overruns its budget: its launcher server, launchers, inits and
     programs must all go with it (parent-death signals down the chain, then the PID-namespace teardown)."""
-    grader = subprocess.Popen([sys.executable, "-c", "from megatron_cpo.rewards.sandbox import run_python, SandboxLimits\n"
-                               "run_python('import time\\ntime.sleep(120)', backend='namespaces', limits="
-                               "SandboxLimits(wall_timeout_s=120, cpu_time_s=60))"],
+    program = ("from megatron_cpo.rewards.sandbox import run_python, SandboxLimits\n"
+               "run_python('import time\\ntime.sleep(120)', backend='namespaces', limits="
+               "SandboxLimits(wall_timeout_s=120, cpu_time_s=60))")
+    grader = subprocess.Popen([sys.executable, "-c", program],
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     deadline = time.monotonic() + 30
     while not any(uid >= SANDBOX_UID_BASE for uid in sandbox_uids()) and time.monotonic() < deadline:

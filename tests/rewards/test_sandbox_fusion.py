@@ -94,5 +94,6 @@ def test_config_keys_and_verl_aliases(tmp_path):
                     "reward:\n  sandbox:\n    mode: remote\n")
     config = load_config(str(path))
     assert config.reward.sandbox == SandboxConfig("remote", "http://h:8080/run_code", 8, 1024)
-    ours = load_config(None, ["reward.sandbox_fusion.url=http://h:1/run_code", "reward.sandbox.fusion_max_concurrent=3"])
+    ours = load_config(None, ["reward.sandbox_fusion.url=http://h:1/run_code",
+                              "reward.sandbox.fusion_max_concurrent=3"])
     assert (ours.reward.sandbox.fusion_url, ours.reward.sandbox.fusion_max_concurrent) == ("http://h:1/run_code", 3)

@@ -56,7 +56,8 @@ def test_preflight_checks_a_colocated_trainer_on_several_nodes(monkeypatch):
     config = build_config({}, [f"{PREFIX}mode=colocate"])
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert rollout_mode_problems(config.actor_rollout_ref.rollout) == []  # two nodes of 8 ranks: weights go over the collective transport
+    # two nodes of 8 ranks: weights go over the collective transport
+    assert rollout_mode_problems(config.actor_rollout_ref.rollout) == []
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     (problem,) = rollout_mode_problems(config.actor_rollout_ref.rollout)
     assert "16 ranks do not make whole nodes of 6" in problem

@@ -64,7 +64,8 @@ def _example_config(name, servers, data, out_dir):
         f"data.train_files={data['train']}", f"data.val_files={data['test']}", "data.train_batch_size=4",
         "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={servers['model']}",
-        "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
+        "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.mode=server",
+        f"actor_rollout_ref.rollout.server_urls=[{servers['urls']['a']}]",
         f"actor_rollout_ref.rollout.server_token_file={servers['token_file']}",
         "actor_rollout_ref.rollout.weight_transport=auto", "trainer.total_training_steps=2", "trainer.test_freq=-1",
         "algorithm.filter_groups.enable=false", "reward.overlong_buffer.len=4",
@@ -156,7 +157,8 @@ def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_p
         assert time.perf_counter() - started < 10
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN)
-        config = build_config({}, ["actor_rollout_ref.rollout.mode=server", f"actor_rollout_ref.rollout.server_urls=[{url}]",
+        config = build_config({}, ["actor_rollout_ref.rollout.mode=server",
+                                   f"actor_rollout_ref.rollout.server_urls=[{url}]",
                                    f"actor_rollout_ref.rollout.server_token_file={token_file}",
                                    "actor_rollout_ref.rollout.server_timeout_s=1.5"])
         (problem,) = rollout_mode_problems(config.actor_rollout_ref.rollout)

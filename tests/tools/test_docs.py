@@ -24,7 +24,7 @@ SOURCES = [*(ROOT / "megatron_cpo").rglob("*.py"), *(ROOT / "tools").glob("*.py"
 PACKAGES = ("algorithms", "data", "kernels", "models", "rewards", "rollout", "trainer")
 ROOTED = re.compile(r"(?<![\w/.-])((?:docs|benchmarks|examples|tools|megatron_cpo|tests|scripts)/[\w./-]*\w"
                     r"\.(?:py|md|sh|yaml|sbatch))")
-IN_PACKAGE = re.compile(r"(?<![\w/.-])((?:%s)/\w+\.py)" % "|".join(PACKAGES))  # e.g. `rollout/modes.py`
+IN_PACKAGE = re.compile(rf"(?<![\w/.-])((?:{'|'.join(PACKAGES)})/\w+\.py)")  # e.g. `rollout/modes.py`
 MARKDOWN = re.compile(r"(?<![\w/.-])([A-Za-z_]+\.md)\b")  # e.g. DEVELOPERS.md, cpo.md
 WRITTEN_BY_A_RUN = {"results.md"}  # the GPU check's report, written where it runs
 
@@ -34,7 +34,8 @@ def test_docs_links_resolve():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if not target.startswith("http"):
                 assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
-        for path in re.findall(r"`((?:examples|tools|megatron_cpo)/[\w./-]+\.(?:py|sh|yaml|sbatch))`", page.read_text()):
+        mentioned = re.findall(r"`((?:examples|tools|megatron_cpo)/[\w./-]+\.(?:py|sh|yaml|sbatch))`", page.read_text())
+        for path in mentioned:
             assert (ROOT / path).exists(), f"{page.name} mentions missing {path}"
 
 

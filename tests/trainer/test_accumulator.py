@@ -35,7 +35,8 @@ def test_filter_drops_uniform_groups_and_truncates(tokenizer):
     accumulator = GroupAccumulator(2, keep_varied_groups, "acc")
     mixed, all_right, all_wrong, mixed2, mixed3 = (["4", "5"], ["4", "4"], ["3", "5"], ["5", "4"], ["4", "1"])
     accumulator.add([scored_group(tokenizer, 1, all_right), scored_group(tokenizer, 2, all_wrong)])
-    assert accumulator.next_seq == 0 and not accumulator.kept  # seq 0 has not finished: nothing is committed out of order
+    # seq 0 has not finished: nothing is committed out of order
+    assert accumulator.next_seq == 0 and not accumulator.kept
     accumulator.add([scored_group(tokenizer, 0, mixed), scored_group(tokenizer, 4, mixed3)])
     assert accumulator.next_seq == 3 and len(accumulator.kept) == 1 and not accumulator.full
     accumulator.add([scored_group(tokenizer, 3, mixed2)])
@@ -90,7 +91,8 @@ def scored_with(tokenizer, seq, scores, lengths=None):
 
 def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
     # windows of 4 groups; top_k=2 by in-group reward std keeps the two most varied groups of each window
-    selection = GroupSelection(ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=2), window=4)
+    top_2 = RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=2)
+    selection = GroupSelection(ragen=top_2, window=4)
     accumulator = GroupAccumulator(3, selection)
     scores = {0: [0.0, 1.0], 1: [0.0, 0.0], 2: [0.0, 0.5], 3: [1.0, 1.0],
               4: [0.2, 0.3], 5: [0.0, 1.0], 6: [0.0, 0.9], 7: [0.5, 0.5]}
@@ -108,14 +110,15 @@ def test_ragen_top_k_decides_whole_generation_batches(tokenizer):
 
 
 def test_ragen_ranks_only_groups_that_pass_filter_groups_and_decides_a_partial_window(tokenizer):
-    selection = GroupSelection(metric_filter=keep_varied_groups,
-                               ragen=RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=1), window=4)
+    top_1 = RolloutFilterConfig(rollout_filter_strategy="top_k", rollout_filter_value=1)
+    selection = GroupSelection(metric_filter=keep_varied_groups, ragen=top_1, window=4)
     accumulator = GroupAccumulator(2, selection)
     # group 0 has the largest std but an all-correct acc, so filter-groups drops it before RAGEN ranks
     accumulator.add([scored_with(tokenizer, 0, [0.1, 1.0]), scored_with(tokenizer, 1, [0.0, 0.4]),
              scored_with(tokenizer, 2, [0.0, 0.6])])
     assert not accumulator.kept
-    assert [g.seq for g in accumulator.batch()] == [2]  # collection stopped (data ran out): the partial window is decided
+    # collection stopped (data ran out): the partial window is decided
+    assert [g.seq for g in accumulator.batch()] == [2]
     assert accumulator.metrics()["filter/kept_ratio"] == pytest.approx(1 / 3)
 
 

@@ -2,9 +2,9 @@
 
 Two updates with GRPO advantages, a KL loss against the frozen reference and verl's KL penalty in the reward:
 losses, clip fractions, gradient norms and learning rates must agree across layouts (the TP layout also scores
-log-probs in other micro-batch sizes, verl's `log_prob_micro_batch_size_per_gpu`, which must not change them) (the vocab-parallel kernel, the pipeline schedule, the data-parallel
-split of rows and the distributed optimizer are all on the path). One pair of processes runs the three layouts in
-turn to pay the process start-up once.
+log-probs in other micro-batch sizes, verl's `log_prob_micro_batch_size_per_gpu`, which must not change them) (the
+vocab-parallel kernel, the pipeline schedule, the data-parallel split of rows and the distributed optimizer are all on
+the path). One pair of processes runs the three layouts in turn to pay the process start-up once.
 """
 import pytest
 import torch

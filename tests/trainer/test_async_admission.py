@@ -209,9 +209,11 @@ def test_groups_the_filters_drop_free_their_slots():
     """Only every fourth prompt varies (is kept): a batch of 4 needs 13 prompts, more than the (k + 1) * B = 8 the
     bound holds at once; it fills only because dropped groups leave the count."""
     def one_in_four(items):
-        return [(acc.clone(), acc, texts) for acc, _, texts in
-                [(torch.tensor([float(r.token_ids[0] % 2 == 0) if record.index % 4 == 0 else 1.0 for r in responses]), None,
-                  ["" for _ in responses]) for record, responses in items]]
+        scored = []
+        for record, responses in items:
+            acc = torch.tensor([float(r.token_ids[0] % 2 == 0) if record.index % 4 == 0 else 1.0 for r in responses])
+            scored.append((acc.clone(), acc, ["" for _ in responses]))
+        return scored
 
     engines = ScriptedEngines(5)
     controller = controller_for(engines, config_staleness=1, filtering=True, scorer=one_in_four)

@@ -6,7 +6,7 @@ from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, pack_sequences
 from tests.multiprocess import run_processes
 
-I = IGNORE_INDEX
+IGN = IGNORE_INDEX
 
 
 def test_ragged_rows_round_trip_and_pad():
@@ -26,10 +26,10 @@ def test_pack_sequences_places_tokens_and_targets():
     seqs = pack_sequences([[1, 2], [3]], [[7, 8], []], pad_token_id=0, response_width=3)
     assert seqs.tokens.tolist() == [[1, 2, 7, 8], [3, 0, 0, 0]]
     # response token j of row b is predicted at position prompt_len[b] + j - 1
-    assert seqs.targets.tolist() == [[I, 7, 8, I], [I, I, I, I]]
+    assert seqs.targets.tolist() == [[IGN, 7, 8, IGN], [IGN, IGN, IGN, IGN]]
     assert seqs.prompt_lengths.tolist() == [2, 1] and seqs.response_lengths.tolist() == [2, 0]
     padded = seqs.with_empty_rows(1).select(slice(1, 3))
-    assert padded.tokens.tolist() == [[3, 0, 0, 0], [0, 0, 0, 0]] and padded.targets.tolist() == [[I] * 4] * 2
+    assert padded.tokens.tolist() == [[3, 0, 0, 0], [0, 0, 0, 0]] and padded.targets.tolist() == [[IGN] * 4] * 2
     assert padded.response_lengths.tolist() == [0, 0] and padded.trimmed().length == 1
     same = pack_sequences(RaggedRows.from_lists([[1, 2], [3]]), RaggedRows.from_lists([[7, 8], []]), 0, 3)
     assert torch.equal(same.tokens, seqs.tokens) and torch.equal(same.targets, seqs.targets)

@@ -31,7 +31,8 @@ def _config(arith_data, out_dir, steps, *extra, example="dapo_arith.yaml"):
         f"data.train_files={arith_data['train']}", f"data.val_files={arith_data['test']}", "data.train_batch_size=4",
         "data.max_response_length=12", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", f"actor_rollout_ref.model.path={TINY / 'model'}",
-        "actor_rollout_ref.rollout.mode=colocate", "algorithm.filter_groups.enable=false", "reward.overlong_buffer.len=4", "trainer.test_freq=-1",
+        "actor_rollout_ref.rollout.mode=colocate", "algorithm.filter_groups.enable=false",
+        "reward.overlong_buffer.len=4", "trainer.test_freq=-1",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]", "trainer.save_freq=1",
         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={out_dir}", "trainer.logger=[jsonl]",
         *extra])
@@ -91,7 +92,8 @@ def _train_as_the_only_rank_of_its_node(rank, world_size, arith_data, out_dir, m
     metrics = run_training(_config(arith_data, Path(out_dir), 2,
                                    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                                   f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.optim.lr=3e-2"))
+                                   f"actor_rollout_ref.model.path={model_dir}",
+                                   "actor_rollout_ref.actor.optim.lr=3e-2"))
     return {"metrics": metrics, "log": messages}
 
 

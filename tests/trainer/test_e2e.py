@@ -40,7 +40,7 @@ def send_sigterm_after_first_step(run_dir: Path) -> threading.Thread:
     """SIGTERM this process (as SLURM preemption would) once step 1 is logged."""
     def watch():
         path = run_dir / "metrics.jsonl"
-        while not (path.is_file() and any(json.loads(l)["step"] == 1 for l in path.read_text().splitlines())):
+        while not (path.is_file() and any(json.loads(line)["step"] == 1 for line in path.read_text().splitlines())):
             time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)
     thread = threading.Thread(target=watch, daemon=True)

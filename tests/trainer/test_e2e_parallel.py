@@ -191,7 +191,8 @@ def assert_loads_as_the_tiny_model(exported, original):
     model, info = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     reference = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in reference.state_dict().items()}
+    reference_shapes = {k: v.shape for k, v in reference.state_dict().items()}
+    assert {k: v.shape for k, v in model.state_dict().items()} == reference_shapes
     tokenizer = AutoTokenizer.from_pretrained(exported)
     ids = torch.tensor([tokenizer.encode("Compute 1+2.")])
     assert torch.isfinite(model(ids).logits).all()

@@ -13,7 +13,8 @@ import pytest
 from megatron_cpo.trainer.loop import run_training
 
 SCALE = ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-         "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+         "actor_rollout_ref.model.use_remove_padding=true",
+         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
          "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=cpo",
          "trainer.total_training_steps=2", "trainer.val_before_train=false")
 

@@ -135,7 +135,8 @@ def test_agent_episodes_under_k1_keep_their_environment_and_each_token_its_weigh
     config = make_config(
         f"actor_rollout_ref.model.path={WARM_MODEL}", "data.max_prompt_length=256", "data.max_response_length=224",
         "data.val_max_samples=4",
-        "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.default_agent={agent}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.default_agent={agent}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "async_training.max_staleness=1",
         "trainer.total_training_steps=4", "trainer.test_freq=2", "trainer.val_before_train=false",

@@ -48,8 +48,9 @@ def _compare(model_dir, pp, cpo=False):
     from megatron_cpo.trainer.components import policies_for, policy_update_config
     from megatron_cpo.trainer.workers import policy_update
 
-    overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+    overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2",
+                 "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
                  "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                  f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}"]
     if cpo:  # pos_alpha 1 and neg_alpha 2 move the advantages far enough to show in the update
@@ -130,7 +131,8 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
         assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["master_dtypes"] == ["torch.float32"]
         assert bf16["moved"] > 0 and bf16["old_log_probs_finite"]
     # the distributed optimizer's fp32 main weights: each DP rank holds a shard, together all of them
-    assert sum(rank_results["dp2"]["bf16"]["master_numel"] for rank_results in ranks) == ranks[0]["dp2"]["bf16"]["numel"]
+    master_numel = sum(rank_results["dp2"]["bf16"]["master_numel"] for rank_results in ranks)
+    assert master_numel == ranks[0]["dp2"]["bf16"]["numel"]
 
 
 def test_old_log_probs_come_from_the_update_only_when_it_is_exactly_on_policy():

@@ -225,11 +225,11 @@ def test_a_custom_reward_function_grades_any_source_without_ground_truths(make, 
 
 def test_output_folder_that_is_a_file(make, tmp_path):
     (tmp_path / "out_file").write_text("x")
-    assert "'{0}' is a file, not a folder".format(tmp_path / "out_file") in problems_of(
+    assert "'{}' is a file, not a folder".format(tmp_path / "out_file") in problems_of(
         make(f"trainer.default_local_dir={tmp_path / 'out_file'}"))
     (tmp_path / "run2").mkdir()
     (tmp_path / "run2" / "checkpoints").write_text("x")
-    assert "'{0}' is a file, not a folder".format(tmp_path / "run2" / "checkpoints") in problems_of(
+    assert "'{}' is a file, not a folder".format(tmp_path / "run2" / "checkpoints") in problems_of(
         make(f"trainer.default_local_dir={tmp_path / 'run2'}"))
 
 
@@ -272,7 +272,8 @@ STAND_IN_DIMENSIONS = {
                           num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False),
     "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, hidden_size=576, num_hidden_layers=30, tie_word_embeddings=True),
+                         num_key_value_heads=3, head_dim=64, hidden_size=576, num_hidden_layers=30,
+                         tie_word_embeddings=True),
 }
 
 

@@ -30,8 +30,9 @@ def test_two_grpo_steps_on_smollm2(tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "megatron_cpo.trainer", "--config", str(ROOT / "examples/smollm2-135m/grpo.yaml"),
                f"actor_rollout_ref.model.path={MODEL}", f"data.train_files={data['train']}",
-               f"data.val_files={data['test']}", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-               "actor_rollout_ref.rollout.n=4", "data.max_response_length=48", "trainer.total_training_steps=2",
+               f"data.val_files={data['test']}", "data.train_batch_size=2",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+               "data.max_response_length=48", "trainer.total_training_steps=2",
                "trainer.test_freq=2", "trainer.save_freq=-1", "trainer.logger=[jsonl]", "trainer.resume=disable",
                f"trainer.default_local_dir={run_dir}", "actor_rollout_ref.rollout.ray_address=local"]
     environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}

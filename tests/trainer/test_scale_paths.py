@@ -3,9 +3,11 @@ Megatron, gloo).
 
 For each layout (DP=2, TP=2, PP=2 on two processes) and a model with tied embeddings and a vocabulary that TP=2 must
 pad (101 tokens), the actor's and the reference's log-probs and entropy, the update's loss terms, the gradient buffers
-and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic paths, and the packed (`use_remove_padding`, several sequences per row under a
-per-sequence mask, position ids restarting per sequence) and packed + fused + dynamic paths must equal those of the padded logits path within 1e-5 (fp32). The rows are length-skewed and the token
-budget small, so the dynamic path cuts uneven micro-batches of different lengths (and, at DP=2, uneven row shares).
+and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic
+paths, and the packed (`use_remove_padding`, several sequences per row under a per-sequence mask, position ids
+restarting per sequence) and packed + fused + dynamic paths must equal those of the padded logits path within 1e-5
+(fp32). The rows are length-skewed and the token budget small, so the dynamic path cuts uneven micro-batches of
+different lengths (and, at DP=2, uneven row shares).
 The learning rate is 1e-12, so the (Adam) updates leave the fp32 weights as they are and every path sees the same
 model. Plain DDP all-reduces the whole gradient buffer (the distributed optimizer would leave the other ranks' shards
 unreduced), so the buffers can be compared on every rank. An untied model (Qwen2, real vocabulary 128) checks the

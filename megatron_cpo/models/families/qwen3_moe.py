@@ -54,6 +54,6 @@ class Qwen3Moe(Family):
 
     def check(self, hf_config: Any) -> None:
         if getattr(hf_config, "attention_bias", False):
-            raise ValueError("attention_bias=True is not supported for Qwen3-MoE: Megatron-Core's add_bias_linear would "
-                             "also give the experts and the router biases the checkpoint does not have")
+            raise ValueError("attention_bias=True is not supported for Qwen3-MoE: Megatron-Core's add_bias_linear "
+                             "would also give the experts and the router biases the checkpoint does not have")
         refuse_router_options(hf_config, self.label)

@@ -144,6 +144,7 @@ class Admission(ABC):
     def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
         """Whether one more prompt may be submitted now."""
 
+    @abstractmethod
     def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
         """The batch goes to the trainer (full or not); what it kept trains with `policy_version`."""
 

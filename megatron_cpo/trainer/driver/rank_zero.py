@@ -8,9 +8,9 @@ started here. `RankZero` is rank 0's composition root: the one class of the driv
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -107,7 +107,7 @@ class RankZero:
             self.controller.load_state_dict(position)
             raise
 
-    def generation_held(self) -> ContextManager[None]:
+    def generation_held(self) -> AbstractContextManager[None]:
         """What the weight push runs inside: episodes advance on their own thread (envs/runner.py) and submit no
         turn meanwhile; single answers are submitted by the controller alone, so there is nothing to hold."""
         return self.generator.held() if isinstance(self.generator, EpisodeRunner) else nullcontext()

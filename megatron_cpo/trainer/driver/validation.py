@@ -37,8 +37,8 @@ class Validator:
         if not val.do_sample:
             return replace(self.greedy_params, n=val.n)
         return SamplingParams(n=val.n, temperature=val.temperature, top_p=val.top_p, top_k=val.top_k,
-                              max_tokens=self.greedy_params.max_tokens, stop_token_ids=self.greedy_params.stop_token_ids,
-                              seed=self.seed + index)
+                              max_tokens=self.greedy_params.max_tokens,
+                              stop_token_ids=self.greedy_params.stop_token_ids, seed=self.seed + index)
 
     def size(self) -> int:
         """How many rows of the validation set `validate` uses: all, or the first `data.val_max_samples`."""

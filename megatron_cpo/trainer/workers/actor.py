@@ -94,8 +94,9 @@ class MegatronPolicy(MegatronModel):
         if cp_size > 1:
             targets = targets[:, chunk_index(seqs.length, cp_size, self._cp_rank()).to(targets.device)]
         if self.use_fused_kernels:
+            hidden = gather_sequence_parallel(self.model, output).transpose(0, 1)
             log_probs, entropy = linear_log_probs_and_entropy(
-                gather_sequence_parallel(self.model, output).transpose(0, 1), lm_head_weight(self.model), targets, temperature=temperature,
+                hidden, lm_head_weight(self.model), targets, temperature=temperature,
                 tp_group=tp_group, ignore_index=IGNORE_INDEX, vocab_size=self.model.hf_vocab_size)
         else:
             log_probs, entropy = log_probs_and_entropy(
