@@ -16,12 +16,6 @@ Entry points: `megatron-cpo train --config ...` and `run_training(config)`.
 `Trainer` and `run_training` load on first use, so that the trainer's config sections (`trainer/config.py`) load
 without Megatron.
 """
-import importlib
+from megatron_cpo.lazy_exports import lazy_exports
 
-__all__ = ["Trainer", "run_training"]
-
-
-def __getattr__(name: str) -> object:
-    if name in __all__:
-        return getattr(importlib.import_module("megatron_cpo.trainer.loop"), name)
-    raise AttributeError(f"module 'megatron_cpo.trainer' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {"loop": ("Trainer", "run_training")})
