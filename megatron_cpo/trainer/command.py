@@ -57,7 +57,7 @@ def run_train(args: argparse.Namespace) -> None:
     preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
-    from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
+    from megatron_cpo.trainer.assemble import run_training  # after the logging set-up: Megatron logs on import
     from megatron_cpo.trainer.run.errors import RunAbortedError
     try:
         final = run_training(config, checked=True)

@@ -76,8 +76,8 @@ def train_every_layout(rank, world_size, model_dir, data, run_dir, ports):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
+    from megatron_cpo.trainer.assemble import run_training
     from megatron_cpo.trainer.components import engine_launch_config
-    from megatron_cpo.trainer.loop import run_training
     from megatron_cpo.trainer.run.errors import RunAbortedError
 
     def clean(layout, pipeline_size):

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_cpo.config import load_config
 from megatron_cpo.data.synthetic import write_arith_parquet
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.trainer.test_e2e import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
