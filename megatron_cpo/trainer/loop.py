@@ -67,6 +67,7 @@ from megatron_cpo.trainer.workers.sync_probe import (
     TrainerNotFiniteError,
     sync_check_metrics,
 )
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 
 logger = logging.getLogger(__name__)
 
@@ -221,14 +222,14 @@ class Trainer:
         batch = broadcast_batch(lead.make_batch(collected) if lead else None)                       # 2
         if batch is None:
             return None
-        settings = self.update_config
+        settings, probe = self.update_config, FiniteProbe()  # probe: where the step's first non-finite value was
         log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id,   # 3
-                                      self.critic)
-        advantages, metrics = compute_advantages(batch, log_probs, settings)                        # 4
+                                      self.critic, probe)
+        advantages, metrics = compute_advantages(batch, log_probs, settings, probe)                 # 4
         if self.critic is not None:                                                                 # 5
-            metrics.update(update_critic(self.critic, log_probs, settings))
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings,
-                                     train=step > settings.critic_warmup))
+            metrics.update(update_critic(self.critic, log_probs, advantages, settings, probe))
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings, probe,
+                                     train=step > settings.critic_warmup).metrics)
         if lead:
             self.sync_probe.observe_mismatch(step, metrics)
         pushed = self.push_weights(step)                                                            # 6
