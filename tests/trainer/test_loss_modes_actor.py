@@ -70,7 +70,9 @@ def test_every_loss_mode_updates_the_megatron_actor(tiny_model_dir):
             first = policy_update.update_policy(actor, batch, lp, advantages, settings)  # its own old log-probs
             expected, _ = policy_loss(first.old_log_probs, first.old_log_probs, first.advantages, lp.mask,
                                       config.actor_rollout_ref.actor, generator=torch.Generator().manual_seed(0))
-            first, second = first.metrics, policy_update.update_policy(actor, batch, lp, advantages, settings).metrics
+            reused = dataclasses.replace(lp, old_log_probs=first.old_log_probs, entropy=first.entropy)
+            first, second = first.metrics, policy_update.update_policy(actor, batch, reused, advantages,
+                                                                       settings).metrics
             moved = max(float((p.detach() - s).abs().max()) for p, s in zip(actor.model.parameters(), start))
             results[mode] = (first, second, float(expected), moved)
     finally:

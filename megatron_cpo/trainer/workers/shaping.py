@@ -63,8 +63,9 @@ class ShapedAdvantages:
 class ShapingTerm(ABC):
     """One change to the advantages of whole responses. Its tensor fields hold one row per response of the batch
     (`map_rows` takes some rows of them, or moves them); `apply` works on the rows it holds; `metrics` reads the
-    whole batch's. A new term (e.g. on-policy distillation's per-token reward, `-coef * (student - teacher)`
-    log-probs added to the advantages) is a subclass registered in `SHAPING_TERMS`."""
+    whole batch's. A new term (e.g. on-policy distillation's per-token reward `-coef * (student - teacher log-prob)`,
+    added to the advantages or replacing them) is a subclass registered in `SHAPING_TERMS`, and what it is built from
+    a field of `ShapingSources`."""
 
     @classmethod
     @abstractmethod
