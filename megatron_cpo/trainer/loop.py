@@ -52,6 +52,7 @@ from megatron_cpo.trainer.workers.sync_probe import (
     TrainerNotFiniteError,
     sync_check_metrics,
 )
+from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 from megatron_cpo.trainer.workers.weight_push import push_weights
 
 logger = logging.getLogger(__name__)
@@ -136,14 +137,14 @@ class Trainer:
         batch = driver.make_batch(collected)                                                        # 2
         if batch is None:
             return None
-        settings = self.settings.update
+        settings, probe = self.settings.update, FiniteProbe()  # probe: where the step's first non-finite value was
         log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id,   # 3
-                                      self.critic)
-        advantages, metrics = compute_advantages(batch, log_probs, settings)                        # 4
+                                      self.critic, probe)
+        advantages, metrics = compute_advantages(batch, log_probs, settings, probe)                 # 4
         if self.critic is not None:                                                                 # 5
-            metrics.update(update_critic(self.critic, log_probs, settings))
-        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings,
-                                     train=step > settings.critic_warmup))
+            metrics.update(update_critic(self.critic, log_probs, advantages, settings, probe))
+        metrics.update(update_policy(self.actor, batch, log_probs, advantages, settings, probe,
+                                     train=step > settings.critic_warmup).metrics)
         driver.watch_mismatch(step, metrics)
         pushed = self.push_weights(step)                                                            # 6
         metrics.update(pushed.metrics)
