@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_cpo.trainer.driver.lead as lead_driver
-import megatron_cpo.trainer.workers.actor as actor_module
+import megatron_cpo.trainer.workers.policy_loss_step as loss_step_module
 from megatron_cpo.config import load_config
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
 from megatron_cpo.trainer.assemble import run_training
@@ -34,7 +34,7 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
                                                                              monkeypatch):
     data = write_frozen_lake_parquet(tmp_path / "lake", num_train=12, num_test=4)
     calls = []
-    real_loss = actor_module.policy_loss
+    real_loss = loss_step_module.policy_loss
 
     def recording_loss(log_probs, old_log_probs, advantages, mask, config, **kwargs):
         loss, metrics = real_loss(log_probs, old_log_probs, advantages, mask, config, **kwargs)
@@ -45,7 +45,7 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
                       "engine": kwargs["rollout_log_probs"].detach().cpu()})
         return loss, metrics
 
-    monkeypatch.setattr(actor_module, "policy_loss", recording_loss)
+    monkeypatch.setattr(loss_step_module, "policy_loss", recording_loss)
     run_dir = tmp_path / "run"
     config = make_config(
         f"actor_rollout_ref.model.path={WARM_MODEL}", f"data.train_files={data['train']}",
