@@ -63,32 +63,24 @@ class RemoteRewardConfig:
 @dataclass
 class RewardConfig:
     """`reward.*`: the grading process pool, what grades each response, the code sandbox, a remote reward model and
-    DAPO's overlong buffer (applied by the trainer's group selection).
+    DAPO's overlong buffer (applied by the trainer's group selection). Graders and scores: docs/data.md.
 
-    num_workers: grading processes (the pool is bounded; keep it at or below the free cores).
+    num_workers: grading processes (keep it at or below the free cores).
     timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced (code graders need their
         total_timeout_s plus process start-up).
     custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
-        grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info`
-        keywords and returns a score or a dict with `score` and `acc`. A bare "file.py" grades with its function
-        `custom_reward_function_name`. verl's top-level `custom_reward_function.path` / `.name` are accepted for
-        these two keys. `reward_function` is the resulting "module:function" ("" when unset).
-    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources, in the trainer
-        (data check) and in every grading worker.
+        grader of its data source (verl's keywords; returns a score or a dict with `score` and `acc`). A bare "file.py"
+        uses `custom_reward_function_name`; verl's `custom_reward_function.path` / `.name` are accepted.
+        `reward_function` is the resulting "module:function" ("" when unset).
+    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources.
     custom_failure_score: score given when a custom grader fails.
-    grader_kwargs: `{data_source: {kwarg: value}}` passed to that source's grader over its defaults, e.g.
-        `{math500: {wrong_score: 0.0}}` for 1/0 math rewards or `{apps: {continuous: false}}`.
-    worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
-        MemoryError instead of exhausting the host); 0 for no limit.
-    sandbox: which backend runs model-written code (`SandboxConfig`, rewards/sandbox.py); batches with code samples
-        log `reward/sandbox_weak`.
+    grader_kwargs: `{data_source: {kwarg: value}}` over that source's defaults, e.g. `{math500: {wrong_score: 0.0}}`.
+    worker_memory_limit_mb: address-space limit of each grading process (MemoryError instead of an exhausted host);
+        0 for no limit.
+    sandbox: which backend runs model-written code (`SandboxConfig`, docs/sandbox.md).
     remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
-    non_finite: what a NaN or infinite score does, from any source (a grader, the custom reward function, the remote
-        reward model, an environment's step reward or final score): `error` (default) stops the run before the
-        update with one line naming the source, the function and the row, nothing of that step trained; `zero`
-        trains it as 0 and counts it in `reward/non_finite` (an environment's also in
-        `multi_turn/non_finite_rewards`). Validation scores are never trained: there a non-finite score is always
-        0, counted in `val/non_finite`.
+    non_finite: what a NaN or infinite score does, from any source: `error` (default) stops the run before the
+        update, `zero` trains it as 0 and counts it in `reward/non_finite`. Validation always scores it 0.
     """
 
     num_workers: int = 2
