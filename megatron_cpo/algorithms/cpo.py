@@ -1,22 +1,12 @@
 """CPO: hint-conditioned advantage shaping on top of GRPO (the full specification: docs/cpo.md).
 
-The policy scores each sampled response twice: as sampled (`log_probs`) and with the gold solution in the context
-(`hint_log_probs`). Where the hint makes a token much more (or less) likely, the token carries information the model
-lacked; the shaping rules move the GRPO advantage of such tokens, weighted by the model's uncertainty.
-
-The 18 rules of the reference are rows of data (`SHAPING_RULES`, cpo_rules.py): each rule is a few `Term`s, a term is
-"on responses/tokens selected by these selectors, add alpha times the product of these signals, in this way", plus a
-sign-clamp flag. Every term's change is computed from the GRPO advantage and the changes are summed; within each rule
-the terms select disjoint tokens or only add, so this equals applying them one after another.
-
-Differences from the reference code, all deliberate (docs/cpo.md, "Where we follow the specification"): the
-difficulty mask has its intended meaning (the reference's was always 0); `wrong` is `not correct` (the reference
-compared the score with 1 or -1 depending on the rule); the entropy max of the naive rules is taken over the
-response's unmasked tokens (the reference also counted padding); every term selects through the mask, so whatever
-the signals hold on padding is never read. With `hint_correct` (the
-spec's `yw`), every term that selects wrong responses also requires it (the reference gated only some rules); terms
-that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
-correctness.
+The policy scores each response as sampled (`log_probs`) and with the gold solution in context (`hint_log_probs`);
+the shaping rules (rows of cpo_rules.py) move the GRPO advantage of tokens the hint changes, weighted by uncertainty.
+Each term's change is computed from the GRPO advantage and the changes are summed. Deliberate differences from the
+reference code (docs/cpo.md, "Where we follow the specification"):
+1. the difficulty mask has its intended meaning (the reference's was always 0);
+2. `wrong` is `not correct`, and with `hint_correct` every term that selects wrong responses requires it;
+3. the naive rules' entropy max is over unmasked tokens, and no term reads padding.
 """
 from __future__ import annotations
 
@@ -203,13 +193,10 @@ def _check_shaping_inputs(inputs: ShapingInputs) -> None:
 
 def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Tensor, pos_alpha: float | None,
                      neg_alpha: float | None, hint_correct: torch.Tensor | None = None) -> torch.Tensor:
-    """The responses whose advantages the rule can change through a hint signal, BoolTensor[N]: those that the
-    response selectors of some term reading the hint pick, over the terms whose alpha is not 0.
+    """The responses whose advantages the rule can change through a hint signal, BoolTensor[N].
 
-    `shape_advantages` reads `hint_log_probs` (and the signals made from them) only through such terms, on the tokens
-    of the responses they select, so the hinted pass need only score these responses: any value on the other rows
-    (e.g. the plain log-probs, as for a response without a hint) gives bit-identical advantages. With `negonly_mi3`
-    only wrong responses of all-wrong prompts qualify, so on filter-groups batches (no all-wrong prompts) none does.
+    Only these need the hinted log-prob pass: any value on other rows gives bit-identical advantages (docs/cpo.md,
+    "Which responses are scored under the hint").
     """
     rule = resolve_rule(rule_name)
     responses = _Responses(correct, difficulty, hint_correct)

@@ -90,8 +90,7 @@ class PolicyLossModeConfig:
 
     loss_mode: vanilla (PPO's clip), gspo, sapo, cispo, geo_mean (GMPO), gpg, clip_cov or kl_cov.
     clip_cov_ratio / clip_cov_lb / clip_cov_ub: the fraction of tokens Clip-Cov may detach, among those whose
-        advantage-log-prob covariance lies in (lb, ub).
-    kl_cov_ratio / ppo_kl_coef: the fraction of highest-covariance tokens KL-Cov penalises, and the penalty's weight.
+        advantage-log-prob covariance lies in (lb, ub). kl_cov_ratio / ppo_kl_coef: KL-Cov's fraction and weight.
     """
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002
@@ -110,24 +109,13 @@ class PolicyLossModeConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """Everything that selects the policy-loss variant, under verl's names. The actor's config
-    (`actor_rollout_ref.actor`, trainer/config.py) extends this class, so the trainer passes it as is.
+    """Everything that selects the policy-loss variant, under verl's names (`actor_rollout_ref.actor` extends it).
     GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
-    `loss_agg_mode="seq-mean-token-sum-norm"`.
-
-    policy_loss: the mode of the policy-gradient term and its settings (`PolicyLossModeConfig`).
-    clip_ratio_low / clip_ratio_high: the clip range [1 - low, 1 + high] of the modes that clip the ratio (GSPO's
-    paper uses 3e-4 / 4e-4; GMPO clips the log-ratio to [-low, high]; CISPO accepts low >= 1: no lower clip).
-    clip_ratio_c: dual-clip bound for negative advantages (> 1; vanilla only).
-    loss_agg_mode: one of LOSS_AGGREGATION_MODES (gspo, sapo and geo_mean aggregate their policy-gradient term with
-    seq-mean-token-mean whatever it says, as verl; `policy_aggregation`).
-    tau_pos / tau_neg: SAPO's gate temperatures for positive / other advantages.
-    entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
-    top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
-    policy-gradient term (1.0 = all).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(policy || reference) as a loss term; needs `ref_log_probs`.
-    tis_imp_ratio_cap (verl's name): > 0 turns on token-level truncated importance sampling against the rollout
-    engine's log-probs, truncated at this cap; needs them. <= 0: off.
+    `seq-mean-token-sum-norm`. clip_ratio_low / high: the clip range [1 - low, 1 + high] (GMPO clips the log-ratio;
+    CISPO accepts low >= 1); clip_ratio_c: vanilla's dual-clip bound. loss_agg_mode: one of LOSS_AGGREGATION_MODES
+    (gspo, sapo, geo_mean use seq-mean-token-mean, as verl). tau_pos / tau_neg: SAPO's gates. entropy_coeff,
+    top_entropy_quantile (entropy mask), use_kl_loss / kl_loss_coef / kl_loss_type, tis_imp_ratio_cap (> 0: token TIS):
+    docs/grpo.md, docs/algorithms.md.
     """
 
     policy_loss: PolicyLossModeConfig = field(default_factory=PolicyLossModeConfig)

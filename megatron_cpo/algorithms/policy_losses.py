@@ -1,16 +1,9 @@
 """The policy-loss modes under verl's names (`actor_rollout_ref.actor.policy_loss.loss_mode`), one small class each,
 registered in `POLICY_LOSS_MODES`.
 
-A mode turns the per-token log-probs (current and old), advantages and response mask [N, T] into per-token
-policy-gradient losses (0 on padding) and its metrics; losses.py weights them (TIS, off-policy correction), masks
-them (entropy mask, rejection) and aggregates them with `loss_agg_mode`, or with the aggregation a mode's objective
-fixes. That aggregation and the clip ranges a mode takes are data of the config (loss_config.py
-`POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so a config that asks for something a mode does not define is refused
-when it loads. Formulas and when to use each: docs/algorithms.md. Each equals verl's `core_algos` loss of the same
-name, metrics included (tests/algorithms/test_policy_losses_vs_verl.py).
-
-Padding may hold anything (NaN included): every mode zeroes the log-ratio and the advantage there before the
-arithmetic, so neither the loss nor its gradient can pick a NaN up from a padded position.
+A mode turns log-probs, old log-probs, advantages and mask [N, T] into per-token losses and metrics; losses.py weights,
+masks and aggregates them. Each equals verl's loss of the same name (tests/algorithms/test_policy_losses_vs_verl.py).
+Every mode zeroes the log-ratio and advantage on padding first, so a NaN there cannot reach the loss or its gradient.
 """
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""Advantage shapers: what happens to the estimator's advantages (advantages.py) before the policy update: nothing,
-or CPO's rule when `algorithm.adv_estimator=cpo` (registered in `ADVANTAGE_SHAPERS`).
+"""Advantage shapers: what happens to the estimator's advantages before the policy update: nothing, or CPO's rule when
+`algorithm.adv_estimator=cpo` (registered in `ADVANTAGE_SHAPERS`). Torch-free: cpo.py loads at the first shaping.
 
-A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
-the hinted log-prob pass only for a shaper that asks for them, only for the responses it names (`hinted_responses`:
-for CPO, those some term of the rule that reads a hint can select), and passes the resulting signals to `shape` in
-its typed inputs (cpo.py's `ShapingInputs`). It also says whether it reads the actor's log-probs or entropy
-(`needs_log_probs`): an on-policy update then shapes each micro-batch from its own forward; otherwise they are
-computed before the update. The trainer applies it in one place, trainer/workers/shaping.py.
-
-- every estimator of advantages.py (`grpo`, `rloo`, ...; DAPO and Dr.GRPO differ in the filters and the loss): its
-  advantages as they are.
-- `cpo`: CPO's hint-conditioned shaping rule `algorithm.cpo.wrap_method` (cpo.py, docs/cpo.md), weighted by
-  `algorithm.cpo.{pos_alpha, neg_alpha}` with the hint ratio clamped to [1/cpo_lambda, cpo_lambda], applied to the
-  advantages of the group estimator `algorithm.cpo.base_estimator` (`grpo`, `rloo` or
-  `reinforce_plus_plus_baseline`: CPO's difficulty levels are read per prompt group; algorithms/config.py checks it).
-
-Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`: `CPOConfig`, cpo_rules.py), so this
-module imports no torch: a shaper's math (cpo.py) loads when it first shapes a batch.
+A shaper declares whether it needs hint contexts (then only `hinted_responses` are scored under their hint) and
+the actor's log-probs (then an on-policy update shapes each micro-batch from its own forward). The trainer applies
+it in one place, trainer/workers/shaping.py.
 """
 from __future__ import annotations
 
@@ -43,14 +30,11 @@ class ResponseInputs:
 
 
 class AdvantageShaper:
-    """The estimator's advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
-    signals (the trainer then builds hinted prompts for the responses `hinted_responses` names and scores them under
-    those); `needs_log_probs`: whether it reads the actor's log-probs / entropy.
+    """The estimator's advantages unchanged; subclasses shape them (`needs_hint_contexts`, `needs_log_probs` as above).
 
-    Shaping is per response: `response_inputs` computes, on the whole batch, what a response's shaping reads besides
-    its own tokens, and `shape` then works on any rows of whole responses (`ShapingInputs`), e.g. each micro-batch
-    of an on-policy update, whose own forward gives the log-probs (trainer/workers/shaping.py). `metrics` reads the
-    whole batch's inputs and shaped advantages."""
+    `response_inputs` computes on the whole batch what a response's shaping reads besides its own tokens, so `shape`
+    works on any rows of whole responses (e.g. one micro-batch); `metrics` reads the whole batch.
+    """
 
     needs_hint_contexts: ClassVar[bool] = False
     needs_log_probs: ClassVar[bool] = False
