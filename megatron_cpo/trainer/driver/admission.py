@@ -1,12 +1,6 @@
 """Admission: which prompts the rank-0 controller submits, and what becomes of those a batch did not use, as one
-strategy class per rule; the controller asks it and branches on none of its settings (docs/async.md, "The admission
-rule").
-
-- `SynchronousAdmission` (`async_training.max_staleness` = 0): requests ahead by the observed keep rate
-  (`prompts_to_request`); unused prompts are cancelled and go back to the data stream.
-- `StalenessAdmission` (k > 0): admits while `held < (k + 1) * train_batch_size` (`admission_capacity`), so no trained
-  sample is more than k weight versions old; unused prompts stay in flight for the next batch.
-Both cap the prompts generating at once (`inflight_cap`); finished ones waiting to commit do not count.
+strategy class per rule (`SynchronousAdmission`, `StalenessAdmission`); the controller asks it and branches on none
+of its settings (docs/async.md, "The admission rule"; docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -252,16 +246,10 @@ class EngineIdleWatch:
 
 def staleness_metrics(versions: RaggedRows, trainer_version: int, sampled: RaggedRows | None = None
                       ) -> dict[str, float]:
-    """Of the trained samples (a multi-turn episode is one sample), given the weight version of each response token
-    and which tokens were sampled (`sampled`, the loss mask: 0 on observations, None: all were):
-
-    - per sample: staleness = trainer version minus the oldest version of its tokens (`async/staleness_mean`,
-      `_max`), the fraction generated across a push (tokens of two or more versions, `async/partial_rollout_frac`)
-      and the pushes each spanned (newest minus oldest version, `async/pushes_spanned_mean`, `_max`: an episode
-      whose turns ran under several versions);
-    - per sampled token: `async/token_staleness_mean` (what the off-policy correction weighs, token by token).
-    Observation tokens carry the version of the sampled token before them (envs/episode.py), so they change no
-    sample's oldest or newest version."""
+    """The `async/*` staleness metrics of the trained samples, from each response token's weight version and which
+    tokens were sampled (`sampled`, the loss mask; None: all were): per sample and per sampled token (docs/async.md,
+    "Metrics"). Observation tokens change no sample's oldest or newest version.
+    """
     lengths = versions.lengths()
     rows = torch.arange(versions.rows).repeat_interleave(lengths)
     values = versions.values.double()

@@ -1,12 +1,7 @@
 """The rank-0 filter-accumulate controller: keeps the rollout engines busy and fills one batch per step.
 
-Prompts are submitted ahead, as the `Admission` strategy allows (admission.py); every group finished when the
-controller looks is scored in one call to the grading pool and committed in request order by a `GroupAccumulator`
-(accumulator.py), so which prompts form a batch depends on the data order, the request seeds and the filters, never
-on timing or look-ahead.
-`max_num_gen_batches` caps the prompts one step requests; `on_limit` then errs or trains on the partial batch.
-Why prompts finished but waiting to commit do not count against the in-flight cap: benchmarks/streaming/README.md;
-how asynchronous training carries prompts across steps and checkpoints their position: docs/async.md.
+Prompts are submitted as the `Admission` strategy allows; finished groups are graded in one call and committed in
+request order by a `GroupAccumulator`. `max_num_gen_batches` caps one step's requests (docs/trainer.md).
 """
 from __future__ import annotations
 

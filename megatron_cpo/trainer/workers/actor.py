@@ -1,12 +1,8 @@
 """The Megatron actor and its frozen reference, as every rank of the trainer runs them.
 
-Both are `GPTModel`s built from the HF config (TP x PP from `parallel_state`), run over sequence batches as every
-model of the trainer is (megatron_model.py: Megatron's schedule, micro-batches, packing, rows split over DP and the
-results gathered on every rank). The actor trains under Megatron DDP and the (distributed) optimizer; the reference
-only scores. Every log-prob / entropy comes from the fused kernel, with the padded vocabulary columns left out of the
-softmax: either on the vocab-parallel logits, or (`use_fused_kernels`) on the final hidden states and the
-vocab-parallel lm-head weight, so the logits are never materialised (`linear_log_probs_and_entropy`; tied embeddings
-use the shared weight).
+Both are `GPTModel`s run over sequence batches by megatron_model.py; the actor trains under Megatron DDP and the
+(distributed) optimizer. Log-probs and entropy come from the fused kernel, on the vocab-parallel logits or, with
+`use_fused_kernels`, on the hidden states and lm-head weight so the logits are never materialised.
 """
 from __future__ import annotations
 
@@ -77,12 +73,10 @@ LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the
 class MegatronPolicy(MegatronModel):
     """One Megatron model (this rank's TP slice / PP stage) with forward-only scoring and, if trainable, updates.
 
-    `config` (`actor_rollout_ref.actor`, as it is) sets the loss and the micro-batches: `ppo_micro_batch_size_per_gpu`
-    rows, or with `use_dynamic_bsz` the token budgets `ppo_max_token_len_per_gpu` (update) and
-    `log_prob_max_token_len_per_gpu` (scoring). `log_prob_micro_batch_size`: rows of a fixed scoring micro-batch
-    (verl's `rollout.` / `ref.log_prob_micro_batch_size_per_gpu`; 0: `ppo_micro_batch_size_per_gpu`).
-    `routing` (a mixture of experts' actor): records the old-log-prob pass's routing and replays or compares it in
-    the update (trainer/workers/routing.py)."""
+    `config` (`actor_rollout_ref.actor`) sets the loss and micro-batches (rows, or token budgets with
+    `use_dynamic_bsz`); `log_prob_micro_batch_size` the rows of a scoring micro-batch (0: the update's); `routing`
+    records and replays a mixture of experts' routing (routing.py).
+    """
 
     def __init__(self, model: Any, pad_token_id: int, config: ActorConfig, log_prob_micro_batch_size: int = 0,
                  ddp_model: Any = None, optimizer: Any = None, scheduler: Any = None, use_fused_kernels: bool = False,

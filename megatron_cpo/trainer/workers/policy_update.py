@@ -1,13 +1,8 @@
 """Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-Each step returns new frozen values that no later step changes: `compute_log_probs` -> `BatchLogProbs` (old
-log-probs and entropy, the reference's, CPO's hinted ones, a critic's values), `compute_advantages` ->
-`StepAdvantages` (the estimator of `algorithm.adv_estimator` with verl's KL-in-reward, GAE's returns, and the step's
-`ResponseShaping`, shaping.py: the one place that turns them into the advantages to train on), `update_critic` (PPO
-with GAE: the critic's epochs towards the returns, before the actor's, as verl orders them) and `update_policy` ->
-`PolicyUpdate` (the PPO epochs over mini-batches, and what they trained on). `Trainer.step()` calls them one by one
-with the `PolicyUpdateConfig` the trainer builds once, and passes each the step's `FiniteProbe` (update_guard.py),
-which records where the first non-finite value appeared so that a skipped update can say so.
+Each returns a new frozen value no later step changes: `compute_log_probs` -> `BatchLogProbs`, `compute_advantages`
+-> `StepAdvantages` (with the step's `ResponseShaping`, shaping.py), `update_critic`, `update_policy` ->
+`PolicyUpdate`. A `FiniteProbe` (update_guard.py) records where a first non-finite value appeared.
 """
 from __future__ import annotations
 
@@ -111,16 +106,9 @@ class BatchLogProbs:
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
-    """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate
-    scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
-    every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
-    KL-in-reward), nor records anything in that pass (routing replay R2 records each token's experts there for the
-    update to replay), nor skips the update (a critic's warm-up steps, `trainer.critic_warmup`). A shaping that reads
-    them (CPO's) then shapes each micro-batch inside the update, from the same forward (`shaping.py`).
-
-    "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
-    policy that sampled the tokens is the engine's (its log-probs are the rollout log-probs, used by TIS and the
-    mismatch metrics); with asynchronous training they can differ, and this predicate is still about the former.
+    """Whether the PPO ratio's old log-probs can be the update's own forward, detached, instead of a separate scoring
+    pass (as verl): one epoch over one mini-batch, and nothing reads, records or skips in that pass (verl's
+    KL-in-reward, routing replay R2, a critic's warm-up). docs/trainer.md explains "old" here.
     """
     actor, algorithm = settings.actor, settings.algorithm
     one_update = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= settings.train_batch_size

@@ -1,14 +1,9 @@
 """Shaping, the end of step 4 (docs/architecture.md, "One RL step"): the one place that turns the estimator's
 advantages into the advantages the actor trains on.
 
-`ResponseShaping` applies its terms in order, each a small class registered in `SHAPING_TERMS`: the shaper that
-`algorithm.adv_estimator` selects (CPO's rule, algorithms/shapers.py), then the filters' loss scale
-(`actor.filter_loss_scaling`). A term works on whole responses: what it reads of a response besides the response's
-own tokens is computed once on the whole batch (its row fields), so it can shape any rows. Off-policy, or when no
-term reads the actor's log-probs, `compute_advantages` shapes the whole batch once before the update; on-policy
-(`policy_update.old_log_probs_from_update`) the update shapes each micro-batch from its own forward's log-probs and
-returns the `ShapedAdvantages` it gathered. Either way the step's metrics are `ResponseShaping.metrics` of the whole
-batch's `ShapedAdvantages`: of what the actor trained on.
+`ResponseShaping` applies its terms (`SHAPING_TERMS`: the shaper, then the filters' loss scale) to whole responses:
+on the whole batch before the update, or per micro-batch inside an on-policy update. Its metrics are always of
+the whole batch's `ShapedAdvantages`.
 """
 from __future__ import annotations
 
