@@ -1,11 +1,7 @@
-"""Megatron-Core GPT models from Hugging Face configs, HF <-> Megatron weights, and checkpoints.
-
-- families/: one module per supported HF architecture (by `model_type`): its Megatron settings, tensor names and
-  refusals; builder.py: the GPTModel of an HF config; tensor_rules.py: which HF tensors make which Megatron parameter
-  and how they split; weight_mapping.py: loading and exporting weights one tensor at a time at any TP/PP/EP/ETP;
-  conversion_commands.py: the `convert` commands (whole checkpoints HF -> Megatron torch_dist and back) built on it;
-  checkpoint.py: torch_dist save/load.
-Names load on first use, so that loading a config (which reads `config.py` here) imports no torch.
+"""Megatron-Core GPT models from Hugging Face configs, HF <-> Megatron weights, and checkpoints: families/ (one module
+per HF architecture), builder.py, tensor_rules.py and weight_mapping.py (weights one tensor at a time at any
+TP/PP/EP/ETP), conversion_commands.py and checkpoint.py (torch_dist). Names load on first use, so loading a config
+imports no torch.
 """
 from megatron_cpo.lazy_exports import lazy_exports
 
