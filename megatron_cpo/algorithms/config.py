@@ -117,12 +117,10 @@ def _off(value: str | None) -> str | None:
 @dataclass
 class RolloutCorrectionConfig:
     """`algorithm.rollout_correction` (verl's names; each option: docs/async.md, "The off-policy correction").
-
-    rollout_is: `token`, `sequence`, null (off) or `auto` (token level when training on stale samples, unless the
-        actor's TIS already weights the loss). rollout_is_threshold: the truncation C (2.0, as the TIS authors advise).
-    rollout_rs: a rejection band (`token`, `sequence`, `geometric`) or one of verl's divergence bounds; its ends are
-        rollout_rs_threshold / rollout_rs_threshold_lower. rollout_token_veto_threshold: drop a response with any token
-        ratio below it (null: off).
+    rollout_is: `token`, `sequence`, null or `auto` (token level when training on stale samples, unless the actor's TIS
+    already weights the loss); rollout_is_threshold: the truncation C. rollout_rs: a rejection band or one of verl's
+    divergence bounds, ends rollout_rs_threshold / _lower. rollout_token_veto_threshold: drop a response with any token
+    ratio below it (null: off).
     """
     rollout_is: str | None = AUTO
     rollout_is_threshold: float = 2.0
@@ -242,12 +240,10 @@ in-group std)."""
 @dataclass
 class RolloutFilterConfig:
     """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`; each option: docs/filters.md).
-    Within every generation batch, rank the groups by `rollout_filter_metric` (`reward_std`, `reward_mean`,
-    `reward_sum`, `length`) in the order of `rollout_filter_type` (`largest` / `smallest`), and keep those that
-    `rollout_filter_strategy` selects with `rollout_filter_value`: `none` (off), `top_p` (by
-    `rollout_filter_top_p_prob_mode`, `linear` or `softmax`, less `rollout_filter_selection_eps`), `top_k` or `min_p`.
-    `rollout_filter_include_zero`: whether groups of score 0 may be kept. Groups accumulate until
-    `data.train_batch_size` are kept, bounded as DAPO's filter is.
+    Within every generation batch, rank the groups by `rollout_filter_metric` in the order of `rollout_filter_type` and
+    keep those `rollout_filter_strategy` selects with `rollout_filter_value`: `none` (off), `top_p` (by
+    `rollout_filter_top_p_prob_mode`, less `rollout_filter_selection_eps`), `top_k` or `min_p`;
+    `rollout_filter_include_zero`: whether groups of score 0 may be kept. Bounded as DAPO's filter is.
     """
 
     rollout_filter_strategy: str = "none"

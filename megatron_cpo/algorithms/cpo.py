@@ -1,12 +1,9 @@
 """CPO: hint-conditioned advantage shaping on top of GRPO (the full specification: docs/cpo.md).
 
-The policy scores each response as sampled (`log_probs`) and with the gold solution in context (`hint_log_probs`);
-the shaping rules (rows of cpo_rules.py) move the GRPO advantage of tokens the hint changes, weighted by uncertainty.
-Each term's change is computed from the GRPO advantage and the changes are summed. Deliberate differences from the
-reference code (docs/cpo.md, "Where we follow the specification"):
-1. the difficulty mask has its intended meaning (the reference's was always 0);
-2. `wrong` is `not correct`, and with `hint_correct` every term that selects wrong responses requires it;
-3. the naive rules' entropy max is over unmasked tokens, and no term reads padding.
+The policy scores each response as sampled and with the gold solution in context; the shaping rules (rows of
+cpo_rules.py) move the GRPO advantage of tokens the hint changes, each term's change summed. Deliberate differences from
+the reference code (docs/cpo.md): 1. the difficulty mask has its intended meaning; 2. `wrong` is `not correct`, and with
+`hint_correct` every term selecting wrong responses requires it; 3. no term reads padding.
 """
 from __future__ import annotations
 

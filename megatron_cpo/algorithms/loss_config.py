@@ -109,13 +109,11 @@ class PolicyLossModeConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """Everything that selects the policy-loss variant, under verl's names (`actor_rollout_ref.actor` extends it).
-    GRPO: the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO:
-    `seq-mean-token-sum-norm`. clip_ratio_low / high: the clip range [1 - low, 1 + high] (GMPO clips the log-ratio;
-    CISPO accepts low >= 1); clip_ratio_c: vanilla's dual-clip bound. loss_agg_mode: one of LOSS_AGGREGATION_MODES
-    (gspo, sapo, geo_mean use seq-mean-token-mean, as verl). tau_pos / tau_neg: SAPO's gates. entropy_coeff,
-    top_entropy_quantile (entropy mask), use_kl_loss / kl_loss_coef / kl_loss_type, tis_imp_ratio_cap (> 0: token TIS):
-    docs/grpo.md, docs/algorithms.md.
+    """Everything that selects the policy-loss variant, under verl's names (`actor_rollout_ref.actor` extends it). GRPO:
+    the defaults; DAPO: `clip_ratio_high=0.28`, `loss_agg_mode="token-mean"`; Dr.GRPO: `seq-mean-token-sum-norm`. The
+    clip range [1 - low, 1 + high] and vanilla's dual clip `clip_ratio_c`; `loss_agg_mode` (gspo, sapo, geo_mean use
+    seq-mean-token-mean, as verl); SAPO's `tau_pos` / `tau_neg`; the entropy bonus and mask, the KL loss and token TIS
+    (`tis_imp_ratio_cap` > 0): docs/grpo.md, docs/algorithms.md.
     """
 
     policy_loss: PolicyLossModeConfig = field(default_factory=PolicyLossModeConfig)

@@ -18,19 +18,9 @@ TOOL_CALL_FORMATS = ("hermes",)
 @dataclass
 class MultiTurnConfig:
     """Multi-turn episodes: each of a prompt's `rollout.n` samples is an episode in which the model's turns alternate
-    with observations from an environment (a tool's output, an interaction's answer, a game's next state), token in
-    and token out; docs/multi_turn.md.
-
-    `enable`: run every prompt as an episode of its row's environment (`agent_name`, else `default_agent`:
-    `tool_agent`, `single_turn_agent`, `frozen_lake`, `arith_retry` or "pkg.module:Class"); `agent_kwargs.<agent>` are
-    its constructor's keyword arguments. `tool_config_path` / `interaction_config_path`: verl's YAML formats.
-    Limits: `max_assistant_turns` / `max_user_turns` (None: no limit), `max_tokens_per_turn` (0: only the response
-    budget); `data.max_response_length` is one budget over the model's and the observations' tokens.
-    `max_tool_response_length` / `tool_response_truncate_side` cut long tool outputs (verl's meaning);
-    `max_parallel_calls` tool calls of a turn run; `format`: how tool calls are written (`hermes`).
-    `env_workers` threads run every environment call with `call_timeout_s`; errors become error observations.
-    `tokenization_sanity_check_mode` (verl's): `strict` excludes an episode whose text differs from the template's
-    view, `warn` counts it, `off` (verl: `disable`) skips; `ignore_strippable` ignores whitespace.
+    with an environment's observations, token in and token out. The environment of each row (`agent_name`, else
+    `default_agent`, with `agent_kwargs`), verl's tool and interaction YAML, the turn and length limits, the worker
+    threads and timeouts and verl's `tokenization_sanity_check_mode`: docs/multi_turn.md.
     """
     enable: bool = False
     max_assistant_turns: int | None = None

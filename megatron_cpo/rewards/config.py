@@ -17,18 +17,9 @@ NON_FINITE_POLICIES = ("error", "zero")  # what a NaN or infinite score does (re
 
 @dataclass
 class RemoteRewardConfig:
-    """A reward model served over HTTP (`reward.remote`), scoring every graded response.
-
-    enable: call the server (verl's `reward_model.enable`, for a model behind a URL instead of in-process).
-    url: the server's base URL; `/score` is appended (`python -m megatron_cpo.rewards.reward_server` serves one).
-    combine: `replace` (the model's score is the reward, as in verl when `rm_scores` are present) or `add` (rule
-        score + model score). The rule graders still run either way: `acc` (accuracy metrics,
-        `filter_groups.metric=acc`, validation) comes from them.
-    batch_size / max_concurrent: items per request and requests in flight (verl's `sandbox_fusion.max_concurrent`).
-    timeout_s / max_retries / backoff_s / backoff_multiplier: per-request timeout and the retry schedule.
-    on_error: `raise` stops training with an error naming the URL; `failure_score` gives the samples of a batch
-        that failed every attempt `failure_score` as their model score, counts them in `reward/remote/failed` and
-        trains on.
+    """A reward model served over HTTP (`reward.remote`), scoring every graded response: `url` (+ `/score`), `combine`
+    (`replace` or `add` to the rule score), batching, timeout and retry schedule, and `on_error` (`raise`, or
+    `failure_score` and train on). docs/data.md, "A remote reward model".
     """
 
     enable: bool = False
@@ -62,25 +53,10 @@ class RemoteRewardConfig:
 
 @dataclass
 class RewardConfig:
-    """`reward.*`: the grading process pool, what grades each response, the code sandbox, a remote reward model and
-    DAPO's overlong buffer (applied by the trainer's group selection). Graders and scores: docs/data.md.
-
-    num_workers: grading processes (keep it at or below the free cores).
-    timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced (code graders need their
-        total_timeout_s plus process start-up).
-    custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
-        grader of its data source (verl's keywords; returns a score or a dict with `score` and `acc`). A bare "file.py"
-        uses `custom_reward_function_name`; verl's `custom_reward_function.path` / `.name` are accepted.
-        `reward_function` is the resulting "module:function" ("" when unset).
-    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources.
-    custom_failure_score: score given when a custom grader fails.
-    grader_kwargs: `{data_source: {kwarg: value}}` over that source's defaults, e.g. `{math500: {wrong_score: 0.0}}`.
-    worker_memory_limit_mb: address-space limit of each grading process (MemoryError instead of an exhausted host);
-        0 for no limit.
-    sandbox: which backend runs model-written code (`SandboxConfig`, docs/sandbox.md).
-    remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
-    non_finite: what a NaN or infinite score does, from any source: `error` (default) stops the run before the
-        update, `zero` trains it as 0 and counts it in `reward/non_finite`. Validation always scores it 0.
+    """`reward.*`: the grading pool (`num_workers`, `timeout_s` per sample, `worker_memory_limit_mb`), what grades each
+    response (`custom_reward_function`, `custom_graders`, `grader_kwargs`, `custom_failure_score`), the code `sandbox`,
+    a `remote` reward model, `non_finite` and DAPO's overlong buffer (applied by the trainer's group selection). Every
+    setting: docs/data.md, "Reward settings"; the sandbox: docs/sandbox.md.
     """
 
     num_workers: int = 2
