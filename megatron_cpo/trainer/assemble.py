@@ -1,10 +1,7 @@
-"""The composition root of a training run: the one place (with `megatron_cpo/config.py`, `command.py` and rank 0's
+"""The composition root of a training run: the one place (with `megatron_cpo/config.py`, `command.py` and the
 `LeadDriver` construction) that reads the whole `Config`, builds the `Trainer`'s typed parts and hands each its own
-section, or what `components.py` builds once from several (the engines' launch settings, the actor, reference and
-critic, the update's and the loop's settings); `run/preflight.py`'s `preflight` checks each section before anything
-starts.
-
-`run_training(config)` is the entry point: preflight, build, `Trainer.fit`, close (also after a failure).
+section or what `components.py` builds from several. `run_training(config)` is the entry point: preflight
+(`run/preflight.py`), build, `Trainer.fit`, close (also after a failure).
 """
 from __future__ import annotations
 
