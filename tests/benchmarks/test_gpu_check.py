@@ -100,7 +100,7 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     for name in parts:
         assert f"## {name}" in markdown
     assert markdown.count("| triton-interpreted |") == 8
-    assert markdown.count("| padded |") == sum(r["mode"] == "padded" for r in actor) == 2
+    assert markdown.count("| padded | torch |") == sum(r["mode"] == "padded" for r in actor) == 2  # actor rows
     # the trainer's other modes are picked up from the config as they land (token budgets, packing, fused lm-head)
     assert {r["mode"] for r in actor} == {"padded", "token_budget", "packed", "fused_lm_head", "token_budget_local"}
     plans = {r["mode"]: r["plan_memory_gib"] for r in actor}
