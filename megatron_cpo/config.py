@@ -182,9 +182,9 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
-    # verl passes Megatron's recompute settings through override_transformer_config
+    # verl passes Megatron's recompute and attention settings through override_transformer_config
     **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}": f"actor_rollout_ref.actor.megatron.{key}"
-       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
+       for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend")},
 }
 # Seed 001 trained on the partial batch when its limit was reached; its alias keeps that unless on_limit is given.
 ALIAS_IMPLIES: dict[str, tuple[str, Any]] = {

@@ -95,6 +95,8 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
     **{f"critic.megatron.override_transformer_config.{key}": (
         f"actor_rollout_ref.actor.megatron.{key}", "the critic recomputes activations as the actor does")
        for key in ("recompute_granularity", "recompute_method", "recompute_num_layers")},
+    "critic.megatron.override_transformer_config.attention_backend": (
+        "actor_rollout_ref.actor.megatron.attention_backend", "the critic computes as the actor does"),
     **{f"critic.model.{key}": (f"actor_rollout_ref.model.{key}", "the critic computes as the actor does")
        for key in ("enable_gradient_checkpointing", "use_remove_padding")},
     "critic.rollout_n": ("actor_rollout_ref.rollout.n", "the critic trains on the actor's batch"),

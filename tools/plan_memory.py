@@ -60,9 +60,6 @@ GIB = 1024 ** 3
 
 
 @dataclass
-
-
-@dataclass
 class Batch:
     """Batch geometry in the config's units: prompts for train/mini batches, responses for the micro-batch."""
 
@@ -75,6 +72,7 @@ class Batch:
     extra_forwards: int = 2  # old log-probs + reference (CPO adds one more for the hinted context)
     token_budget: int = 0          # ppo_max_token_len_per_gpu (tokens of one micro-batch) with dynamic batch sizes
     mean_response_length: int = 0  # of the real responses (0: response_length, the worst case)
+    sequence_lengths: list[int] | None = None  # prompt + response of every sequence of one step (None: all the same)
 
     @property
     def mean_response(self) -> int:
@@ -87,42 +85,132 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
     return -(-vocab // step) * step
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: int) -> dict[str, float]:
-    """Activations autograd keeps for one micro-batch on the first pipeline stage (see the module docstring)."""
+def norm_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Per token, one layer's two RMSNorms: each keeps its input and normalised rows in float32 and its output (the
+    next linear's input) in the activation dtype; sequence parallelism splits them over TP."""
+    act = DTYPE_BYTES[layout.params_dtype]
+    return 2 * (8 + act) * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+
+
+def attention_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Per token, what one layer's attention keeps for backward apart from the scores (`attention_score_bytes`).
+
+    Local (unfused) attention: the rotated queries, the keys and values repeated to every query head, and the output
+    (the output projection's input): 4 x heads x head_dim. Fused attention (torch's or Transformer Engine's): the
+    rotated queries and keys, the QKV projection (the values are a view of it), the output (which the output
+    projection reads in place) and its per-head log-sum-exp in float32. Selective recompute keeps the attention's
+    inputs and output, either kind."""
+    act = DTYPE_BYTES[layout.params_dtype]
+    queries, groups = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if not layout.fused_attention and layout.recompute != "selective":
+        return act * 4 * queries / layout.tp
+    log_sum_exp = 4 * shape.num_heads if layout.recompute != "selective" else 0
+    return (act * (3 * queries + 3 * groups) + log_sum_exp) / layout.tp
+
+
+def attention_score_bytes(shape: ModelShape, layout: Layout, rows: float, width: float) -> float:
+    """One layer's saved softmax of the local attention over `rows` rows of `width` positions (0 for fused
+    attention or under selective recompute): float32 probabilities, plus their 16-bit copy in a 16-bit model."""
+    if layout.fused_attention or layout.recompute == "selective":
+        return 0.0
+    act = DTYPE_BYTES[layout.params_dtype]
+    per_score = 4 + (act if act < 4 else 0)
+    return per_score * shape.num_heads / layout.tp * rows * width * width / layout.context_parallel
+
+
+def mlp_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Per token and layer, averaged over the stage's layers: SwiGLU's fused input projection (2 x width) and three
+    width-sized tensors, or the router's scores plus, per routed copy (top-k), the dispatched input and output and the
+    expert's SwiGLU activations."""
     act = DTYPE_BYTES[layout.params_dtype]
     tp, h = layout.tp, shape.hidden_size
-    length = tokens / sequences
-    tokens = tokens / layout.context_parallel  # each CP rank holds 1/CP of every row
-    attention_width = shape.num_heads * shape.head_dim
-    replicated = 4 * h / (tp if layout.sequence_parallel else 1)  # norm inputs and residuals: split by SP
-    per_token = replicated + (shape.qkv_width + attention_width) / tp + 2 * (attention_width / tp)
-    unfused = not layout.fused_attention and layout.recompute != "selective"
-    if unfused:  # unfused attention also keeps the rotated q/k and k/v repeated to every query head (GQA)
-        per_token += ((shape.num_heads + shape.num_kv_heads) * shape.head_dim + 2 * attention_width) / tp
     dense_layers, moe_layers = shape.stage_layers(layout.pp)
-    layers = dense_layers + moe_layers
-    # per token and layer, averaged over the stage's layers: SwiGLU inputs and halves (3 x width), or the router's
-    # scores plus, per routed copy (top-k), the dispatched input and output and the expert's SwiGLU activations
     routed = shape.num_experts + shape.top_k * (2 * h + 3 * shape.expert_ffn / (layout.etp or tp))
-    per_token += (dense_layers * 3 * shape.intermediate_size / tp
-                  + moe_layers * (routed + 3 * shape.shared_expert_ffn / tp)) / layers
+    return act * (dense_layers * 5 * shape.intermediate_size / tp
+                  + moe_layers * (routed + 3 * shape.shared_expert_ffn / tp)) / (dense_layers + moe_layers)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, tokens: int, sequences: int) -> dict[str, float]:
+    """Activations autograd keeps for one micro-batch of `tokens` positions in `sequences` rows on the first pipeline
+    stage (see the module docstring and docs/planning.md)."""
+    act = DTYPE_BYTES[layout.params_dtype]
+    width = tokens / sequences
+    tokens = tokens / layout.context_parallel  # each CP rank holds 1/CP of every row
+    per_token = norm_bytes(shape, layout) + attention_bytes(shape, layout) + mlp_bytes(shape, layout)
+    layer_input = act * shape.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    final_norm = norm_bytes(shape, layout) / 2 if layout.pp == 1 else 0.0  # the first stage is also the last
+    scores = attention_score_bytes(shape, layout, sequences, width)
+    layers = sum(shape.stage_layers(layout.pp))
     in_flight = layout.pp
-    scores_per_layer = 2 * shape.num_heads / tp * length * length * sequences / layout.context_parallel * act
     if layout.recompute == "full":  # every N-th layer's input stays; one group of N layers is live at a time
         group = min(layout.recompute_num_layers, layers)
-        result = {"layers": tokens * act * (math.ceil(layers / group) * replicated / 4 * in_flight
-                                            + group * per_token)}
-        if unfused:
-            result["attention_scores"] = scores_per_layer * group
+        result = {"layers": tokens * (math.ceil(layers / group) * layer_input * in_flight + group * per_token
+                                      + final_norm)}
+        live_layers = group
     else:
-        result = {"layers": per_token * tokens * act * layers * in_flight}
-        if unfused:
-            result["attention_scores"] = scores_per_layer * layers * in_flight
+        result = {"layers": tokens * (per_token * layers * in_flight + final_norm)}
+        live_layers = layers * in_flight
+    if scores:
+        result["attention_scores"] = scores * live_layers
     if layout.fused_kernels:  # per-token log-prob, entropy and softmax statistics; the logits never exist
         result["logits"] = 4 * tokens * 4
     else:
-        result["logits"] = 2 * tokens * padded_vocab(shape.vocab_size, tp) / tp * 4
+        result["logits"] = 2 * tokens * padded_vocab(shape.vocab_size, layout.tp) / layout.tp * 4
     return result
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the trainer computes it: `rows` rows of `width` positions holding sequences of `lengths`;
+    `per_sequence`: the sequences end to end in one row, attention inside each (THD packing, fused attention)."""
+
+    rows: int
+    width: int
+    lengths: tuple[int, ...]
+    per_sequence: bool = False
+
+    @property
+    def positions(self) -> int:
+        return self.rows * self.width
+
+
+def micro_batches(lengths: list[int], layout: Layout, batch: Batch) -> list[list[MicroBatch]]:
+    """Every data-parallel rank's micro-batches of one pass over sequences of `lengths` tokens, cut by the trainer's
+    own rules (megatron_cpo/trainer/batch/micro_batches.py): `micro_batch` rows at the batch's longest length, or
+    with `dynamic_bsz` by the token budget (padded rows: rows x their longest; packed: real tokens). Packed
+    micro-batches (`remove_padding`) are one THD row with fused attention, else bin-packed rows (packing.py)."""
+    import torch
+
+    from megatron_cpo.trainer.batch.micro_batches import fixed_plan, token_budget_plan
+    from megatron_cpo.trainer.batch.packing import first_fit_rows
+
+    if layout.dynamic_bsz:
+        plan = token_budget_plan(torch.tensor(lengths), layout.dp, batch.token_budget, "--token-budget", layout.pp,
+                                 packed=layout.remove_padding)
+    else:  # the trainer pads with one-token rows to a multiple of DP x micro-batch rows
+        lengths = lengths + [1] * (-len(lengths) % (layout.dp * batch.micro_batch))
+        plan = fixed_plan(len(lengths), layout.dp, batch.micro_batch)
+    longest = max(lengths)
+    result = []
+    for rank in plan:
+        cut = []
+        for rows in rank:
+            own = tuple(lengths[i] for i in rows.tolist())
+            if layout.remove_padding and layout.fused_attention:
+                cut.append(MicroBatch(1, sum(own), own, per_sequence=True))
+            elif layout.remove_padding:
+                cut.append(MicroBatch(len(first_fit_rows(list(own), max(own))), max(own), own))
+            else:
+                cut.append(MicroBatch(len(own), max(own) if layout.dynamic_bsz else longest, own))
+        result.append(cut)
+    return result
+
+
+def micro_batch_flops(shape: ModelShape, micro: MicroBatch) -> float:
+    """Forward FLOPs of one micro-batch: 2 x active parameters per position computed (padding included) and causal
+    attention per row, or per sequence when the attention runs per sequence."""
+    rows = micro.lengths if micro.per_sequence else [micro.width] * micro.rows
+    return 2 * shape.active_params() * micro.positions + sum(attention_flops(shape, row) for row in rows)
 
 
 def critic_bytes(shape: ModelShape, layout: Layout, stage: dict, per_param: int, optimizer_per_param: int) -> float:
@@ -150,11 +238,17 @@ def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str,
               "optimizer": sharded * optimizer_per_param,
               "reference": params * weight_bytes if layout.reference_model else 0.0,
               "critic": critic_bytes(shape, layout, stage, weight_bytes + 4, optimizer_per_param)}
-    length = batch.prompt_length + batch.response_length
-    tokens = batch.micro_batch * length
-    if layout.dynamic_bsz and batch.token_budget:  # a micro-batch holds at most the budget's tokens
-        tokens = max(batch.token_budget, length)
-    for name, value in activation_bytes(shape, layout, tokens, max(1, tokens // length)).items():
+    if batch.sequence_lengths:  # the largest of the micro-batches the trainer cuts from these sequences
+        activations = max((activation_bytes(shape, layout, micro.positions, micro.rows)
+                           for rank in micro_batches(batch.sequence_lengths, layout, batch) for micro in rank),
+                          key=lambda parts: sum(parts.values()))
+    else:
+        length = batch.prompt_length + batch.response_length
+        tokens = batch.micro_batch * length
+        if layout.dynamic_bsz and batch.token_budget:  # a micro-batch holds at most the budget's tokens
+            tokens = max(batch.token_budget, length)
+        activations = activation_bytes(shape, layout, tokens, max(1, tokens // length))
+    for name, value in activations.items():
         memory[f"activations/{name}"] = value
     memory["total"] = sum(memory.values())
     return memory
@@ -240,11 +334,15 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
     prompts_per_engine = math.ceil(batch.train_batch_size / layout.engines)
     decode_step_s = params * 2 / layout.rollout_tp / (bandwidth_gbs * 1e9 * decode_efficiency)
     generation = batch.response_length * decode_step_s * max(1.0, prompts_per_engine * batch.n / 256)
-    padding_free = layout.remove_padding or layout.dynamic_bsz
-    length = batch.prompt_length + (batch.mean_response if padding_free else batch.response_length)
-    tokens = responses * length
-    flops_per_s = layout.world_size * peak_tflops * 1e12 * mfu
-    forward_flops = 2 * active * tokens + attention_flops(shape, length) * responses
+    if batch.sequence_lengths:  # the slowest data-parallel rank's micro-batches, on its TP x PP x CP devices
+        flops_per_s = layout.model_parallel * peak_tflops * 1e12 * mfu
+        forward_flops = max(sum(micro_batch_flops(shape, micro) for micro in rank)
+                            for rank in micro_batches(batch.sequence_lengths, layout, batch))
+    else:
+        padding_free = layout.remove_padding or layout.dynamic_bsz
+        length = batch.prompt_length + (batch.mean_response if padding_free else batch.response_length)
+        flops_per_s = layout.world_size * peak_tflops * 1e12 * mfu
+        forward_flops = 2 * active * responses * length + attention_flops(shape, length) * responses
     models = 2 if layout.critic else 1  # a critic scores the batch once and trains as the actor does
     forwards = (batch.extra_forwards + models - 1) * forward_flops / flops_per_s
     passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
@@ -285,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--no-reference", action="store_true", help="no KL loss: no reference copy")
     parser.add_argument("--critic", action="store_true", help="PPO with a critic (adv_estimator=gae): a value model")
-    parser.add_argument("--unfused-attention", action="store_true", help="attention scores materialised (CPU)")
+    parser.add_argument("--unfused-attention", action="store_true", help="attention scores materialised "
+                        "(attention_backend=local; a recipe's setting otherwise)")
     parser.add_argument("--train-batch-size", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--prompt-length", type=int, default=128)
@@ -301,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-kernels", action="store_true", help="log-probs fused with the lm-head")
     parser.add_argument("--mean-response-length", type=int, default=0,
                         help="mean real response length for padding-free step time (default: --response-length)")
+    parser.add_argument("--sequence-lengths", metavar="JSON", help="a JSON file listing prompt + response tokens of "
+                        "every sequence of one step: memory and time follow the micro-batches the trainer cuts")
     parser.add_argument("--gpu", choices=sorted(GPUS), help="estimate step time with this GPU's datasheet peaks")
     parser.add_argument("--mfu", type=float, default=0.3, help="fraction of peak FLOPs training reaches")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -332,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                           token_budget=args.token_budget)
             model = args.model
         batch.mean_response_length = args.mean_response_length
-        layout.fused_attention = not args.unfused_attention
+        if args.sequence_lengths:
+            batch.sequence_lengths = [int(n) for n in json.loads(Path(args.sequence_lengths).read_text())]
+        if args.unfused_attention:
+            layout.fused_attention = False
         layout.ep = args.ep or layout.ep
         layout.etp = args.etp or layout.etp
         config_path = Path(model or "") / "config.json" if not str(model).endswith(".json") else Path(model)

@@ -6,13 +6,15 @@ checkpoint and loaded by the trainer's `build_policies`; each step is the traine
 tail of RL responses), with the actor's `log_probs` and `update` timed in place (the instance's methods are wrapped;
 nothing else changes). The first step warms up (kernel compilation, allocator); the next one is measured.
 
-Modes: every row of `MODES` whose config switches exist in `megatron_cpo.config` runs, one process per mode (the
-padded path always; token-budget micro-batches, packing and the fused lm-head when the trainer offers them).
+Modes: every row of `MODES` whose config switches exist in `megatron_cpo.config` runs (or those `--modes` names), one
+process per mode: padded rows, token-budget micro-batches, packing on top, the fused lm-head on top of that, each with
+the default core attention, and the token-budget mode on Megatron's local attention as the before.
+`benchmarks.gpu.run_check` runs each mode as a part of its own, so that one mode's budget cannot starve another.
 
 Reported per phase: real tokens/s (prompt + response tokens, padding excluded), MFU of the real tokens' model FLOPs
 and of the padded batch's FLOPs against the device's dense bf16 peak (H100 SXM / H200: 989 TFLOPS; `--peak-tflops`
 for others), the allocator's peak memory, and beside them what `tools/plan_memory.py` predicts for the same shapes
-(its memory model, and its time model at its default 30% MFU).
+(its memory and time models, at its default 30% MFU, for the micro-batches the mode cuts from the same lengths).
 
     python -m benchmarks.gpu.actor_bench --out actor.jsonl            # on the GPU
 """
@@ -74,15 +76,23 @@ class Mode:
     settings: tuple[str, ...] = ()
 
 
+TOKEN_BUDGET = "actor_rollout_ref.actor.use_dynamic_bsz=true"
+BUDGETS = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+           "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu={budget}",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+           "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}")
+PACKED = "actor_rollout_ref.model.use_remove_padding=true"
+FUSED_LM_HEAD = "actor_rollout_ref.model.use_fused_kernels=true"
+LOCAL_ATTENTION = "actor_rollout_ref.actor.megatron.attention_backend=local"
+# Each mode adds to the one before it (packing and the fused lm-head cut micro-batches by tokens too); the attention
+# is the config's default (Transformer Engine's, else torch's fused one) except in `token_budget_local`, Megatron's
+# local attention on the token-budget mode, the "before" of the fused attention on the same machine.
 MODES = [
     Mode("padded"),
-    Mode("token_budget", ("actor_rollout_ref.actor.use_dynamic_bsz=true",),
-         ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
-          "actor_rollout_ref.actor.log_prob_max_token_len_per_gpu={budget}",
-          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
-          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}")),
-    Mode("packed", ("actor_rollout_ref.model.use_remove_padding=true",)),
-    Mode("fused_lm_head", ("actor_rollout_ref.model.use_fused_kernels=true",)),
+    Mode("token_budget", (TOKEN_BUDGET,), BUDGETS),
+    Mode("packed", (TOKEN_BUDGET, PACKED), BUDGETS),
+    Mode("fused_lm_head", (TOKEN_BUDGET, PACKED, FUSED_LM_HEAD), BUDGETS),
+    Mode("token_budget_local", (TOKEN_BUDGET, LOCAL_ATTENTION), BUDGETS),
 ]
 
 
@@ -177,19 +187,25 @@ def token_budget(padded_length: int) -> int:
 
 def cuts_by_tokens(mode: Mode) -> bool:
     """Whether the mode's micro-batches are cut by the token budget (else one padded row of `micro_batch` each)."""
-    return "actor_rollout_ref.actor.use_dynamic_bsz=true" in mode.switches
+    return TOKEN_BUDGET in mode.switches
 
 
-def plan_prediction(model_dir: Path, shape: BatchShape, max_prompt: int, padded_length: int, gpu: str,
-                    by_tokens: bool) -> dict:
-    """tools/plan_memory.py for this batch (padded to `padded_length` positions, micro-batches of the token budget
-    when `by_tokens`, no reference, unfused attention: the local layer spec materialises attention scores)."""
+def plan_prediction(model_dir: Path, shape: BatchShape, totals: list[int], max_prompt: int, gpu: str,
+                    mode: Mode) -> dict:
+    """tools/plan_memory.py for this batch and mode: the micro-batches the trainer cuts from these sequence lengths
+    (`--sequence-lengths`; the token budget, packing and the fused lm-head as the mode sets them), no reference, the
+    mode's attention (local: scores materialised)."""
+    padded_length = max(totals)
+    lengths_file = model_dir / "sequence_lengths.json"
+    lengths_file.write_text(json.dumps(totals))
     command = [sys.executable, str(ROOT / "tools" / "plan_memory.py"), "--model", str(model_dir), "--json",
-               "--gpu", gpu, "--no-reference", "--unfused-attention", "--dtype", "bfloat16",
+               "--gpu", gpu, "--no-reference", "--dtype", "bfloat16", "--sequence-lengths", str(lengths_file),
                "--train-batch-size", str(shape.prompts), "--n", str(shape.n), "--prompt-length", str(max_prompt),
                "--response-length", str(padded_length - max_prompt), "--micro-batch", str(shape.micro_batch)]
-    if by_tokens:
+    if cuts_by_tokens(mode):
         command += ["--dynamic-bsz", "--token-budget", str(token_budget(padded_length))]
+    flags = {PACKED: "--remove-padding", FUSED_LM_HEAD: "--fused-kernels", LOCAL_ATTENTION: "--unfused-attention"}
+    command += [flag for switch, flag in flags.items() if switch in mode.switches]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         return {"plan_error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -268,12 +284,16 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
     flops_padded = forward_flops(model, [padded_length] * len(totals))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = peak_tflops(name, args.peak_tflops)
+    from megatron_cpo.models.builder import unwrap_model
+
+    attention = unwrap_model(actor.model).attention_kind
     records = []
     for call in timer.calls:
         factor = 3.0 if call["phase"] == "update" else 1.0
         seconds = call["seconds"]
         records.append({
-            "mode": mode_name, "phase": call["phase"], "layers": model["num_hidden_layers"], "rows": len(totals),
+            "mode": mode_name, "attention": attention, "phase": call["phase"], "layers": model["num_hidden_layers"],
+            "rows": len(totals),
             "real_tokens": real_tokens, "padded_positions": len(totals) * padded_length,
             "micro_batch": shape.micro_batch, "seconds": seconds, "real_tokens_per_s": real_tokens / seconds,
             "model_tflops_real": factor * flops_real / seconds / 1e12,
@@ -305,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=None, help="comma-separated subset of the offered modes")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (gloo runs)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="unix time to stop starting modes")
+    parser.add_argument("--model-cache", help="write the random model here once and keep it (parts share it)")
     parser.add_argument("--child-mode", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--batch", help=argparse.SUPPRESS)
@@ -326,14 +347,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"modes {unknown} are not offered by this config; offered: {[m.name for m in modes]}")
         modes = [m for m in modes if m.name in wanted]
     print(f"actor modes offered by the config: {[m.name for m in modes]}", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
+    work = Path(args.model_cache or tempfile.mkdtemp(prefix="gpu_check_model_"))
     try:
-        write_random_model(work, model, device)
-        (work / "shape.json").write_text(json.dumps(model))
+        if not (work / "shape.json").is_file() or json.loads((work / "shape.json").read_text()) != model:
+            write_random_model(work, model, device)
+            (work / "shape.json").write_text(json.dumps(model))
         prompt_lengths, response_lengths = lengths(shape, 0)
         totals = [prompt_lengths[i // shape.n] + r for i, r in enumerate(response_lengths)]
         gpu = "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "h100-sxm"
-        plans: dict[bool, dict] = {}  # by whether the mode cuts micro-batches by tokens (one planner run each)
         for mode in modes:
             base = {"mode": mode.name, "layers": model["num_hidden_layers"]}
             remaining = args.deadline - time.time()
@@ -359,13 +380,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"actor mode {mode.name}: {note}", flush=True)
                 if note != "time budget: stopped":
                     print("\n".join(proc.stderr.strip().splitlines()[-40:]), flush=True)
-            by_tokens = cuts_by_tokens(mode)
-            if by_tokens not in plans:
-                plans[by_tokens] = plan_prediction(work, shape, max(prompt_lengths), max(totals), gpu, by_tokens)
-            for record in _add_plan(args.out, before, plans[by_tokens]):
+            plan = plan_prediction(work, shape, totals, max(prompt_lengths), gpu, mode)
+            for record in _add_plan(args.out, before, plan):
                 print(record, flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.model_cache:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

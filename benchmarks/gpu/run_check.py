@@ -1,11 +1,12 @@
 """Run the GPU check's parts within one time budget and write `results.json` and `results.md`.
 
-Parts run in this order, each in its own process with its own budget (the last one gets what is left):
-kernel correctness against float64, the Megatron actor, the actor's colocated offload round trip (device -> pinned
-host -> device, bit-identical), the kernel benchmark grid. A part stops starting new
-measurements at its deadline and is killed (its process group) if it overruns; everything it recorded up to then is
-kept. `scripts/gpu_check.sh` is the entry point (GPU detection, offline wheels); `--tiny --device cpu` runs the same
-parts at tiny shapes on CPU (the CI smoke test).
+Parts run in this order, each in its own process with its own budget (the last one gets what is left): kernel
+correctness against float64, the core attention against float64 (check_attention.py), the Megatron actor in each mode
+(`actor_<mode>`: padded, token budget, packed, fused lm-head, and the token budget on the local attention), the actor's
+colocated offload round trip (device -> pinned host -> device, bit-identical), the kernel benchmark grid. A part stops
+starting new measurements at its deadline and is killed (its process group) if it overruns; everything it recorded up to
+then is kept. `scripts/gpu_check.sh` is the entry point (GPU detection, offline wheels); `--tiny --device cpu` runs the
+same parts at tiny shapes on CPU (the CI smoke test).
 
     python -m benchmarks.gpu.run_check --out runs/gpu_check/now --budget-s 500
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +54,8 @@ KERNEL_COLUMNS: list[Column] = [
     ("tolerance", "tolerance", text), ("pad grad 0", "padding_grad_zero", _ok), ("status", "status", text),
     ("note", "note", text)]
 ACTOR_COLUMNS: list[Column] = [
-    ("mode", "mode", text), ("phase", "phase", text), ("layers", "layers", text), ("rows", "rows", text),
+    ("mode", "mode", text), ("attention", "attention", text), ("phase", "phase", text), ("layers", "layers", text),
+    ("rows", "rows", text),
     ("real tokens", "real_tokens", text), ("padded positions", "padded_positions", text), ("s", "seconds", fmt(2)),
     ("real tokens/s", "real_tokens_per_s", fmt(0)), ("model TFLOPS (real)", "model_tflops_real", fmt(1)),
     ("MFU real", "mfu_real", fmt(3)), ("MFU padded", "mfu_padded", fmt(3)), ("peak TFLOPS used", "peak_tflops", fmt(0)),
@@ -75,9 +79,20 @@ OFFLOAD_COLUMNS: list[Column] = [
     ("bit-identical", "identical", _ok), ("next step identical", "next_step_identical", _ok),
     ("status", "status", text)]
 
+ATTENTION_COLUMNS: list[Column] = [
+    ("layout", "layout", text), ("window", "window", text), ("dtype", "dtype", text), ("path", "path", text),
+    ("tokens", "tokens", text), ("fused err", "fused_err", fmt(8)), ("local err", "local_err", fmt(8)),
+    ("tolerance", "tolerance", text), ("fused ms", "fused_ms", fmt(2)), ("local ms", "local_ms", fmt(2)),
+    ("fused extra GiB", "fused_extra_gib", fmt(3)), ("local extra GiB", "local_extra_gib", fmt(3)),
+    ("status", "status", text), ("note", "note", text)]
+ACTOR_MODES = ("padded", "token_budget", "packed", "fused_lm_head", "token_budget_local")  # actor_bench.MODES
+
 PARTS = [
     Part("kernel_correctness", "benchmarks.gpu.check_kernels", 90.0, KERNEL_COLUMNS),
-    Part("actor", "benchmarks.gpu.actor_bench", 170.0, ACTOR_COLUMNS),
+    Part("attention_correctness", "benchmarks.gpu.check_attention", 45.0, ATTENTION_COLUMNS),
+    # one part per actor mode, each with its own budget (a slow mode cannot starve the next)
+    *(Part(f"actor_{mode}", "benchmarks.gpu.actor_bench", 80.0, ACTOR_COLUMNS, extra_args=("--modes", mode))
+      for mode in ACTOR_MODES),
     Part("actor_offload", "benchmarks.gpu.offload_check", 90.0, OFFLOAD_COLUMNS),
     Part("kernel_grid", "benchmarks.gpu.kernel_grid", None, GRID_COLUMNS,
          tiny_args=("--tiny", "--warmup", "0", "--iters", "1")),
@@ -90,7 +105,8 @@ def run_part(part: Part, out_dir: Path, device: str, budget_s: float, tiny: bool
     jsonl.unlink(missing_ok=True)
     start = time.time()
     command = [sys.executable, "-m", part.module, "--out", str(jsonl), "--device", device,
-               "--deadline", f"{start + max(budget_s - GRACE_S, 1.0):.0f}", *(part.tiny_args if tiny else ()), *extra]
+               "--deadline", f"{start + max(budget_s - GRACE_S, 1.0):.0f}", *(part.tiny_args if tiny else ()),
+               *part.extra_args, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"  # before triton is imported: the Triton backend runs interpreted on CPU
@@ -135,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     end = time.time() + args.budget_s
+    model_cache = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
     summary = {"environment": environment(), "command": " ".join(["python -m benchmarks.gpu.run_check", *sys.argv[1:]]),
                "budget_s": args.budget_s, "tiny": args.tiny, "parts": {}}
     tables = {}
@@ -144,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         if budget < 5:
             summary["parts"][part.name] = {"status": "skipped", "note": "no time left", "records": []}
             continue
-        extra = ["--layers", str(args.layers)] if part.name == "actor" and args.layers else []
+        extra = []
+        if part.module == "benchmarks.gpu.actor_bench":  # the actor parts share one random model
+            extra = ["--model-cache", str(model_cache)] + (["--layers", str(args.layers)] if args.layers else [])
         result = run_part(part, out_dir, args.device, budget, args.tiny, extra)
         if part.name == "kernel_grid":
             from benchmarks.gpu.kernel_grid import add_ratios
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         tables[part.name] = markdown_table(result["records"], part.columns)
         print(f"gpu_check: {part.name}: {result['status']} in {result['seconds']:.0f} s of {budget:.0f} s"
               + (f" ({result['note']})" if result["note"] else ""), flush=True)
+    shutil.rmtree(model_cache, ignore_errors=True)
     json_path, md_path = write_results(out_dir, summary, tables)
     print(f"gpu_check: results in {json_path} and {md_path}")
     return 1 if any(p["status"] == "failed" for p in summary["parts"].values()) else 0

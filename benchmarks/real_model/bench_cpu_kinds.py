@@ -35,6 +35,7 @@ CONFIG = "examples/smollm2-135m/grpo.yaml"
 MODEL = "examples/smollm2-135m/model"
 TEMPERATURE, LR, MAX_NEW_TOKENS = 0.7, 1e-5, 128
 PROMPTS, SAMPLES = 8, 8
+OURS = {"ours": [], "ours_local": ["actor_rollout_ref.actor.megatron.attention_backend=local"]}  # arm: overrides
 
 
 def kind_facts(isa: str) -> dict:
@@ -56,14 +57,16 @@ def _environment(isa: str) -> dict[str, str]:
 
 
 def arm_command(arm: str, facts: dict, args: argparse.Namespace, result: Path) -> list[str]:
-    """The command of one run of `arm` ("ours" or "trl") writing its result to `result`."""
-    if arm == "ours":
+    """The command of one run of `arm` writing its result to `result`: "ours", "ours_local" (ours on Megatron-Core's
+    local attention, the attention before issue 50) or "trl"."""
+    if arm in OURS:
         return [sys.executable, str(ROOT / "benchmarks/trainer/bench_steps.py"), "--data", args.data,
                 "--config", CONFIG, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result),
                 f"actor_rollout_ref.rollout.temperature={TEMPERATURE}", f"actor_rollout_ref.actor.optim.lr={LR}",
                 f"data.max_response_length={MAX_NEW_TOKENS}", f"data.train_batch_size={PROMPTS}",
                 f"actor_rollout_ref.rollout.n={SAMPLES}", "actor_rollout_ref.actor.megatron.params_dtype=auto",
-                "data.val_max_samples=8"]  # the validation after the last step is not timed: keep it short
+                "data.val_max_samples=8",  # the validation after the last step is not timed: keep it short
+                *OURS[arm]]
     return [args.trl_python, str(ROOT / "benchmarks/trainer/bench_trl.py"),
             "--data", str(Path(args.data) / "train.parquet"), "--model", MODEL, "--lr", str(LR),
             "--temperature", str(TEMPERATURE), "--max-new-tokens", str(MAX_NEW_TOKENS), "--prompts", str(PROMPTS),
@@ -100,27 +103,33 @@ def summarize(runs: list[dict], facts: dict[str, dict]) -> dict:
     kinds = {}
     for isa, kind in facts.items():
         arms = {}
-        for arm in ("ours", "trl"):
+        for arm in (*OURS, "trl"):
             steps = [run["step_s_mean"] for run in runs if run["isa"] == isa and run["arm"] == arm]
             if steps:
                 arms[arm] = {"runs": len(steps), "step_s_mean": statistics.fmean(steps), "step_s_runs": steps,
                              "tokens_per_s_mean": statistics.fmean(
                                  run["tokens_per_s_mean"] for run in runs if run["isa"] == isa and run["arm"] == arm)}
-        ratio = arms["ours"]["step_s_mean"] / arms["trl"]["step_s_mean"] if len(arms) == 2 else None
+        ratio = arms["ours"]["step_s_mean"] / arms["trl"]["step_s_mean"] if {"ours", "trl"} <= set(arms) else None
         kinds[isa] = {**kind, "arms": arms, "ours_over_trl": ratio}
+        if {"ours_local", "trl"} <= set(arms):
+            kinds[isa]["ours_local_over_trl"] = arms["ours_local"]["step_s_mean"] / arms["trl"]["step_s_mean"]
     return kinds
 
 
 def markdown(kinds: dict) -> str:
-    lines = ["| CPU kind | dtype (auto) | ours s/step | TRL s/step | ours / TRL | runs each |",
-             "|---|---|---|---|---|---|"]
+    local = any("ours_local" in kind["arms"] for kind in kinds.values())  # the before of issue 50's attention
+    arms = ("ours", "ours_local", "trl") if local else ("ours", "trl")
+    lines = ["| CPU kind | dtype (auto) | ours s/step | " + ("ours, local attention s/step | " if local else "")
+             + "TRL s/step | ours / TRL | " + ("ours local / TRL | " if local else "") + "runs each |",
+             "|---|---|---|---|---|" + ("---|---|" if local else "") + "---|"]
     for isa, kind in kinds.items():
-        arms = kind["arms"]
-        cell = {arm: f"{arms[arm]['step_s_mean']:.1f}" if arm in arms else "-" for arm in ("ours", "trl")}
-        ratio = f"{kind['ours_over_trl']:.2f}x" if kind["ours_over_trl"] else "-"
-        runs = "/".join(str(arms[arm]["runs"]) if arm in arms else "0" for arm in ("ours", "trl"))
+        ran = kind["arms"]
+        cell = {arm: f"{ran[arm]['step_s_mean']:.1f}" if arm in ran else "-" for arm in arms}
+        ratios = [kind.get("ours_over_trl")] + ([kind.get("ours_local_over_trl")] if local else [])
+        runs = "/".join(str(ran[arm]["runs"]) if arm in ran else "0" for arm in arms)
         lines.append(f"| {isa}: {kind['cpu']}, torch kernels {kind['torch_kernels']}, oneDNN bf16 "
-                     f"{kind['onednn_bf16']} | {kind['dtype']} | {cell['ours']} | {cell['trl']} | {ratio} | {runs} |")
+                     f"{kind['onednn_bf16']} | {kind['dtype']} | " + " | ".join(cell[arm] for arm in arms) + " | "
+                     + " | ".join(f"{r:.2f}x" if r else "-" for r in ratios) + f" | {runs} |")
     return "\n".join(lines)
 
 
@@ -131,7 +140,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ours-then-TRL pairs per kind")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of its mean")
-    parser.add_argument("--arms", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    parser.add_argument("--arms", nargs="+", default=["ours", "trl"], choices=[*OURS, "trl"])
     parser.add_argument("--trl-python", default=str(ROOT.parent / "trl-venv/bin/python"),
                         help="python of a venv with torch==2.13.0, trl, math-verify, pandas, pyarrow")
     parser.add_argument("--trl-grad-accum", type=int, default=4, help="TRL micro-batches per step (64 / g each)")

@@ -180,13 +180,17 @@ class SequenceParallelRMSNorm:
         return norm
 
 
-def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int | None):
+def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int | None, attention_kind: str):
     """The spec of one dense (`num_experts` None) or MoE layer: Transformer Engine's when TE is importable (GPU),
-    Megatron-Core's local one otherwise, with exactly the HF biases (see `layer_spec`)."""
+    Megatron-Core's local one otherwise, with exactly the HF biases (see `layer_spec`) and the core attention of
+    `attention_kind` (models/attention.py: `te`, `torch` or `local`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_cpo.models.attention import TorchFusedAttention
 
     kind = {"num_experts": num_experts, "moe_grouped_gemm": bool(num_experts) and config.moe_grouped_gemm,
             "qk_layernorm": config.qk_layernorm}
@@ -199,6 +203,9 @@ def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int |
             if config.qk_layernorm:  # per-head norms: Megatron sums their gradients over TP by name
                 attention = spec.submodules.self_attention.submodules
                 attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    if attention_kind != "te":  # the local spec's own, or torch's fused one (either spec's q/k/v feed it)
+        core = TorchFusedAttention if attention_kind == "torch" else DotProductAttention
+        spec.submodules.self_attention.submodules.core_attention = core
     if biases is not None and config.add_bias_linear:
         attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
         if not biases.qkv:  # Megatron gives linear_qkv a bias when add_bias_linear or add_qkv_bias is on
@@ -210,9 +217,10 @@ def _one_layer_spec(config: Any, biases: LinearBiases | None, num_experts: int |
     return spec
 
 
-def layer_spec(config: Any, biases: LinearBiases | None = None):
+def layer_spec(config: Any, biases: LinearBiases | None = None, core_attention: str | None = None):
     """The decoder spec: one layer spec when every layer is the same, else a block spec listing this stage's layers
-    (dense and MoE layers per `config.moe_layer_freq`).
+    (dense and MoE layers per `config.moe_layer_freq`), with the core attention of kind `core_attention` (default:
+    what `attention_backend=auto` gives here, `attention_kind`).
 
     Megatron's `add_bias_linear` covers the attention and the MLP linears together; when it is on for only one of them
     (Llama's `mlp_bias` without `attention_bias`, or the reverse), the other's linears are swapped for bias-free
@@ -223,11 +231,13 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    core_attention = core_attention or attention_kind("auto")
     routed = list(config.moe_layer_freq) if config.num_moe_experts else [0] * config.num_layers
     sequence_parallel_norms = config.sequence_parallel and not uses_transformer_engine()
     if not any(routed) and not sequence_parallel_norms:
-        return _one_layer_spec(config, biases, None)
-    specs = {kind: _one_layer_spec(config, biases, config.num_moe_experts if kind else None) for kind in set(routed)}
+        return _one_layer_spec(config, biases, None, core_attention)
+    specs = {kind: _one_layer_spec(config, biases, config.num_moe_experts if kind else None, core_attention)
+             for kind in set(routed)}
     offset = get_transformer_layer_offset(config)
     layers = [specs[kind] for kind in routed[offset:offset + transformer_block.get_num_layers_to_build(config)]]
     final_norm = SequenceParallelRMSNorm if sequence_parallel_norms else transformer_block.LayerNormImpl
@@ -236,24 +246,29 @@ def layer_spec(config: Any, biases: LinearBiases | None = None):
 
 
 def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32, value_head: bool = False,
-                    **options: Any):
+                    attention_backend: str = "auto", **options: Any):
     """A Megatron `GPTModel` for this rank's TP slice and PP stage, randomly initialised, on `platform.device()`.
 
     Call `init_distributed` first. The model returns vocab-parallel logits (`parallel_output=True`), padded to
     `model.padded_vocab_size`; `model.hf_vocab_size` is the tokenizer's real vocabulary and `model.hf_config` the
     config it was built from. `options`: see `transformer_config`. `value_head` (the critic): the last stage's output
     layer is a scalar `ValueHead` instead (value_head.py; untied, with a bias when `hf_config` is a saved critic's), so
-    the model returns `[b, s, 1]` values; `model.value_head` says which kind it is.
+    the model returns `[b, s, 1]` values; `model.value_head` says which kind it is. `attention_backend` (Megatron's
+    values, models/attention.py) chooses the core attention; `model.attention_kind` says which it got.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.enums import AttnBackend
 
+    attention = attention_kind(attention_backend)
+    if attention == "te" and attention_backend != "auto":  # Megatron tells Transformer Engine which kernel to use
+        options = {**options, "attention_backend": AttnBackend[attention_backend]}
     config = transformer_config(hf_config, params_dtype, **options)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vocab = padded_vocab_size(hf_config.vocab_size, tp)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, family_of(hf_config).biases(hf_config)),
+        transformer_layer_spec=layer_spec(config, family_of(hf_config).biases(hf_config), attention),
         vocab_size=vocab,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -265,6 +280,7 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
         **rope_settings(hf_config),
     )
     model.value_head = value_head
+    model.attention_kind = attention
     if value_head and model.post_process:
         model.output_layer = ValueHead(config.hidden_size, head_has_bias(hf_config), config.sequence_parallel,
                                        params_dtype, platform.device())
@@ -301,6 +317,20 @@ def uses_transformer_engine() -> bool:
     return True
 
 
+def attention_kind(attention_backend: str = "auto") -> str:
+    """The core attention `attention_backend` gives on this machine: `te`, `torch` or `local` (models/attention.py)."""
+    from megatron_cpo.models.attention import core_attention_kind
+
+    return core_attention_kind(attention_backend, uses_transformer_engine())
+
+
+def packing_layout(model: Any) -> str:
+    """The packed layout (`rows` or `thd`, trainer/batch/packing.py) the model's core attention reads."""
+    from megatron_cpo.models.attention import packing_layout as layout_for
+
+    return layout_for(unwrap_model(model).attention_kind)
+
+
 def decoder_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
                           attention_mask: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
     """`GPTModel.forward` without the output layer: `[s, b, h]` hidden states.
@@ -310,8 +340,8 @@ def decoder_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: tor
     `forward` returns and the pipeline sends on. Without a mask: causal attention over right-padded rows, as
     `forward(..., attention_mask=None)`. With `attention_mask` (`[b, 1, s, s]` bool, True = hidden; packed rows on the
     local attention) the rotary embedding is taken at each token's own `position_ids` (Megatron's RoPE otherwise uses
-    the column index), so position ids that restart per packed sequence are honoured. `packed_seq_params` (THD,
-    Transformer Engine) is passed to Megatron, whose RoPE restarts per sequence itself.
+    the column index), so position ids that restart per packed sequence are honoured. `packed_seq_params` (THD:
+    Transformer Engine's or torch's fused attention) is passed to Megatron, whose RoPE restarts per sequence itself.
     """
     gpt = unwrap_model(model)
     if gpt.mtp_process or gpt.config.fine_grained_activation_offloading:

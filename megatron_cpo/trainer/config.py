@@ -12,6 +12,7 @@ from megatron_cpo.algorithms.early_stop import EarlyStopConfig
 from megatron_cpo.algorithms.loss_config import PolicyLossConfig
 from megatron_cpo.compute_dtype import PARAMS_DTYPES, resolve_dtype
 from megatron_cpo.config_checks import check, check_choice
+from megatron_cpo.models.config import ATTENTION_BACKENDS
 
 PARAMS_DTYPE_KEY = "actor_rollout_ref.actor.megatron.params_dtype"
 
@@ -106,6 +107,11 @@ class MegatronConfig:
     multiple of EP x ETP, and the expert-data-parallel size is world / (PP x EP x ETP) (docs/moe.md).
     `freeze_moe_router` (NeMo-RL's name) keeps every router's weights as loaded; `override_transformer_config` holds
     the MoE knobs (`MoeTransformerConfig`).
+    `attention_backend` (Megatron's values; verl's `override_transformer_config.attention_backend` is an alias): `auto`
+    (the default), `flash` or `fused` run Transformer Engine's attention when it is importable and torch's fused
+    attention (no score matrix) otherwise; `unfused` is Transformer Engine's unfused one; `local` is Megatron-Core's
+    own, which materialises every row's scores (megatron_cpo/models/attention.py; measurements:
+    benchmarks/attention/README.md). The reference and the critic compute as the actor does.
     `params_dtype` is the actor's and the engines' compute dtype (the optimizer keeps float32 main weights for a 16-bit
     one); `auto` takes bfloat16 where the machine multiplies it natively and float32 elsewhere
     (megatron_cpo/compute_dtype.py): on a CPU without bf16 instructions a bf16 forward ran 2-4x slower than float32."""
@@ -124,6 +130,7 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     freeze_moe_router: bool = False
+    attention_backend: str = "auto"
     override_transformer_config: MoeTransformerConfig = field(default_factory=MoeTransformerConfig)
 
     def __post_init__(self) -> None:
@@ -140,6 +147,7 @@ class MegatronConfig:
         check_choice("actor_rollout_ref.actor.megatron.recompute_method", self.recompute_method, ("uniform", "block"))
         check(self.recompute_num_layers >= 1, "actor_rollout_ref.actor.megatron.recompute_num_layers="
                                               f"{self.recompute_num_layers} must be >= 1")
+        check_choice("actor_rollout_ref.actor.megatron.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check(self.context_parallel_size >= 1, "actor_rollout_ref.actor.megatron.context_parallel_size="
                                                f"{self.context_parallel_size} must be >= 1")
         check(isinstance(self.expert_model_parallel_size, int) and self.expert_model_parallel_size >= 1,

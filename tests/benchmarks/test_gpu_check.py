@@ -66,16 +66,24 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
 
     summary = json.loads((out / "results.json").read_text())
     parts = summary["parts"]
+    actor_parts = [f"actor_{mode}" for mode in ("padded", "token_budget", "packed", "fused_lm_head",
+                                                 "token_budget_local")]
     assert {name: part["status"] for name, part in parts.items()} == {
-        "kernel_correctness": "ok", "actor": "ok", "actor_offload": "ok", "kernel_grid": "ok"}
+        "kernel_correctness": "ok", "attention_correctness": "ok", **dict.fromkeys(actor_parts, "ok"),
+        "actor_offload": "ok", "kernel_grid": "ok"}
     correctness = parts["kernel_correctness"]["records"]
     # 2 kernels x 2 dtypes x 2 cases, on the interpreted Triton backend and the chunked torch backend
     assert len(correctness) == 16 and all(r["passed"] for r in correctness)
     kernels = ("log_probs_and_entropy", "linear_log_probs_and_entropy")
     assert {(r["backend"], r["kernel"]) for r in correctness} == {
         (b, k) for b in ("triton-interpreted", "torch") for k in kernels}
-    actor = parts["actor"]["records"]
+    attention = parts["attention_correctness"]["records"]  # 2 dtypes x padded / packed x with / without a window
+    assert len(attention) == 8 and all(r["passed"] for r in attention)
+    assert {r["path"] for r in attention} == {"padded", "per_sequence"}  # no variable-length kernel on CPU
+    actor = [record for name in actor_parts for record in parts[name]["records"]]
     assert [(r["mode"], r["phase"]) for r in actor][:2] == [("padded", "log_probs"), ("padded", "update")]
+    assert {r["attention"] for r in actor if r["mode"] != "token_budget_local"} == {"torch"}
+    assert {r["attention"] for r in actor if r["mode"] == "token_budget_local"} == {"local"}
     for record in actor:
         assert 0 < record["real_tokens"] < record["padded_positions"]  # log-normal lengths: padding exists
         assert record["real_tokens_per_s"] == pytest.approx(record["real_tokens"] / record["seconds"])
@@ -92,11 +100,12 @@ def test_cpu_smoke_runs_every_part_and_writes_json_and_markdown(tmp_path):
     for name in parts:
         assert f"## {name}" in markdown
     assert markdown.count("| triton-interpreted |") == 8
-    assert markdown.count("| padded |") == sum(r["mode"] == "padded" for r in actor) == 2
+    assert markdown.count("| padded | torch |") == sum(r["mode"] == "padded" for r in actor) == 2  # actor rows
     # the trainer's other modes are picked up from the config as they land (token budgets, packing, fused lm-head)
-    assert {r["mode"] for r in actor} == {"padded", "token_budget", "packed", "fused_lm_head"}
+    assert {r["mode"] for r in actor} == {"padded", "token_budget", "packed", "fused_lm_head", "token_budget_local"}
     plans = {r["mode"]: r["plan_memory_gib"] for r in actor}
     assert plans["token_budget"] > plans["padded"]  # the plan counts the mode's micro-batches of the token budget
+    assert plans["token_budget_local"] > plans["token_budget"]  # the local attention's scores
 
 
 def math_finite(value) -> bool:
@@ -143,7 +152,12 @@ def test_actor_flops_modes_and_peaks_by_hand():
     names = {"actor_rollout_ref.model.use_fused_kernels", "actor_rollout_ref.actor.use_dynamic_bsz",
              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"}
     assert [m.name for m in actor_bench.offered_modes(set())] == ["padded"]
-    assert [m.name for m in actor_bench.offered_modes(names)] == ["padded", "token_budget", "fused_lm_head"]
+    # each mode adds to the one before: the fused lm-head runs on packed rows, so it waits for packing
+    assert [m.name for m in actor_bench.offered_modes(names)] == ["padded", "token_budget"]
+    everything = names | {"actor_rollout_ref.model.use_remove_padding",
+                          "actor_rollout_ref.actor.megatron.attention_backend"}
+    assert [m.name for m in actor_bench.offered_modes(everything)] == [
+        "padded", "token_budget", "packed", "fused_lm_head", "token_budget_local"]
     token_budget = actor_bench.MODES[1]
     assert actor_bench.mode_overrides(token_budget, names, 9000) == [
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=9000"]

@@ -350,3 +350,15 @@ def test_context_parallelism_names_what_it_needs(make):
         assert ("actor_rollout_ref.actor.megatron.context_parallel_size=2 needs Transformer Engine (its ring "
                 "attention; GPU only), which is not importable here; set context_parallel_size=1 or install "
                 "transformer_engine") in message
+
+
+def test_an_attention_backend_this_machine_lacks_is_refused_before_anything_starts(make):
+    from megatron_cpo.models.builder import uses_transformer_engine
+
+    config = make("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=unfused")
+    if uses_transformer_engine():  # GPU build: Transformer Engine's unfused attention exists
+        assert preflight(config).layout.fused_attention is False
+    else:
+        assert ("actor_rollout_ref.actor.megatron.attention_backend=unfused is Transformer Engine's unfused "
+                "attention, which is not importable here; set it to local") in problems_of(config)
+    assert preflight(make("actor_rollout_ref.actor.megatron.attention_backend=local")).layout.fused_attention is False

@@ -4,9 +4,9 @@ Megatron, gloo).
 For each layout (DP=2, TP=2, PP=2 on two processes) and a model with tied embeddings and a vocabulary that TP=2 must
 pad (101 tokens), the actor's and the reference's log-probs and entropy, the update's loss terms, the gradient buffers
 and the gradient norm of the fused (`use_fused_kernels`), the dynamic (`use_dynamic_bsz`) and the fused + dynamic
-paths, and the packed (`use_remove_padding`, several sequences per row under a per-sequence mask, position ids
-restarting per sequence) and packed + fused + dynamic paths must equal those of the padded logits path within 1e-5
-(fp32). The rows are length-skewed and the token budget small, so the dynamic path cuts uneven micro-batches of
+paths, and the packed (`use_remove_padding`: THD with the default fused attention, position ids restarting and
+attention confined per sequence) and packed + fused + dynamic paths must equal those of the padded logits path within
+1e-5 (fp32). The rows are length-skewed and the token budget small, so the dynamic path cuts uneven micro-batches of
 different lengths (and, at DP=2, uneven row shares).
 The learning rate is 1e-12, so the (Adam) updates leave the fp32 weights as they are and every path sees the same
 model. Plain DDP all-reduces the whole gradient buffer (the distributed optimizer would leave the other ranks' shards
@@ -81,6 +81,7 @@ def _compare_modes(model_dir, tp, pp, modes):
 
     from megatron_cpo import platform
     from megatron_cpo.config import build_config
+    from megatron_cpo.models.builder import packing_layout
     from megatron_cpo.trainer.components import policies_for
 
     base = [
@@ -108,7 +109,7 @@ def _compare_modes(model_dir, tp, pp, modes):
             if packed:  # budgets of real tokens big enough (and fixed micro-batches of 4) that rows hold several
                 policy.config = _micro_batches(actor_config, 2, (60, 200)) if dynamic else _micro_batches(
                     actor_config, 4)
-            policy.packing = "rows" if packed else None
+            policy.packing = packing_layout(policy.model) if packed else None
             if (dynamic or packed) and pp > 1:
                 policy.model.config.variable_seq_lengths = True
         got = _results(actor, reference, config)

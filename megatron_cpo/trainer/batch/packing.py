@@ -3,13 +3,15 @@
 A micro-batch's prompt + response sequences are laid end to end in rows; position ids restart at 0 for every
 sequence and attention stays inside each sequence, so every sequence is computed exactly as it would be alone in a
 right-padded row, without the padding. Two layouts of the same idea:
-- `rows` (the local attention of Megatron-Core, CPU): sequences are bin-packed, longest first, into rows as wide as
-  the longest sequence, and the attention gets a per-sequence block-diagonal causal mask `[rows, 1, W, W]`; the rotary
-  embedding is taken at each token's own position id (`models.builder.decoder_hidden_states`);
-- `thd` (Transformer Engine, GPU): every sequence in one row `[1, T]`, described by `PackedSeqParams` (cumulative
-  sequence lengths), so TE's variable-length attention never sees another sequence or any padding and RoPE restarts
-  per sequence. The tail is padded to `multiple` tokens (sequence parallelism splits the row over TP ranks) and the
-  padding forms one more (ignored) sequence, so the lengths cover the row.
+- `rows` (Megatron-Core's local attention, `attention_backend=local`): sequences are bin-packed, longest first, into
+  rows as wide as the longest sequence, and the attention gets a per-sequence block-diagonal causal mask
+  `[rows, 1, W, W]`; the rotary embedding is taken at each token's own position id
+  (`models.builder.decoder_hidden_states`);
+- `thd` (Transformer Engine's or torch's fused attention, models/attention.py): every sequence in one row `[1, T]`,
+  described by `PackedSeqParams` (cumulative sequence lengths), so the variable-length (or per-sequence) attention never
+  sees another sequence or any padding and RoPE restarts per sequence. The tail is padded to `multiple` tokens (sequence
+  parallelism splits the row over TP ranks) and the padding forms one more (ignored) sequence, so the lengths cover the
+  row.
 
 Per-position results (log-probs, entropy) are gathered back into the response-aligned `[sequences, R]` layout by
 `to_response`, the same layout the padded path gives.

@@ -27,7 +27,7 @@ class Layout:
     params_dtype: str = "bfloat16"
     distributed_optimizer: bool = True
     reference_model: bool = True
-    fused_attention: bool = True
+    fused_attention: bool = True  # False: attention_backend local or unfused, which materialise the scores
     sequence_parallel: bool = False
     context_parallel: int = 1
     recompute: str = ""           # "", "full" (uniform) or "selective"
@@ -76,6 +76,7 @@ class Layout:
                    etp=megatron.expert_tensor_parallel_size, engines=engines,
                    rollout_tp=rollout.tensor_model_parallel_size, rollout_mode=rollout.mode,
                    params_dtype=megatron.compute_dtype,
+                   fused_attention=megatron.attention_backend not in ("local", "unfused"),
                    distributed_optimizer=megatron.use_distributed_optimizer,
                    reference_model=reference_model, sequence_parallel=megatron.sequence_parallel,
                    context_parallel=megatron.context_parallel_size,

@@ -227,14 +227,25 @@ def context_parallel_problems(megatron: MegatronConfig, model: ModelConfig) -> l
     return []
 
 
+def attention_problems(megatron: MegatronConfig) -> list[str]:
+    """`attention_backend` names a core attention this machine has (`unfused` is Transformer Engine's)."""
+    from megatron_cpo.models.builder import attention_kind
+
+    try:
+        attention_kind(megatron.attention_backend)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
 def layout_problems(layout: Layout, model: ModelConfig, actor: ActorConfig, trainer: TrainerConfig,
                     world_source: str, planning: bool) -> list[str]:
     """TP x PP (x CP) divides the world; verl's nnodes x n_gpus_per_node, when given, is the world; context
-    parallelism has Transformer Engine and padded rows."""
+    parallelism has Transformer Engine and padded rows; the attention backend exists here."""
     megatron, world_size, model_parallel = actor.megatron, layout.world_size, layout.model_parallel
     cp_text = (f" x context_parallel_size={megatron.context_parallel_size}"
                if megatron.context_parallel_size > 1 else "")
-    problems = context_parallel_problems(megatron, model)
+    problems = context_parallel_problems(megatron, model) + attention_problems(megatron)
     if world_size % model_parallel:
         problems.append(
             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={megatron.tensor_model_parallel_size} x "

@@ -4,10 +4,11 @@ over a batch of sequences, with per-token results that every rank ends up holdin
 Every forward goes through Megatron's `get_forward_backward_func`, so pipeline parallelism works unchanged. Rows are
 split over the data-parallel ranks and cut into micro-batches (a fixed row count, or with `use_dynamic_bsz` a token
 budget: see `micro_batches`), padded right (with context parallelism, each CP rank's two chunks of every row) or packed
-several to a row (`use_remove_padding`: THD through Transformer Engine, else a per-sequence mask on the local
-attention). Each rank computes its share; the per-token results of the last stage are broadcast over PP and gathered
-over DP (`_gather_rows`), so the advantage math then runs identically everywhere. What the per-token results are is
-the subclass's: log-probs and entropy for the policies (actor.py), values for the critic (critic.py).
+several to a row (`use_remove_padding`: THD through Transformer Engine's or torch's fused attention, else a
+per-sequence mask on the local attention). Each rank computes its share; the per-token results of the last stage are
+broadcast over PP and gathered over DP (`_gather_rows`), so the advantage math then runs identically everywhere. What
+the per-token results are is the subclass's: log-probs and entropy for the policies (actor.py), values for the critic
+(critic.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
-from megatron_cpo.models.builder import decoder_hidden_states, output_logits, uses_transformer_engine
+from megatron_cpo.models.builder import decoder_hidden_states, output_logits, packing_layout
 from megatron_cpo.trainer.batch.context_parallel import chunk_index
 from megatron_cpo.trainer.batch.micro_batches import Plan, fixed_plan, token_budget_plan
 from megatron_cpo.trainer.batch.packing import PackedRows, pack_rows
@@ -76,8 +77,8 @@ class MegatronModel:
         self.pad_token_id = pad_token_id
         self.config = config
         self.use_fused_kernels = use_fused_kernels
-        # packed rows: THD through Transformer Engine when the model uses it, else masked rows on the local attention
-        self.packing = ("thd" if uses_transformer_engine() else "rows") if use_remove_padding else None
+        # packed rows in the layout the model's core attention reads (THD, or masked rows on the local attention)
+        self.packing = packing_layout(model) if use_remove_padding else None
         if self.packing and model.config.context_parallel_size > 1:
             raise ValueError("context parallelism splits padded rows only; set actor_rollout_ref.model."
                              "use_remove_padding=false or actor_rollout_ref.actor.megatron.context_parallel_size=1")

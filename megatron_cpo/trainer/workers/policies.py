@@ -21,11 +21,12 @@ logger = logging.getLogger(__name__)
 
 def model_options(megatron: MegatronConfig, gradient_checkpointing: bool, moe: bool, replay_routing: bool = False
                   ) -> dict[str, Any]:
-    """The `TransformerConfig` fields the trainer config selects for the actor and the reference: sequence
-    parallelism, (`model.enable_gradient_checkpointing`) Megatron's activation recompute and, for a mixture of
-    experts, `megatron.override_transformer_config`'s MoE knobs and (the actor with `router_replay.mode=R2`)
-    Megatron's routing replay."""
-    options: dict[str, Any] = {"sequence_parallel": megatron.sequence_parallel}
+    """The `build_gpt_model` options the trainer config selects for the actor and the reference: the core attention
+    (`megatron.attention_backend`), sequence parallelism, (`model.enable_gradient_checkpointing`) Megatron's
+    activation recompute and, for a mixture of experts, `megatron.override_transformer_config`'s MoE knobs and (the
+    actor with `router_replay.mode=R2`) Megatron's routing replay."""
+    options: dict[str, Any] = {"attention_backend": megatron.attention_backend,
+                               "sequence_parallel": megatron.sequence_parallel}
     if megatron.context_parallel_size > 1:
         options["context_parallel_size"] = megatron.context_parallel_size
     if gradient_checkpointing:
