@@ -267,8 +267,23 @@ class Trainer:
         if refused is not None:
             raise RunAbortedError(rewards_refused_message(refused, step, self._checkpoint_before_abort(step - 1)))
         if lost:
+            if self.rejoin_engines(step - 1):
+                return self.collect(step)
             self.abort_engines_lost(step - 1)
         return collected
+
+    def rejoin_engines(self, step: int) -> bool:
+        """Every engine was lost during the rollout after step `step`, and some are restarting (rollout/manager.py):
+        every rank pushes the weights of step `step` again, which they take (with the sync check) before the
+        rollout is collected again; False when none is coming."""
+        coming = broadcast_object(self.lead.manager.num_engines_restarting() if self.lead else None)
+        if not coming:
+            return False
+        if self.lead:
+            logger.warning("every rollout engine was lost during the rollout of step %d; the %d restarted engine(s) "
+                           "take the weights of step %d before it is collected again", step + 1, coming, step)
+        self.push_weights_or_abort(step)
+        return True
 
     def push_weights(self, step: int) -> PushOutcome:
         """Push the actor's weights of step `step` to the live engines and check that they serve them
@@ -294,10 +309,12 @@ class Trainer:
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 
-            # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
+            # with one rank: an engine lost in a collective transfer leaves the survivors with a partial update, so
             # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
-            if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
-                    or manager.check_engines() == alive):
+            if not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1:
+                raise
+            manager.check_engines()
+            if manager.num_engines_alive() == alive:
                 raise  # not an engine death
             return PushOutcome({}, lost=manager.last_engine_failure)
         try:

@@ -96,11 +96,13 @@ class RankZero:
     def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
         """This step's kept groups, or (None, why) when no engine is left; then, and when a non-finite reward stops
         the run (`NonFiniteRewardError`, raised), the data position goes back to the first prompt not yet trained,
-        so a resumed run collects the same prompts."""
+        so a resumed run (or this step collected again once restarted engines took the weights) collects the same
+        prompts: what was outstanding is dropped."""
         position = self.controller.state_dict()
         try:
             return self.controller.collect(step, self.manager.weight_version), None
         except RolloutEnginesLostError as err:
+            self.generator.cancel_all()
             self.controller.load_state_dict(position)
             return None, str(err)
         except NonFiniteRewardError:
@@ -158,6 +160,7 @@ class RankZero:
                    **self.scorer.counted_metrics(),
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
+        metrics["rollout/engine_restarts"] = float(self.manager.engine_restarts)
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
         self.metric_logger.log(metrics, step)
