@@ -124,8 +124,8 @@ class ServerRolloutManager(RequestBook):
         return "; ".join(self._failures.values()) or None
 
     def num_engines_restarting(self) -> int:
-        """Given-up servers taken back that have not yet taken a push (the trainer restarts none itself)."""
-        return len(self._joining)
+        """Given-up servers that answered healthy again and have not yet taken a push (the trainer restarts none)."""
+        return len(self._joining | (self._recovered - set(self._live_indices())))
 
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         """Wait for one group, then return it with every other group already finished; [] when none outstanding."""
@@ -155,9 +155,11 @@ class ServerRolloutManager(RequestBook):
         return [self._alive[i] and self._health_problem(i) is None for i in range(len(self.engines))]
 
     def check_engines(self) -> int:
-        """Health-check the live servers at once, give up those that fail (logged once); returns how many servers
-        the next push reaches (live and taken back)."""
+        """Health-check the live servers at once, give up those that fail (logged once), ping the given-up ones
+        (without waiting); returns how many servers the next push reaches (live, and given-up ones that answered
+        healthy since)."""
         self._check_at_once(self._live_indices())
+        self._poll_pings()
         return self.num_engines_alive() + self.num_engines_restarting()
 
     # --- weights --------------------------------------------------------------------------------------------
@@ -369,11 +371,26 @@ class ServerRolloutManager(RequestBook):
 
     # --- internals: health ----------------------------------------------------------------------------------
     def _look_after_servers(self) -> None:
-        """One look while waiting: ping the servers that are due (given-up ones too, to take them back), give up
-        live ones whose ping failed or is overdue and those that stalled, and send given-up servers' requests
-        again."""
+        """One look while waiting: the pings (`_poll_pings`), servers that stalled, and given-up servers' requests
+        sent again."""
+        self._watch.look(time.monotonic())
+        self._poll_pings()
+        busy = sorted({request.engine_index for request, _ in self._pending.values()})
+        for index in self._watch.stalled(busy, self._live_indices()):
+            self._mark_dead(index, f"finished no request for actor_rollout_ref.rollout.engine_health.stall_timeout_s="
+                                   f"{self.config.health.stall_timeout_s:g}s while other servers finished groups")
+        orphans, self._orphans = self._orphans, []
+        for position, request in enumerate(orphans):
+            try:
+                self._dispatch(request)
+            except RolloutEnginesLostError:
+                self._orphans = orphans[position:]
+                raise
+
+    def _poll_pings(self) -> None:
+        """Ping the servers that are due (given-up ones too, to take them back) without waiting, note the given-up
+        ones that answered healthy, give up live ones whose ping failed or is overdue."""
         now = time.monotonic()
-        self._watch.look(now)
         for index in self._watch.pings_due(now, [i for i in range(len(self.engines)) if i not in self._joining]):
             self._pings[index] = self._caller.spawn(self.engines[index], proto.HEALTH, None,
                                                     self.config.health.timeout_s)
@@ -400,17 +417,6 @@ class ServerRolloutManager(RequestBook):
                 self._mark_dead(index, f"did not answer /health within actor_rollout_ref.rollout.engine_health."
                                        f"timeout_s={self.config.health.timeout_s:g}s (hung: a stopped or deadlocked "
                                        "server or engine process, or a device that stopped answering)")
-        busy = sorted({request.engine_index for request, _ in self._pending.values()})
-        for index in self._watch.stalled(busy, self._live_indices()):
-            self._mark_dead(index, f"finished no request for actor_rollout_ref.rollout.engine_health.stall_timeout_s="
-                                   f"{self.config.health.stall_timeout_s:g}s while other servers finished groups")
-        orphans, self._orphans = self._orphans, []
-        for position, request in enumerate(orphans):
-            try:
-                self._dispatch(request)
-            except RolloutEnginesLostError:
-                self._orphans = orphans[position:]
-                raise
 
     def _take_back_recovered(self) -> None:
         """Given-up servers that answered healthy since join this push; what they still ran is cancelled first."""

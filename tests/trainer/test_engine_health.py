@@ -32,6 +32,7 @@ def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
 
+@pytest.mark.engine  # a trainer subprocess that starts two engines and restarts them
 def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_run_stops_with_one_line(
         small_run_overrides, warm_engine, tmp_path):
     """Two engines, restarts on (`max_restarts=2`), `sync_check.every_n_pushes=1000` (so a probe runs only at the
