@@ -52,6 +52,7 @@ class EngineActors:
         self.pid_dir = Path(tempfile.mkdtemp(prefix="rollout-engine-pids-"))
         self.replacements: dict[int, _Replacement] = {}
         self._retired: list = []  # actors given up (killed; `stop` kills them again, harmlessly)
+        self._abandoned: list = []  # calls whose answer nobody waits for: read once they end (Ray logs unread errors)
 
     def _spawn(self, index: int, name: str):
         import ray
@@ -85,6 +86,52 @@ class EngineActors:
                     f"rollout engine {index} failed to start for model {self.config.model_path!r}: "
                     f"{root_cause(err)}") from err
 
+    # --- health ---------------------------------------------------------------------------------------------
+    def hung_cause(self) -> str:
+        return (f"did not answer a health check within actor_rollout_ref.rollout.engine_health.timeout_s="
+                f"{self.config.health_timeout_s:g}s (hung: a stopped or deadlocked engine process, or a device that "
+                "stopped answering)")
+
+    def ping(self, index: int):
+        """Start slot `index`'s health check (`VLLMEngine.is_healthy`: a round trip through its processes)."""
+        return self.handles[index].is_healthy.remote()
+
+    def problems(self, indices: list[int]) -> dict[int, str]:
+        """Health-check slots `indices` at once (at most `health_timeout_s`); why each that failed did."""
+        import ray
+
+        refs = {index: self.ping(index) for index in indices}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.health_timeout_s)
+        found = {}
+        for index, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                self.abandon(ref)
+                found[index] = self.hung_cause()
+            except ray.exceptions.RayError as err:
+                found[index] = f"failed its health check: {root_cause(err)}"
+        return found
+
+    def abandon(self, *refs) -> None:
+        """Calls nobody waits for any more (to engines given up, pings of a finished watch)."""
+        self._abandoned += [ref for ref in refs if ref is not None]
+
+    def read_abandoned(self, timeout: float = 0) -> None:
+        """Read the abandoned calls that have ended (their errors are expected), so that Ray does not report them as
+        unhandled errors, with tracebacks, when they are dropped."""
+        import ray
+
+        if not self._abandoned:
+            return
+        done, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
     def retire(self, index: int) -> None:
         """End slot `index`'s actor and the processes it started, and close the weight groups reaching it."""
         self._end(self.handles[index], self.names[index])
@@ -167,6 +214,7 @@ class EngineActors:
             ray.wait(stops, num_returns=len(stops), timeout=self.config.health_timeout_s)
             for engine in [*self.handles, *(r.handle for r in self.replacements.values()), *self._retired]:
                 ray.kill(engine)
+            self.read_abandoned(timeout=min(5.0, self.config.health_timeout_s))
         return children
 
     def remove_pid_dir(self) -> None:

@@ -168,6 +168,7 @@ class RolloutManager(RequestBook):
                                "can only change between rounds: drain completed() or call cancel_all() first")
         self._check_replacements(wait=not self._live_indices())
         self._watch.restart_clocks()
+        self.actors.abandon(*self._pings.values())
         self._pings.clear()
         self._call_engines(self._push_targets(), "begin_weight_reload", in_flight)
 
@@ -188,10 +189,11 @@ class RolloutManager(RequestBook):
             self._alive[index] = True
             self._failures.pop(index, None)
             self._watch.forget(index)
-            logger.info("rollout engine %d (%s) rejoined with weight version %d after its restart; %d of %d "
-                           "engines serve requests (rollout/engines_alive)", index, self.engine_names[index],
-                           self.weight_version, self.num_engines_alive(), len(self.engines))
+            logger.info("rollout engine %d (%s) rejoined with weight version %d after its restart; %d of %d engines "
+                        "serve requests (rollout/engines_alive)", index, self.engine_names[index],
+                        self.weight_version, self.num_engines_alive(), len(self.engines))
         self._watch.restart_clocks()
+        self.actors.abandon(*self._pings.values())
         self._pings.clear()
         return {f"engine {index}": worker_reports for index, worker_reports in reports.items()}
 
@@ -225,6 +227,7 @@ class RolloutManager(RequestBook):
             except ray.exceptions.RayError as err:
                 if self._health_problem(index) is None:
                     raise
+                self.actors.abandon(ref)
                 self._mark_dead(index, err)
         return answers
 
@@ -339,7 +342,7 @@ class RolloutManager(RequestBook):
         now = time.monotonic()
         self._watch.look(now)
         for index in self._watch.pings_due(now, self._live_indices()):
-            self._pings[index] = self.engines[index].is_healthy.remote()
+            self._pings[index] = self.actors.ping(index)
             self._watch.ping_sent(index, now)
         if self._pings:
             answered, _ = ray.wait(list(self._pings.values()), num_returns=len(self._pings), timeout=0)
@@ -352,7 +355,7 @@ class RolloutManager(RequestBook):
                     except ray.exceptions.RayError as err:
                         self._mark_dead(index, f"failed its health check: {root_cause(err)}")
         for index in self._watch.unanswered(now):
-            self._mark_dead(index, self._hung_cause())
+            self._mark_dead(index, self.actors.hung_cause())
         busy = sorted({request.engine_index for request in self._pending.values()})
         for index in self._watch.stalled(busy, self._live_indices()):
             held = sum(request.engine_index == index for request in self._pending.values())
@@ -360,6 +363,7 @@ class RolloutManager(RequestBook):
                                    f"actor_rollout_ref.rollout.engine_health.stall_timeout_s="
                                    f"{self.health_config.stall_timeout_s:g}s while other engines finished groups")
         self._check_replacements()
+        self.actors.read_abandoned()
         orphans, self._orphans = self._orphans, []
         for position, request in enumerate(orphans):
             try:
@@ -368,36 +372,14 @@ class RolloutManager(RequestBook):
                 self._orphans = orphans[position:]
                 raise
 
-    def _hung_cause(self) -> str:
-        return (f"did not answer a health check within actor_rollout_ref.rollout.engine_health.timeout_s="
-                f"{self.health_config.timeout_s:g}s (hung: a stopped or deadlocked engine process, or a device that "
-                "stopped answering)")
-
     def _check_at_once(self, indices: list[int]) -> None:
         """Health-check engines `indices` at once (at most `health_timeout_s`); give up those that fail."""
-        import ray
-
-        refs = {index: self.engines[index].is_healthy.remote() for index in indices}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.health_timeout_s)
-        for index, ref in refs.items():
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.GetTimeoutError:
-                self._mark_dead(index, self._hung_cause())
-            except ray.exceptions.RayError as err:
-                self._mark_dead(index, f"failed its health check: {root_cause(err)}")
+        for index, problem in self.actors.problems(indices).items():
+            self._mark_dead(index, problem)
 
     def _health_problem(self, index: int) -> str | None:
         """None when engine `index` answers its health check in time, else why not (one line)."""
-        import ray
-
-        try:
-            ray.get(self.engines[index].is_healthy.remote(), timeout=self.config.health_timeout_s)
-            return None
-        except ray.exceptions.GetTimeoutError:
-            return self._hung_cause()
-        except ray.exceptions.RayError as err:
-            return root_cause(err)
+        return self.actors.problems([index]).get(index)
 
     def _mark_dead(self, index: int, err: BaseException | str) -> None:
         """Give up engine `index` (once): log it, end its actor and processes, keep its requests to send again,
@@ -406,10 +388,11 @@ class RolloutManager(RequestBook):
             return
         self._alive[index] = False
         self._joining.discard(index)
-        self._pings.pop(index, None)
+        self.actors.abandon(self._pings.pop(index, None))
         self._watch.forget(index)
         for ref in [ref for ref, request in self._pending.items() if request.engine_index == index]:
             self._orphans.append(self._pending.pop(ref))
+            self.actors.abandon(ref)
         name, cause = self.engine_names[index], err if isinstance(err, str) else root_cause(err)
         self.actors.retire(index)
         refusal = self.actors.restart(index)

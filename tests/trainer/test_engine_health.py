@@ -63,20 +63,22 @@ def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_
         max_pause_s=600)
     stderr = job.stderr.read_text
     try:
-        job.wait_until_paused(after_step=1)
+        job.wait_for((job_dir / "paused_1").exists, "the pause after step 1", timeout=1200)  # two engines start
         hung, other = job.engine_workers()
         os.kill(hung.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         # the episodes' thread looks after the engines while the grader holds the controller
         job.wait_for(lambda: "did not answer a health check" in stderr(), "the hung engine given up")
         found_s = time.monotonic() - stopped
-        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 1, "the first restarted engine up")
+        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 1, "the first restarted engine up",
+                     timeout=900)
         job.resume_rollout(after_step=1)
 
         job.wait_until_paused(after_step=3)
         assert count(r"rejoined with weight version", stderr()) == 1, stderr()[-3000:]
         other.kill()
-        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 2, "the second restarted engine up")
+        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 2, "the second restarted engine up",
+                     timeout=900)
         job.resume_rollout(after_step=3)
 
         job.wait_until_paused(after_step=4)
