@@ -26,6 +26,7 @@ WARM_MODEL = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 CHECK_INTERVAL_S, TIMEOUT_S = 1, 10
 HANG_BOUND_S = CHECK_INTERVAL_S + TIMEOUT_S + 0.5  # docs/launch.md, "Engines that hang or die"
 SYNC_CHECKED = "rollout/sync_check_max_abs_diff"
+RESTARTED, REJOINED = r"restarted as \S+ is up", "rejoined with weight version"
 
 
 def count(pattern: str, text: str) -> int:
@@ -36,17 +37,18 @@ def count(pattern: str, text: str) -> int:
 def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_run_stops_with_one_line(
         small_run_overrides, warm_engine, tmp_path):
     """Two engines, restarts on (`max_restarts=2`), `sync_check.every_n_pushes=1000` (so a probe runs only at the
-    push before training and where a restarted engine joins):
-    1. during step 2's rollout one engine's vLLM engine core is stopped with SIGSTOP (alive, silent): it is given up
-       within check_interval_s + timeout_s, logged once, its turns re-sent to the other, and restarted; the new
-       engine joins at step 2's push, which the sync check covers, and then serves;
-    2. during step 4's rollout the other engine's core is killed: the same, joining at step 4's push;
-    3. during step 5's rollout both cores are killed: the budget is spent, so the run checkpoints step 4 and exits
-       with status 1 and one line naming both engines and the fix, no traceback, no process left.
-    The grader holds each rollout until the restarted engine is up, so each joins at that step's push. Every step is
-    logged once (`rollout/engine_restarts` counts), no sample is more than one version stale, and resumed
-    in-process (on the session's warm engine) the run ends at step 5 having trained the epoch's first 20 prompts in
-    order, each once."""
+    push before training and where a restarted engine joins), 8 steps at k = 1. The pause after step S holds the
+    rollout of step S + 1 or S + 2 (whichever the controller is at), so where an engine rejoins is read from the log:
+    1. at the pause after step 1 one engine's vLLM engine core is stopped with SIGSTOP (alive, silent): it is given
+       up within check_interval_s + timeout_s, logged once, its turns re-sent to the other, and restarted; the new
+       engine joins at the next push once it is up, which the sync check covers, and then serves;
+    2. at the pause after step 4 the other engine's core is killed: the same;
+    3. at the pause after step 6 both (restarted) cores are killed: the budget is spent, so the run checkpoints the
+       steps it trained and exits with status 1 and one line naming both engines and the fix, no traceback, no
+       process left.
+    Every step is logged once (`rollout/engine_restarts` counts), no sample is more than one version stale, and
+    resumed in-process (on the session's warm engine) the run ends at step 8 having trained the epoch's first 32
+    prompts in order, each once."""
     run_dir, job_dir = tmp_path / "run", tmp_path / "job"
     health = "actor_rollout_ref.rollout.engine_health."
     run = [*small_run_overrides, f"actor_rollout_ref.model.path={WARM_MODEL}", "data.max_response_length=64",
@@ -54,12 +56,12 @@ def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_
            "actor_rollout_ref.rollout.multi_turn.default_agent=tests.envs.scripted:GradedRetry",
            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
            "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=24", "async_training.max_staleness=1",
-           "trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.val_before_train=false",
+           "trainer.total_training_steps=8", "trainer.save_freq=-1", "trainer.val_before_train=false",
            "trainer.test_freq=-1", "trainer.log_completions=8"]
     job = TrainProcess.pausing(
         [*run, "actor_rollout_ref.rollout.ray_address=local", "actor_rollout_ref.rollout.num_engines=2",
          "actor_rollout_ref.rollout.sync_check.every_n_pushes=1000", f"{health}check_interval_s={CHECK_INTERVAL_S}",
-         f"{health}timeout_s={TIMEOUT_S}", f"{health}max_restarts=2"], job_dir, run_dir, after_steps=(1, 3, 4),
+         f"{health}timeout_s={TIMEOUT_S}", f"{health}max_restarts=2"], job_dir, run_dir, after_steps=(1, 4, 6),
         max_pause_s=600)
     stderr = job.stderr.read_text
     try:
@@ -70,22 +72,20 @@ def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_
         # the episodes' thread looks after the engines while the grader holds the controller
         job.wait_for(lambda: "did not answer a health check" in stderr(), "the hung engine given up")
         found_s = time.monotonic() - stopped
-        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 1, "the first restarted engine up",
-                     timeout=900)
+        job.wait_for(lambda: count(RESTARTED, stderr()) == 1, "the first restarted engine up", timeout=900)
         job.resume_rollout(after_step=1)
 
-        job.wait_until_paused(after_step=3)
-        assert count(r"rejoined with weight version", stderr()) == 1, stderr()[-3000:]
+        job.wait_until_paused(after_step=4)  # the push of step 2 or 3 took the restarted engine
+        assert count(REJOINED, stderr()) == 1, stderr()[-3000:]
         other.kill()
-        job.wait_for(lambda: count(r"restarted as \S+ is up", stderr()) == 2, "the second restarted engine up",
-                     timeout=900)
-        job.resume_rollout(after_step=3)
+        job.wait_for(lambda: count(RESTARTED, stderr()) == 2, "the second restarted engine up", timeout=900)
+        job.resume_rollout(after_step=4)
 
-        job.wait_until_paused(after_step=4)
-        assert count(r"rejoined with weight version", stderr()) == 2, stderr()[-3000:]
+        job.wait_until_paused(after_step=6)  # the push of step 5 or 6 took it
+        assert count(REJOINED, stderr()) == 2, stderr()[-3000:]
         for core in job.engine_workers():
             core.kill()
-        job.resume_rollout(after_step=4)
+        job.resume_rollout(after_step=6)
         returncode = job.wait_exit()
         stray = job.still_running(grace_s=30)
     finally:
@@ -102,15 +102,21 @@ def test_hung_and_dead_engines_are_restarted_until_the_budget_is_spent_then_the_
     [error] = error_lines(text)
     assert "no rollout engine is left" in error and "max_restarts=2" in error and "trainer.resume=auto" in error
     assert count(r"engine \d \(rollout-engine-\w+-\d-restart1\)", error) == 2, error  # both engines named
-    assert f"checkpoint {run_dir / 'checkpoints' / 'step_000004'}" in error and latest(run_dir) == "step_000004"
 
-    assert logged_steps(run_dir) == [1, 2, 3, 4]
+    trained = logged_steps(run_dir)  # the rollout of step 7, or the push of step 7, found no engine
+    assert trained in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]), trained
+    checkpoint = f"step_{trained[-1]:06d}"
+    assert f"checkpoint {run_dir / 'checkpoints' / checkpoint}" in error and latest(run_dir) == checkpoint
     metrics = rows(run_dir)
-    assert [metrics[step]["rollout/engine_restarts"] for step in range(1, 5)] == [0, 1, 1, 2]
-    assert [metrics[step]["rollout/engines_alive"] for step in range(1, 5)] == [2, 2, 2, 2]  # rejoined at the push
-    assert [step for step in range(1, 5) if SYNC_CHECKED in metrics[step]] == [2, 4]  # the pushes engines joined
-    assert all(metrics[step]["async/staleness_max"] <= 1 for step in range(1, 5))
+    # the push after step S brings weight version S + 1 (the push before training brought version 1)
+    joined = [int(version) - 1 for version in re.findall(REJOINED + r" (\d+)", text)]
+    assert len(joined) == 2 and 2 <= joined[0] <= 3 and 5 <= joined[1] <= 6, joined
+    assert [step for step in trained if SYNC_CHECKED in metrics[step]] == joined  # checked where they joined
+    assert all(metrics[step]["rollout/engines_alive"] == 2 for step in (1, *joined)), metrics
+    restarts = [metrics[step]["rollout/engine_restarts"] for step in trained]
+    assert restarts[0] == 0 and restarts[joined[1] - 1] == 2 and restarts == sorted(restarts), restarts
+    assert all(metrics[step]["async/staleness_max"] <= 1 for step in trained)
 
     run_training(load_config(EXAMPLE, [*run, "trainer.resume=auto"]), warm_engine)
-    assert logged_steps(run_dir) == [1, 2, 3, 4, 5]
-    assert [p for prompts in trained_prompts(run_dir) for p in prompts] == epoch_prompts(load_config(EXAMPLE, run))[:20]
+    assert logged_steps(run_dir) == list(range(1, 9))
+    assert [p for prompts in trained_prompts(run_dir) for p in prompts] == epoch_prompts(load_config(EXAMPLE, run))[:32]
