@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_cpo.config import load_config
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.trainer.test_async_resume import epoch_prompts, trained_prompts
 from tests.trainer.test_run_recovery import EXAMPLE, TrainProcess, error_lines, latest, logged_steps, rows
 
