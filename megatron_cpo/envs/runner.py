@@ -139,9 +139,14 @@ class EpisodeRunner:
             return len(self._groups) + len(self._ready)
 
     def cancel_all(self) -> int:
-        """Drop every group in flight (their environments are closed once their calls return)."""
+        """Drop every group in flight (their environments are closed once their calls return). A driver that failed
+        (its failure was raised by `finished`, e.g. every engine lost) starts again with nothing in flight."""
         with self.held():
             with self._changed:
+                if self._failure is not None and not self._closing:
+                    self._failure = None
+                    self._driver = threading.Thread(target=self._drive, name="megatron-cpo-episodes", daemon=True)
+                    self._driver.start()
                 dropped, on_engines = len(self._groups), bool(self._turns)
                 busy = self.calls.drop_all()
                 for group in self._groups.values():

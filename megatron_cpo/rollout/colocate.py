@@ -137,6 +137,18 @@ class NodeEngineServers:
             time.sleep(_POLL_S)
         return ready.read_text().strip()
 
+    def end(self, url: str) -> None:
+        """End the server at `url` (one of `urls`) and every process it started; nothing when it is not this node's."""
+        if url not in getattr(self, "urls", []):
+            return
+        popen = self.processes[self.urls.index(url)]
+        try:
+            tree = [psutil.Process(popen.pid), *psutil.Process(popen.pid).children(recursive=True)]
+        except psutil.Error:
+            return
+        end_processes(tree, self._grace_s)
+        popen.poll()
+
     def shutdown(self) -> None:
         """SIGTERM each server (it stops its engines), then end whatever of its process tree is left. Safe twice."""
         processes = []
@@ -204,7 +216,8 @@ class ColocatedRolloutManager(ServerRolloutManager):
             super().__init__(ServerClientConfig(
                 urls=tuple(urls), token=token, timeout_s=timeout_s, weight_transport=weight_transport,
                 weight_sync_bucket_bytes=config.weight_sync_bucket_bytes,
-                weight_sync_timeout_s=config.engines.weight_sync_timeout_s, min_model_len=min_model_len))
+                weight_sync_timeout_s=config.engines.weight_sync_timeout_s, min_model_len=min_model_len,
+                health=config.engines.engine_health))
         except BaseException:
             if local_servers is not None:
                 local_servers.shutdown()
@@ -250,6 +263,14 @@ class ColocatedRolloutManager(ServerRolloutManager):
     def begin_weight_sync(self, in_flight: str = "none") -> None:
         self._wake()
         super().begin_weight_sync(in_flight)
+
+    def _mark_dead(self, index: int, cause: str) -> None:
+        """A given-up server of this node is ended, so that a hung one does not keep its devices; it is not
+        restarted (docs/launch.md, "Engines that hang or die")."""
+        known = self._alive[index] or index in self._joining
+        super()._mark_dead(index, cause)
+        if known and self.local_servers is not None:
+            self.local_servers.end(self.engines[index])
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -66,6 +66,41 @@ class SyncCheckConfig:
 
 
 @dataclass
+class EngineHealthConfig:
+    """`actor_rollout_ref.rollout.engine_health`: finding engines that hang or die, and starting new ones in their
+    place (rollout/health.py; docs/launch.md, "Engines that hang or die").
+
+    While the trainer waits for groups, every live engine is pinged each `check_interval_s` seconds: a round trip
+    through vLLM's engine core and every worker (a server's `/health` in server mode). An engine whose ping is not
+    answered within `timeout_s` (a stopped or deadlocked process, a device that stopped answering), or that dies, is
+    given up within `check_interval_s + timeout_s`: logged once, its prompts re-sent to the others, its processes
+    ended. `stall_timeout_s` (0: off) also gives up an engine that answers pings but finished none of its requests
+    for that long (seconds spent waiting on the engines) while other engines finished groups; keep it above the
+    longest time one group may take. `restart` starts a new engine in a given-up engine's place (Ray mode), at most
+    `max_restarts_per_engine` times per engine and `max_restarts` times per run; it takes its first weights at the
+    next weight push, with the sync check, before it gets requests. slime's `--rollout-health-check-interval` /
+    `--rollout-health-check-timeout` are `check_interval_s` / `timeout_s`.
+    """
+    check_interval_s: float = 10.0
+    timeout_s: float = 30.0
+    stall_timeout_s: float = 1800.0
+    restart: bool = True
+    max_restarts_per_engine: int = 3
+    max_restarts: int = 10
+
+    def __post_init__(self) -> None:
+        prefix = "actor_rollout_ref.rollout.engine_health."
+        check(self.check_interval_s > 0, f"{prefix}check_interval_s={self.check_interval_s} must be > 0 (seconds "
+                                         "between pings of an engine while the trainer waits on it)")
+        check(self.timeout_s > 0, f"{prefix}timeout_s={self.timeout_s} must be > 0 (seconds an engine may take to "
+                                  "answer a ping)")
+        check(self.stall_timeout_s >= 0, f"{prefix}stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: off)")
+        check(self.max_restarts_per_engine >= 0 and self.max_restarts >= 0,
+              f"{prefix}max_restarts_per_engine={self.max_restarts_per_engine} and max_restarts={self.max_restarts} "
+              f"must be >= 0 (set {prefix}restart=false to never restart)")
+
+
+@dataclass
 class RolloutEngineConfig:
     """The user's settings of the rollout engines (keys of `actor_rollout_ref.rollout`, whose config extends this
     class): how many engines, their layout and memory, where they run and how weights reach them.
@@ -82,7 +117,9 @@ class RolloutEngineConfig:
     `weight_transport`: how synced weights reach the engines: "shm" (/dev/shm buckets; engines on the sending rank's
     node), "collective" (a gloo/NCCL group between each sending rank and every engine worker; any node), or "auto"
     (collective when the Ray cluster or the trainer spans several nodes, else shm). `weight_sync_timeout_s` bounds
-    forming that group and each broadcast.
+    forming that group and each broadcast, and each engine's part of a push: an engine that takes longer to load a
+    bucket is dropped from the push (and given up when it does not answer a ping), the others complete it.
+    `engine_health`: finding engines that hang or die and restarting them (`EngineHealthConfig`).
     """
 
     num_engines: int = 1
@@ -94,6 +131,7 @@ class RolloutEngineConfig:
     ray_address: str = "auto"
     weight_transport: str = "auto"
     weight_sync_timeout_s: float = 300.0
+    engine_health: EngineHealthConfig = field(default_factory=EngineHealthConfig)
 
     def __post_init__(self) -> None:
         prefix = "actor_rollout_ref.rollout."

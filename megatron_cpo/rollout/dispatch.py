@@ -3,7 +3,8 @@ outstanding on which engine, which engines are alive, and the generator over fin
 
 A subclass keeps `engines`, `_alive` and `_pending` (its own handle -> request entries), and provides `_requests()`
 (the outstanding `EngineRequest`s), `_dispatch` (send one to the least-loaded live engine), `_wait_one` and `_take`
-(the next finished handle, and its group or None when it was re-dispatched) and `shutdown`.
+(the next finished handle, and its group or None when it was re-dispatched) and `shutdown`; `_outstanding()` says
+whether anything is outstanding (the pending entries, and requests of given-up engines waiting to be sent again).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class RequestBook:
     def completed(self, timeout: float | None = None) -> Iterator[RolloutGroup]:
         """Yield groups as they finish until nothing is outstanding. `timeout` bounds the wait for each next
         group (TimeoutError names how many are outstanding); re-dispatches the prompts of engines that died."""
-        while self._pending:
+        while self._outstanding():
             group = self._take(self._wait_one(timeout))
             if group is not None:
                 yield group
@@ -46,6 +47,9 @@ class RequestBook:
     def num_engines_alive(self) -> int:
         """Engines not known to be dead (a death is noticed by a failed request, weight sync or `check_engines`)."""
         return sum(self._alive)
+
+    def _outstanding(self) -> bool:
+        return bool(self._pending)
 
     def _live_indices(self) -> list[int]:
         return [i for i, alive in enumerate(self._alive) if alive]

@@ -168,10 +168,13 @@ class VLLMEngine:
         return len(groups)
 
     async def is_healthy(self) -> bool:
-        """vLLM's own check, and that every process the engine started (engine core, workers) still runs: an idle
-        engine whose core was killed passes vLLM's check, and would never answer a weight reload."""
+        """vLLM's own check, that every process the engine started (engine core, workers) still runs, and a round trip
+        through them (each worker's `check_health`, by `collective_rpc`): an idle engine whose core was killed passes
+        vLLM's check, and one whose core is stopped or deadlocked passes both but never answers the round trip (the
+        caller bounds the wait: `engine_health.timeout_s`)."""
         await self.engine.check_health()
         self._raise_if_processes_gone()
+        await self._unless_dead(self.engine.collective_rpc("check_health"))
         return True
 
     def _raise_if_processes_gone(self) -> None:

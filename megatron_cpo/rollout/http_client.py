@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import logging
 import socket
 import threading
 import time
@@ -36,6 +37,9 @@ from megatron_cpo.rollout.buckets import (
     write_bucket,
 )
 from megatron_cpo.rollout.collective import WeightGroup, host_weight_store
+from megatron_cpo.rollout.types import WeightPushInterruptedError
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutServerError(RuntimeError):
@@ -141,17 +145,22 @@ class ServerSenderSpec:
     transport: str  # "shm" or "collective"
     timeout_s: float
     session: str  # the run's id, so a new run never reuses an old run's group
+    health_timeout_s: float = 30.0  # how long a server that failed a load may take to answer /health
 
     def make_sender(self) -> HttpWeightSender:
         return HttpWeightSender(self)
 
 
 class HttpWeightSender:
-    """Streams one rank's HF-named tensors into every server, bucket by bucket (see the module docstring)."""
+    """Streams one rank's HF-named tensors into every server, bucket by bucket (see the module docstring). Over
+    shared memory a server that does not load a bucket within `timeout_s`, or fails and is unhealthy, is dropped from
+    the rest of this push (`dropped`), as `weight_sync.WeightSender` drops a Ray engine."""
 
     def __init__(self, spec: ServerSenderSpec) -> None:
         self.spec = spec
         self._caller = _callers.get(spec.token)
+        self._urls = list(spec.urls)  # those still in this push
+        self.dropped: dict[str, str] = {}
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         start = time.perf_counter()
@@ -177,7 +186,7 @@ class HttpWeightSender:
             num_buckets += 1
             num_tensors += len(bucket)
         metrics = {"bytes": float(num_bytes), "seconds": time.perf_counter() - start, "buckets": float(num_buckets),
-                   "tensors": float(num_tensors)}
+                   "tensors": float(num_tensors), "engines_dropped": float(len(self.dropped))}
         if group is not None:
             metrics["group_init_seconds"] = group_init_s
         return metrics
@@ -185,8 +194,20 @@ class HttpWeightSender:
     def _load_shm(self, bucket: list) -> None:
         spec = write_bucket(bucket, prefix="megatron_cpo-weights")
         try:
-            wait_all([self._caller.spawn(url, proto.WEIGHTS_LOAD_SHM, {"bucket": spec.to_wire()}, self.spec.timeout_s)
-                      for url in self.spec.urls])
+            loads = {url: self._caller.spawn(url, proto.WEIGHTS_LOAD_SHM, {"bucket": spec.to_wire()},
+                                             self.spec.timeout_s) for url in self._urls}
+            concurrent.futures.wait(loads.values())
+            for url, load in loads.items():
+                err = load.exception()
+                if err is None:
+                    continue
+                if isinstance(err, RolloutServerAuthError) or health_problem(
+                        self._caller, url, self.spec.health_timeout_s)[0] is None:
+                    raise err
+                self._urls.remove(url)
+                self.dropped[url] = str(err)
+                logger.warning("rollout server %s left this weight push (%d servers complete it): %s", url,
+                               len(self._urls), err)
         finally:
             release_bucket(spec)
 
@@ -198,8 +219,9 @@ class HttpWeightSender:
             wait_all(loads)
         except BaseException as err:
             _groups.close(self.spec)
-            raise RuntimeError(f"weight-sync broadcast of bucket {index} over group {group.name!r} ({group.address}) "
-                               f"failed: {err}; the group is closed and the next sync opens a new one") from err
+            raise WeightPushInterruptedError(
+                f"weight-sync broadcast of bucket {index} over group {group.name!r} ({group.address}) failed: {err}; "
+                "the group is closed and the next sync opens a new one") from err
 
 
 class _Callers:

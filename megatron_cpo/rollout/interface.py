@@ -19,12 +19,19 @@ if TYPE_CHECKING:  # types only: this module stays a leaf that imports neither R
 
 class RolloutEngines(Protocol):
     """A set of rollout engines behind one request book: prompts go to the least-loaded live engine, finished groups
-    stream back, a dead engine's prompts are re-dispatched, and new weights are loaded in place between rounds."""
+    stream back, an engine that dies or hangs is given up and its prompts re-dispatched (health.py), and new weights
+    are loaded in place between rounds. An engine started (or a server taken back) in a given-up one's place joins
+    at the next weight push and serves requests only after it."""
 
     engines: list
-    """One handle per engine (an actor handle or a server URL); dead ones stay in the list."""
+    """One handle per engine slot (an actor handle or a server URL); given-up ones stay in the list."""
     last_engine_failure: str | None
-    """Why the last engine that died did (None while every engine lives)."""
+    """Why the engines not serving now were given up, and whether they are restarted, the latest last (None while
+    every engine serves)."""
+    engine_restarts: int
+    """Engines restarted (servers taken back) so far (`rollout/engine_restarts`)."""
+    rejoined: tuple[int, ...]
+    """The engines whose first weights after a restart came with the last push (the sync check must cover them)."""
     weight_version: int
     """Weight pushes completed (`finish_weight_sync` counts them); every sampled token carries the version that
     sampled it (`RolloutSample.policy_versions`)."""
@@ -45,17 +52,23 @@ class RolloutEngines(Protocol):
         """Whether each engine answers a health check."""
 
     def check_engines(self) -> int:
-        """Health-check the live engines, mark those that fail as dead; returns how many are alive."""
+        """Health-check the live engines, give up those that fail; returns how many engines the next push reaches
+        (live, and restarting in place of given-up ones). 0: nothing can continue."""
 
     def num_engines_alive(self) -> int:
-        """Engines not known to be dead."""
+        """Engines serving requests (`rollout/engines_alive`)."""
+
+    def num_engines_restarting(self) -> int:
+        """Engines started in place of given-up ones that have not yet taken a push (the next push waits for them
+        when no engine is alive)."""
 
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec | ServerSenderSpec:
         """What every sending trainer rank needs to push its layers to the live engines."""
 
     def begin_weight_sync(self, in_flight: str = "none") -> None:
-        """Open an in-place reload on every live engine. `in_flight` (types.IN_FLIGHT_POLICIES) says what happens to
-        requests still outstanding: `none` (there may be none), `finish`, `partial` or `keep`."""
+        """Open an in-place reload on every live engine and on the restarted ones waiting to join. `in_flight`
+        (types.IN_FLIGHT_POLICIES) says what happens to requests still outstanding: `none` (there may be none),
+        `finish`, `partial` or `keep`. An engine lost during a push is left out of it, without an error."""
 
     def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
         """Close the reload: the engines serve the new weights, `weight_version` is one more. Returns each engine's

@@ -33,7 +33,8 @@ def build_rollout_manager(rollout: RolloutConfig, launch: EngineLaunchConfig) ->
             token=read_token_file(rollout.server_token_file, "actor_rollout_ref.rollout.server_token_file"),
             timeout_s=rollout.server_timeout_s, weight_transport=transport,
             weight_sync_bucket_bytes=launch.weight_sync_bucket_bytes,
-            weight_sync_timeout_s=rollout.weight_sync_timeout_s, min_model_len=launch.max_model_len))
+            weight_sync_timeout_s=rollout.weight_sync_timeout_s, min_model_len=launch.max_model_len,
+            health=rollout.engine_health))
     if rollout.mode == "colocate":
         from megatron_cpo.rollout.colocate import ColocatedRolloutManager, colocated_layout, torchrun_world
 

@@ -13,11 +13,15 @@ from pathlib import Path
 import psutil
 
 
-def engine_processes(pid_dir: Path) -> list[psutil.Process]:
-    """The processes started by the engine actors whose pid files in `pid_dir` name this host."""
+def engine_processes(pid_dir: Path, pattern: str = "*.pid") -> list[psutil.Process]:
+    """The processes started by the engine actors whose pid files in `pid_dir` (those matching `pattern`: one
+    engine's, or all) name this host."""
     found: list[psutil.Process] = []
-    for pid_file in pid_dir.glob("*.pid"):
-        host, _, pid = pid_file.read_text().partition(" ")
+    for pid_file in pid_dir.glob(pattern):
+        try:
+            host, _, pid = pid_file.read_text().partition(" ")
+        except OSError:
+            continue
         if host != socket.gethostname():
             continue
         try:
@@ -28,11 +32,13 @@ def engine_processes(pid_dir: Path) -> list[psutil.Process]:
 
 
 def end_processes(processes: list[psutil.Process], grace_s: float) -> None:
-    """Terminate the given processes that still run, then kill the ones that outlive `grace_s` seconds."""
+    """Terminate the given processes that still run (a stopped one is continued, so that it receives the signal),
+    then kill the ones that outlive `grace_s` seconds."""
     alive = [process for process in processes if process.is_running()]
     for process in alive:
         try:
             process.terminate()
+            process.resume()
         except psutil.Error:
             pass
     _, still = psutil.wait_procs(alive, timeout=grace_s)

@@ -2,11 +2,16 @@
 
 Each server (`megatron-cpo rollout`, see `server.py`) counts as one engine of the manager: `engines` are the
 servers' URLs, `engine_index` of a group is the server's position in `rollout.server_urls`. A prompt goes to the
-least-loaded live server as one long-poll request; when a request fails and its server no longer answers its health
-check, the server is marked dead (logged once) and the prompts it held are sent to the others, exactly as
-`RolloutManager` does for a dead engine; with none left, `RolloutEnginesLostError` names the URLs and the prompts.
-Ray is never started. Every server must answer `/health` within `server_timeout_s` when the manager is built, so a
-wrong URL or a port that never answers is one clear error naming it.
+least-loaded live server as one long-poll request. While it waits the manager pings each live server's `/health`
+(which round-trips through its engines) every `engine_health.check_interval_s`; a server whose request fails while
+its health check does too, whose ping is not answered within `engine_health.timeout_s`, or that stalls
+(health.py), is given up (logged once) and the prompts it held are sent to the others, exactly as `RolloutManager`
+does for an engine; with none left, `RolloutEnginesLostError` names the URLs and the prompts. The trainer does not
+restart servers (it did not start them): a given-up server keeps being pinged, and once it answers healthy again
+(restarted by whoever runs it) it is taken back at the next weight push, which it takes before it gets requests
+(`rejoined`; `engine_restarts` counts them). Ray is never started. Every server must answer `/health` within
+`server_timeout_s` when the manager is built, so a wrong URL or a port that never answers is one clear error naming
+it.
 """
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ import queue
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_cpo.rollout import http_protocol as proto
+from megatron_cpo.rollout.config import EngineHealthConfig
 from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
+from megatron_cpo.rollout.health import EngineWatch
 from megatron_cpo.rollout.http_client import (
     HttpCaller,
     HttpWeightSender,
@@ -36,6 +43,8 @@ from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutEngineSta
 
 logger = logging.getLogger(__name__)
 
+TICK_S = 0.5  # the longest single wait for a finished group between two looks at the servers' health
+
 
 @dataclass
 class ServerClientConfig:
@@ -48,6 +57,7 @@ class ServerClientConfig:
     weight_sync_bucket_bytes: int = 256 * 1024**2
     weight_sync_timeout_s: float = 300.0
     min_model_len: int = 0  # the longest prompt + response the run needs; a server with less is refused
+    health: EngineHealthConfig = field(default_factory=EngineHealthConfig)  # pings and stalls (restart: unused)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -70,14 +80,21 @@ class ServerRolloutManager(RequestBook):
         self.engines = list(config.urls)
         self.engine_names = tuple(config.urls)
         self.weight_transport = config.weight_transport
-        self.last_engine_failure: str | None = None
+        self._failures: dict[int, str] = {}  # why each given-up engine slot was (cleared when it serves again)
         self.weight_version = 0  # weight pushes completed (finish_weight_sync)
         self._session = uuid.uuid4().hex
         self._caller = HttpCaller(config.token)
         self._alive = [True] * len(self.engines)
         self._pending: dict[str, tuple[EngineRequest, concurrent.futures.Future]] = {}
+        self._orphans: list[EngineRequest] = []  # requests of given-up servers, sent again at the next look
         self._done: queue.Queue = queue.Queue()
         self._closed = False
+        self._watch = EngineWatch(config.health, len(self.engines))
+        self._pings: dict[int, concurrent.futures.Future] = {}  # server -> its /health call in flight
+        self._recovered: set[int] = set()  # given-up servers that answered healthy since
+        self._joining: set[int] = set()  # taken back: they take the next push before they get requests
+        self.rejoined: tuple[int, ...] = ()
+        self.engine_restarts = 0  # given-up servers taken back
         try:
             self._workers = self._check_servers()
         except BaseException:
@@ -101,9 +118,18 @@ class ServerRolloutManager(RequestBook):
         return workers
 
     # --- generation -----------------------------------------------------------------------------------------
+    @property
+    def last_engine_failure(self) -> str | None:
+        """Why the servers not serving now were given up, the latest last."""
+        return "; ".join(self._failures.values()) or None
+
+    def num_engines_restarting(self) -> int:
+        """Given-up servers that answered healthy again and have not yet taken a push (the trainer restarts none)."""
+        return len(self._joining | (self._recovered - set(self._live_indices())))
+
     def finished(self, timeout: float | None = None) -> list[RolloutGroup]:
         """Wait for one group, then return it with every other group already finished; [] when none outstanding."""
-        while self._pending:
+        while self._outstanding():
             keys = [self._wait_one(timeout)]
             while True:
                 try:
@@ -118,56 +144,77 @@ class ServerRolloutManager(RequestBook):
     def cancel_all(self) -> int:
         """Abort everything outstanding on every live server; returns how many groups were dropped."""
         dropped = [future for _, future in self._pending.values()]
+        count = len(dropped) + len(self._orphans)
         self._pending.clear()
+        self._orphans.clear()
         cancels = [self._caller.spawn(url, proto.CANCEL, {}, self.config.timeout_s) for url in self._live_urls()]
         concurrent.futures.wait(cancels + dropped, timeout=self.config.timeout_s)
-        return len(dropped)
+        return count
 
     def health(self) -> list[bool]:
         return [self._alive[i] and self._health_problem(i) is None for i in range(len(self.engines))]
 
     def check_engines(self) -> int:
-        """Health-check every live server, mark the ones that fail as dead (logged once); returns how many live."""
-        for index in self._live_indices():
-            problem = self._health_problem(index)
-            if problem is not None:
-                self._mark_dead(index, problem)
-        return self.num_engines_alive()
+        """Health-check the live servers at once, give up those that fail (logged once), ping the given-up ones
+        (without waiting); returns how many servers the next push reaches (live, and given-up ones that answered
+        healthy since)."""
+        self._check_at_once(self._live_indices())
+        self._poll_pings()
+        return self.num_engines_alive() + self.num_engines_restarting()
 
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> ServerSenderSpec:
-        live = self._live_indices()
-        return ServerSenderSpec(urls=tuple(self.engines[i] for i in live), token=self.config.token,
-                                workers=tuple(self._workers[i] for i in live),
+        targets = self._push_targets()
+        return ServerSenderSpec(urls=tuple(self.engines[i] for i in targets), token=self.config.token,
+                                workers=tuple(self._workers[i] for i in targets),
                                 bucket_bytes=self.config.weight_sync_bucket_bytes,
                                 transport=transport or self.weight_transport,
-                                timeout_s=self.config.weight_sync_timeout_s, session=self._session)
+                                timeout_s=self.config.weight_sync_timeout_s, session=self._session,
+                                health_timeout_s=self.config.health.timeout_s)
 
     def begin_weight_sync(self, in_flight: str = "none") -> None:
-        """Open an in-place reload on every live server; `in_flight` as `RolloutManager.begin_weight_sync`."""
-        if in_flight == "none" and self._pending:
-            raise RuntimeError(f"{len(self._pending)} rollout requests are outstanding; weights can only change "
-                               "between rounds: drain completed() or call cancel_all() first")
-        self._call_live_servers(proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
+        """Open an in-place reload on every live server and on given-up servers that answer healthy again (their
+        old requests are cancelled first); `in_flight` as `RolloutManager.begin_weight_sync`. A server lost here is
+        left out of the push."""
+        if in_flight == "none" and self._outstanding():
+            raise RuntimeError(f"{len(self._pending) + len(self._orphans)} rollout requests are outstanding; weights "
+                               "can only change between rounds: drain completed() or call cancel_all() first")
+        self._take_back_recovered()
+        self._restart_clocks()
+        self._call_servers(self._push_targets(), proto.WEIGHTS_BEGIN, {"in_flight": in_flight})
 
     def finish_weight_sync(self, resume: bool = True) -> dict[str, list[dict]]:
-        """Close the reload on every live server and count the push (`weight_version` labels the tokens sampled from
-        now on); `resume` as `RolloutManager.finish_weight_sync`. Each engine's reload report per worker, by
-        "<url> engine <j>"."""
+        """Close the reload on every server of the push and count it (`weight_version` labels the tokens sampled
+        from now on); servers that do not answer /health are given up first, servers taken back serve requests from
+        now on (`rejoined`); `resume` as `RolloutManager.finish_weight_sync`. Each engine's reload report per worker,
+        by "<url> engine <j>"."""
         self.weight_version += 1
-        answers = self._call_live_servers(proto.WEIGHTS_FINISH, {"version": self.weight_version, "resume": resume})
+        self._check_at_once(self._push_targets())
+        answers = self._call_servers(self._push_targets(), proto.WEIGHTS_FINISH,
+                                     {"version": self.weight_version, "resume": resume})
+        self.rejoined = tuple(sorted(i for i in self._joining if i in answers))
+        for index in self.rejoined:
+            self._joining.discard(index)
+            self._alive[index] = True
+            self._failures.pop(index, None)
+            self.engine_restarts += 1
+            logger.info("rollout server %d (%s) is back with weight version %d; %d of %d servers serve requests "
+                           "(rollout/engines_alive)", index, self.engines[index], self.weight_version,
+                           self.num_engines_alive(), len(self.engines))
+        self._restart_clocks()
         return {f"{self.engines[index]} engine {j}": reports for index, body in answers.items()
                 for j, reports in enumerate(body.get("reports", []))}
 
     def resume_generation(self) -> None:
         """Let the requests paused by a push finished with `resume=False` go on, on every live server."""
-        self._call_live_servers(proto.WEIGHTS_RESUME, {})
+        self._call_servers(self._live_indices(), proto.WEIGHTS_RESUME, {})
 
     def sync_probe(self, prompts: list[list[int]], max_tokens: int) -> list[RolloutGroup]:
         """Every live server's engines' greedy continuations of each prompt, with their log-probs (`RolloutManager.
         sync_probe`; `request_id` "<url> engine <j>, prompt <k>"). Not outstanding requests: `finished()` never returns
         them and `cancel_all()` never aborts them."""
-        answers = self._call_live_servers(proto.SYNC_PROBE, {"prompts": prompts, "max_tokens": max_tokens})
+        answers = self._call_servers(self._live_indices(), proto.SYNC_PROBE,
+                                     {"prompts": prompts, "max_tokens": max_tokens})
         return [RolloutGroup(request_id=f"{self.engines[index]} engine {j}, prompt {k}", prompt_token_ids=list(prompt),
                              samples=[proto.sample_from_wire(sample)], engine_index=index)
                 for index, body in answers.items() for j, samples in enumerate(body["engines"])
@@ -181,6 +228,8 @@ class ServerRolloutManager(RequestBook):
         self.begin_weight_sync(in_flight)
         metrics = HttpWeightSender(self.sender_spec(transport)).send(named_tensors)
         self.finish_weight_sync(resume)
+        if not self._live_indices():
+            raise RolloutEnginesLostError(self._lost_message("the weight push reached none"))
         metrics["seconds"] = time.perf_counter() - start
         return metrics
 
@@ -193,16 +242,14 @@ class ServerRolloutManager(RequestBook):
         wait_all([self._caller.spawn(url, proto.WAKE_UP, {}, self.config.weight_sync_timeout_s)
                   for url in self._live_urls()])
 
-    def _call_live_servers(self, route: str, payload: dict | None = None) -> dict[int, dict]:
-        """Call `route` with `payload` on every live server; returns each answer by server index. One that fails and
-        is unhealthy is marked dead (an error of a healthy one is raised); `RolloutEnginesLostError` when none is
-        left."""
-        live = self._live_indices()
+    def _call_servers(self, indices: list[int], route: str, payload: dict | None = None) -> dict[int, dict]:
+        """Call `route` with `payload` on servers `indices` at once; returns each answer by server index. One that
+        fails and is unhealthy is given up (an error of a healthy one is raised)."""
         calls = [self._caller.spawn(self.engines[i], route, payload or {}, self.config.weight_sync_timeout_s)
-                 for i in live]
+                 for i in indices]
         concurrent.futures.wait(calls)
         answers = {}
-        for index, call in zip(live, calls):
+        for index, call in zip(indices, calls):
             err = call.exception()
             if err is None:
                 answers[index] = call.result()
@@ -210,8 +257,6 @@ class ServerRolloutManager(RequestBook):
             if isinstance(err, RolloutServerAuthError) or self._health_problem(index) is None:
                 raise err
             self._mark_dead(index, str(err))
-        if not self._live_indices():
-            raise RolloutEnginesLostError(self._lost_message(f"{route} cannot run"))
         return answers
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -230,7 +275,13 @@ class ServerRolloutManager(RequestBook):
 
     # --- internals ------------------------------------------------------------------------------------------
     def _requests(self) -> list[EngineRequest]:
-        return [request for request, _ in self._pending.values()]
+        return [*(request for request, _ in self._pending.values()), *self._orphans]
+
+    def _outstanding(self) -> bool:
+        return bool(self._pending or self._orphans)
+
+    def _push_targets(self) -> list[int]:
+        return sorted(set(self._live_indices()) | self._joining)
 
     def _live_urls(self) -> list[str]:
         return [self.engines[i] for i in self._live_indices()]
@@ -242,7 +293,7 @@ class ServerRolloutManager(RequestBook):
     def _dispatch(self, request: EngineRequest) -> None:
         live = self._live_indices()
         if not live:
-            lost = sorted({request.request_id, *(r.request_id for r, _ in self._pending.values())})
+            lost = sorted({request.request_id, *(r.request_id for r in self._requests())})
             raise RolloutEnginesLostError(self._lost_message(
                 f"{len(lost)} requests could not be served: {lost[:20]}{' ...' if len(lost) > 20 else ''}"))
         load = {i: 0 for i in live}
@@ -250,6 +301,8 @@ class ServerRolloutManager(RequestBook):
             if pending.engine_index in load:
                 load[pending.engine_index] += 1
         request.engine_index = min(live, key=lambda i: (load[i], i))
+        if load[request.engine_index] == 0:
+            self._watch.given_work(request.engine_index)
         payload = {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
                    "params": proto.params_to_wire(request.params)}
         key = uuid.uuid4().hex
@@ -259,15 +312,19 @@ class ServerRolloutManager(RequestBook):
         future.add_done_callback(lambda _: self._done.put(key))
 
     def _wait_one(self, timeout: float | None) -> str:
-        """The key of a finished outstanding request; TimeoutError after `timeout` seconds."""
+        """The key of a finished outstanding request, looking after the servers' health every `TICK_S` while
+        waiting; TimeoutError after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._look_after_servers()
+            left = TICK_S if deadline is None else min(TICK_S, max(0.0, deadline - time.monotonic()))
             try:
-                key = self._done.get(timeout=remaining)
+                key = self._done.get(timeout=left)
             except queue.Empty:
-                raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} requests "
-                                   "outstanding (raise the timeout or check health())") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no rollout group finished within {timeout}s; {len(self._pending)} requests "
+                                       "outstanding (raise the timeout or check health())") from None
+                continue
             if key in self._pending:  # keys of cancelled requests are skipped
                 return key
 
@@ -282,9 +339,10 @@ class ServerRolloutManager(RequestBook):
             index = request.engine_index
             if isinstance(err, RolloutServerAuthError) or (self._alive[index] and self._health_problem(index) is None):
                 raise
+            self._orphans.append(request)
             self._mark_dead(index, str(err))
-            self._dispatch(request)
             return None
+        self._watch.progressed(request.engine_index)
         if body.get("cancelled"):
             return None
         return proto.group_from_wire(body["group"], request.engine_index)
@@ -293,8 +351,104 @@ class ServerRolloutManager(RequestBook):
         return health_problem(self._caller, self.engines[index], self.config.timeout_s)[0]
 
     def _mark_dead(self, index: int, cause: str) -> None:
-        if self._alive[index]:
-            self._alive[index] = False
-            self.last_engine_failure = f"server {index} ({self.engines[index]}): {cause}"
-            logger.warning("rollout server %d (%s) died; %d of %d servers left (rollout/engines_alive): %s", index,
-                           self.engines[index], self.num_engines_alive(), len(self.engines), cause)
+        """Give up server `index` (once): log it, drop its requests (sent again at the next look)."""
+        if not (self._alive[index] or index in self._joining):
+            return
+        self._alive[index] = False
+        self._joining.discard(index)
+        self._watch.forget(index)
+        for key, (request, future) in list(self._pending.items()):
+            if request.engine_index == index:
+                del self._pending[key]
+                future.cancel()
+                self._orphans.append(request)
+        self._failures.pop(index, None)
+        self._failures[index] = f"server {index} ({self.engines[index]}): {cause}"
+        logger.warning("rollout server %d (%s) failed: %s; %d of %d servers left (rollout/engines_alive), its %d "
+                       "requests go to them; it is taken back once it answers /health again", index,
+                       self.engines[index], cause, self.num_engines_alive(), len(self.engines),
+                       sum(r.engine_index == index for r in self._orphans))
+
+    # --- internals: health ----------------------------------------------------------------------------------
+    def _look_after_servers(self) -> None:
+        """One look while waiting: the pings (`_poll_pings`), servers that stalled, and given-up servers' requests
+        sent again."""
+        self._watch.look(time.monotonic())
+        self._poll_pings()
+        busy = sorted({request.engine_index for request, _ in self._pending.values()})
+        for index in self._watch.stalled(busy, self._live_indices()):
+            self._mark_dead(index, f"finished no request for actor_rollout_ref.rollout.engine_health.stall_timeout_s="
+                                   f"{self.config.health.stall_timeout_s:g}s while other servers finished groups")
+        orphans, self._orphans = self._orphans, []
+        for position, request in enumerate(orphans):
+            try:
+                self._dispatch(request)
+            except RolloutEnginesLostError:
+                self._orphans = orphans[position:]
+                raise
+
+    def _poll_pings(self) -> None:
+        """Ping the servers that are due (given-up ones too, to take them back) without waiting, note the given-up
+        ones that answered healthy, give up live ones whose ping failed or is overdue."""
+        now = time.monotonic()
+        for index in self._watch.pings_due(now, [i for i in range(len(self.engines)) if i not in self._joining]):
+            self._pings[index] = self._caller.spawn(self.engines[index], proto.HEALTH, None,
+                                                    self.config.health.timeout_s)
+            self._watch.ping_sent(index, now)
+        for index, ping in list(self._pings.items()):
+            if not ping.done():
+                continue
+            del self._pings[index]
+            self._watch.ping_answered(index)
+            error = ping.exception()
+            problem = (str(error) if error is not None else None if ping.result().get("ok")
+                       else f"unhealthy: {'; '.join(ping.result().get('problems', []))}")
+            if not self._alive[index]:
+                if problem is None:
+                    self._recovered.add(index)
+            elif problem is not None:
+                self._mark_dead(index, f"failed its health check: {problem}")
+        for index in self._watch.unanswered(now):
+            ping = self._pings.pop(index, None)
+            if ping is not None:
+                ping.cancel()
+            self._watch.ping_answered(index)
+            if self._alive[index]:
+                self._mark_dead(index, f"did not answer /health within actor_rollout_ref.rollout.engine_health."
+                                       f"timeout_s={self.config.health.timeout_s:g}s (hung: a stopped or deadlocked "
+                                       "server or engine process, or a device that stopped answering)")
+
+    def _take_back_recovered(self) -> None:
+        """Given-up servers that answered healthy since join this push; what they still ran is cancelled first."""
+        for index in sorted(self._recovered):
+            self._recovered.discard(index)
+            if self._alive[index]:
+                continue
+            try:
+                self._caller.call(self.engines[index], proto.CANCEL, {}, self.config.timeout_s)
+            except RolloutServerError as err:
+                logger.warning("rollout server %d (%s) answered /health but not /cancel (%s); not taken back yet",
+                               index, self.engines[index], err)
+                continue
+            self._joining.add(index)
+            logger.warning("rollout server %d (%s) answers /health again: it takes this weight push, then requests",
+                           index, self.engines[index])
+
+    def _check_at_once(self, indices: list[int]) -> None:
+        """/health of servers `indices` at once (at most `engine_health.timeout_s`); give up those that fail."""
+        calls = {i: self._caller.spawn(self.engines[i], proto.HEALTH, None, self.config.health.timeout_s)
+                 for i in indices}
+        concurrent.futures.wait(calls.values())
+        for index, call in calls.items():
+            error = call.exception()
+            if error is not None:
+                self._mark_dead(index, f"failed its health check: {error}")
+            elif not call.result().get("ok"):
+                self._mark_dead(index, f"unhealthy: {'; '.join(call.result().get('problems', []))}")
+
+    def _restart_clocks(self) -> None:
+        """A weight push: pings in flight may be answered late, stall clocks start over."""
+        for ping in self._pings.values():
+            ping.cancel()
+        self._pings.clear()
+        self._watch.restart_clocks()

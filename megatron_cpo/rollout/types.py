@@ -24,6 +24,11 @@ class RolloutEnginesLostError(RuntimeError):
     """Every rollout engine died while requests were outstanding; the message names the requests."""
 
 
+class WeightPushInterruptedError(RolloutEnginesLostError):
+    """A collective weight push broke off (an engine of its group died or hung): the engines that answer hold a
+    partial update."""
+
+
 def derive_sample_seeds(seed: int, n: int) -> list[int]:
     """Per-sample seeds of a group: a splitmix64 hash of (seed, index), so groups with nearby seeds do not share
     samples and a group's samples are the same whichever engine serves it."""
@@ -171,7 +176,6 @@ class EngineLaunchConfig:
     weight_sync_bucket_mb: float = 256.0
     ray_namespace: str = "megatron_cpo_rollout"
     engine_start_timeout_s: float = 600.0
-    health_timeout_s: float = 30.0
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
 
@@ -189,6 +193,12 @@ class EngineLaunchConfig:
             raise ValueError(f"rollout logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
         if self.engine_start_timeout_s <= 0:
             raise ValueError(f"rollout engine_start_timeout_s={self.engine_start_timeout_s}; set a positive timeout")
+
+    @property
+    def health_timeout_s(self) -> float:
+        """How long an engine may take to answer a ping (`engines.engine_health.timeout_s`); also the grace an
+        engine's processes get to end."""
+        return self.engines.engine_health.timeout_s
 
     @property
     def uses_gpu(self) -> bool:

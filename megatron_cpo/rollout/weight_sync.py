@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import socket
 import time
@@ -42,6 +43,9 @@ from megatron_cpo.rollout.buckets import (
     write_bucket,
 )
 from megatron_cpo.rollout.collective import WeightGroup, host_weight_store
+from megatron_cpo.rollout.types import WeightPushInterruptedError
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_TRANSPORTS = ("auto", "shm", "collective")
 
@@ -56,11 +60,15 @@ class WeightSenderSpec:
     bucket_bytes: int
     transport: str = "shm"  # "shm" or "collective" (rank 0 resolves "auto" before broadcasting the spec)
     workers_per_engine: int = 1  # vLLM workers per engine (its tensor_parallel_size): group ranks per engine
-    timeout_s: float = 300.0  # collective group join and per-broadcast timeout
+    timeout_s: float = 300.0  # collective group join and per-broadcast timeout; the longest wait for one bucket's load
+    health_timeout_s: float = 30.0  # how long an engine that failed a load may take to answer its health check
 
 
 class WeightSender:
-    """Streams one rank's HF-named tensors into every live engine, bucket by bucket."""
+    """Streams one rank's HF-named tensors into every live engine, bucket by bucket. Over shared memory an engine
+    that does not load a bucket within `timeout_s`, or fails and is unhealthy, is dropped from the rest of this
+    push (`dropped` says why, a warning names it once) and the others complete it; rank 0's manager gives it up
+    when it finishes the push (finish_weight_sync health-checks the engines first)."""
 
     def __init__(self, spec: WeightSenderSpec, engine_handles: list | None = None) -> None:
         import ray
@@ -70,7 +78,8 @@ class WeightSender:
             if not ray.is_initialized():
                 ray.init(address=spec.ray_address, namespace=spec.ray_namespace, log_to_driver=False)
             engine_handles = [ray.get_actor(name, namespace=spec.ray_namespace) for name in spec.engine_names]
-        self._engines = engine_handles
+        self._engines = dict(zip(spec.engine_names, engine_handles))  # those still in this push
+        self.dropped: dict[str, str] = {}  # engine name -> why it left this push
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load the tensors into every engine; returns bytes, seconds, buckets and tensors sent by this rank."""
@@ -96,7 +105,7 @@ class WeightSender:
                     except BaseException:
                         release_bucket(spec)
                         raise
-                loads = [engine.load_weight_bucket.remote(spec) for engine in self._engines]
+                loads = {name: engine.load_weight_bucket.remote(spec) for name, engine in self._engines.items()}
                 pending = (spec, loads)
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 num_buckets += 1
@@ -106,19 +115,49 @@ class WeightSender:
                 pending = None
         finally:
             if pending is not None:
-                ray.wait(pending[1], num_returns=len(pending[1]), timeout=60)
+                loads = list(pending[1].values())
+                ray.wait(loads, num_returns=len(loads), timeout=min(60.0, self.spec.timeout_s))
                 release_bucket(pending[0])
         return {"bytes": float(num_bytes), "seconds": time.perf_counter() - start, "buckets": float(num_buckets),
-                "tensors": float(num_tensors)}
+                "tensors": float(num_tensors), "engines_dropped": float(len(self.dropped))}
 
-    @staticmethod
-    def _wait(spec, loads) -> None:
+    def _wait(self, spec, loads: dict) -> None:
+        """Wait (at most `timeout_s`) for every engine's load of one bucket, then free it. An engine that did not
+        load it in time, or failed and is unhealthy, leaves this push; a healthy engine's error is raised."""
         import ray
 
         try:
-            ray.get(loads)
+            refs = list(loads.values())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.spec.timeout_s)
+            for name, ref in loads.items():
+                if ref not in done:
+                    self._drop(name, f"did not load a weight bucket within actor_rollout_ref.rollout."
+                                     f"weight_sync_timeout_s={self.spec.timeout_s:g}s")
+                    continue
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    if self._is_healthy(name):
+                        raise
+                    lines = [line for line in str(err).splitlines() if line.strip()]
+                    self._drop(name, f"failed to load a weight bucket: {lines[-1] if lines else type(err).__name__}")
         finally:
             release_bucket(spec)
+
+    def _is_healthy(self, name: str) -> bool:
+        import ray
+
+        try:
+            ray.get(self._engines[name].is_healthy.remote(), timeout=self.spec.health_timeout_s)
+            return True
+        except ray.exceptions.RayError:
+            return False
+
+    def _drop(self, name: str, why: str) -> None:
+        self._engines.pop(name, None)
+        self.dropped[name] = why
+        logger.warning("rollout engine %s left this weight push (%d engines complete it): %s", name,
+                       len(self._engines), why)
 
     def _send_collective(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Each bucket is packed into one flat buffer on this rank's device and broadcast over the weight-sync group
@@ -128,8 +167,9 @@ class WeightSender:
         start = time.perf_counter()
         group = _open_groups.get(self.spec)
         group_init_s = 0.0
+        engines = list(self._engines.values())
         if group is None:
-            group = _open_groups.open(self.spec, self._engines)
+            group = _open_groups.open(self.spec, engines)
             group_init_s = time.perf_counter() - start
         num_bytes = num_buckets = num_tensors = 0
         buffer = torch.empty(0, dtype=torch.uint8, device=group.device)
@@ -139,15 +179,16 @@ class WeightSender:
                 buffer = torch.empty(max(nbytes, self.spec.bucket_bytes), dtype=torch.uint8, device=group.device)
             pack_bucket(buffer[:nbytes], entries, bucket)
             loads = [engine.receive_weight_bucket.remote(group.name, entries_to_wire(entries), nbytes)
-                     for engine in self._engines]
+                     for engine in engines]
             try:
                 group.broadcast(buffer[:nbytes])
-                ray.get(loads)
+                ray.get(loads, timeout=self.spec.timeout_s)
             except BaseException as err:
                 _open_groups.close(self.spec)
-                raise RuntimeError(f"weight-sync broadcast of bucket {num_buckets} over group {group.name!r} "
-                                   f"({group.address}) failed: {err}; {_engine_errors(loads)}the group is closed and "
-                                   "the next sync opens a new one with the live engines") from err
+                raise WeightPushInterruptedError(
+                    f"weight-sync broadcast of bucket {num_buckets} over group {group.name!r} ({group.address}) "
+                    f"failed: {err}; {_engine_errors(loads)}the group is closed and the next sync opens a new one "
+                    "with the live engines") from err
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             num_buckets += 1
             num_tensors += len(bucket)

@@ -176,6 +176,9 @@ class Trainer:
             raise RunAbortedError(rewards_refused_message(collected.rewards_refused, step,
                                                           self._checkpoint_before_abort(step - 1)))
         if collected.engines_lost is not None:
+            if collected.engines_restarting:  # they take the weights of step - 1, then the step is collected again
+                self.push_weights_or_abort(step - 1)
+                return self.collect(step)
             self.abort_engines_lost(step - 1)
         return collected
 
@@ -200,10 +203,12 @@ class Trainer:
         except Exception as err:
             import ray  # only now: a sending rank must not import Ray before push_weights set its authentication mode
 
-            # with one rank: an engine that died during the transfer leaves the survivors with a partial update, so
+            # with one rank: an engine lost in a collective transfer leaves the survivors with a partial update, so
             # the run stops here too; with more, the other ranks are inside the transfer (no clean way back)
-            if (not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1
-                    or engines.check_engines() == alive):
+            if not isinstance(err, (RolloutEnginesLostError, ray.exceptions.RayError)) or dist.get_world_size() > 1:
+                raise
+            engines.check_engines()
+            if engines.num_engines_alive() == alive:
                 raise  # not an engine death
             return PushOutcome({}, lost=self.driver.engine_failure())
         try:

@@ -261,6 +261,12 @@ class Misbehaving(Counted, ArithmeticRetryEnvironment):
         return super().step(action_text)
 
 
+class GradedRetry(ArithmeticRetryEnvironment):
+    """`arith_retry` without a score of its own: the run's grader grades each episode's last answer (so a run's
+    custom reward function, e.g. tests/trainer/graders.py's pausing one, sees every episode)."""
+    score = TextEnvironment.score
+
+
 class PausingRetry(ArithmeticRetryEnvironment):
     """`arith_retry` with a cue point for tests that kill a run mid-episode: with $PAUSE_DIR set, once the run's
     metrics.jsonl ($PAUSE_RUN_DIR) holds step $PAUSE_AFTER_STEP, every step writes $PAUSE_DIR/paused and waits (at

@@ -270,13 +270,18 @@ def test_each_environment_is_closed_once_whatever_ends_its_episode():
     assert Counted.closed_once(2)
 
 
-def test_a_failure_of_the_driver_reaches_the_caller_of_finished():
+def test_a_failure_of_the_driver_reaches_the_caller_of_finished_and_cancel_all_starts_it_again():
     """An environment whose episodes start from different conversations is a programming error: the driver thread
-    stops and `finished` raises it, naming the rule."""
+    stops and `finished` raises it, naming the rule. `cancel_all` (what the trainer does when every engine was lost,
+    before it collects the step again) drops what was in flight and starts a new driver: the next group runs."""
     runner, _ = make_runner(answer("x"), default_agent="tests.envs.scripted:Diverging")
     runner.submit("g0", record(), SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=1))
     with pytest.raises(ValueError, match="must depend on the record and the seed only"):
         runner.finished(timeout=30)
+    runner.cancel_all()
+    runner.submit("g1", record(agent=COUNTDOWN), SamplingParams(n=2, max_tokens=99, stop_token_ids=(EOS,), seed=1))
+    [group] = runner.finished(timeout=30)
+    assert group.request_id == "g1" and all(sample.episode.turns >= 1 for sample in group.samples)
     runner.close()
 
 

@@ -11,12 +11,14 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def tiny_rollout_config(model_dir, num_engines=2):
+def tiny_rollout_config(model_dir, num_engines=2, restart=True):
     from megatron_cpo.rollout import EngineLaunchConfig, RolloutEngineConfig
+    from megatron_cpo.rollout.config import EngineHealthConfig
 
     return EngineLaunchConfig(model_path=str(model_dir), engines=RolloutEngineConfig(
-        num_engines=num_engines, kv_cache_gib=1, ray_address="local"), dtype="float32", max_model_len=512,
-        engine_start_timeout_s=1200, weight_sync_bucket_mb=0.25)
+        num_engines=num_engines, kv_cache_gib=1, ray_address="local", engine_health=EngineHealthConfig(
+            restart=restart)), dtype="float32", max_model_len=512, engine_start_timeout_s=1200,
+        weight_sync_bucket_mb=0.25)
 
 
 @pytest.fixture(scope="package")

@@ -1,5 +1,6 @@
-"""Engine failures with real Ray actors: a killed engine's prompts move to the survivor exactly once, losing every
-engine raises a clear error naming the prompts, and an engine that cannot start says why."""
+"""Engine failures with real Ray actors (restarts off; restarts: tests/trainer/test_engine_health.py): a killed
+engine's prompts move to the survivor exactly once, losing every engine raises a clear error naming the prompts,
+and an engine that cannot start says why."""
 import json
 
 import pytest
@@ -17,7 +18,7 @@ def samples_in_generation(engine) -> int:
 
 def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a_clear_error(ray_cluster,
                                                                                             tiny_model_dir):
-    with RolloutManager(tiny_rollout_config(tiny_model_dir)) as manager:
+    with RolloutManager(tiny_rollout_config(tiny_model_dir, restart=False)) as manager:
         params = SamplingParams(n=2, temperature=1.0, max_tokens=48, seed=3)
         ids = [f"kill-{i}" for i in range(10)]
         for i, request_id in enumerate(ids):
@@ -37,7 +38,7 @@ def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a
 
         manager.submit("orphan", [1, 2, 3], SamplingParams(max_tokens=400, temperature=1.0))
         ray.kill(manager.engines[1])
-        with pytest.raises(RolloutEnginesLostError, match=r"all 2 rollout engines are dead.*'orphan'"):
+        with pytest.raises(RolloutEnginesLostError, match=r"all 2 rollout engines are lost.*'orphan'"):
             list(manager.completed(timeout=300))
 
 

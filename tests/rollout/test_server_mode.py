@@ -5,8 +5,9 @@ together). Three trainers (the quickstart's GRPO, CPO and DAPO configs, shortene
 after the other against the first server and push their weights over the gloo collective the server's engine joins;
 after every push the engine's log-probs, of its samples and of the sync probe, equal the trainer's, and afterwards the
 server generates transformers' greedy tokens for each run's exported weights. Multi-turn episodes (verl's tool agent)
-train against a server. A server killed while holding prompts has them served by the other, a wrong token is refused,
-and a port that accepts connections but never answers is an error naming its URL within the timeout.
+train against a server. A server stopped (hung) or killed while holding prompts has them served by the other, and a
+hung one that answers again is taken back at the next push; a wrong token is refused, and a port that accepts
+connections but never answers is an error naming its URL within the timeout.
 """
 import json
 import signal
@@ -22,6 +23,7 @@ from megatron_cpo.rollout import RolloutEnginesLostError, SamplingParams
 from megatron_cpo.rollout.http_client import RolloutServerAuthError
 from megatron_cpo.rollout.server_client import ServerClientConfig, ServerRolloutManager
 from megatron_cpo.rollout.types import RolloutEngineStartError
+from tests.conditions import wait_until
 from tests.rollout.servers import assert_engine_in_sync, end_server, greedy_matches_transformers, start_server, wait_url
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -165,25 +167,53 @@ def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_p
     assert f"server_urls: {url} did not answer /health within server_timeout_s=1.5s" in problem
 
 
-def test_a_killed_servers_prompts_are_served_by_the_other_and_none_left_names_the_urls(servers):
-    """Server b is frozen (SIGSTOP) so that it surely holds prompts, then killed with its engine."""
+def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_to_the_other(servers):
+    """Server b is stopped (SIGSTOP) while it holds prompts: it is given up within the health check's interval +
+    timeout and a serves them; continued, it answers /health again, and the next weight push takes it back before it
+    gets prompts. Then b is stopped holding prompts again and killed: a serves them, and a client of b alone names
+    the URL and the prompt it could not serve."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_cpo.rollout.config import EngineHealthConfig
+
     urls, process_b = servers["urls"], servers["processes"]["b"]
-    both = ServerRolloutManager(ServerClientConfig(urls=(urls["a"], urls["b"]), token=TOKEN, timeout_s=5))
-    only_b = ServerRolloutManager(ServerClientConfig(urls=(urls["b"],), token=TOKEN, timeout_s=5))
+    health = EngineHealthConfig(check_interval_s=0.5, timeout_s=3)
+    both = ServerRolloutManager(ServerClientConfig(urls=(urls["a"], urls["b"]), token=TOKEN, timeout_s=5,
+                                                   health=health))
+    only_b = ServerRolloutManager(ServerClientConfig(urls=(urls["b"],), token=TOKEN, timeout_s=5, health=health))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
+
+    def served(prefix: str) -> list:
+        for index in range(6):
+            both.submit(f"{prefix}{index}", [1, 40 + index, 41, 42], params)
+        assert sum(request.engine_index == 1 for request in both._requests()) == 3
+        return list(both.completed(timeout=120))
+
     try:
         process_b.send_signal(signal.SIGSTOP)
-        params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
+        started = time.monotonic()
+        groups = served("hung")
+        print(f"the stopped server was given up and its prompts served in {time.monotonic() - started:.1f} s")
+        assert sorted(g.request_id for g in groups) == [f"hung{i}" for i in range(6)]
+        assert all(g.engine_index == 0 for g in groups) and both.num_engines_alive() == 1
+        assert "did not answer /health within" in both.last_engine_failure and urls["b"] in both.last_engine_failure
+        process_b.send_signal(signal.SIGCONT)
+        wait_until(lambda: both.check_engines() == 2, 60, "server b answering /health again")
+        both.sync_weights(AutoModelForCausalLM.from_pretrained(servers["model"]).state_dict().items())
+        assert (both.rejoined, both.num_engines_alive(), both.engine_restarts) == ((1,), 2, 1)
+        assert both.last_engine_failure is None
+
+        process_b.send_signal(signal.SIGSTOP)  # so that it surely holds prompts when it is killed
+        only_b.submit("lonely", [1, 40, 41, 42], params)
         for index in range(6):
             both.submit(f"p{index}", [1, 40 + index, 41, 42], params)
-        only_b.submit("lonely", [1, 40, 41, 42], params)
-        held_by_b = sorted(request.request_id for request in both._requests() if request.engine_index == 1)
-        assert len(held_by_b) == 3
+        assert sum(request.engine_index == 1 for request in both._requests()) == 3
         end_server(process_b, signal.SIGKILL)
         groups = list(both.completed(timeout=120))
         assert sorted(g.request_id for g in groups) == [f"p{i}" for i in range(6)]
         assert all(g.engine_index == 0 and len(g.samples) == 2 for g in groups)
         assert both.num_engines_alive() == 1 and urls["b"] in both.last_engine_failure
-        with pytest.raises(RolloutEnginesLostError, match=f"all 1 rollout servers are dead \\({urls['b']};") as lost:
+        with pytest.raises(RolloutEnginesLostError, match=f"all 1 rollout servers are dead \\({urls['b']}[;,]") as lost:
             list(only_b.completed(timeout=120))
         assert "'lonely'" in str(lost.value)
     finally:

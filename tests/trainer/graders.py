@@ -19,9 +19,9 @@ def never_correct(data_source, solution_str, ground_truth, extra_info=None):
 def even_first_character_pausing(data_source, solution_str, ground_truth, extra_info=None):
     """`even_first_character`, but with cue points for tests that must act while a run is generating: for each step
     S in $PAUSE_AFTER_STEPS (comma-separated), once the run's metrics.jsonl ($PAUSE_RUN_DIR) holds step S, the first
-    grading call writes $PAUSE_DIR/paused_S and waits (at most 120 s) for $PAUSE_DIR/go_S; later calls grade at
-    once. So the test acts during the rollout of step S + 1, with requests possibly still in flight, and the run
-    cannot get past that rollout before the test lets it."""
+    grading call writes $PAUSE_DIR/paused_S and waits (at most $PAUSE_MAX_S seconds, 120 by default) for
+    $PAUSE_DIR/go_S; later calls grade at once. So the test acts during the rollout of step S + 1, with requests
+    possibly still in flight, and the run cannot get past that rollout before the test lets it."""
     import json
     import os
     import time
@@ -40,7 +40,7 @@ def even_first_character_pausing(data_source, solution_str, ground_truth, extra_
                 pass
         for step in (step for step in pending if step in steps):
             (pause_dir / f"paused_{step}").touch()
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + float(os.environ.get("PAUSE_MAX_S", "120"))
             while not (pause_dir / f"go_{step}").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
     return even_first_character(data_source, solution_str, ground_truth, extra_info)

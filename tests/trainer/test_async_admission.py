@@ -47,6 +47,8 @@ class ScriptedEngines:
     seed: int
     engines: list = field(default_factory=lambda: ["scripted"])
     last_engine_failure: str | None = None
+    engine_restarts: int = 0
+    rejoined: tuple = ()
     weight_version: int = 0
     now: float = 0.0
     running: dict = field(default_factory=dict)
@@ -110,6 +112,9 @@ class ScriptedEngines:
 
     def num_engines_alive(self) -> int:
         return 1
+
+    def num_engines_restarting(self) -> int:
+        return 0
 
     def shutdown(self) -> None:
         self.running = {}

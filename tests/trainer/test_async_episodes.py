@@ -43,7 +43,7 @@ class TimedEngines:
         self.running: dict[str, tuple[list[int], float, float]] = {}
         self.pushes = [(float("-inf"), 0)]
         self.weight_version, self.submitted, self.syncing = 0, 0, False
-        self.engines, self.last_engine_failure = ["timed"], None
+        self.engines, self.last_engine_failure, self.engine_restarts, self.rejoined = ["timed"], None, 0, ()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         with self.changed:

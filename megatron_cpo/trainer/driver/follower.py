@@ -29,8 +29,7 @@ class FollowerDriver(Driver):
         pass
 
     def collect(self, step: int) -> CollectOutcome:
-        engines_lost, rewards_refused = broadcast_object(None)
-        return CollectOutcome(None, engines_lost, rewards_refused)
+        return CollectOutcome(None, *broadcast_object(None))
 
     def make_batch(self, outcome: CollectOutcome) -> StepBatch | None:
         return broadcast_batch(None)

@@ -20,10 +20,13 @@ from megatron_cpo.trainer.driver.controller import CollectedBatch
 class CollectOutcome:
     """Step 1 on one rank: rank 0's kept groups (`collected`; None on the other ranks, and when the run ends) and,
     on every rank, why the run ends before the update: no engine is left (`engines_lost`), or a reward was refused as
-    not finite (`rewards_refused`, `reward.non_finite=error`); each a one-line message."""
+    not finite (`rewards_refused`, `reward.non_finite=error`); each a one-line message. `engines_restarting`: with
+    `engines_lost`, how many engines started in place of lost ones are coming (rollout/engine_actors.py); then the
+    run goes on: the last weights are pushed again, which they take, and the step is collected again."""
     collected: CollectedBatch | None
     engines_lost: str | None = None
     rewards_refused: str | None = None
+    engines_restarting: int = 0
 
 
 @dataclass(frozen=True)

@@ -125,18 +125,25 @@ class LeadDriver(Driver):
     # --- steps 1-2: collect, flatten and broadcast --------------------------------------------------------------
     def collect(self, step: int) -> CollectOutcome:
         outcome = self.collect_groups(step)
-        broadcast_object((outcome.engines_lost, outcome.rewards_refused))
+        broadcast_object((outcome.engines_lost, outcome.rewards_refused, outcome.engines_restarting))
         return outcome
 
     def collect_groups(self, step: int) -> CollectOutcome:
         """This step's kept groups, or why there are none: no engine left, or a reward not finite; then the data
-        position goes back to the first prompt not yet trained, so a resumed run collects the same prompts."""
+        position goes back to the first prompt not yet trained, so a resumed run (or this step collected again once
+        restarted engines took the weights) collects the same prompts: what was outstanding is dropped."""
         position = self.controller.state_dict()
         try:
             return CollectOutcome(self.controller.collect(step, self.engines.weight_version))
         except RolloutEnginesLostError as err:
+            self.generator.cancel_all()
             self.controller.load_state_dict(position)
-            return CollectOutcome(None, engines_lost=str(err))
+            coming = self.engines.num_engines_restarting()
+            if coming:
+                logger.warning("every rollout engine was lost during the rollout of step %d; the %d restarted "
+                               "engine(s) take the weights of step %d before it is collected again", step, coming,
+                               step - 1)
+            return CollectOutcome(None, engines_lost=str(err), engines_restarting=coming)
         except NonFiniteRewardError as err:
             self.controller.load_state_dict(position)
             return CollectOutcome(None, rewards_refused=str(err))
@@ -211,6 +218,7 @@ class LeadDriver(Driver):
                    **self.scorer.counted_metrics(),
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.engines.num_engines_alive())
+        metrics["rollout/engine_restarts"] = float(self.engines.engine_restarts)
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
         self.metric_logger.log(metrics, step)

@@ -126,7 +126,8 @@ def engines_lost_message(failure: str | None, engines: tuple[int, int], step: in
     return (f"{state} ({started} started; last failure: {failure or 'unknown'}), so step {step + 1} cannot be "
             f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
             "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
-            "actor_rollout_ref.rollout.num_engines), then continue with trainer.resume=auto")
+            "actor_rollout_ref.rollout.num_engines; actor_rollout_ref.rollout.engine_health sets how hung engines are "
+            "found and how often they are restarted), then continue with trainer.resume=auto")
 
 
 def rewards_refused_message(refused: str, step: int, checkpoint: Path | None) -> str:

@@ -90,8 +90,9 @@ class SyncProbe:
         payload = None
         if manager is not None:
             try:
+                # a restarted engine is checked at the push that brought its first weights, whether or not due
                 payload = (reload_problem(reports or {}),
-                           self._probe(manager) if self.settings.due(push) else [])
+                           self._probe(manager) if self.settings.due(push) or manager.rejoined else [])
             finally:
                 if held:
                     _resume(manager)
