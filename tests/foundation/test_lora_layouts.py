@@ -36,16 +36,24 @@ def _gather_dicts(local: dict) -> dict:
 
 
 def _set_b(model) -> None:
-    """Every adapter's B: a whole [out, rank] matrix drawn from its layer's name, this rank's rows kept."""
+    """Every adapter's B: one [out, rank] matrix per Hugging Face module drawn from its name, put into the layer's
+    Megatron layout at this TP size (q/k/v by KV group, gate/up per TP rank) as its weights are, this rank's rows
+    kept."""
     from megatron_cpo.models.lora.apply import adapter_sites, layer_seed
+    from megatron_cpo.models.weight_mapping import _expert_shape, _shape
 
+    shape = _shape(model, model.hf_config)
+    shapes = {False: shape, True: _expert_shape(shape)}
     for site in adapter_sites(model):
         adapter = getattr(site.entry.param, "lora_adapter", None)
         if adapter is None:
             continue
-        rows = adapter.lora_B.shape[0] * adapter.size
-        generator = torch.Generator().manual_seed(layer_seed(site.layer.canonical, 1))
-        full = torch.randn(rows, RANK, generator=generator) * 0.05
+        mapping, layout = site.entry.mapping, shapes[site.expert]
+        rows = [part.shape[0] for part in mapping.split(torch.empty(adapter.lora_B.shape[0] * adapter.size, RANK),
+                                                        layout)]
+        parts = [torch.randn(count, RANK, generator=torch.Generator().manual_seed(layer_seed(module, 1))) * 0.05
+                 for module, count in zip(site.layer.hf_modules, rows)]
+        full = mapping.merge(parts, layout)
         adapter.lora_B.data.copy_(full.chunk(adapter.size, dim=0)[adapter.rank_in_group])
 
 

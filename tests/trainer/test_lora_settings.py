@@ -212,3 +212,21 @@ def test_verls_megatron_lora_script_passes_the_dry_run(tmp_path, capsys, monkeyp
     assert "EP 4 x ETP 1" in out and "LoRA rank 32: only the adapters train" in out
     assert not (tmp_path / "run").exists(), "a dry run writes nothing"
     shutil.rmtree(model)
+
+
+def test_the_adapter_of_a_fused_layernorm_linear_reads_the_normalised_input():
+    """Transformer Engine's LayerNormColumnParallelLinear cannot exist here (no GPU build): a stand-in with its
+    attributes (`layer_norm_weight`, `config`) gets the RMSNorm the layer applies before its matrix (torch's)."""
+    from types import SimpleNamespace
+
+    from megatron_cpo.models.lora.layers import _rms_normed
+
+    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(0))
+    weight = torch.rand(16, generator=torch.Generator().manual_seed(1)) + 0.5
+    layer = SimpleNamespace(layer_norm_weight=weight,
+                            config=SimpleNamespace(layernorm_zero_centered_gamma=False, layernorm_epsilon=1e-6))
+    expected = torch.nn.functional.rms_norm(x, (16,), weight, eps=1e-6)
+    assert torch.allclose(_rms_normed(layer, x), expected, atol=1e-6)
+    layer.config.layernorm_zero_centered_gamma = True  # the weight stores gamma - 1
+    assert torch.allclose(_rms_normed(layer, x), torch.nn.functional.rms_norm(x, (16,), weight + 1, eps=1e-6),
+                          atol=1e-6)
