@@ -1,8 +1,9 @@
 """Does LoRA match full fine-tuning? GRPO on SmolLM2-135M: full vs LoRA rank 32 vs rank 1 at an equal sample budget.
 
-    nohup python benchmarks/real_model/compare_lora.py > runs/compare_lora/runner.log 2>&1 &   # all runs, in order
-    python benchmarks/real_model/compare_lora.py --list                                        # the commands only
-    python benchmarks/real_model/compare_lora_report.py                                        # the tables
+    mkdir -p runs/compare_lora
+    nohup python benchmarks/real_model/compare_lora.py > runs/compare_lora/runner.log 2>&1 &  # all runs; again: resumes
+    python benchmarks/real_model/compare_lora.py --list          # the commands only
+    python benchmarks/real_model/compare_lora_report.py          # the tables
 
 compare_cpo.py's machinery (its docstring has the details: one run at a time, seeds round-robin, each run resumable
 from its checkpoint, finished runs read and not repeated, SIGTERM or `runs/compare_lora/PAUSE` to pause, `--code` for a
