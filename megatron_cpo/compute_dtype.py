@@ -1,18 +1,8 @@
 """`params_dtype: auto`: compute in bfloat16 where this machine multiplies it natively, in float32 elsewhere.
 
-bfloat16 halves the memory of weights and activations, and where the hardware has bf16 instructions it multiplies
-faster than float32: CUDA GPUs from Ampere on, x86 CPUs with AVX512-BF16 or AMX-BF16, Arm CPUs with the BF16
-extension. Elsewhere torch still computes bf16, by conversion, and slower than float32. Measured with torch 2.13 on
-2 threads (benchmarks/real_model/README.md, "bfloat16 or float32 on a CPU"): on an AVX-512 CPU without AVX512-BF16,
-where oneDNN emulates bf16 with AVX512-BW (and `torch.ops.mkldnn._is_mkldnn_bf16_supported()` says True), a
-SmolLM2-sized forward took 2.2x its float32 time; as an AVX2-only CPU computes it (no oneDNN bf16: torch's own
-kernels) 4.1x, and single matmuls up to 70x.
-
-So a CPU's bf16 is native when torch's CPU capability query (`torch.cpu.get_capabilities()`, cpuinfo's reading of
-the instruction sets) finds bf16 instructions *and* oneDNN may use them: oneDNN's own check follows a
-`ONEDNN_MAX_CPU_ISA` cap below AVX-512, and a cap between AVX-512 and its bf16 instructions (`AVX512_CORE`,
-`AVX512_CORE_VNNI`) is read from the variable itself. On a GPU, `torch.cuda.is_bf16_supported(including_emulation=
-False)`.
+Emulated bf16 is slower than float32 (a SmolLM2 forward 2.2x on AVX-512 without AVX512-BF16, 4.1x on AVX2:
+benchmarks/real_model/README.md), so a CPU counts as native only when its instructions have bf16 *and* oneDNN
+may use them (`ONEDNN_MAX_CPU_ISA`); a GPU asks `torch.cuda.is_bf16_supported(including_emulation=False)`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """What a run prints to the console and what only its log file keeps.
 
-The console gets this package's INFO messages (what the run is doing: data, engines, model build, steps) and every
-other library's warnings and errors. The log file gets everything at INFO and above, Python warnings included.
-Known noise stays out of the console: Megatron-Core's INFO records (its DDP/optimizer settings and the per-parameter
-gradient-bucket dump), and the warnings in `QUIET_WARNINGS`, which torch or Megatron raise on every run and which no
-user of this recipe can act on. Bad input to a command is one `error: ...` line, not a traceback
-(`run_reporting_errors`).
+The console gets this package's INFO and every library's warnings and errors, less known noise no user can act on
+(Megatron-Core's INFO, `QUIET_WARNINGS`); the log file gets everything at INFO and above. Bad input to a command is
+one `error: ...` line, not a traceback (`run_reporting_errors`).
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Evaluate a model on verl-schema parquet files: pass@k and mean@k per data source, with vLLM rollout engines.
 
-Each prompt is sampled `n` times by the same Ray-spawned vLLM engines the trainer uses; every sample is graded by the
-`megatron_cpo.rewards` grader its `data_source` selects. Reported per data source and overall:
-
-- `mean@n`: the mean accuracy over all n samples of all prompts (the expected pass@1, lower variance than one sample);
-- `pass@k` for k in 1, 2, 4, ... up to n: the unbiased estimator of Chen et al. 2021 (Codex, arXiv:2107.03374),
-  1 - C(n - c, k) / C(n, k) with c correct samples out of n, averaged over prompts;
-- `score@n`: the mean grader score (which may differ from accuracy, e.g. -1/1 math scores or partial code credit).
-
-Greedy decoding (`temperature=0`) with n=1 gives the usual single-answer accuracy. Prompt plus response lengths are
-checked against the model's positions before anything starts; a progress line with an ETA counts finished prompts.
+Each prompt is sampled `n` times by the trainer's engines and graded by its `data_source`'s grader; reported per
+source and overall: `mean@n`, unbiased `pass@k` (Chen et al., 2021) and `score@n` (docs/eval.md). Lengths are
+checked against the model's positions before anything starts.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The one place that knows whether we run on CUDA (NCCL) or on CPU (gloo).
 
-Megatron-Core assumes a GPU in three places that matter for running it for real on a CPU machine:
-1. it asks `torch.cuda.current_device()` for the device of buffers it allocates, and calls `torch.cuda.synchronize()`
-   (checkpoint saving) where a CPU has nothing to wait for;
-2. its model-parallel RNG tracker saves and restores the CUDA generator's state;
-3. a few call sites hard-code `device="cuda"` in tensor factories (e.g. checkpoint exchange buffers).
-When CUDA is absent, `init_distributed` (or `apply_cpu_adaptations`) points (1) at the CPU, swaps (2) for a tracker over
-the CPU generator and redirects (3) with a `TorchFunctionMode`; the attention's causal-mask helpers, which also run
-when activation recompute repeats a forward inside the backward (where that per-thread mode was seen not to be
-active: "Torch not compiled with CUDA enabled"), are replaced by CPU versions. With CUDA present all of this is
-skipped, so GPU runs execute Megatron-Core unchanged. `apply_moe_adaptations` does the same for mixture-of-experts
-layers (no Transformer Engine; the alltoall dispatcher on the CPU). The rest of the package calls `device()`,
-`backend()` and `megatron_config_kwargs()` and never tests for CUDA.
+Without CUDA, `init_distributed` / `apply_cpu_adaptations` point Megatron-Core's device queries, RNG tracker and
+hard-coded `device="cuda"` factories at the CPU (and replace the attention's causal-mask helpers, which activation
+recompute runs outside that per-thread mode); `apply_moe_adaptations` does the same for MoE layers. With CUDA all
+of this is skipped. The rest of the package calls `device()`, `backend()`, `megatron_config_kwargs()` (DEVELOPERS.md).
 """
 from __future__ import annotations
 

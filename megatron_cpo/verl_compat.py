@@ -66,11 +66,6 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
             "over the whole mini-batch either way"),
     NoOpKey("actor_rollout_ref.rollout.enforce_eager", "the engines capture CUDA graphs on GPUs and run eagerly on "
             "CPUs (rollout/engine.py); vLLM computes the same either way"),
-    NoOpKey("actor_rollout_ref.actor.megatron.use_mbridge", "verl loads HF weights into Megatron through "
-            "Megatron-Bridge with it; here the trainer's own HF <-> Megatron mapping does (models/weight_mapping.py), "
-            "LoRA included (models/lora/)"),
-    NoOpKey("actor_rollout_ref.actor.megatron.vanilla_mbridge", "which Megatron-Bridge implementation verl uses; "
-            "none is used here (models/weight_mapping.py, models/lora/)"),
     NoOpKey("*.model.lora.type", "one adapter per Megatron layer (Megatron-Bridge's lora: fused q/k/v and gate/up "
             "share one) is what is built; canonical_lora, vlm_lora and dora are not", ("lora",)),
     NoOpKey("*.model.lora.lora_B_init_method", "B starts at zero, so the adapted model starts as its base",
@@ -85,6 +80,12 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("*.model.lora.freeze_language_model", "vision-language models; the models here are text-only", (False,)),
     NoOpKey("actor_rollout_ref.*.megatron.override_transformer_config.moe_enable_deepep", "DeepEP's dispatcher "
             "(moe_token_dispatcher_type=flex) is not offered; alltoall or allgather dispatch the tokens", (False,)),
+    *(NoOpKey(f"{section}.megatron.{key}", "verl's choice of weight converter, mbridge or Megatron-Bridge; the "
+              "trainer converts HF <-> Megatron weights itself, models/weight_mapping.py")
+      for section in ("actor_rollout_ref.*", "critic") for key in ("use_mbridge", "vanilla_mbridge")),
+    *(NoOpKey(f"actor_rollout_ref.rollout.{key}", f"vLLM's {kind} parallelism inside one engine; here each engine is "
+              "one vLLM instance on rollout.tensor_model_parallel_size GPUs, and rollout.num_engines sets how many")
+      for key, kind in (("data_parallel_size", "data"), ("expert_parallel_size", "expert"))),
 )
 
 # verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).

@@ -13,9 +13,9 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 - aggregation.py: the loss aggregations (`loss_agg_mode`), as additive shares of the batch loss.
 - losses.py: the actor's whole loss (the mode's term, aggregation, entropy bonus and mask, KL loss; kl.py: KL
   estimators; mismatch.py: rollout/trainer mismatch metrics and TIS, re-exported by losses.py).
-- cpo.py: difficulty mask, the shaping-rule table.
-- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule) and CPO's
-  config.
+- cpo.py: difficulty mask, CPO's shaping rules on typed inputs (`ShapingInputs`); cpo_rules.py: the rules as data and
+  CPO's config (`algorithm.cpo`), torch-free.
+- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule).
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling.
 - overlong.py: DAPO overlong reward shaping.
 - config.py: the algorithms' settings, torch-free (`algorithm.*`, RAGEN's filter, the overlong buffer), the names

@@ -1,16 +1,9 @@
 """The advantage estimators under verl's names (`algorithm.adv_estimator`): one function and one row each.
 
-Every estimator reads the same `AdvantageInputs` (token-level rewards: each response's score on its last sampled
-token, minus verl's KL penalty per token when `algorithm.use_kl_in_reward`; the response mask; the prompt group of
-each response) and returns `(advantages, returns)`, Tensor[N, T] each and 0 where the mask is 0. `returns` are what
-a critic would regress on; for the outcome estimators they are the advantages, as in verl. All are vectorised by
-group with scatter reductions (groups.py) and, for the token-level ones, a reverse scan (returns.py). Formulas and
-when to use each: docs/algorithms.md.
-
-Each equals verl's `core_algos` definition (tests/algorithms/test_estimators_vs_verl.py), groups of one included:
-with no peer to compare with, a lone response's baseline is 0 (GRPO then divides by a std of 1, RLOO passes the
-score through), as in verl's reference loops. verl's `*_vectorized` names are accepted as aliases and mean the same
-estimators (config.ESTIMATOR_ALIASES; verl's `rloo_vectorized` alone differs there: it gives a lone response 0).
+Every estimator reads the same `AdvantageInputs` (token rewards, response mask, prompt groups) and returns
+`(advantages, returns)`, Tensor[N, T], 0 where the mask is 0; vectorised by group (groups.py) and reverse scan
+(returns.py). Each equals verl's `core_algos` (tests/algorithms/test_estimators_vs_verl.py); formulas, groups of one
+and when to use each: docs/algorithms.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Loss aggregation (`actor_rollout_ref.actor.loss_agg_mode`): a per-token loss [N, T] to one number.
-
-The modes are verl's names plus `token-sum`. Given the global token / sequence counts of the whole batch (all
-micro-batches on all data-parallel ranks), each call returns this micro-batch's share: the shares SUM to the loss of
-the whole batch, so the result does not depend on how the batch is split. A trainer whose data-parallel reduction
-averages gradients multiplies by the DP size. `seq-mean-token-sum-norm` is Dr.GRPO's `sum_i sum_t loss / (num_seqs *
-L)` with L the constant generation budget (verl omits the 1/num_seqs).
+"""Loss aggregation (`actor_rollout_ref.actor.loss_agg_mode`, verl's modes plus `token-sum`): a per-token loss [N, T]
+to one number. Given the global token / sequence counts of the whole batch, each call returns this micro-batch's
+additive share, so the result does not depend on the split (a trainer whose DP reduction averages multiplies by the
+DP size). `seq-mean-token-sum-norm` is Dr.GRPO's `sum_i sum_t loss / (num_seqs * L)` (verl omits the 1/num_seqs).
 """
 from collections.abc import Callable
 

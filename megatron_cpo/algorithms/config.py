@@ -1,13 +1,7 @@
-"""The settings of the algorithms, torch-free so that loading a config imports no torch: the `algorithm.*` section
-(the advantage estimator and its shaping, DAPO's filter-groups, verl's KL-in-reward settings, the off-policy
-correction), and the parts of other sections that select a pure-math variant: RAGEN's rollout filter
-(`actor_rollout_ref.rollout`, `RolloutFilterConfig`) and DAPO's overlong buffer (`reward.overlong_buffer`). The policy
-loss's settings (`actor_rollout_ref.actor`) are loss_config.py's, torch-free too.
+"""The settings of the algorithms, torch-free so that loading a config imports no torch: `algorithm.*`, RAGEN's rollout
+filter (`RolloutFilterConfig`) and DAPO's overlong buffer; the policy loss's are in loss_config.py.
 
-Each variant table lives with its math (advantages.py `ADVANTAGE_ESTIMATORS`, policy_losses.py `POLICY_LOSS_MODES`
-(its names: loss_config.py), kl.py `KL_ESTIMATORS`, aggregation.py `LOSS_AGGREGATIONS`, filters.py `RAGEN_STRATEGIES`
-and `FILTER_LOSS_SCALINGS`, shapers.py `ADVANTAGE_SHAPERS`, cpo_rules.py `SHAPING_RULES`); the names a setting
-accepts, and what each variant needs of the rest of the config, are declared here next to the setting, and
+The names each setting accepts are declared here; each variant table lives with its math, and
 tests/algorithms/test_variant_names.py checks that every table implements exactly them.
 """
 from __future__ import annotations
@@ -122,17 +116,11 @@ def _off(value: str | None) -> str | None:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """`algorithm.rollout_correction` (verl's names).
-
-    rollout_is: `token`, `sequence`, null (off) or `auto` (the default): token level when the run trains on stale
-        samples (`async_training.max_staleness` > 0) unless the actor's TIS (`tis_imp_ratio_cap`) already weights
-        the loss, off otherwise.
-    rollout_is_threshold: the truncation C of the importance weights (2.0 as the TIS authors recommend).
-    rollout_rs: `token`, `sequence`, `geometric` (verl: `token_k1`, `seq_sum_k1`, `seq_mean_k1`) or null (off): which
-        ratios must stay inside the band; or one of verl's divergence bounds (`token_k2` ... `seq_max_k3`).
-    rollout_rs_threshold / rollout_rs_threshold_lower: the band's ends (null: the IS threshold, and its reciprocal);
-        for a divergence bound, its upper end (required, e.g. 0.01 for k3).
-    rollout_token_veto_threshold: drop a response with any token ratio below this (null: off; e.g. 1e-4).
+    """`algorithm.rollout_correction` (verl's names; each option: docs/async.md, "The off-policy correction").
+    rollout_is: `token`, `sequence`, null or `auto` (token level when training on stale samples, unless the actor's TIS
+    already weights the loss); rollout_is_threshold: the truncation C. rollout_rs: a rejection band or one of verl's
+    divergence bounds, ends rollout_rs_threshold / _lower. rollout_token_veto_threshold: drop a response with any token
+    ratio below it (null: off).
     """
     rollout_is: str | None = AUTO
     rollout_is_threshold: float = 2.0
@@ -192,17 +180,13 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and its shaping: `adv_estimator` names an estimator of advantages.py under verl's names
-    (`grpo`, `rloo`, `reinforce_plus_plus`, `remax`, ...; docs/algorithms.md), or `cpo`: CPO's shaping rule on the
-    advantages of `algorithm.cpo.base_estimator` (its settings under `algorithm.cpo`, algorithms/shapers.py,
-    docs/cpo.md); `gae` is PPO's, with a critic (the `critic` section, trainer/critic_config.py). `gamma` / `lam`: the
-    discount and GAE's lambda (REINFORCE++'s returns; GAE).
-    `norm_adv_by_std_in_grpo`: GRPO's and grpo_passk's division by the group's std (false: Dr.GRPO).
-    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference)
-    from every token's reward (the response's score sits on its last sampled token) before the advantages (needs the
-    reference model); the outcome estimators sum these token rewards.
-    `rollout_correction` (verl's section): importance weights and rejection against the engine's log-probs, on by
-    default when samples may be stale (`async_training.max_staleness` > 0; docs/async.md)."""
+    """Advantage estimator and its shaping: `adv_estimator` names an estimator under verl's names (docs/algorithms.md),
+    `cpo` (CPO's rule on `algorithm.cpo.base_estimator`'s advantages, docs/cpo.md) or `gae` (PPO, with a critic).
+    `gamma` / `lam`: discount and GAE's lambda. `norm_adv_by_std_in_grpo`: GRPO's std division (false: Dr.GRPO).
+    `use_kl_in_reward` (verl) subtracts `kl_ctrl.kl_coef` x the `kl_penalty` estimate of KL(actor || reference) from
+    every token's reward (needs the reference). `rollout_correction`: importance weights and rejection against the
+    engine's log-probs, on by default when samples may be stale (docs/async.md).
+    """
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
@@ -255,22 +239,11 @@ in-group std)."""
 
 @dataclass
 class RolloutFilterConfig:
-    """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`, whose config extends this
-    class; the option mapping is in docs/filters.md). Within every generation batch of `data.train_batch_size`
-    prompts, rank the groups by `rollout_filter_metric` and keep those that `rollout_filter_strategy` selects.
-
-    rollout_filter_strategy: `none` (the default) turns the filter off; `top_p` (value >= 1 keeps every candidate;
-    else by `rollout_filter_top_p_prob_mode`: `linear` (RAGEN's default) keeps the best groups until their scores sum
-    to `value` of the total (minus `rollout_filter_selection_eps`), `softmax` the smallest set whose softmax mass
-    reaches `value`), `top_k` (`value` < 1: that fraction of the groups, else the `value` best groups; at least one)
-    or `min_p` (score >= value * best; `smallest`: score <= best / value).
-    rollout_filter_type: `largest` ranks high scores first, `smallest` low ones.
-    rollout_filter_include_zero: whether groups whose score is 0 (|score| <= 1e-10; a constant group's std is
-    exactly 0) may be kept.
-    rollout_filter_metric: `reward_std` (= RAGEN's `reward_variance`, the in-group reward std), `reward_mean`
-    (`reward`), `reward_sum` or `length` (mean response length; `ragen_filter` is then given the lengths).
-    Groups accumulate until `data.train_batch_size` are kept, bounded by `algorithm.filter_groups.max_num_gen_batches`
-    / `on_limit` like DAPO's filter (see docs/filters.md).
+    """RAGEN's rollout filter under RAGEN's names (keys of `actor_rollout_ref.rollout`; each option: docs/filters.md).
+    Within every generation batch, rank the groups by `rollout_filter_metric` in the order of `rollout_filter_type` and
+    keep those `rollout_filter_strategy` selects with `rollout_filter_value`: `none` (off), `top_p` (by
+    `rollout_filter_top_p_prob_mode`, less `rollout_filter_selection_eps`), `top_k` or `min_p`;
+    `rollout_filter_include_zero`: whether groups of score 0 may be kept. Bounded as DAPO's filter is.
     """
 
     rollout_filter_strategy: str = "none"

@@ -1,29 +1,25 @@
 """CPO: hint-conditioned advantage shaping on top of GRPO (the full specification: docs/cpo.md).
 
-The policy scores each sampled response twice: as sampled (`log_probs`) and with the gold solution in the context
-(`hint_log_probs`). Where the hint makes a token much more (or less) likely, the token carries information the model
-lacked; the shaping rules move the GRPO advantage of such tokens, weighted by the model's uncertainty.
-
-The 18 rules of the reference are rows of data (`SHAPING_RULES`, cpo_rules.py): each rule is a few `Term`s, a term is
-"on responses/tokens selected by these selectors, add alpha times the product of these signals, in this way", plus a
-sign-clamp flag. Every term's change is computed from the GRPO advantage and the changes are summed; within each rule
-the terms select disjoint tokens or only add, so this equals applying them one after another.
-
-Differences from the reference code, all deliberate (docs/cpo.md, "Where we follow the specification"): the
-difficulty mask has its intended meaning (the reference's was always 0); `wrong` is `not correct` (the reference
-compared the score with 1 or -1 depending on the rule); the entropy max of the naive rules is taken over the
-response's unmasked tokens (the reference also counted padding); every term selects through the mask, so whatever
-the signals hold on padding is never read. With `hint_correct` (the
-spec's `yw`), every term that selects wrong responses also requires it (the reference gated only some rules); terms
-that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
-correctness.
+The policy scores each response as sampled and with the gold solution in context; the shaping rules (rows of
+cpo_rules.py) move the GRPO advantage of tokens the hint changes, each term's change summed. Deliberate differences from
+the reference code (docs/cpo.md): 1. the difficulty mask has its intended meaning; 2. `wrong` is `not correct`, and with
+`hint_correct` every term selecting wrong responses requires it; 3. no term reads padding.
 """
+from __future__ import annotations
+
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_cpo.algorithms.cpo_rules import HINT_READERS, RESPONSE_SELECTORS, SHAPING_RULES, resolve_rule
+from megatron_cpo.algorithms.cpo_rules import (
+    HINT_READERS,
+    RESPONSE_SELECTORS,
+    SHAPING_RULES,
+    CPOConfig,
+    resolve_rule,
+)
 from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
 
 if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
@@ -56,6 +52,27 @@ def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3)
     raise ValueError(f"difficulty levels={levels} is not supported; use 3 (-1/0/+1) or 5 (-2..2)")
 
 
+@dataclass(frozen=True)
+class ShapingInputs:
+    """What a shaping rule reads of some whole responses (the step batch's, or one micro-batch's rows of it).
+
+    Per token, [N, T]: the estimator's `advantages`, the `mask`, the actor's `log_probs` and `entropy`, the
+    `hint_log_probs` (a response not scored under a hint has its plain log-probs there) and their `signals`
+    (`kernels.hint_mi_signals`). Per response, [N]: `correct`, its prompt's 3-level `difficulty` (`difficulty_mask`,
+    read on the whole batch) and optionally `hint_correct`, whether a hinted rollout of the same prompt was correct
+    (terms on wrong responses then also require it)."""
+
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    hint_log_probs: torch.Tensor | None
+    signals: HintSignals | None
+    correct: torch.Tensor
+    difficulty: torch.Tensor
+    hint_correct: torch.Tensor | None = None
+
+
 class _Responses:
     """What a rule reads of each response before any log-prob pass: its correctness and its prompt's difficulty."""
 
@@ -71,11 +88,11 @@ class _Responses:
 class _Inputs(_Responses):
     """The tensors a rule reads, with the selectors and factors it names computed on demand."""
 
-    def __init__(self, advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                 cpo_lambda, hint_correct):
-        super().__init__(correct, difficulty, hint_correct)
-        self.advantages, self.signals, self.entropy, self.mask = advantages, signals, entropy, mask.bool()
-        self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
+    def __init__(self, inputs: ShapingInputs, cpo_lambda: float) -> None:
+        super().__init__(inputs.correct, inputs.difficulty, inputs.hint_correct)
+        self.advantages, self.signals, self.entropy = inputs.advantages, inputs.signals, inputs.entropy
+        self.mask, self.log_probs, self.hint_log_probs = inputs.mask.bool(), inputs.log_probs, inputs.hint_log_probs
+        self.cpo_lambda = cpo_lambda
 
     def hint_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`clamp(p_hint / p, 1/lam, lam)` and lam as a tensor of the same dtype, so that the bound tests are exact."""
@@ -152,16 +169,16 @@ def _check_rule_table() -> None:
 _check_rule_table()
 
 
-def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                          hint_correct) -> None:
-    shape = tuple(advantages.shape)
+def _check_shaping_inputs(inputs: ShapingInputs) -> None:
+    signals, difficulty = inputs.signals, inputs.difficulty
+    shape = tuple(inputs.advantages.shape)
     for name, tensor in (("signals.mi", signals.mi), ("signals.kl", signals.kl), ("signals.u", signals.u),
-                         ("entropy", entropy), ("mask", mask), ("log_probs", log_probs),
-                         ("hint_log_probs", hint_log_probs)):
+                         ("entropy", inputs.entropy), ("mask", inputs.mask), ("log_probs", inputs.log_probs),
+                         ("hint_log_probs", inputs.hint_log_probs)):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {shape} like advantages")
-    for name, tensor in (("signals.ubar", signals.ubar), ("signals.s", signals.s), ("correct", correct),
-                         ("difficulty", difficulty), ("hint_correct", hint_correct)):
+    for name, tensor in (("signals.ubar", signals.ubar), ("signals.s", signals.s), ("correct", inputs.correct),
+                         ("difficulty", difficulty), ("hint_correct", inputs.hint_correct)):
         if tensor is not None and tuple(tensor.shape) != shape[:1]:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected ({shape[0]},), one per response")
     if difficulty.numel() and (int(difficulty.min()) < -1 or int(difficulty.max()) > 1):
@@ -173,13 +190,10 @@ def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficult
 
 def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Tensor, pos_alpha: float | None,
                      neg_alpha: float | None, hint_correct: torch.Tensor | None = None) -> torch.Tensor:
-    """The responses whose advantages the rule can change through a hint signal, BoolTensor[N]: those that the
-    response selectors of some term reading the hint pick, over the terms whose alpha is not 0.
+    """The responses whose advantages the rule can change through a hint signal, BoolTensor[N].
 
-    `shape_advantages` reads `hint_log_probs` (and the signals made from them) only through such terms, on the tokens
-    of the responses they select, so the hinted pass need only score these responses: any value on the other rows
-    (e.g. the plain log-probs, as for a response without a hint) gives bit-identical advantages. With `negonly_mi3`
-    only wrong responses of all-wrong prompts qualify, so on filter-groups batches (no all-wrong prompts) none does.
+    Only these need the hinted log-prob pass: any value on other rows gives bit-identical advantages (docs/cpo.md,
+    "Which responses are scored under the hint").
     """
     rule = resolve_rule(rule_name)
     responses = _Responses(correct, difficulty, hint_correct)
@@ -195,38 +209,17 @@ def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Te
     return hinted[:, 0]
 
 
-def shape_advantages(
-    rule_name: str,
-    advantages: torch.Tensor,
-    signals: "HintSignals",
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    correct: torch.Tensor,
-    difficulty: torch.Tensor,
-    log_probs: torch.Tensor,
-    hint_log_probs: torch.Tensor,
-    pos_alpha: float | None,
-    neg_alpha: float | None,
-    cpo_lambda: float,
-    hint_correct: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
-
-    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from
-    `megatron_cpo.kernels.hint_mi_signals`; correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`,
-    LongTensor[N]; hint_correct: optional BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms
-    on wrong responses then also require it). Values on padding are returned unchanged. Nothing here needs gradients.
-    """
-    rule = resolve_rule(rule_name)
-    _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                          hint_correct)
-    if cpo_lambda < 1.0:
-        raise ValueError(f"cpo_lambda={cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
+def shape_advantages(config: CPOConfig, inputs: ShapingInputs) -> torch.Tensor:
+    """The token-level advantages of `inputs` under CPO's rule `config.wrap_method`, weighted by `config.pos_alpha` /
+    `neg_alpha`, with the hint ratio clamped to [1/cpo_lambda, cpo_lambda] (the config checked cpo_lambda >= 1).
+    Values on padding are returned unchanged. Nothing here needs gradients."""
+    rule = resolve_rule(config.wrap_method)
+    _check_shaping_inputs(inputs)
+    assert config.cpo_lambda >= 1.0, "CPOConfig refuses algorithm.cpo.cpo_lambda < 1"
     with torch.no_grad():
-        x = _Inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                    cpo_lambda, hint_correct)
-        alphas = {"pos": pos_alpha or 0.0, "neg": neg_alpha or 0.0}
-        change = torch.zeros_like(advantages)
+        x = _Inputs(inputs, config.cpo_lambda)
+        alphas = {"pos": config.pos_alpha or 0.0, "neg": config.neg_alpha or 0.0}
+        change = torch.zeros_like(x.advantages)
         for term in rule.terms:
             if alphas[term.alpha] == 0.0:
                 continue
@@ -236,19 +229,23 @@ def shape_advantages(
             value = alphas[term.alpha] * FACTORS[term.factors[0]](x)
             for factor in term.factors[1:]:
                 value = value * FACTORS[factor](x)
-            change = change + torch.where(where, APPLY[term.apply](value, advantages), torch.zeros_like(change))
-        shaped = advantages + change
+            change = change + torch.where(where, APPLY[term.apply](value, x.advantages), torch.zeros_like(change))
+        shaped = x.advantages + change
         if rule.sign_clamp:
             restored = torch.where(x.correct, shaped.clamp(min=0), shaped.clamp(max=0))
             shaped = torch.where(x.mask, restored, shaped)
-        tokens = x.mask.sum().clamp(min=1)
+    return shaped
 
-        def masked_mean(values: torch.Tensor) -> float:
-            return float(torch.where(x.mask, values, 0.0).sum() / tokens)
 
-        metrics = {
-            "cpo/adv_change_mean": masked_mean(shaped - advantages),
-            "cpo/shaped_token_frac": float(((shaped != advantages) & x.mask).sum() / tokens),
-            "cpo/u_mean": masked_mean(signals.u),
-        }
-    return shaped, metrics
+def shaping_metrics(inputs: ShapingInputs, shaped: torch.Tensor) -> dict[str, float]:
+    """What the rule did over the tokens of `inputs`: the mean change of the advantages (`cpo/adv_change_mean`), the
+    share of tokens it changed (`cpo/shaped_token_frac`) and the mean uncertainty `u` (`cpo/u_mean`)."""
+    mask = inputs.mask.bool()
+    tokens = mask.sum().clamp(min=1)
+
+    def masked_mean(values: torch.Tensor) -> float:
+        return float(torch.where(mask, values, 0.0).sum() / tokens)
+
+    return {"cpo/adv_change_mean": masked_mean(shaped - inputs.advantages),
+            "cpo/shaped_token_frac": float(((shaped != inputs.advantages) & mask).sum() / tokens),
+            "cpo/u_mean": masked_mean(inputs.signals.u)}

@@ -1,12 +1,7 @@
-"""Which prompt groups to train on: DAPO filter-groups, RAGEN's strategies, filter loss scaling.
+"""Which prompt groups to train on: DAPO filter-groups, RAGEN's strategies, filter loss scaling (docs/filters.md).
 
-- DAPO dynamic sampling (Yu et al., 2025): a group whose responses all got the same metric value gives GRPO nothing
-  to compare, so only groups with std > 0 are kept (a group of one is kept: it cannot be judged).
-- RAGEN (Wang et al., 2025) ranks groups by a score, the in-group reward std by default (high variance = the prompt
-  is at the edge of the model's ability), and keeps the best by `top_p`, `top_k` or `min_p`. Keeping few groups
-  raises gradient variance; `filter_loss_scaling` shrinks the advantages by the kept ratio (or its square root).
-
-Every filter keeps or drops whole groups and returns a `GroupFilterResult`. Group indices are 0..G-1 (see groups.py).
+DAPO keeps groups whose metric has std > 0 (a group of one is kept: it cannot be judged); RAGEN ranks groups by a
+score and keeps the best. Every filter keeps or drops whole groups and returns a `GroupFilterResult`.
 """
 import math
 from collections.abc import Callable

@@ -1,15 +1,8 @@
 """KL estimators between the policy and a reference, per token, and the in-reward KL penalty.
 
-Names and numerics follow verl's `kl_penalty` so users see the same numbers:
-- `k1` / `kl`: `lp - ref` (unbiased, high variance).
-- `abs`: `|lp - ref|`.
-- `k2` / `mse`: `0.5 * (lp - ref)^2`.
-- `k3` / `low_var_kl`: Schulman's low-variance estimator `exp(ref - lp) - (ref - lp) - 1`, log-ratio clamped to +-20
-  and the result clamped to [0, 10] (verl clamps to [-10, 10]; the estimator is never negative, and computed as
-  `expm1(x) - x` with the lower bound 0 it cannot come out negative by rounding either, as `exp(x) - x - 1` did for
-  log-ratios near 0).
-A trailing `+` (e.g. `k3+`) gives the straight-through variant: the forward value of the named estimator with the
-gradient of `k2`, whose gradient is the unbiased gradient of KL (Tang & Munos, 2025; verl's "+" kinds).
+Names and numerics follow verl's `kl_penalty` (`k1`/`kl`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`; a trailing `+` is
+the straight-through variant with k2's gradient). `k3` is clamped to [0, 10], not verl's [-10, 10]; docs/algorithms.md,
+"KL estimators".
 """
 from collections.abc import Callable
 

@@ -1,14 +1,10 @@
-"""The actor's loss: the policy-gradient term of the selected mode, loss aggregation, entropy bonus and entropy mask,
-KL loss, TIS and the off-policy correction.
-
-- The policy-gradient term is `policy_loss.loss_mode`'s (policy_losses.py): `vanilla` is PPO's clip (Schulman et al.,
-  2017) with separate lower / upper ranges (DAPO's clip-higher, Yu et al., 2025, sets `clip_ratio_high` e.g. 0.28
-  above `clip_ratio_low` 0.2) and dual-clip (Ye et al., 2020: the loss of negative-advantage tokens bounded by
-  `clip_ratio_c * |A|`); GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov are the others.
-- Aggregation (`loss_agg_mode`, aggregation.py): verl's modes plus `token-sum`, as additive shares of the batch loss.
-- Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
-  entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
+"""The actor's loss: the policy-gradient term of the selected mode (policy_losses.py), loss aggregation
+(aggregation.py), entropy bonus and entropy mask, KL loss, TIS and the off-policy correction.
+The options and their papers: docs/grpo.md, docs/dapo.md and docs/algorithms.md.
 """
+
+import functools
+import logging
 
 import torch
 
@@ -22,6 +18,14 @@ from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the 
 )
 from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 from megatron_cpo.algorithms.rollout_correction import rollout_correction
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _announce(note: str) -> None:
+    """Log `note` once per process (the first micro-batch that computes it)."""
+    logger.info("%s", note)
 
 
 def entropy_mask(
@@ -62,11 +66,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total actor loss `pg - entropy_coeff * entropy + kl_loss_coef * kl` for one micro-batch, and its metrics.
 
-    All per-token inputs are Tensor[N, T]; `mask` is the response (loss) mask. See `aggregate_loss` for the global
-    counts. `rollout_log_probs` (the engine's log-probs of the sampled tokens) adds mismatch metrics, and TIS when
-    `config.tis` is set. `correction` (a resolved `algorithm.rollout_correction`, rollout_correction.py) weights the
-    policy-gradient term by its importance weights and drops the tokens it rejects from it. `generator` draws the
-    random choices of a mode that makes any (Clip-Cov's tokens).
+    Per-token inputs are Tensor[N, T] with `mask` the response mask; `rollout_log_probs` adds mismatch metrics
+    (and TIS), `correction` weights and rejects tokens of the policy-gradient term, `generator` draws Clip-Cov's tokens.
     """
     mode = POLICY_LOSS_MODES[config.policy_loss.loss_mode]
     pg_losses, metrics = mode.losses(log_probs, old_log_probs, advantages, mask, config, generator)
@@ -93,7 +94,9 @@ def policy_loss(
         entropy_keep, threshold = entropy_mask(entropy, mask, config.top_entropy_quantile)
         pg_mask = pg_mask & entropy_keep
         metrics["entropy/threshold"] = threshold
-    pg_loss = aggregate_loss(pg_losses, pg_mask, config.loss_agg_mode, global_tokens, global_seqs)
+    if note := config.aggregation_note():
+        _announce(note)
+    pg_loss = aggregate_loss(pg_losses, pg_mask, config.policy_aggregation, global_tokens, global_seqs)
     loss = pg_loss
     metrics["pg_loss"] = float(pg_loss.detach())
     if entropy is not None:

@@ -1,11 +1,6 @@
 """Rollout-engine vs trainer log-prob mismatch: metrics (also split by staleness) and truncated importance sampling
-(TIS).
-
-The rollout engine (vLLM) and the trainer (Megatron) compute slightly different probabilities for the same tokens
-(kernels, precision, batch invariance). The sampled data are then off-policy for the trainer. TIS (Yao et al., 2025,
-"Your efficient RL framework secretly brings you off-policy RL training") re-weights the policy-gradient term by
-`pi_trainer / pi_rollout`, truncated at C so that a few tokens cannot dominate: per token, or once per sequence from
-the product of the token ratios.
+(TIS): the policy-gradient term re-weighted by `pi_trainer / pi_rollout`, truncated at C, per token or per sequence.
+Why and the paper: docs/async.md, "The off-policy correction".
 """
 import torch
 

@@ -1,13 +1,7 @@
 """Token-level return math the estimators share: a reverse linear scan, discounted returns, GAE, masked whitening.
 
-Every recurrence here is of the form `x_t = b_t + a_t * x_{t+1}` (x after the last position is 0), run backwards over
-the response. `reverse_linear_scan` solves it for all rows and positions at once by recursive doubling (Hillis and
-Steele): ceil(log2 T) vectorised steps, each composing every position with the one `offset` positions later. No
-Python loop runs per token, and, unlike a cumulative product in log space, no division by a small discount power can
-overflow for long responses or zeros in the mask.
-
-The masks are verl's: a 0 marks padding or, in a multi-turn episode, an observation token that the policy did not
-sample. Returns and advantages are 0 there (verl leaves values on them that no loss reads).
+Every recurrence is `x_t = b_t + a_t * x_{t+1}`, solved for all positions at once by recursive doubling (no loop per
+token, no division that can overflow). Returns and advantages are 0 where verl's mask is 0 (padding, observations).
 """
 import torch
 

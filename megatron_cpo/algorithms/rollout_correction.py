@@ -1,27 +1,7 @@
 """Off-policy correction against the behaviour policy: importance weights and rejection masks (verl's
-`algorithm.rollout_correction`).
-
-The tokens a batch trains on were sampled by the rollout engine, under the weights it held then: an older policy
-version with asynchronous training (`async_training.max_staleness` > 0), and a slightly different implementation of
-the same weights always (kernels, precision). With `r_t = pi_old(y_t) / pi_rollout(y_t)` (the trainer's old
-log-probs against the engine's), the PPO loss is corrected as in AReaL's decoupled objective and verl's "decoupled
-mode": clip on pi / pi_old as usual, times an importance weight on pi_old / pi_rollout.
-
-- Importance sampling (`rollout_is`): `token` weights each token by min(r_t, C); `sequence` weights every token of a
-  response by min(prod_t r_t, C) (C = `rollout_is_threshold`). Token level is today's TIS.
-- Rejection (`rollout_rs`): tokens (`token`), whole responses by the product of their ratios (`sequence`) or by its
-  geometric mean (`geometric`) whose ratio leaves the band [lower, upper] drop out of the policy-gradient term
-  (upper = `rollout_rs_threshold`, default the IS threshold; lower = `rollout_rs_threshold_lower`, default 1/upper).
-  verl's names of the same bands are accepted: `token_k1`, `seq_sum_k1`, `seq_mean_k1`. verl's divergence bounds
-  drop what a KL estimate of `log r` puts above `rollout_rs_threshold`: `k2` = (log r)^2 / 2, `k3` = r - 1 - log r,
-  per token (`token_k2`, `token_k3`) or over a response's tokens summed, averaged or at their maximum (`seq_sum_*`,
-  `seq_mean_*`, `seq_max_*`). One criterion per run (verl's comma-separated lists are refused).
-- Veto (`rollout_token_veto_threshold`): a response with any token ratio below it is dropped whole.
-
-Ratios are formed in log space and bounded to exp(+-20) before exponentiating (verl's safety bound). Weights are
-detached: they change the measure, not the objective. Rejected tokens leave the policy-gradient term only (entropy
-and KL terms keep them); as with the entropy mask in losses.py, the trainer's loss is still normalised by the batch's
-token count, so a rejected fraction f scales the step by 1 - f, where verl divides by the kept tokens.
+`algorithm.rollout_correction`), as in AReaL's decoupled objective: the PPO clip on pi / pi_old times a detached
+weight on pi_old / pi_rollout. Ratios are bounded to exp(+-20) in log space (verl's bound); rejected tokens leave only
+the policy-gradient term. The options and how they differ from verl: docs/async.md, "The off-policy correction".
 """
 from __future__ import annotations
 

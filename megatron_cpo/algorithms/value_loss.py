@@ -1,11 +1,7 @@
 """PPO's critic: its clipped value loss and verl's value metrics, pure tensor math over response-aligned [N, T] tensors.
 
-The loss is verl's `compute_value_loss` (from TRL's PPO): the new values V may move at most `cliprange_value` away
-from the values V_old of the pass that made the returns, and the larger of the clipped and unclipped squared errors
-is kept, `0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))` (Schulman et al., 2017, eq. 9's value
-term as OpenAI's baselines implement it). With the global token / sequence counts of the whole mini-batch, the loss
-and its metrics are this micro-batch's additive shares (aggregation.py), so they do not depend on how the mini-batch
-is split over micro-batches and data-parallel ranks.
+verl's `compute_value_loss`: the larger of the clipped and unclipped squared errors, as additive shares of the
+mini-batch's global counts so the result does not depend on the micro-batch split (docs/algorithms.md).
 """
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Multi-digit addition asked in plain words, for a real instruct model (the SmolLM2-135M-Instruct example).
 
-The question is what a user would type ("What is 47 + 38?"), with no system prompt and no format instruction, so the
-model answers in its own words and its own chat template's default system prompt applies. The reward reads the last
-number of the response (`megatron_cpo/addition`'s grader, rewards/answer_graders.py): SmolLM2 ends its answers with
-"... 47 + 38 = 85." and never boxes them unprompted.
-
-Each row carries a worked column solution (`extra_info.solution`, the hint CPO shows): ones, tens, ... with the
-carries, in the same plain words. That is the knowledge a 135M model lacks here (it adds two-digit numbers right about
-one time in six greedily): the digit sums and where a carry goes.
-
-The test split is drawn first and its questions are excluded from the train split (a + b and b + a count as the same
-question), so held-out accuracy measures questions never trained on.
+No system prompt or format instruction; graded on the response's last number; each row carries a worked column
+solution as CPO's hint; the test split's questions are kept out of the train split (docs/data.md).
 
     python -m megatron_cpo.data.addition --out outputs/addition
 """

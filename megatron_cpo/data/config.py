@@ -15,18 +15,12 @@ DEFAULT_INSTRUCTION = (
 
 @dataclass
 class DataConfig:
-    """Datasets (verl parquet schema) and batch geometry.
-
-    `train_batch_size` is in prompts: every step trains on exactly `train_batch_size * rollout.n` responses.
-    `hint_key`: where CPO reads the worked solution it shows as a hint, first non-empty wins (docs/data.md);
-    `hint_instruction`: what the hint context's second user turn asks after repeating the question (docs/cpo.md;
-    the default asks for a `\\boxed{}` answer, which a task graded on another format should change).
-    `train_files` / `val_files` are lists of parquet paths (a single path, `a,b` or verl's `[a,b]` all work).
-    `prompt_key` is the column holding the chat messages; prompts longer than `max_prompt_length` are dropped
-    (`filter_overlong_prompts`) or cut (`truncation: left|right`; `error` stops with the row named).
-    `gen_batch_size` (verl's DAPO): prompts per generation batch, the unit `algorithm.filter_groups.max_num_gen_batches`
-    counts in (0: `train_batch_size`).
-    `val_max_samples` (verl): validate on the first this many rows of `val_files` (-1: all of them).
+    """Datasets (verl parquet schema) and batch geometry. `train_batch_size` is in prompts: a step trains on exactly
+    `train_batch_size * rollout.n` responses. `train_files` / `val_files`: parquet paths (`a`, `a,b` or `[a,b]`);
+    `prompt_key`: the chat-messages column; prompts over `max_prompt_length` are dropped (`filter_overlong_prompts`)
+    or cut (`truncation: left|right`; `error` names the row). `hint_key` / `hint_instruction`: CPO's hint source and
+    second-turn instruction (docs/data.md, docs/cpo.md). `gen_batch_size` (verl's DAPO): prompts per generation batch
+    (0: `train_batch_size`). `val_max_samples`: validate on the first this many rows (-1: all).
     """
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)

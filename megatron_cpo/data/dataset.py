@@ -1,11 +1,7 @@
 """Prompt datasets in verl's parquet schema (the trainer walks them with `trainer.prompt_stream.PromptStream`).
 
-A row holds `prompt` (chat messages), `data_source`, `reward_model.ground_truth` and optional `extra_info`, as in
-verl's RLHFDataset. `read_rows` is the one place rows are checked: the trainer's pre-start check (preflight.py) and
-`PromptDataset` both read through it, so they cannot disagree. Every bad row is named with what is wrong, so a user
-fixes the file in one pass. Rows are tokenized once with the tokenizer's chat template and the assistant generation
-prompt; prompts longer than `data.max_prompt_length` follow verl's policy: drop them (`filter_overlong_prompts`), or
-`truncation="error" | "left" | "right"`.
+`read_rows` is the one place rows are checked, for both preflight and `PromptDataset`, naming every bad row at once.
+Rows are tokenized once with the chat template; overlong prompts follow verl's policy (drop, or `truncation`).
 """
 from __future__ import annotations
 

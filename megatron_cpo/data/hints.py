@@ -1,17 +1,8 @@
 """The CPO hint context: the same response, scored after a conversation that already shows the gold solution.
 
-Per docs/cpo.md ("The hint context"), the hinted prompt is the original messages (system + user), an
-assistant turn holding the hint (the gold solution), a second user turn that repeats the question and adds an
-instruction, then the assistant generation prompt. It is rendered through the tokenizer's own chat template, so any
-model family works and no token id is hard-coded. The response token ids are appended unchanged.
-
-When the hinted prompt is longer than `max_prompt_length`, the hint is cut from the left (its end, with the answer,
-survives) and the number of truncated contexts is reported. A row without any hint source keeps its plain prompt and
-is flagged `has_hint=False`: the trainer then sets `hint_log_probs = old_log_probs` for it, so its MI is 0.
-
-The hint is the first non-empty value among `data.hint_key` (default `DEFAULT_HINT_KEYS`: a worked solution where the
-data set keeps one, the bare answer last). `HintReader` counts where each hint came from (`cpo/hint_source/<key>`)
-and warns once when hints are bare answers, which carry far less information than a worked solution.
+Rendered through the tokenizer's own chat template (docs/cpo.md, "The hint context"); an overlong hint is cut from
+the left. A row without a hint is `has_hint=False` and scored as its plain prompt (MI 0). `HintReader` counts the
+hint's source and warns when hints are bare answers.
 """
 from __future__ import annotations
 

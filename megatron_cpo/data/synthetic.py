@@ -1,13 +1,6 @@
-"""A synthetic arithmetic task in verl's parquet schema, sized for a tiny character-level model.
-
-Each row asks one arithmetic question and carries a short step-by-step gold solution that ends in `\\boxed{answer}`
-(the hint CPO conditions on). Difficulty levels go from one-digit addition to several operands with carries and
-multiplication, so that a lightly trained tiny model solves the easy levels often and the hard ones rarely: RL then
-has groups with mixed outcomes to learn from. Prompts and solutions are kept short because the tokenizer spends one
-token per character.
-
-Rows are deterministic in (seed, split). The test split is drawn first and its questions are excluded from the train
-split, so held-out accuracy measures questions the model never saw in supervised warm-up or RL.
+"""A synthetic arithmetic task in verl's parquet schema, sized for a tiny character-level model: short questions with
+step-by-step gold solutions ending in `\\boxed{}` (CPO's hint), at difficulty levels that give RL mixed groups.
+Deterministic in (seed, split); test questions are kept out of the train split (docs/data.md).
 """
 from __future__ import annotations
 

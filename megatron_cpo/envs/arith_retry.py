@@ -1,10 +1,7 @@
-"""Arithmetic with feedback: a wrong answer is told so and gets another turn (verl's GSM8K interaction, as a text
-environment over the synthetic arithmetic task, `megatron_cpo/data/synthetic.py`).
-
-The answer is the last `\\boxed{}` number (or `#### n`) of a turn, compared by value with the row's ground truth. A
-right first answer earns 1, a right later one `retry_reward`, a wrong one 0 and the feedback message; the
-episode's turn limit (`multi_turn.max_assistant_turns`) bounds the tries. The environment scores itself: success is
-a right answer within the tries.
+"""Arithmetic with feedback (verl's GSM8K interaction as a text environment over megatron_cpo/data/synthetic.py): the
+last `\\boxed{}` number (or `#### n`) of a turn is compared by value with the ground truth; a right first answer
+earns 1, a right later one `retry_reward`, a wrong one 0 and the feedback message, within
+`multi_turn.max_assistant_turns` tries. The environment scores itself: success is a right answer within the tries.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The environment interface: one instance per episode, Gym-shaped, on chat messages.
 
-`reset(record, seed)` returns the conversation the episode starts from (usually the data row's own messages; the
-episodes of one group start from the same one, since GRPO compares them); `step(action_text)` takes the text of the
-model's turn and returns the observation messages to append, a reward, whether the episode is done, and an info
-dict; `score()` is the final score added to the summed step rewards (None: the data source's grader grades the last
-answer); `close()` releases what the episode held. Gym-style environments of ms-swift's and RAGEN's shape fit by
-wrapping their observation in a message. Every call runs on a worker thread with a timeout (envs/runner.py), so an
-implementation may block; it is never called twice at once for one episode.
+``reset`` gives the starting conversation, ``step`` takes the model's turn text and returns observation messages,
+a reward and done, ``score`` the final score (None: the grader grades the last answer). Calls run on a worker
+thread with a timeout (envs/runner.py), never two at once per episode; docs/multi_turn.md, "Environments".
 """
 from __future__ import annotations
 

@@ -18,29 +18,9 @@ TOOL_CALL_FORMATS = ("hermes",)
 @dataclass
 class MultiTurnConfig:
     """Multi-turn episodes: each of a prompt's `rollout.n` samples is an episode in which the model's turns alternate
-    with observations from an environment (a tool's output, an interaction's answer, a game's next state), token in
-    and token out; docs/multi_turn.md.
-
-    `enable`: run every prompt as an episode of its row's environment (the `agent_name` column, else
-    `default_agent`: `tool_agent` runs the tools of `tool_config_path` and the interaction of
-    `interaction_config_path`, verl's YAML formats; `single_turn_agent` one answer; `frozen_lake`, `arith_retry` the
-    built-in text environments; or "pkg.module:Class"). `agent_kwargs.<agent>` are keyword arguments of that
-    environment's constructor.
-    Limits: `max_assistant_turns` / `max_user_turns` (None: no limit), `max_tokens_per_turn` (0: only the response
-    budget), and one response budget, `data.max_response_length`, over the model's and the observations' tokens.
-    An episode ends when its environment says done, on a turn limit, after a turn cut by a length limit, or when the
-    next observation would not fit the budget (the last two flag it truncated for the overlong settings).
-    Tool outputs longer than `max_tool_response_length` characters are cut on `tool_response_truncate_side` (verl's
-    meaning: `left` keeps the start, `right` the end, `middle` both ends); at most `max_parallel_calls` tool calls of
-    one turn run (in parallel). `format`: how tool calls are written (`hermes`: `<tool_call>{json}</tool_call>`).
-    Every environment, tool and interaction call runs on one of `env_workers` threads, never on the controller's,
-    and is given `call_timeout_s`: an exception, a timeout or a malformed tool call becomes an error observation
-    (counted), except that an environment whose step timed out ends its episode (its state is unknown).
-    `tokenization_sanity_check_mode` (verl's): at the end of each episode compare its ids with the chat template
-    applied to the whole conversation; `strict` excludes an episode whose text differs from the loss (its loss mask
-    becomes 0) and counts it, `warn` counts and warns, `off` (verl: `disable`) skips the check;
-    `ignore_strippable` is strict on text compared without whitespace. Ids that differ while the text is the same
-    (the model sampled a non-canonical tokenization) are counted but never excluded: they are what was sampled.
+    with an environment's observations, token in and token out. The environment of each row (`agent_name`, else
+    `default_agent`, with `agent_kwargs`), verl's tool and interaction YAML, the turn and length limits, the worker
+    threads and timeouts and verl's `tokenization_sanity_check_mode`: docs/multi_turn.md.
     """
     enable: bool = False
     max_assistant_turns: int | None = None

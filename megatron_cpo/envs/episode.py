@@ -1,11 +1,6 @@
-"""One episode's state: its environment, the conversation, and the ids, loss mask and log-probs accumulated turn by
-turn (token in, token out). The runner (runner.py) drives it; everything here is bookkeeping.
-
-The response is one budget (`data.max_response_length`) over the model's and the observations' tokens; sampled ids
-carry mask 1 and the engine's log-probs, observation ids mask 0 and log-prob 0. Every sampled id also keeps the
-weight version that sampled it (an episode may span weight pushes: turn 1 under version v, turn 2 under v + 1, or a
-turn continued across a push); an observation id carries the version of the sampled id before it, so observations
-never change an episode's oldest version nor how many versions it spans (they carry no loss either way).
+"""One episode's state: its environment, the conversation, and the ids, loss mask, log-probs and weight versions
+accumulated turn by turn (token in, token out). The runner (runner.py) drives it; everything here is bookkeeping.
+Observation ids carry mask 0, log-prob 0 and the version of the sampled id before them (docs/multi_turn.md).
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""FrozenLake as a text game (RAGEN's environment, Gym's rules): walk from S to G on a small grid of ice (F) and
-holes (H); the model sees the board with its position as P and answers one move as a single character in
-`\\boxed{}` (RAGEN's numbering: 1 left, 2 down, 3 right, 4 up). Reaching G ends the episode with reward 1, a hole
-with 0; an unreadable move costs nothing but a turn. `slippery` (Gym's): a move goes sideways with probability 2/3,
-drawn from the episode's seed.
-
-`write_frozen_lake_parquet` writes boards in verl's schema (`extra_info.map`, `agent_name: frozen_lake`), each with
-a path from S to G; the test split holds boards the train split does not.
+"""FrozenLake as a text game (RAGEN's environment, Gym's rules): walk from S to G on a grid of ice and holes, one move
+digit per turn in ``\\boxed{}``; reward 1 at G, 0 in a hole. ``write_frozen_lake_parquet`` writes boards in verl's
+schema. Rules and numbering: docs/multi_turn.md, "Environments".
 """
 from __future__ import annotations
 

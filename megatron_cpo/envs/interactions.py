@@ -1,18 +1,7 @@
-"""verl's interactions, duck-typed: an object with `BaseInteraction`'s methods answers the model between turns.
+"""verl's interactions, duck-typed: an object with ``BaseInteraction``'s methods answers the model between turns.
 
-Declared in verl's interaction-config YAML (`actor_rollout_ref.rollout.multi_turn.interaction_config_path`):
-
-```yaml
-interaction:
-  - name: arith                                   # rows pick it with extra_info.interaction_kwargs.name
-    class_name: my_package.feedback.ArithFeedback # constructed as Class(config={**config, "name": name})
-    config: {}
-```
-
-The class needs no verl: `generate_response(instance_id, messages, **kwargs) -> (should_terminate, response, score,
-metadata)` is required; `start_interaction(instance_id, **kwargs)`, `calculate_score(instance_id, **kwargs)` and
-`finalize_interaction(instance_id, **kwargs)` are called when present. Each may be `async def` (verl's) or plain;
-coroutines run on one private event loop thread, and every call is on a runner worker thread with its timeout.
+Loaded from verl's interaction-config YAML without verl; sync or ``async def`` methods (coroutines run on one
+private event-loop thread). The interface and YAML: docs/multi_turn.md, "Interactions".
 """
 from __future__ import annotations
 

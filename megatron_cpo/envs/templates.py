@@ -1,24 +1,8 @@
 """Observation tokens from the chat template, as a difference against the conversation so far (token in, token out).
 
-An episode's ids are the prompt, then each turn's sampled ids exactly as the engine returned them (never decoded and
-re-encoded), then the observation's ids, and so on. The observation's ids are the text the chat template adds when
-the new messages are appended to the conversation so far:
-
-    prior = template(conversation so far, the last assistant turn included)
-    full  = template(conversation so far + new messages, add_generation_prompt=True)
-    observation text = separator + full[len(prior):]
-
-where the separator is what the template writes after the end-of-turn token the engine stopped on (Qwen's template
-writes "<|im_end|>\\n": the engine stops at <|im_end|> and never samples the "\\n", so the observation starts with
-it; verl PR #6921 found it dropped at every assistant -> tool boundary). A template that rewrites earlier turns when
-a message is appended (e.g. one that drops the reasoning of earlier assistant turns) has no such difference; then
-the new messages are rendered after a fixed one-turn conversation instead, and the episode's sanity check reports
-that its ids differ from the template's view of the whole conversation.
-
-`check_conversation` is that sanity check (verl's `tokenization_sanity_check_mode`): the episode's ids must be a
-prefix of the template's ids for the whole conversation (the template then only closes the last turn). Same text
-with other ids means the model sampled a non-canonical tokenization: counted, never excluded (those are the ids
-that were sampled).
+Sampled ids are kept as the engine returned them; an observation's ids are the template's addition for the new
+messages plus the end-of-turn separator the engine never sampled. ``check_conversation`` is verl's
+``tokenization_sanity_check_mode``. The rule and its edge cases: docs/multi_turn.md, "Token in, token out".
 """
 from __future__ import annotations
 

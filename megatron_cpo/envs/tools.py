@@ -1,20 +1,8 @@
 """Tools the model calls between turns: an OpenAI function schema and a call that returns text.
 
-Declared in verl's tool-config YAML (`actor_rollout_ref.rollout.multi_turn.tool_config_path`):
-
-```yaml
-tools:
-  - class_name: megatron_cpo.envs.tools.CalculatorTool   # or pkg.module:Class
-    config: {}                                            # the constructor's `config`
-    tool_schema:                                          # optional for the built-in tools
-      type: function
-      function: {name: calculator, description: ..., parameters: {type: object, properties: {...}, required: [...]}}
-```
-
-verl's own class names of its GSM8K and code tools are accepted and run our equivalents (`VERL_TOOL_CLASSES`), so
-verl's YAML files load unchanged. A tool is shared by every episode; what one episode's calls share (e.g. the best
-answer so far) lives in `ToolContext.state`, and the row's `extra_info.tools_kwargs[<tool name>]` (verl's
-`create_kwargs` and `execute_kwargs`, merged) in `ToolContext.kwargs`.
+Loaded from verl's tool-config YAML; verl's own GSM8K and code tool class names run our equivalents
+(``VERL_TOOL_CLASSES``). A tool is shared by every episode; per-episode state is in ``ToolContext``
+(docs/multi_turn.md, "Tools").
 """
 from __future__ import annotations
 

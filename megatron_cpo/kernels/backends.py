@@ -119,13 +119,8 @@ class TorchChunkedBackend:
 
 @dataclass(frozen=True)
 class TritonBackend:
-    """Triton kernels (compiled on CUDA, interpreted on CPU when ``TRITON_INTERPRET=1``).
-
-    The logits kernels stream each row in ``logits_block_v`` columns. The linear forward keeps logits in registers
-    (``block_n`` x ``block_v`` tiles, ``block_k`` deep) and splits the vocabulary so that at least ``min_programs``
-    programs run. The linear backward recomputes logit tiles for ``grad_chunk_bytes`` worth of tokens at a time,
-    writes their gradient in the input dtype, and forms the hidden/weight gradients with two matmuls per chunk; the
-    weight gradient accumulates in the weight's dtype (each chunk's matmul accumulates in fp32).
+    """Triton kernels (compiled on CUDA, interpreted on CPU when ``TRITON_INTERPRET=1``); the tile sizes and the linear
+    backward's ``grad_chunk_bytes`` are its settings (how each kernel tiles: benchmarks/kernels/README.md).
     """
 
     logits_block_v: int = 4096

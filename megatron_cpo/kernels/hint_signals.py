@@ -28,16 +28,8 @@ def hint_mi_signals(log_probs: torch.Tensor, hint_log_probs: torch.Tensor, entro
                     mask: torch.Tensor) -> HintSignals:
     """CPO's per-token and per-response signals of how much the hint changes the policy.
 
-    Args:
-        log_probs: ``lp`` [N, T], log-prob of each response token without the hint.
-        hint_log_probs: ``lp_h`` [N, T], the same tokens' log-probs with the hint in the context.
-        entropy: ``H`` [N, T], the policy's entropy at each token (no hint).
-        mask: ``m`` [N, T], 1 (or True) on real response tokens.
-
-    Returns:
-        ``HintSignals(mi, kl, u, ubar, s)`` with ``kl = lp_h - lp`` and ``mi = exp(lp_h) * kl`` at every position;
-        ``u = (H - min_m H) / (max_m H - min_m H + 1e-8)`` on masked tokens and 0 elsewhere (and 0 for a response
-        with no masked token); ``ubar = sum(H * m) / (sum(m) + 1e-10)``; ``s = sum(kl * m) / (sum(m) + 1e-10)``.
+    From ``lp``, ``lp_h``, ``H`` and ``mask`` [N, T], returns ``HintSignals(mi, kl, u, ubar, s)`` as docs/cpo.md
+    ("Notation") defines them: ``kl``, ``mi`` at every position, ``u`` 0 off the mask, ``ubar`` and ``s`` per response.
     """
     shapes = {t.shape for t in (log_probs, hint_log_probs, entropy, mask)}
     if len(shapes) != 1 or log_probs.dim() != 2:

@@ -1,16 +1,8 @@
 """Megatron distributed checkpoints (torch_dist format) of a model built by `build_gpt_model`.
 
-A torch_dist checkpoint stores every tensor as one global array with its shards' offsets, so a checkpoint saved at one
-TP/PP layout loads at any other. The one tensor whose global shape depends on the layout is the vocabulary table
-(embedding and output layer), padded to a multiple of the saving TP size: loading reads the saved table whole and
-keeps the real rows, so any padding loads at any TP/PP that divides the model.
-
-Beside the shards, a small JSON file records what the model was built from (including its padded vocabulary), so a
-mismatch is reported plainly. The file is optional: a plain Megatron-Core checkpoint (as Megatron-LM or verl's Megatron
-backend write one for a GPTModel of a supported family, also a Megatron-LM directory with
-`latest_checkpointed_iteration.txt`) loads when its tensor names and shapes match the model; any difference is an
-error naming the tensors. Experts are stored with their global index, so a checkpoint saved at one EP/ETP loads at
-any other.
+Global tensors load at any TP/PP/EP/ETP; the padded vocabulary table is read whole and cut to the real rows. A small
+JSON file records what the model was built from; plain Megatron-Core checkpoints load without it when names and
+shapes match (docs/conversion.md, "Checkpoints at any layout").
 """
 from __future__ import annotations
 

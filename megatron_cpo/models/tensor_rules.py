@@ -1,14 +1,8 @@
 """Rules that turn Hugging Face tensors into Megatron-Core parameters and back, one `Mapping` per parameter.
 
-A family (models/families/) lists the mappings of its layers; weight_mapping.py applies them when loading and
-exporting. Megatron layouts that differ from HF:
-- `linear_qkv` holds q, k and v grouped by KV head: for each query group, its query heads then its key then its value
-  head. TP ranks own contiguous query groups.
-- `linear_fc1` holds [gate; up]; under TP each rank holds [its gate slice; its up slice]. An expert's `linear_fc1` is
-  split the same way over the expert-tensor-parallel (ETP) group.
-- The vocabulary (embedding, output layer) is padded to a multiple of the TP size; HF tensors carry the real size.
-- Experts: each expert-parallel (EP) rank holds `num_experts / EP` consecutive experts; HF names carry the global
-  expert index (`{expert}` in a mapping's HF names), Megatron names the local one (`{local}`).
+A family (models/families/) lists the mappings of its layers; weight_mapping.py applies them. The Megatron layouts
+that differ from HF (fused QKV by query group, [gate; up], padded vocabulary, local expert indices):
+docs/conversion.md, "Megatron layouts".
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Tiny models of every supported family with a character-level chat tokenizer, built from configs (nothing is
-downloaded).
-
-They exist so that the whole loop (Megatron training, vLLM rollout, conversion) runs for real on a CPU. head_dim is
-at least 32 because vLLM's CPU attention rejects 16, and every width is a multiple of 32 (vLLM's CPU MoE kernel needs
-it). The mixture-of-experts models have 4 layers and 4 experts, top-2: Qwen3-MoE routes every second layer
-(`decoder_sparse_step=2`) with renormalised top-k probabilities, Qwen2-MoE routes layers 1-3 (`mlp_only_layers=[0]`)
-without renormalising and adds its gated shared expert, Mixtral routes every layer.
+downloaded), so that the whole loop runs for real on a CPU. Their sizes follow vLLM's CPU kernels (head_dim >= 32,
+widths multiples of 32); docs/conversion.md, "Tiny models".
 """
 from __future__ import annotations
 

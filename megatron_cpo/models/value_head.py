@@ -1,16 +1,8 @@
 """The critic's scalar value head, and what makes a Hugging Face model directory a value model.
 
-A value model is the actor's `GPTModel` whose output layer is `ValueHead`: one value per position from the final
-hidden states, `h . w (+ b)`, in place of the vocab-parallel logits (verl's Megatron critic does the same). The head
-is small and replicated on the TP ranks of the last pipeline stage. Under sequence parallelism each TP rank holds a
-part of the sequence: the head runs on that part, the values are gathered over TP, and its weight is marked
-`sequence_parallel` so that Megatron's `finalize_model_grads` sums the head's gradient over the TP ranks.
-
-On disk a value model is what transformers calls a token-classification model with one label
-(`LlamaForTokenClassification` and its siblings; verl's FSDP critic loads and saves the same): the decoder's tensors
-under the causal LM's names, and the head as `score.weight` (and `score.bias` unless the config says
-`token_classification_bias: false`). A causal LM starts a value model too: its `lm_head` is left out and the head
-starts from `init_weights` (OpenRLHF's initialisation, the same on every rank and layout).
+The actor's `GPTModel` with `ValueHead` (`h . w (+ b)` per position) as its output layer, as verl's Megatron critic;
+on disk a token-classification model with one label (`score.weight`), as verl's FSDP critic. Sequence parallelism
+and initialisation: docs/algorithms.md, "PPO's critic".
 """
 from __future__ import annotations
 

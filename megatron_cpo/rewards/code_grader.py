@@ -1,14 +1,7 @@
 """Code grader (codecontests, apps, codeforces, taco): run the candidate against test cases in the sandbox.
 
-Ground truth follows the APPS/TACO convention: JSON (or a dict) with ``inputs`` and ``outputs`` lists and an optional
-``fn_name``. Without ``fn_name`` each input is fed on stdin and the printed output is compared line by line
-(whitespace-insensitive, numbers within 1e-6); with ``fn_name`` each input is the argument list of a call and the
-return value is compared (APPS wraps expected values in a one-element list; both forms are accepted).
-
-Each test case is a separate sandboxed process (``sandbox.run_python``, in the backend ``reward.sandbox.mode``
-selects); with the remote (SandboxFusion) backend up to ``reward.sandbox.fusion_max_concurrent`` cases of one sample
-are in flight at once. ``continuous=True`` (the seed's choice) scores the fraction of tests passed;
-``continuous=False`` scores 1 when all pass and ``wrong_score`` otherwise, and stops at the first failure.
+Ground truth is APPS/TACO's ``{inputs, outputs[, fn_name]}``: stdin/stdout programs, or calls of ``fn_name``. Each
+case is a separate sandboxed process; ``continuous`` scores the fraction passed, else all-or-nothing (docs/data.md).
 """
 from __future__ import annotations
 

@@ -17,18 +17,9 @@ NON_FINITE_POLICIES = ("error", "zero")  # what a NaN or infinite score does (re
 
 @dataclass
 class RemoteRewardConfig:
-    """A reward model served over HTTP (`reward.remote`), scoring every graded response.
-
-    enable: call the server (verl's `reward_model.enable`, for a model behind a URL instead of in-process).
-    url: the server's base URL; `/score` is appended (`python -m megatron_cpo.rewards.reward_server` serves one).
-    combine: `replace` (the model's score is the reward, as in verl when `rm_scores` are present) or `add` (rule
-        score + model score). The rule graders still run either way: `acc` (accuracy metrics,
-        `filter_groups.metric=acc`, validation) comes from them.
-    batch_size / max_concurrent: items per request and requests in flight (verl's `sandbox_fusion.max_concurrent`).
-    timeout_s / max_retries / backoff_s / backoff_multiplier: per-request timeout and the retry schedule.
-    on_error: `raise` stops training with an error naming the URL; `failure_score` gives the samples of a batch
-        that failed every attempt `failure_score` as their model score, counts them in `reward/remote/failed` and
-        trains on.
+    """A reward model served over HTTP (`reward.remote`), scoring every graded response: `url` (+ `/score`), `combine`
+    (`replace` or `add` to the rule score), batching, timeout and retry schedule, and `on_error` (`raise`, or
+    `failure_score` and train on). docs/data.md, "A remote reward model".
     """
 
     enable: bool = False
@@ -62,33 +53,10 @@ class RemoteRewardConfig:
 
 @dataclass
 class RewardConfig:
-    """`reward.*`: the grading process pool, what grades each response, the code sandbox, a remote reward model and
-    DAPO's overlong buffer (applied by the trainer's group selection).
-
-    num_workers: grading processes (the pool is bounded; keep it at or below the free cores).
-    timeout_s: hard wall-time limit per sample; past it the worker is killed and replaced (code graders need their
-        total_timeout_s plus process start-up).
-    custom_reward_function: "pkg.module:function" or "file.py:function" that grades every response instead of the
-        grader registered for its data source; it takes `data_source, solution_str, ground_truth, extra_info`
-        keywords and returns a score or a dict with `score` and `acc`. A bare "file.py" grades with its function
-        `custom_reward_function_name`. verl's top-level `custom_reward_function.path` / `.name` are accepted for
-        these two keys. `reward_function` is the resulting "module:function" ("" when unset).
-    custom_graders: `{data_source: "pkg.module:fn"}` adds or replaces the grader of single sources, in the trainer
-        (data check) and in every grading worker.
-    custom_failure_score: score given when a custom grader fails.
-    grader_kwargs: `{data_source: {kwarg: value}}` passed to that source's grader over its defaults, e.g.
-        `{math500: {wrong_score: 0.0}}` for 1/0 math rewards or `{apps: {continuous: false}}`.
-    worker_memory_limit_mb: address-space limit of each grading process (a grader that exceeds it fails with
-        MemoryError instead of exhausting the host); 0 for no limit.
-    sandbox: which backend runs model-written code (`SandboxConfig`, rewards/sandbox.py); batches with code samples
-        log `reward/sandbox_weak`.
-    remote (`reward.remote.*`): a reward model served over HTTP whose score replaces or is added to the rule score.
-    non_finite: what a NaN or infinite score does, from any source (a grader, the custom reward function, the remote
-        reward model, an environment's step reward or final score): `error` (default) stops the run before the
-        update with one line naming the source, the function and the row, nothing of that step trained; `zero`
-        trains it as 0 and counts it in `reward/non_finite` (an environment's also in
-        `multi_turn/non_finite_rewards`). Validation scores are never trained: there a non-finite score is always
-        0, counted in `val/non_finite`.
+    """`reward.*`: the grading pool (`num_workers`, `timeout_s` per sample, `worker_memory_limit_mb`), what grades each
+    response (`custom_reward_function`, `custom_graders`, `grader_kwargs`, `custom_failure_score`), the code `sandbox`,
+    a `remote` reward model, `non_finite` and DAPO's overlong buffer (applied by the trainer's group selection). Every
+    setting: docs/data.md, "Reward settings"; the sandbox: docs/sandbox.md.
     """
 
     num_workers: int = 2

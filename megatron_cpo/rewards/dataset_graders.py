@@ -74,11 +74,8 @@ def compute_dapo_score(
 ) -> dict:
     """math_dapo, math, math_dapo_reasoning and aime*: +1 when the "Answer:" line equals the ground truth, else -1.
 
-    Correct when the Minerva normal forms are equal (verl's rule). More lenient than verl: the whole response is
-    searched (verl: its last 300 characters), a ``\\boxed{}`` answer counts when there is no "Answer:" line after
-    it (verl reads the "Answer:" line wherever the box is), and
-    unless ``strict`` (aime*) answers that are numerically or symbolically equal count too (``0.5`` for
-    ``\\frac{1}{2}``); with ``strict`` only integer spellings may differ (``042`` for ``42``).
+    Minerva normal forms as in verl, with the leniencies docs/data.md lists; ``strict`` (aime*) allows only integer
+    spellings to differ (``042`` for ``42``).
     """
     raw, origin = dapo_answer(solution_str)
     if raw is None:

@@ -1,11 +1,8 @@
 """Reward manager: scores a batch of responses in a grading pool and turns scores into sparse token rewards.
 
-A sample whose grader raises, hangs past ``timeout_s`` or kills its worker gets that grader's wrong-answer
-score (``Grader.failure_score``), its reason is kept in ``details`` and it is counted in the metrics; training never
-stops for it. With a remote reward model (``reward.remote``, see ``remote.py``) its score replaces or is added to the
-rule score of every sample; ``acc`` stays the rule graders'. A non-finite score, the graders' or the reward model's,
-is refused here (scored 0 and described in ``RewardResult.non_finite``; ``reward.non_finite`` decides what follows,
-non_finite.py). Following the seed (section 2.2), the whole sequence reward sits on the last valid response token.
+A grader that raises, hangs or crashes gives its wrong-answer score and is counted, never stopping training; a remote
+reward model's score replaces or adds to the rule score; non-finite scores are refused here (non_finite.py). The
+sequence reward sits on the last valid response token (the seed's section 2.2).
 """
 from __future__ import annotations
 

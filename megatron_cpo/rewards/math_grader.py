@@ -1,16 +1,7 @@
 """Math graders: MATH-style equivalence (exact, numeric, symbolic) and strict AIME/AMC matching.
 
-Equivalence is decided in three stages, cheapest first: the normalised strings match (``strip_string``); both sides
-are plain numbers that agree within a relative tolerance; HF math-verify (sympy based) finds them symbolically equal
-(sets, intervals, matrices, roots, pi, expressions) within a CPU-time budget of ``symbolic_timeout_s`` (``symbolic``).
-Inputs whose evaluation would sit inside one long C call, where no signal is handled (huge exponents, factorials,
-power towers), and answers over ``MAX_SYMBOLIC_CHARS`` never reach sympy. Numbers compare as exact decimals, so no
-value overflows and ``1e999`` differs from ``1e500``. Signals only reach the main thread, so a call from another
-thread sends its symbolic check to a helper process under the same budget and a wall-clock limit
-(``symbolic_process``). In training the grading pool's per-sample wall timeout bounds everything
-(``megatron_cpo.rewards.manager``).
-
-Scores follow CPO's convention, +1 correct / -1 wrong; pass ``wrong_score=0.0`` for 1/0.
+Cheapest first: normalised strings, then plain numbers (exact decimals), then math-verify under a CPU-time budget,
+skipped for inputs that would hang sympy in one C call. Scores are CPO's +1 / -1; ``wrong_score=0.0`` gives 1/0.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Non-finite rewards (NaN, +-inf) are stopped where they enter: never trained as they are.
 
-Each source checks its own scores once, where they arrive: the grading pool's (built-in graders, custom graders,
-`custom_reward_function`) and the remote reward model's in `RewardManager.score`, an environment's step rewards and
-final score in the episode runner (envs/runner.py). A refused score becomes 0 and is described (the source, the
-function, the row's index and data source, the value); what happens next is `reward.non_finite`, applied by the
-trainer's scorer (trainer/driver/grading.py) to every source at once: `error` stops the run before the update with
-the first description, `zero` trains the refused scores as 0 and counts them (`reward/non_finite`).
+Each source checks its scores once where they arrive; a refused score becomes 0 with a description, and
+``reward.non_finite`` (applied in trainer/driver/grading.py) decides: stop the run or train it as 0 (docs/data.md).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A bounded pool of grading processes with a hard per-sample timeout.
 
-``concurrent.futures.ProcessPoolExecutor`` cannot stop a hung task and breaks the whole pool when one worker dies, so
-this pool keeps one pipe per worker and does its own scheduling: a task past its deadline gets its worker SIGKILLed
-and replaced, a worker that dies mid-task is replaced, and in both cases the sample is reported as failed while the
-rest of the batch carries on. Each worker (``grading_worker.py``) grades on its main thread, where the math grader's
-CPU-time budget (a signal) works.
+`ProcessPoolExecutor` cannot stop a hung task and breaks when a worker dies, so this pool keeps a pipe per worker:
+a task past its deadline has its worker SIGKILLed and replaced, a dead worker is replaced, the sample fails and the
+batch carries on. Workers (grading_worker.py) grade on their main thread, where the math grader's CPU budget works.
 """
 from __future__ import annotations
 

@@ -1,37 +1,8 @@
 """Grader registry: one entry point with verl's signature, dispatching on ``data_source``.
 
-A grader is any callable ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict | float``
-returning at least ``score`` and ``acc`` (a bare number is wrapped: ``acc = score > 0``). Each registered grader also
-declares ``failure_score``, the score a sample gets when the grader raises, hangs or crashes, which is that grader's
-wrong-answer score, and ``defaults``, keyword arguments that give a source verl's score values. Users add graders with
-``register_grader(source, "pkg.module:fn")`` or through ``reward.custom_graders``; adding a source touches one row of
-``_BUILTIN_GRADERS``.
-
-Every source verl's ``default_compute_score`` grades is covered with verl's score values:
-
-==========================================================  ===========  ===============================================
-data_source                                                  scores       where ours is more lenient than verl
-==========================================================  ===========  ===============================================
-openai/gsm8k                                                 1 / 0        ``\\boxed{}`` fallback, numbers by value,
-                                                                          whole response (verl: last 300 chars)
-lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,          1 / 0        numeric and symbolic (math-verify) equivalence
-HuggingFaceH4/MATH-500                                                    besides verl's normalised string match
-math_dapo, math, math_dapo_reasoning                         +1 / -1      ``\\boxed{}`` when no "Answer:" line (or the
-                                                                          box follows it), whole response,
-                                                                          numeric/symbolic equivalence
-aime* (any source starting with "aime")                      +1 / -1      ``\\boxed{}`` fallback, ``042`` == ``42``
-numina_aops_forum, numina_synthetic_math, numina_amc_aime,   1 / 0        same equivalence as MATH (verl: PRIME's
-numina_synthetic_amc, numina_cn_k12, numina_olympiads                     sympy grader); extraction from the box, the
-                                                                          announced answer or the last number
-codecontests, apps, codeforces, taco                         [0, 1]       none: fraction of the first 10 tests passed,
-                                                                          1 when all pass (our sandbox, not PRIME's)
-hiyouga/geometry3k                                           1/.9/.1/0    1% numeric slack on the boxed value
-searchR1_nq, _triviaqa, _popqa, _hotpotqa,                   1/.25/0      none (exact match after SQuAD normalisation)
-_2wikimultihopqa, _musique, _bamboogle
-==========================================================  ===========  ===============================================
-
-Our own sources keep CPO's +1/-1 (math500, hendrycks_math, megatron_cpo/arith, amc23 strict) or 1/0 (gpqa;
-megatron_cpo/addition, whose answer is the response's last number: the real-model example's task).
+A grader is ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict | float`` with its
+``failure_score`` and verl-valued ``defaults``; adding a source is one row of ``_BUILTIN_GRADERS``. The sources,
+their scores and where ours is more lenient than verl: docs/data.md, "Graders by data source".
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """HTTP client for a remote reward model (the protocol of ``reward_server.py``), configured as ``reward.remote.*``.
 
-Requests are batched (``batch_size`` items each, up to ``max_concurrent`` in flight), each with a timeout.
-Timeouts, connection errors, HTTP 429/5xx and malformed answers (bad JSON, wrong number of scores, non-numbers) are
-retried with exponential backoff; after the last attempt a ``RemoteRewardError`` names the URL and what failed, or,
-with ``on_error: failure_score``, the batch's samples get ``failure_score`` and are counted as failed. Other HTTP 4xx
-answers mean the request itself is wrong and are not retried. A scoring call therefore ends within about
-``(max_retries + 1) * timeout_s`` plus the backoff sleeps, whatever the server does. NaN and infinite scores (JSON's
-``NaN`` / ``Infinity``, as Python's ``json`` writes them) are answers, not failures: they are not retried, and the
-reward manager refuses them naming the row (``reward.non_finite``).
+Batched requests with timeouts and exponential-backoff retries, so a call ends within about
+``(max_retries + 1) * timeout_s``; a non-finite score is an answer, not retried (docs/data.md).
 """
 from __future__ import annotations
 

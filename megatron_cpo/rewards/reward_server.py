@@ -1,15 +1,7 @@
 """A small reference reward server (stdlib ``http.server``) that ``RemoteRewardModel`` talks to.
 
-Protocol: ``POST /score`` with ``{"items": [{"prompt", "response", "data_source", "ground_truth", "extra_info"}]}``
-answers ``{"scores": [float, ...]}`` in item order; ``GET /health`` answers ``{"status": "ok"}``. A bad request (or
-a ``ValueError`` from the scorer) is 400 with ``{"error": ...}``, any other scorer failure 500. The default scorer
-grades verifiable items with ``megatron_cpo.rewards.compute_score`` (on handler threads, so math-verify runs without
-its alarm there); a real reward model plugs in as ``score_fn(items) -> list[float]``. A non-finite score is sent as
-it is (Python's JSON ``NaN`` / ``Infinity``); the trainer refuses it where it arrives, naming this server and the row
-(``reward.non_finite``).
-
-Run one with ``python -m megatron_cpo.rewards.reward_server --port 8000 [--scorer pkg.module:fn]`` (``--port 0``
-picks a free port; the first line printed names the URL) and point ``reward.remote.url`` at it.
+``POST /score`` answers ``{"scores": [...]}``; a real model plugs in as ``score_fn(items) -> list[float]``, the
+default grades with ``compute_score``. Protocol and use: docs/data.md, "A remote reward model".
 """
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
 """Run untrusted Python (model-written code) behind an operating-system boundary.
 
-Backends, chosen by ``reward.sandbox.mode`` (``configure_sandbox``):
-
-- ``namespaces`` (the boundary): ``sandbox_launcher.py`` runs each program as a fresh unprivileged uid/gid in its
-  own PID, mount, IPC, UTS and network namespaces, with ``no_new_privs``, an empty environment, a private tmpfs
-  ``/work``, only ``/usr`` and the interpreter visible (read-only), no network at all, rlimits (CPU time, address
-  space, file size, open files, processes) and PID-namespace teardown: when the call returns or times out, every
-  process the program started is gone. Needs root (or ``CAP_SYS_ADMIN``) in the grading process. Each grading
-  process keeps one small launcher server that forks the per-run launchers (``sandbox_namespaces.py``).
-- ``remote``: a SandboxFusion service (``reward.sandbox.fusion_url``; the client in ``sandbox_fusion.py``); its
-  isolation is the service's.
-- ``process`` (weak, a fallback to be chosen knowingly): a child process with the same rlimits, an empty
-  environment, a throwaway working directory, its own session, and -- when the grader runs as root -- a fresh
-  unprivileged uid whose every process is SIGKILLed after the call. It sees the host's filesystem (what that uid may
-  read or write: world-writable directories included) and network. Without root it runs as the grader's own user
-  and can read and signal the grader's processes. Choosing it logs a warning and sets ``reward/sandbox_weak``
-  (``sandbox_process.py``).
-- ``auto`` (default): ``remote`` when a SandboxFusion URL is configured, else ``namespaces`` when this machine
-  allows them (probed once per process), else ``process`` with the warning. The choice is logged.
-
-No Python-level guard (audit hook, restricted builtins) is part of the boundary: those can be switched off from
-inside the interpreter they guard.
-
-This module holds the settings in use and the dispatcher (``run_python``) above the backends; the types and settings
-they share are in ``sandbox_types.py``.
+Holds the settings in use and the dispatcher (``run_python``) over the backends ``reward.sandbox.mode`` chooses:
+``namespaces`` (sandbox_launcher.py), ``remote`` (sandbox_fusion.py), ``process`` (weak) or ``auto``. No Python-level
+guard is part of the boundary. What each backend enforces: docs/sandbox.md.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """SandboxFusion client: the ``remote`` backend of the code sandbox (``reward.sandbox.mode=remote``).
 
-The client speaks SandboxFusion's ``POST /run_code`` API the way verl does (``reward_model.sandbox_fusion.url``,
-``max_concurrent``, ``memory_limit_mb``; the URL is the full endpoint, e.g. ``http://host:8080/run_code``): a JSON
-request ``{code, stdin, language: "python", run_timeout, compile_timeout, memory_limit_MB, files, fetch_files}``
-and a response ``{status: Success|Failed|SandboxError, message, run_result: {status: Finished|TimeLimitExceeded|
-Error, return_code, stdout, stderr, execution_time}}``. Gateway timeouts (504) are retried; a ``SandboxError`` or an
-unreachable service raises ``RemoteSandboxError`` (the sample fails and is counted in ``reward/errors``; it is never
-scored as a wrong answer). Call-mode programs are sent as one source file with our harness
-(``sandbox_runner.embedded_program``). ``sandbox_fusion_server.py`` serves the same API with our own sandbox.
+Speaks SandboxFusion's ``POST /run_code`` as verl does; 504s are retried, a service error raises
+``RemoteSandboxError`` (the sample fails, never scored as wrong). Call-mode programs carry our harness.
 """
 from __future__ import annotations
 

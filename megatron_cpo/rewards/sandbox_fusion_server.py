@@ -1,8 +1,5 @@
-"""A server for SandboxFusion's ``POST /run_code`` API (python) with this project's sandbox behind it.
-
-``FusionCompatibleServer`` answers each request with ``run_python`` (namespaces or process backend): the tests run the
-SandboxFusion client (``sandbox_fusion.py``) against it, and a user without a SandboxFusion deployment can serve a
-grading fleet with it, e.g. from a grading host that runs as root while the trainer does not:
+"""A server for SandboxFusion's ``POST /run_code`` API (python) with this project's sandbox behind it: the tests run
+the client against it, and it serves a grading fleet without a SandboxFusion deployment (docs/sandbox.md):
 
     python -m megatron_cpo.rewards.sandbox_fusion_server --host 0.0.0.0 --port 8080 [--backend namespaces|process]
 """

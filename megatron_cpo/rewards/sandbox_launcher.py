@@ -1,27 +1,7 @@
 """The trusted half of the namespace sandbox: builds the jail, starts the untrusted program in it, tears it down.
 
-Each grading process starts one small server from this file (``python -I -S -B sandbox_launcher.py <socket fd>``,
-empty environment, standard library only): forking it is cheap, unlike forking a grading process that holds sympy.
-Per request (settings as JSON plus the program's stdin, stdout, stderr and a status pipe, passed over a Unix socket)
-it forks a launcher with those as fds 0-3 and nothing else open. Per program, three processes:
-
-- the launcher (host namespaces, root): writes ``launcher <pid>``, ``unshare(2)``s new mount, PID, IPC, UTS and
-  network namespaces, forks the init, waits for it at most ``wall_timeout_s``, then SIGKILLs it and writes
-  ``timeout``;
-- the init (PID 1 of the new PID namespace, root, dies with the launcher through ``PR_SET_PDEATHSIG``): makes a
-  private root on a tmpfs (``/usr`` and the interpreter's prefix bind-mounted read-only, a fresh ``/proc`` with
-  ``hidepid=2`` so the program sees only its own processes, a ``/dev`` with only null/zero/random/urandom, a
-  size-limited tmpfs ``/work`` owned by the sandbox user, everything else absent, the root itself read-only),
-  ``pivot_root``s into it, forks the program and reaps until it exits, then writes ``exit N`` or ``signal N`` and
-  exits. When a PID namespace's init exits the kernel SIGKILLs every other
-  process in it, so no descendant of the program (double-forked ``setsid`` daemons included) outlives the call;
-- the program: every fd above 2 closed, rlimits set, supplementary groups dropped, uid/gid switched to an
-  unprivileged id used by nothing else on the host (so ``RLIMIT_NPROC`` counts only this sandbox's tasks and it
-  may signal nothing outside), ``PR_SET_NO_NEW_PRIVS``, a seccomp filter that refuses new user namespaces, then
-  ``execve`` of the interpreter with an empty environment.
-
-The network namespace has only a loopback interface that is down: no socket reaches any host, the host's own
-loopback included.
+Runs as a small stdlib-only server per grading process that forks one launcher per program; launcher, PID-1 init
+and program are described in docs/sandbox.md, "How the jail is built".
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The weak ``process`` sandbox backend: what can be enforced without namespaces (see ``sandbox.py``).
-
-A child interpreter with the program's rlimits, an empty environment, ``PR_SET_PDEATHSIG``, its own session (the
-group is SIGKILLed after the run) and a throwaway working directory. When the grader is root the child also gets a
-fresh unprivileged uid/gid and ``no_new_privs``, and after the run a helper switched to that uid sends
-``kill(-1, SIGKILL)``, which reaches every process of the uid, daemons that left the session included. It is not an
-isolation boundary: the filesystem and the network of the host stay in view.
+"""The weak ``process`` sandbox backend: rlimits, an empty environment, ``PR_SET_PDEATHSIG``, its own session (killed
+after the run) and a throwaway directory; as root also a fresh uid with ``no_new_privs``, whose every process a
+helper kills afterwards with ``kill(-1, SIGKILL)``, daemons included. Not an isolation boundary: the host's files
+and network stay in view (docs/sandbox.md).
 """
 from __future__ import annotations
 

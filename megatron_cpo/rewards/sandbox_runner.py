@@ -1,10 +1,8 @@
-"""The harness that runs the candidate program inside the sandbox. It is not a security layer: it holds no secrets
-and guards nothing; the isolation is the operating system's (``sandbox_launcher.py``) or the remote service's.
+"""The harness that runs the candidate program inside the sandbox; not a security layer (it guards nothing).
 
-Passed verbatim to ``python -I -S -B -c`` and standard library only. Usage: ``-c <this source> <mode> <program>
-[fn_name]`` with mode ``stdio`` (run the program as ``__main__``) or ``call`` (load the program, call ``fn_name``, a
-top-level function or a ``Solution`` method, with the JSON argument list read from stdin, and print the JSON
-result). For a remote sandbox, which runs one source file, ``embedded_program`` appends the program and the call.
+Passed to ``python -I -S -B -c`` (standard library only) as ``<this source> <mode> <program> [fn_name]``: ``stdio``
+runs the program as ``__main__``, ``call`` calls ``fn_name`` (a function or ``Solution`` method) on the JSON
+arguments from stdin and prints the JSON result. ``embedded_program`` makes one file for a remote sandbox.
 """
 import json
 import sys

@@ -60,14 +60,12 @@ class SandboxResult:
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """`reward.sandbox.*`: which backend runs model-written code (see the module docstring). `mode`: `namespaces`
-    (the isolation boundary; needs root or CAP_SYS_ADMIN), `remote` (a SandboxFusion service at `fusion_url`),
-    `process` (rlimits and a throwaway uid only, NOT a boundary: logs a warning and `reward/sandbox_weak=1`) or
-    `auto` (remote when a URL is set, else namespaces when this machine allows them, else process; logged).
-    `fusion_url` is the `run_code` endpoint (e.g. `http://host:8080/run_code`), `fusion_max_concurrent` the
-    requests in flight per grading worker (the test cases of one sample run in parallel), `fusion_memory_limit_mb`
-    the limit per program. verl's `reward_model.sandbox_fusion.{url,max_concurrent,memory_limit_mb}` (and
-    `reward.sandbox_fusion.*`) are accepted as aliases of the `fusion_*` keys."""
+    """`reward.sandbox.*`: which backend runs model-written code (docs/sandbox.md). `mode`: `namespaces` (the boundary;
+    needs root or CAP_SYS_ADMIN), `remote` (SandboxFusion at `fusion_url`), `process` (NOT a boundary; logs a
+    warning and `reward/sandbox_weak=1`) or `auto`. `fusion_url` is the `run_code` endpoint, `fusion_max_concurrent`
+    the requests in flight per grading worker, `fusion_memory_limit_mb` the limit per program (verl's
+    `reward_model.sandbox_fusion.*` are aliases of the `fusion_*` keys).
+    """
 
     mode: str = "auto"
     fusion_url: str = ""

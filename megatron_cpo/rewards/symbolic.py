@@ -1,10 +1,8 @@
 """Symbolic equivalence of two LaTeX answers (HF math-verify, sympy based) under a CPU-time budget.
 
-math-verify's own timeout is a wall-clock ``signal.alarm`` in whole seconds, which on a loaded machine fires on
-checks that merely waited for a core; here it is off and the check runs under a CPU-time budget instead
-(``ITIMER_PROF``). Signals only reach the main thread: ``symbolic_equal`` must be called there (the math grader sends
-calls from other threads to a helper process, ``symbolic_process``). A leaf module: the math grader and that helper
-process both use it.
+math-verify's wall-clock ``signal.alarm`` fires on checks that merely waited for a core on a loaded machine, so it
+is off and a CPU-time timer (``ITIMER_PROF``) bounds the check instead. Signals reach only the main thread: off it,
+callers go through ``symbolic_process``. A leaf module.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The symbolic equivalence check for callers off the main thread, in a helper process that can be killed.
 
-The math grader bounds sympy with a CPU-time signal, and signals only reach the main thread. A ``compute_score`` call
-from another thread (a thread pool in an evaluation script, a web server) therefore sends its symbolic check to one
-helper grading process (``GraderPool``, started on first use and shared by the threads of this process), where it runs
-on that process's main thread under the same CPU budget; a check that still exceeds its wall-clock allowance has
-its process killed and replaced, and counts as not equivalent.
+A ``compute_score`` call from another thread (an evaluation's thread pool, a web server) sends its symbolic check to
+one shared helper grading process, where it runs on the main thread under the same CPU budget; a check past its
+wall-clock allowance has its process replaced and counts as not equivalent.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Weight buckets: HF-named tensors packed into one flat byte buffer, with a small table to cut it back.
 
-A sending rank walks its `(hf_name, tensor)` stream and packs tensors into buckets of about `bucket_bytes`
-(`iter_buckets`, `bucket_layout`, `pack_bucket`); a receiver cuts the bytes back into named views (`unpack_bucket`)
-and feeds them to vLLM's weight loaders, which copy them into the model. Two transports move the bytes:
-- shared memory (this module): each bucket is a file in /dev/shm (RAM-backed) that every engine worker on the node
-  maps without a copy; only the small `BucketSpec` (path + tensor table) travels through Ray;
-- a collective group (`collective.py`): the bytes are broadcast from the sending rank to every engine worker.
+A sending rank packs its `(hf_name, tensor)` stream into buckets of about `bucket_bytes`; a receiver cuts them back
+into named views for vLLM's weight loaders. This module also holds the shared-memory transport (a /dev/shm file per
+bucket, mapped without a copy); collective.py the broadcast one.
 """
 from __future__ import annotations
 

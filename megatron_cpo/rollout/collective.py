@@ -1,17 +1,7 @@
-"""A weight-sync process group between one trainer sending rank and every engine worker.
+"""A weight-sync process group between one trainer sending rank (rank 0) and every engine worker (ranks 1..).
 
-The group lives beside both sides' default process groups and touches neither: the sending rank hosts a TCPStore at
-an address it picks (its Ray node IP and a port the OS chooses), every engine worker connects to it from the worker
-extension (`rollout_join_weight_group`, called through `collective_rpc`), and each member builds the backend
-(`ProcessGroupGloo` or `ProcessGroupNCCL`, chosen by `platform.backend()`) directly over that store. Rank 0 is the
-sending rank, ranks 1.. the engine workers. The two sides join concurrently: the sender's join RPCs to the engines
-are asynchronous Ray calls, so the sender joins on its own thread while the engine workers join on theirs.
-
-Before the backend is built, every member announces itself in the store and waits for all the others, so a member
-that never joins is reported (by rank, with the store's address and the fix) after `timeout_s` instead of hanging
-in the backend's own rendezvous; a warm-up all-reduce then proves the backend connects (NCCL creates its
-communicator lazily, on that first collective). Gloo and NCCL differ only in the backend class and the device of the
-tensors; NCCL cannot be run on this project's CPU-only CI machine.
+Built over a TCPStore the sender hosts, beside both sides' default groups; members announce themselves first, so a
+missing one is reported by rank after `timeout_s` instead of hanging (docs/rollout.md, "The weight group").
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""What a vLLM CPU engine takes of the machine it shares with the trainer: its KV cache.
-
-KV cache (`VLLM_CPU_KVCACHE_SPACE`, whole GiB, allocated when the engine starts): with `rollout.kv_cache_gib: auto`
-it is what the engine can use, `max_num_seqs` sequences of `max_model_len` tokens (in vLLM's 128-token CPU blocks,
-at the model's K/V width and the engine's dtype), but at most `KV_SHARE_OF_AVAILABLE` of the memory available when
-the engines start, split over the engines of the machine, since the trainer builds its actor after them; at least 1.
-
-Cores are left to vLLM's own binding (`VLLM_CPU_OMP_THREADS_BIND=auto`): one worker thread per core of the first
-NUMA node but one, which stays free for vLLM's scheduler, which polls while the worker computes. Giving the worker
-that core too made generation several times slower (benchmarks/rollout/README.md, "Threads of a CPU engine").
+"""What a vLLM CPU engine takes of the machine it shares with the trainer: its KV cache (`rollout.kv_cache_gib: auto`
+sizes it from the engine's needs, capped by a share of the free memory) and its cores (vLLM's own binding, one core
+left to the scheduler). Sizes and the measurement behind them: docs/rollout.md.
 """
 from __future__ import annotations
 

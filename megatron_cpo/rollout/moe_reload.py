@@ -1,17 +1,8 @@
 """Make vLLM's CPU mixture-of-experts layers prepack the weights of every reload, not only of the first load.
 
-vLLM 0.32 (`UnquantizedFusedMoEMethod._setup_kernel`, model_executor/layers/fused_moe/unquantized_fused_moe_method.py)
-runs the experts' `process_weights_after_loading` only when it builds the MoE kernel, at the first load. A reload
-(`model_runner.reload_weights`, or the layerwise reload our weight sync drives) finds the kernel built and skips it,
-and on the CPU that step is the one that pads the experts' intermediate dimension and prepacks `w13_weight` /
-`w2_weight` into the grouped-GEMM layout (`CPUUnquantizedExperts.process_weights_after_loading`,
-model_executor/layers/fused_moe/experts/cpu_moe.py). The reloaded experts then stay in checkpoint layout and the
-engine computes with garbage: log-probs off by up to 3 even for identical weights, and no error.
-
-`prepack_cpu_experts_on_reload(model)` wraps the processing step of each such layer's method so that, on a reload,
-the experts' own step runs after it on the freshly loaded (materialised) layer, exactly as on the first load; the
-layerwise reload then copies the prepacked result into the kernel's tensors. Idempotent; layers whose experts are not
-the CPU unquantized ones (GPU kernels, quantized methods) are left alone.
+vLLM 0.32 runs the experts' `process_weights_after_loading` only when it builds the MoE kernel, so reloaded experts
+stayed in checkpoint layout and gave wrong log-probs silently (docs/launch.md's table of derived state).
+`prepack_cpu_experts_on_reload(model)` re-runs that step on every reload; idempotent, other layers untouched.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Which Ray cluster the rollout engines run on.
-
-`ray.init(address="auto")` joins *any* cluster it finds on the machine (through /tmp/ray), including another user's
-or another test run's; on a shared machine a run then lands on, and dies with, someone else's cluster. So "auto"
-here means: join the cluster named by `RAY_ADDRESS` when it is set (the SLURM launcher, examples/slurm/launch.sh,
-and the multi-node torchrun example export it), otherwise start a private local cluster. Joining is always logged
-with the address.
-
-A private cluster runs its workers, the engines among them, at the trainer's priority (`PRIVATE_CLUSTER_CONFIG`):
-Ray's default niceness of 15 made a CPU engine lose every core it shared with anything else, the trainer included
-(on a 2-core machine it generated at a small fraction of its speed whenever another process was busy).
+"""Which Ray cluster the rollout engines run on: the one `RAY_ADDRESS` names, else a private local cluster whose
+workers run at the trainer's priority, never whatever cluster `address="auto"` would find on a shared machine
+(docs/rollout.md, "The Ray cluster").
 """
 from __future__ import annotations
 

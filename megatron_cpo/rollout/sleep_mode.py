@@ -1,10 +1,8 @@
 """Whether a vLLM engine can sleep between rollouts, and the one log line when it cannot.
 
-vLLM's sleep mode (`LLM.sleep` / `AsyncLLM.sleep`, engine argument `enable_sleep_mode`) frees an engine's device
-memory while colocated training runs: level 1 frees the KV cache and moves the weights to host memory, level 2
-discards the weights too. It needs vLLM's CuMem allocator, so it must be enabled when the engine starts and exists
-only where vLLM's platform says so (CUDA, ROCm, XPU). Elsewhere (the CPU build) a sleep or wake-up request does
-nothing, and the engine says why once.
+Sleep mode frees an engine's device memory while colocated training runs (level 1: KV cache freed, weights to host;
+level 2: weights discarded). It needs vLLM's CuMem allocator, enabled at engine start, on CUDA, ROCm or XPU only;
+elsewhere (the CPU build) a sleep or wake-up does nothing and the engine says why once.
 """
 from __future__ import annotations
 

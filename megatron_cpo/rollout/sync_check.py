@@ -1,16 +1,8 @@
 """The sync check: do the engines serve the weights the trainer just pushed? (`actor_rollout_ref.rollout.sync_check`)
 
-After a weight push every live engine continues a few fixed probe prompts greedily and returns its log-probs of
-the tokens it chose (`RolloutEngines.sync_probe`: outside the request book, so the controller's `finished()` never
-returns these requests and its `cancel_all()` never aborts them); the trainer scores the same tokens with the
-actor it just pushed (`trainer/workers/sync_probe.py`). The largest |engine - trainer| log-prob difference is
-`rollout/sync_check_max_abs_diff`; above `tolerance` the run stops naming the push. A reload that leaves part of
-the engine's model behind (a layer vLLM did not re-process, a prefix cache serving keys of the old weights, a
-tensor the sender never sent) shows up as a difference far above the numerical noise of the dtype in use.
-
-This module holds the comparison (pure tensor math); the settings and the per-dtype tolerances are
-`SyncCheckConfig` (config.py); the engines' side is `VLLMEngine.sync_probe`, the managers' `sync_probe`, and the
-reload report of `worker_extension.py`.
+Engines continue fixed probe prompts greedily and the trainer scores the same tokens; the largest log-prob
+difference (`rollout/sync_check_max_abs_diff`) above `tolerance` stops the run. This module holds the comparison;
+the settings are `SyncCheckConfig` (config.py). docs/launch.md, "Is the engine in sync?".
 """
 from __future__ import annotations
 

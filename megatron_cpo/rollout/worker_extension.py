@@ -1,29 +1,8 @@
 """Methods added to every vLLM worker (via `worker_extension_cls`) so that new weights load in place.
 
-A sync is three calls, made through `collective_rpc` on every worker of an engine:
-`rollout_begin_weight_reload` -> `rollout_load_weight_bucket` (once per bucket, from any sending rank) ->
-`rollout_finish_weight_reload`. They are the steps of vLLM's own `model_runner.reload_weights`, split so that
-buckets can arrive one at a time from several pipeline stages: a layer is re-processed (e.g. CPU weight prepacking)
-as soon as all of its tensors have arrived, and layers that received nothing keep their weights.
-Buckets arrive by one of two transports: `rollout_load_weight_bucket` maps a shared-memory file;
-`rollout_receive_weight_bucket` receives the bytes by broadcast over a weight-sync group the worker joined with
-`rollout_join_weight_group` (see `collective.py`). Method names start with `rollout_` so they never clash with the
-worker's own methods.
-
-Two things vLLM's layerwise reload (`model_executor/model_loader/reload/layerwise.py`) leaves to its caller:
-- Tied layers. A layer whose parameter is another layer's (the output head of a model with
-  `tie_word_embeddings`: `ParallelLMHead.tie_weights` makes `lm_head.weight` the embedding's parameter) receives no
-  tensor of its own: the model's `load_weights` skips `lm_head.*` when tied. The reload then puts its old kernel
-  tensors back ("ParallelLMHead: Failed to load weights" in the engine log) without re-running its
-  `process_weights_after_loading`, so whatever that derived from the weight stays as it was: on CPU the
-  prepacked GEMM weight (`dispatch_cpu_unquantized_gemm` in `layers/utils.py`, called by
-  `UnquantizedEmbeddingMethod.process_weights_after_loading`), which the head's logits are computed with. The
-  embedding itself is updated, the logits are not. `rollout_finish_weight_reload` re-runs the processing of every
-  layer that shares a parameter with an earlier layer (a no-op for unquantized weights on GPU).
-- Completeness. vLLM checks at first load that every parameter came from the checkpoint, but only for layers
-  without a `quant_method`, and not at all on reload. Every reload here records which model parameters the
-  received tensors filled and which tensor names arrived more than once; `rollout_finish_weight_reload` returns
-  both (the trainer's push fails on either: a sender that skipped or repeated a tensor).
+vLLM's `reload_weights` split into begin / load bucket / finish, so buckets can arrive one at a time from several
+pipeline stages; the finish re-derives tied layers and reports which parameters were filled or repeated
+(docs/rollout.md, "Loading weights in place").
 """
 from __future__ import annotations
 

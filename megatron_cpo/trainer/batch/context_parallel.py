@@ -1,12 +1,6 @@
 """Context parallelism of the padded rows (`actor_rollout_ref.actor.megatron.context_parallel_size`, Transformer
-Engine only): each CP rank holds two chunks of every row, and the per-position results are gathered back.
-
-Megatron's load-balanced split: a row of length L (a multiple of 2 x CP) is cut into 2 x CP chunks and CP rank r holds
-chunks r and 2 x CP - 1 - r, so every rank gets the same share of the causal attention's work. TE's ring attention
-and Megatron's rotary embedding (which slices its positions the same way) do the rest. The per-position log-probs and
-entropy are all-gathered over the CP group with autograd (its backward sums every rank's gradient for this rank's
-positions: each CP rank computes the same whole-row loss, so each rank's gradient is CP times its share, which
-Megatron's gradient averaging over DP x CP divides out).
+Engine only): each CP rank holds two chunks of every row (Megatron's load-balanced split), and the per-position
+results are all-gathered back with autograd. Why the gradients come out right: docs/trainer.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""How a batch's rows are cut into data-parallel shares and micro-batches.
-
-Two modes:
-- fixed (`use_dynamic_bsz=false`): rows are padded with empty rows to a multiple of DP x micro-batch size, each DP
-  rank takes a contiguous block, and every micro-batch has `ppo_micro_batch_size_per_gpu` rows at the batch's full
-  length;
-- token budget (`use_dynamic_bsz=true`, verl's dynamic batch size): rows are split over the DP ranks balanced by
-  tokens, then each rank's rows, longest first, are cut into micro-batches whose padded size (rows x their own
-  longest row) stays within the budget, so rows of similar length share a micro-batch and little padding remains.
-
-A plan is, per DP rank, the list of its micro-batches as row-index tensors into the (padded) batch; every rank computes
-the same plan from the same lengths, so no communication is needed to agree on it.
+"""How a batch's rows are cut into data-parallel shares and micro-batches: fixed sizes, or verl's token budgets
+(`use_dynamic_bsz`, rows balanced by tokens, longest first). Every rank computes the same plan from the same
+lengths, so no communication is needed to agree on it (docs/trainer.md).
 """
 from __future__ import annotations
 

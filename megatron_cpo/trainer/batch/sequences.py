@@ -1,17 +1,8 @@
 """Prompt + response token sequences for Megatron, and the map from positions to response tokens.
 
-Each row is `prompt tokens + response tokens`, right-padded to the sequences' `length`. The causal mask makes right
-padding harmless. Response token j of row b sits at position `prompt_len[b] + j` and is predicted by the logits at
-`prompt_len[b] + j - 1`; `targets` holds that token at that position and `IGNORE_INDEX` everywhere else, so the
-log-prob kernel skips prompt and padding positions. `to_response` gathers per-position values into the
-response-aligned `[rows, max_response_length]` layout the algorithms use.
-
-The rows are kept ragged (flat tensors + offsets) and the padded `tokens` / `targets` are built on demand, so only a
-micro-batch is ever padded, never the whole step batch.
-
-`response_mask` is the one place every masked quantity takes its mask from (losses, entropy, KL, mismatch / TIS,
-advantages, the loss's token counts): 1 on real response tokens, times the episode's `loss_mask` when there is one
-(multi-turn episodes: 0 on observation tokens, which the model did not sample).
+Rows are kept ragged and padded per micro-batch on demand; `targets` holds each response token at the position
+that predicts it and `IGNORE_INDEX` elsewhere. `response_mask` is the one mask every masked quantity uses (times
+a multi-turn episode's `loss_mask`). docs/trainer.md, "Sequences and micro-batches".
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Filter-and-accumulate for one training batch: the pure part of the rank-0 controller.
 
-Groups finish in any order (engines interleave requests); they are *committed* in request order, like a re-order
-buffer, so that which prompts form a batch depends only on the data order and the per-request seeds, never on
-timing. That makes runs reproducible and resume exact, at the cost of occasionally holding a finished group until
-the ones requested before it finish. A committed group passes the group filter (DAPO: std of a metric > 0) and is
-kept or dropped; the batch is full when `target_prompts` groups are kept. Requested prompts after the last
-committed one are handed back to the data stream (they are re-generated next step with the updated weights), so no
-prompt is lost and none is trained on twice in an epoch.
+Groups are committed in request order, like a re-order buffer, so a batch's prompts depend on the data order and
+seeds, never on timing; unused requests go back to the data stream (docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -30,11 +25,8 @@ MetricFilter = Callable[[torch.Tensor], torch.Tensor]
 class GroupSelection:
     """Which committed groups are trained on, and how their scores are shaped first.
 
-    metric_filter: a per-group rule on the filter metric (DAPO filter-groups: keep groups whose metric varies).
-    ragen: RAGEN's strategy, ranking the groups that pass `metric_filter` by their scores; it compares groups, so
-        it decides `window` groups at a time (one generation batch) instead of each group on its own.
-    overlong: DAPO's overlong penalty (`reward.overlong_buffer`, as configured), added to the scores before any
-        filter sees them; it ramps up over the last tokens of `max_response_length` (`data.max_response_length`).
+    metric_filter: DAPO filter-groups' per-group rule. ragen: RAGEN's strategy, deciding `window` groups (one
+    generation batch) at a time. overlong: DAPO's overlong penalty, added to the scores before any filter.
     """
     metric_filter: MetricFilter | None = None
     ragen: RolloutFilterConfig | None = None
@@ -161,13 +153,8 @@ class AccumulatorStats:
 class GroupAccumulator:
     """Commits scored groups in request order, filters them, and keeps them until `target_prompts` are kept.
 
-    With a windowed selection (RAGEN), committed groups wait in a window of `selection.window` groups that is
-    decided at once; a window left incomplete when collection stops (data ran out) is decided on what it holds
-    when `batch()` or `metrics()` is first called.
-
-    Asynchronous training carries requests from batch to batch: `start_seq` is then the first seq this batch
-    commits, and `pending` the groups that finished after the previous batch filled (already scored and shaped);
-    `leftover()` hands this batch's on to the next (`add([])` commits what `pending` already allows).
+    With RAGEN a window is decided at once (an incomplete one at the first `batch()` / `metrics()`); with asynchronous
+    training `start_seq` and `pending` carry groups in from the previous batch and `leftover()` hands them on.
     """
 
     def __init__(self, target_prompts: int, group_filter: GroupFilter | None = None, metric: str = "acc",

@@ -34,15 +34,11 @@ class ResponseScorer:
     def score_groups(self, items: list[tuple[Any, list[RolloutSample] | list[list[int]]]],
                      counts: Counter | None = None, training: bool = True
                      ) -> list[tuple[torch.Tensor, torch.Tensor, list[str]]]:
-        """Decode and grade every response of the given groups in one call to the grading pool; the remote reward
-        model's numbers and the refused non-finite scores are added to `counts` (default: the training step's, see
-        `counted_metrics`). A non-finite score of a `training` batch raises `NonFiniteRewardError` naming the first
-        one when `reward.non_finite=error`; otherwise, and always in validation, it is scored 0 and counted.
-
-        Responses are samples (or bare token ids). A multi-turn episode's score is its trajectory reward: the
-        environment's per-turn rewards summed plus its final score, or, when the environment gives none, the data
-        source's grader on the last assistant message; its `acc` is the grader's, or `score > 0` when the environment
-        scored it. Its text is the whole transcript, observations included."""
+        """Decode and grade every response of the given groups in one call to the grading pool, adding the remote reward
+        model's numbers and the refused non-finite scores to `counts`. A non-finite training score raises
+        `NonFiniteRewardError` when `reward.non_finite=error`; else it is 0 and counted. Multi-turn scoring:
+        docs/trainer.md.
+        """
         samples = [[r if isinstance(r, RolloutSample) else None for r in responses] for _, responses in items]
         ids = [[r.token_ids if isinstance(r, RolloutSample) else r for r in responses] for _, responses in items]
         texts = [[self._text(token_ids, sample) for token_ids, sample in zip(group_ids, group_samples)]

@@ -1,13 +1,7 @@
 """Metric sinks: console (with a progress bar and ETA), JSONL, TensorBoard and Weights & Biases.
 
-Every sink takes `log(metrics, step)`; `MetricLogger` fans out to the ones named in `trainer.logger`. A sink whose
-package is missing is an error at start naming the `pip install` line (`sink_package_problems`, which preflight runs):
-a run that was asked to report to W&B and silently does not is worse than one that does not start.
-
-A run resumed from step k's checkpoint redoes steps k+1.., so every sink first forgets what an earlier attempt logged
-after step k (`resume_step=k`; 0 for a fresh start, which forgets everything): the JSONL files are cut back to the
-rows of steps <= k, TensorBoard purges events from step k+1 on (`purge_step`), and W&B continues the same run id
-(stored in `wandb_run_id`), whose history keeps one value per step (W&B ignores steps at or below its last one).
+`MetricLogger` fans out to the sinks of `trainer.logger`; a missing package is an error at start. On resume from
+step k every sink forgets what was logged after k (docs/trainer.md, "Loggers and resume").
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Rank 0's count of the samples a run has generated, and what it makes due: `trainer.total_rollout_samples` ends the
-run once the count reaches it, `trainer.test_freq_samples` validates after each step that crosses a multiple of it.
-
-A budget of samples, rather than of steps, is what compares algorithms that generate differently per step on equal
-terms: DAPO's filter-groups generates until enough prompts have a reward spread, so its step costs 1-4 generation
-batches where GRPO's costs one. Every finished sample counts (`rollout/generated_samples` of the controller: kept,
-dropped by a group filter, or finished after the batch filled), not only the trained ones. The count is a checkpointed
-run control, so a resumed run goes on counting where it stopped.
+run, `trainer.test_freq_samples` validates. Every finished sample counts; the count is checkpointed. Why samples,
+not steps: docs/trainer.md.
 """
 from __future__ import annotations
 

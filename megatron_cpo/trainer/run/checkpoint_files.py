@@ -1,10 +1,8 @@
 """The on-disk layout of a run's checkpoints, and how each one is verified before it is trusted.
 
-`<root>/step_<k>/` holds one `rank_<r>.pt` per rank, `manifest.json` (step, world size, and the byte count and SHA-256
-of every rank file) and optionally `huggingface/` (the actor) and `critic_huggingface/` (PPO's critic). A step directory
-is written as `step_<k>.tmp` and renamed into place once complete; `<root>/latest` (one line, `step_<k>`) is replaced
-last. So at any moment the newest directory without the `.tmp` suffix is whole, and a check against its manifest finds a
-truncated or altered file.
+`<root>/step_<k>/`: `rank_<r>.pt` per rank, `manifest.json` (step, world size, size and SHA-256 of each rank file),
+optionally `huggingface/` and `critic_huggingface/`. Written as `step_<k>.tmp`, renamed when complete, then
+`<root>/latest` is replaced, so the newest directory without `.tmp` is whole and its manifest finds a bad file.
 """
 from __future__ import annotations
 

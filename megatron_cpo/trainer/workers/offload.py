@@ -1,19 +1,7 @@
-"""Park the actor's training state in host memory while colocated engines generate, and bring it back to train.
+"""Park the actor's training state in host memory while colocated engines generate, and bring it back to train
+(verl's `actor_rollout_ref.actor.megatron.{param,grad,optimizer}_offload`, with `rollout.mode=colocate`).
 
-verl's `actor_rollout_ref.actor.megatron.{param,grad,optimizer}_offload`: when training and generation share the
-GPUs one phase at a time (`rollout.mode=colocate`), the actor's parameters, gradients (Megatron DDP's contiguous
-grad buffers, `main_grad`) and optimizer state (Adam's moments, and the fp32 main parameters of a bf16 / fp16 actor,
-the distributed optimizer's shards included) need not sit on the GPU during rollout.
-
-The unit moved is a tensor *storage*, not a tensor: Megatron's parameters are views into one contiguous buffer
-(`param_data`, `grad_data`), and with an fp32 actor the distributed optimizer's main parameters are views into the
-parameters themselves. Each storage is copied to a host buffer (pinned on GPU, kept between cycles) and its device
-memory freed with `untyped_storage().resize_(0)`; every view stays a valid tensor object and sees the data again
-once `reload` re-grows the storage and copies it back. A storage shared by two parts belongs to the first of
-parameters, gradients, optimizer, so it moves once and only when that part is offloaded.
-
-On a machine without an accelerator nothing is gained (host and "device" are the same memory), and one log line
-says so; the copy to a separate host buffer and back still runs, so the bookkeeping is exercised on CPU too.
+Moves tensor storages, not tensors, so every view into Megatron's contiguous buffers stays valid (docs/trainer.md).
 """
 from __future__ import annotations
 

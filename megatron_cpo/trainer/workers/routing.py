@@ -1,18 +1,7 @@
 """Mixture-of-experts routing in the trainer: what every router chose, replaying it (R2), and the routing metrics.
 
-A forward hook on each of this pipeline stage's routers (Megatron's `TopKRouter`) sees the routing map it returns.
-The old-log-prob pass records, for every real token of the step batch (prompt and response), the top-k experts of
-each MoE layer, in a layout that does not depend on how rows were cut into micro-batches or spread over the
-data-parallel ranks: row -> [tokens, layers, k]. The update may cut the batch differently (mini-batches, its own
-micro-batch size or token budget, padded or packed rows), so before each mini-batch the rows a data-parallel rank
-will train are sent to it from the rank that scored them (one all-to-all), and each micro-batch maps them back to the
-routers' token order (`token_slots`). With `router_replay.mode=R2` these are Megatron's replay targets
-(`moe_enable_routing_replay`: the recorded experts are used, their probabilities come from the current router, so
-the router still gets gradients); otherwise they measure how much of the routing the update changed.
-
-Metrics: per MoE layer, the expert load (max / mean tokens per expert) and the router's entropy over all experts in
-the old-log-prob pass; the share of (token, layer) routings whose top-k set differs between that pass and the update
-(replay off: drift; R2: 0 by construction); the auxiliary losses Megatron tracks when they are on.
+The old-log-prob pass records each token's top-k experts per layer in a layout independent of the micro-batch
+split; the update receives its rows (one all-to-all) and replays (R2) or compares them (docs/trainer.md, moe.md).
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
 """A non-finite value never reaches the weights: an optimizer step whose loss or gradient norm is NaN or infinite on
-any rank is skipped on every rank, and too many skips in a row stop the run, naming where the first non-finite value
-of the step appeared.
-
-Megatron-Core's optimizers look for inf/NaN only when they scale the loss (fp16): the fp32 optimizer and the
-mixed-precision one without a grad scaler (bf16) report no overflow, and clipping by a NaN norm multiplies every
-gradient by NaN, so `optimizer.step()` applies such a step. `UpdateGuard.step` runs Megatron's step in its own parts
-instead (`prepare_grads`, `get_grad_norm`, clipping, `step_with_ready_grads`) and lets the ranks agree in between, so
-a step is applied only when every rank saw finite values, whatever the dtype. A skipped step leaves the weights, the
-optimizer state and Adam's step count as they were.
-
-`FiniteProbe` follows one step's data through the stages of `STAGES`: the rewards, log-probs, a critic's values and the
-advantages every rank holds (trainer/workers/policy_update.py), then each update's own log-probs and loss (the actor's
-loss function, on the last pipeline stage) and its gradient norm. A flag per stage stays on the device and is read once,
-in the guard's all-reduce, so probing adds no pass over the data and no host synchronisation. The guard is not the
-actor's alone: any model the trainer updates (a critic's value head included) runs its optimizer steps through an
-`UpdateGuard` of its own and reports its skips the same way.
+any rank is skipped on every rank, and too many skips in a row stop the run, naming where the first non-finite
+value of the step appeared (`FiniteProbe`). Why Megatron's own step is split up: docs/trainer.md.
 """
 from __future__ import annotations
 
