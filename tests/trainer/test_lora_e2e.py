@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.rollout.servers import assert_engine_in_sync
 from tests.trainer.test_e2e import deterministic, read_metrics, send_sigterm_after_first_step
 
