@@ -184,7 +184,7 @@ def _two_updates(model_dir: str, tp: int, pp: int) -> dict:
         settings = policy_update_config(config)
         log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=0)
         advantages, metrics = compute_advantages(batch, log_probs, settings)
-        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, settings)})
+        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, settings).metrics})
     trained = actor.ddp_model.params_with_grad  # what DDP reduces and the optimizer steps
     adapters = [p for name, p in actor.model.named_parameters() if p.requires_grad]
     result = {"history": [{key: step[key] for key in UPDATE_KEYS} for step in history],
