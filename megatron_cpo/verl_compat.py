@@ -60,6 +60,24 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
       for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
                   "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs",
                   "moe_grouped_gemm", "moe_permute_fusion")),
+    NoOpKey("model_engine", "verl's choice of training engine; the trainer is Megatron-Core", ("megatron",)),
+    NoOpKey("trainer.balance_batch", "verl reorders a batch's rows to even the tokens of its data-parallel ranks; "
+            "here the micro-batch planner spreads them (by tokens with use_dynamic_bsz) and the loss is aggregated "
+            "over the whole mini-batch either way"),
+    NoOpKey("actor_rollout_ref.rollout.enforce_eager", "the engines capture CUDA graphs on GPUs and run eagerly on "
+            "CPUs (rollout/engine.py); vLLM computes the same either way"),
+    NoOpKey("*.model.lora.type", "one adapter per Megatron layer (Megatron-Bridge's lora: fused q/k/v and gate/up "
+            "share one) is what is built; canonical_lora, vlm_lora and dora are not", ("lora",)),
+    NoOpKey("*.model.lora.lora_B_init_method", "B starts at zero, so the adapted model starts as its base",
+            ("zero",)),
+    NoOpKey("*.model.lora.dtype", "the adapters take the model's dtype (actor_rollout_ref.actor.megatron."
+            "params_dtype); the optimizer keeps float32 copies of 16-bit ones", (None,)),
+    NoOpKey("*.model.lora.a2a_experimental", "an all-to-all instead of the gather / scatter of sequence-parallel "
+            "adapters; the adapters compute the same either way"),
+    NoOpKey("*.model.lora.fully_sharded_loras", "vLLM's sharding of served adapters; the engines receive merged "
+            "weights (docs/lora.md)"),
+    NoOpKey("*.model.lora.freeze_vision_*", "vision towers; the models here are text-only"),
+    NoOpKey("*.model.lora.freeze_language_model", "vision-language models; the models here are text-only", (False,)),
     NoOpKey("actor_rollout_ref.*.megatron.override_transformer_config.moe_enable_deepep", "DeepEP's dispatcher "
             "(moe_token_dispatcher_type=flex) is not offered; alltoall or allgather dispatch the tokens", (False,)),
     *(NoOpKey(f"{section}.megatron.{key}", "verl's choice of weight converter, mbridge or Megatron-Bridge; the "
@@ -85,7 +103,7 @@ VERL_MUST_EQUAL: dict[str, tuple[str, str]] = {
         "actor_rollout_ref.actor.megatron.sequence_parallel", "the reference runs in the actor's layout"),
     **{f"actor_rollout_ref.ref.megatron.{key}": (f"actor_rollout_ref.actor.megatron.{key}",
                                                   "the reference runs in the actor's layout")
-       for key in ("expert_model_parallel_size", "expert_tensor_parallel_size")},
+       for key in ("expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")},
     "reward_model.reward_kwargs.max_resp_len": (
         "data.max_response_length", "the overlong penalty is measured against data.max_response_length"),
     # the critic is built in the actor's process groups, with its packing and activation recompute

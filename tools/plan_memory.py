@@ -17,6 +17,9 @@ Method (docs/planning.md has the derivation):
   `Config.needs_reference_model`, the rule the trainer builds by); PPO's critic (`--critic`, or a recipe with
   `algorithm.adv_estimator=gae`) again as weights, gradients and optimizer state of the actor's stage with a one-row
   value head in place of an untied lm-head (its activations come one phase after the actor's, not on top of them).
+  With LoRA (`--lora-rank`, or a recipe's `model.lora.rank`) gradients and optimizer state are the adapters' only
+  (r x (in + out) per linear, all four linears of every layer) and there is no reference copy; the adapters'
+  activations (the rank-wide intermediate) are left out, and the backward costs one forward instead of two.
 - Activations of one micro-batch of `micro_batch * (prompt + response)` tokens (with `--dynamic-bsz`: the token
   budget), counted from the tensors autograd keeps per layer (norm inputs, QKV, attention output, MLP inputs and
   SwiGLU halves; in a MoE layer the router's scores and, per routed copy of a token, its dispatched input and the
@@ -226,6 +229,36 @@ def critic_bytes(shape: ModelShape, layout: Layout, stage: dict, per_param: int,
     return (dense + stage["experts"]) * per_param + sharded * optimizer_per_param
 
 
+def lora_stage_params(shape: ModelShape, layout: Layout) -> dict[str, float]:
+    """LoRA adapter parameters on one GPU of the largest stage, adapters on all four linears of every layer (the
+    default targets): r x (in + out) per linear, split over TP (experts: over EP x ETP) as models/lora/ splits them."""
+    rank, tp = layout.lora_rank, layout.tp
+    attention_width = shape.num_heads * shape.head_dim
+    attention = rank * ((shape.hidden_size + shape.qkv_width) + (attention_width + shape.hidden_size)) / tp
+
+    def mlp(width: int) -> float:  # fc1 (gate and up fused) and fc2
+        return rank * ((shape.hidden_size + 2 * width) + (width + shape.hidden_size))
+
+    dense_layers, moe_layers = shape.stage_layers(layout.pp)
+    dense = (dense_layers * (attention + mlp(shape.intermediate_size) / tp)
+             + moe_layers * (attention + (mlp(shape.shared_expert_ffn) / tp if shape.shared_expert_ffn else 0)))
+    experts = moe_layers * shape.num_experts / layout.ep * mlp(shape.expert_ffn) / (layout.etp or tp)
+    return {"dense": dense, "experts": experts}
+
+
+def lora_memory(shape: ModelShape, layout: Layout, params: float, weight_bytes: int, optimizer_per_param: int
+                ) -> dict[str, float]:
+    """The trainer's resident state with LoRA (`layout.lora_rank`): the frozen base (`params` on the GPU) in its
+    dtype plus the adapters, fp32 gradients and Adam state for the adapters only (sharded by the distributed
+    optimizer), and no reference copy (the base with the adapters off is the reference)."""
+    adapters = lora_stage_params(shape, layout)
+    count = adapters["dense"] + adapters["experts"]
+    sharded = (adapters["dense"] / layout.dp + adapters["experts"] / layout.expert_dp
+               if layout.distributed_optimizer else count)
+    return {"weights": (params + count) * weight_bytes, "gradients": count * 4,
+            "optimizer": sharded * optimizer_per_param, "reference": 0.0}
+
+
 def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str, float]:
     """Bytes per trainer GPU by component, and their total."""
     stage = shape.stage_params(layout.tp, layout.pp, padded_vocab(shape.vocab_size, layout.tp), layout.ep, layout.etp)
@@ -238,6 +271,8 @@ def trainer_memory(shape: ModelShape, layout: Layout, batch: Batch) -> dict[str,
               "optimizer": sharded * optimizer_per_param,
               "reference": params * weight_bytes if layout.reference_model else 0.0,
               "critic": critic_bytes(shape, layout, stage, weight_bytes + 4, optimizer_per_param)}
+    if layout.lora_rank:
+        memory.update(lora_memory(shape, layout, params, weight_bytes, optimizer_per_param))
     if batch.sequence_lengths:  # the largest of the micro-batches the trainer cuts from these sequences
         activations = max((activation_bytes(shape, layout, micro.positions, micro.rows)
                            for rank in micro_batches(batch.sequence_lengths, layout, batch) for micro in rank),
@@ -345,7 +380,8 @@ def step_time(shape: ModelShape, layout: Layout, batch: Batch, gpu: str, mfu: fl
         forward_flops = 2 * active * responses * length + attention_flops(shape, length) * responses
     models = 2 if layout.critic else 1  # a critic scores the batch once and trains as the actor does
     forwards = (batch.extra_forwards + models - 1) * forward_flops / flops_per_s
-    passes = 4 if layout.recompute == "full" else 3  # forward + backward (2 forwards' worth) (+ the recompute)
+    # forward + backward (2 forwards' worth; with LoRA 1: no weight gradients of the frozen base) (+ the recompute)
+    passes = (4 if layout.recompute == "full" else 3) - (1 if layout.lora_rank else 0)
     training = models * batch.ppo_epochs * passes * forward_flops / flops_per_s
     weight_sync = params * 2 / (bandwidth_gbs * 1e9 * 0.05)
     times = {"generation": generation, "log_prob_forwards": forwards, "training": training,
@@ -383,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     parser.add_argument("--no-reference", action="store_true", help="no KL loss: no reference copy")
     parser.add_argument("--critic", action="store_true", help="PPO with a critic (adv_estimator=gae): a value model")
+    parser.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on every linear "
+                        "(default: off, or the recipe's model.lora.rank): only they train, no reference copy")
     parser.add_argument("--unfused-attention", action="store_true", help="attention scores materialised "
                         "(attention_backend=local; a recipe's setting otherwise)")
     parser.add_argument("--train-batch-size", type=int, default=8)
@@ -437,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
             batch.sequence_lengths = [int(n) for n in json.loads(Path(args.sequence_lengths).read_text())]
         if args.unfused_attention:
             layout.fused_attention = False
+        if args.lora_rank is not None:
+            layout.lora_rank = args.lora_rank
+            layout.reference_model = layout.reference_model and not args.lora_rank
         layout.ep = args.ep or layout.ep
         layout.etp = args.etp or layout.etp
         config_path = Path(model or "") / "config.json" if not str(model).endswith(".json") else Path(model)
@@ -467,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  SP {on[layout.sequence_parallel]}, recompute {layout.recompute or 'off'}, remove_padding "
           f"{on[layout.remove_padding]}, dynamic_bsz {on[layout.dynamic_bsz]}, "
           f"fused_kernels {on[layout.fused_kernels]}; "
-          f"{batch.extra_forwards} log-prob pass(es) per step" + ("; a critic" if layout.critic else ""))
+          f"{batch.extra_forwards} log-prob pass(es) per step" + ("; a critic" if layout.critic else "")
+          + (f"; LoRA rank {layout.lora_rank}" if layout.lora_rank else ""))
     for name, value in report["memory_gib"].items():
         print(f"  {name:<28}{value:10.3f} GiB")
     for name, value in report.get("colocated_gib", {}).items():

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,13 +46,29 @@ sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 from run_table import TreeCpuSampler  # noqa: E402
 
 RUNS = REPO / "runs" / "compare_cpo"
-PAUSE = RUNS / "PAUSE"  # while it exists, no run starts
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
 RESUMED = re.compile(r"resumed from .* \(step (\d+)\)")  # the checkpoint manager's line
 SAMPLES_PER_STEP = 64  # train_batch_size 8 x rollout.n 8: the fewest a step generates, so budget / 64 caps the steps
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What a comparison runs: its `arms` (arm -> example config of examples/smollm2-135m/) and where its runs go
+    (`runs`: `<arm>/seed<k>/`, the data in `data/`, the `PAUSE` file). compare_lora.py runs another one with this
+    machinery."""
+    name: str
+    arms: dict[str, str]
+    runs: Path
+
+    @property
+    def pause(self) -> Path:
+        return self.runs / "PAUSE"  # while it exists, no run starts
+
+
+CPO = Comparison("compare_cpo", ARMS, RUNS)
 
 
 @dataclass(frozen=True)
@@ -63,16 +79,19 @@ class Run:
     val_every: int
     save_freq: int
     code: Path = REPO
+    comparison: Comparison = CPO
+    model: Path = MODEL
     keep_model: bool = False  # keep the final policy as a Hugging Face directory, `<out_dir>/model` (a teacher)
 
     @property
     def out_dir(self) -> Path:
-        return RUNS / self.arm / f"seed{self.seed}"
+        return self.comparison.runs / self.arm / f"seed{self.seed}"
 
     def command(self) -> list[str]:
-        data = RUNS / "data"
-        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config",
-                str(self.code / "examples" / "smollm2-135m" / ARMS[self.arm]), f"actor_rollout_ref.model.path={MODEL}",
+        data = self.comparison.runs / "data"
+        config = self.code / "examples" / "smollm2-135m" / self.comparison.arms[self.arm]
+        return [sys.executable, "-m", "megatron_cpo.cli", "train", "--config", str(config),
+                f"actor_rollout_ref.model.path={self.model}",
                 f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
                 f"data.val_max_samples={VAL_QUESTIONS}", f"trainer.default_local_dir={self.out_dir}",
                 "trainer.resume=auto", f"trainer.seed={self.seed}",
@@ -82,14 +101,15 @@ class Run:
                 "trainer.max_actor_ckpt_to_keep=1",
                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
                 + (",hf_model]" if self.keep_model else "]"),
-                f"trainer.experiment_name=compare_cpo_{self.arm}_seed{self.seed}", "trainer.logger=[console,jsonl]",
-                "actor_rollout_ref.rollout.ray_address=local"]
+                f"trainer.experiment_name={self.comparison.name}_{self.arm}_seed{self.seed}",
+                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local"]
 
 
 def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO,
-         keep_model: bool = False) -> list[Run]:
+         comparison: Comparison = CPO, model: Path = MODEL, keep_model: bool = False) -> list[Run]:
     """Seed-major: seed 1 of every arm, then seed 2, ..."""
-    return [Run(arm, seed, budget, val_every, save_freq, code, keep_model) for seed in seeds for arm in arms]
+    return [Run(arm, seed, budget, val_every, save_freq, code, comparison, model, keep_model)
+            for seed in seeds for arm in arms]
 
 
 def read_record(run: Run) -> dict:
@@ -143,10 +163,24 @@ class StepCpuLog(threading.Thread):
         entries += [{"step": row["step"]} for row in map(json.loads, filter(str.strip, self.metrics.read()))
                     if "step" in row]
         if entries:
+            peak = trainer_peak_rss_gib(self.sampler.pid)
             with self.out.open("a") as out:
                 for entry in entries:
                     out.write(json.dumps({**entry, "attempt": self.attempt, "tree_cpu_s": round(self.sampler.cpu_s, 2),
-                                          "wall_s": round(time.perf_counter() - self.started, 2)}) + "\n")
+                                          "wall_s": round(time.perf_counter() - self.started, 2),
+                                          "trainer_peak_rss_gib": peak}) + "\n")
+
+
+def trainer_peak_rss_gib(pid: int) -> float | None:
+    """The trainer process's peak resident memory so far (VmHWM: its own, not Ray's or the engine's; rank 0's
+    Megatron model, optimizer and activations, and its data and grading clients); None where /proc lacks it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**20, 3)
+    except OSError:
+        pass
+    return None
 
 
 class StopRequest:
@@ -228,41 +262,47 @@ def last_row(path: Path) -> dict:
     return rows[max(rows)] if rows else {}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+def main(argv: list[str] | None = None, comparison: Comparison = CPO, description: str = __doc__) -> int:
+    parser = argparse.ArgumentParser(description=description.strip().splitlines()[0])
+    arms = list(comparison.arms)
+    parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--budget", type=int, default=BUDGET, help="generated samples per run")
     parser.add_argument("--val-every", type=int, default=VAL_EVERY, help="validate after every this many samples")
     parser.add_argument("--save-freq", type=int, default=SAVE_FREQ, help="checkpoint every this many steps")
     parser.add_argument("--code", type=Path, default=REPO, help="the package and example configs to run (a frozen "
                         "copy of the repository; default: this checkout)")
+    parser.add_argument("--model", type=Path, default=MODEL, help="the model every arm starts from (default: "
+                        "SmolLM2-135M-Instruct; a tiny model for a smoke run)")
+    parser.add_argument("--runs", type=Path, default=comparison.runs, help="where the runs go (default: "
+                        f"{comparison.runs.relative_to(REPO)}; another folder for a smoke run)")
     parser.add_argument("--keep-model", action="store_true", help="keep each finished run's final policy as a "
-                        "Hugging Face directory, runs/compare_cpo/<arm>/seed<k>/model (e.g. a distillation teacher)")
+                        "Hugging Face directory, <runs>/<arm>/seed<k>/model (e.g. a distillation teacher)")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
     args = parser.parse_args(argv)
-    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve(),
-                args.keep_model)
+    comparison = replace(comparison, runs=args.runs.absolute())
+    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve(), comparison,
+                args.model.absolute(), args.keep_model)
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
         return 0
-    if not (MODEL / "config.json").is_file():
-        sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
+    if not (args.model / "config.json").is_file():
+        sys.exit(f"error: no model at {args.model}; fetch it once with python tools/fetch_smollm2.py")
     if not (args.code / "megatron_cpo" / "__init__.py").is_file():
         sys.exit(f"error: --code {args.code} holds no megatron_cpo package; "
                  "make one with git archive HEAD | tar -x -C DIR")
-    if not (RUNS / "data" / "test.parquet").is_file():
-        subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(RUNS / "data")], cwd=REPO,
-                       check=True)
+    if not (comparison.runs / "data" / "test.parquet").is_file():
+        subprocess.run([sys.executable, "-m", "megatron_cpo.data.addition", "--out", str(comparison.runs / "data")],
+                       cwd=REPO, check=True)
     failed, stop = [], StopRequest()
     for index, run in enumerate(runs, start=1):
         name = f"[{index}/{len(runs)}] {run.arm}/seed{run.seed}"
         if finished(run):
             print(f"{name}: finished before, read", flush=True)
             continue
-        if stop.requested or PAUSE.exists():
-            why = f"{PAUSE} exists" if PAUSE.exists() else "stopped by a signal"
+        if stop.requested or comparison.pause.exists():
+            why = f"{comparison.pause} exists" if comparison.pause.exists() else "stopped by a signal"
             failed.append(f"{run.arm}/seed{run.seed} (not started: {why})")
             continue
         print(f"{name} ... ({time.strftime('%H:%M:%S')})", flush=True)

@@ -262,6 +262,13 @@ class _ExportRoles:
         return cls(dense=dense, experts=experts, yields=yields)
 
 
+def _with_adapter(param: torch.nn.Parameter) -> torch.Tensor:
+    """A weight shard as it is, or with the LoRA adapter on its layer merged in (`W + alpha/rank B A`,
+    models/lora/layers.py; collective over the layer's TP or expert-TP group)."""
+    adapter = getattr(param, "lora_adapter", None)
+    return param.detach() if adapter is None else adapter.merged_weight(param)
+
+
 @torch.no_grad()
 def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model's weights as HF-named full tensors, one parameter (hence at most one layer) at a time.
@@ -271,7 +278,8 @@ def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Ten
     TP rank 0 of the first data-parallel replica of each PP stage, for the layers that stage owns (the embedding on
     the first stage, the final norm and untied lm_head on the last), with every expert gathered from its EP and ETP
     ranks; other ranks yield nothing. `model` may be wrapped (DDP, Float16Module). Yielded tensors are on the model's
-    device and may alias its parameters: copy them before changing them.
+    device and may alias its parameters: copy them before changing them. A layer with a LoRA adapter is yielded
+    merged, `W + alpha/rank B A` (what the adapted layer computes).
     """
     from megatron.core import parallel_state as ps
 
@@ -282,17 +290,18 @@ def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Ten
     for entry in model_entries(model, hf_config):
         if not entry.mapping.exported:
             continue
-        dim, shard = entry.mapping.tp_dim, entry.param.detach()
+        dim = entry.mapping.tp_dim
         if not entry.mapping.expert:
             if not roles.dense:
                 continue
-            full = _unsplit(shard, dim, ps.get_tensor_model_parallel_group(), shape.tp_size)
+            full = _unsplit(_with_adapter(entry.param), dim, ps.get_tensor_model_parallel_group(), shape.tp_size)
             if roles.yields:
                 yield from zip(entry.hf_names(), entry.mapping.split(full, shape))
             continue
         if not roles.experts or (dim is None and ps.get_expert_tensor_parallel_rank() != 0):
             continue
-        full = _unsplit(shard, dim, ps.get_expert_tensor_parallel_group(), expert_shape.tp_size)
+        full = _unsplit(_with_adapter(entry.param), dim, ps.get_expert_tensor_parallel_group(),
+                        expert_shape.tp_size)
         if full is None:  # not ETP rank 0: its EP group holds no full experts
             continue
         experts = _gather_to_first(full, ps.get_expert_model_parallel_group(),

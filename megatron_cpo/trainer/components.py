@@ -34,7 +34,7 @@ def policies_for(config: Config, pad_token_id: int, total_updates: int
     parts = config.actor_rollout_ref
     return build_policies(parts.model, parts.actor, pad_token_id, total_updates,
                           parts.rollout.log_prob_micro_batch_size_per_gpu,
-                          parts.ref if config.needs_reference_model else None)
+                          parts.ref if config.needs_reference_model else None, seed=config.trainer.seed)
 
 
 def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronCritic | None:
@@ -45,7 +45,7 @@ def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronC
     critic = config.critic
     updates = total_steps * critic.ppo_epochs * (config.data.train_batch_size // critic.ppo_mini_batch_size)
     parts = config.actor_rollout_ref
-    return build_critic(parts.model, parts.actor, critic, pad_token_id, updates)
+    return build_critic(parts.model, parts.actor, critic, pad_token_id, updates, seed=config.trainer.seed)
 
 
 def policy_update_config(config: Config) -> PolicyUpdateConfig:

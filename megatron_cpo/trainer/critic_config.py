@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from megatron_cpo.algorithms.config import LOSS_AGGREGATION_MODES
 from megatron_cpo.config_checks import check, check_choice
+from megatron_cpo.models.config import LoraConfig
 from megatron_cpo.trainer.config import ActorConfig, CheckpointContentsConfig, OptimConfig
 
 
@@ -37,11 +38,20 @@ class CriticCheckpointConfig(CheckpointContentsConfig):
 
 
 @dataclass
+class CriticLoraConfig(LoraConfig):
+    """verl's `critic.model.lora.*`: the critic trains LoRA adapters (and its value head) instead of its whole
+    decoder; the same settings as the actor's (`LoraConfig`)."""
+    SECTION: ClassVar[str] = "critic.model.lora"
+
+
+@dataclass
 class CriticModelConfig:
     """`path`: the Hugging Face directory the critic starts from ("": the actor's `actor_rollout_ref.model.path`). A
     causal LM gets a fresh value head (its `lm_head` is not used); a token-classification model with one label (a
-    critic exported by this trainer or verl) keeps its `score` head. Either must be the actor's architecture."""
+    critic exported by this trainer or verl) keeps its `score` head. Either must be the actor's architecture.
+    `lora`: train adapters and the value head only (`CriticLoraConfig`)."""
     path: str = ""
+    lora: CriticLoraConfig = field(default_factory=CriticLoraConfig)
 
 
 @dataclass

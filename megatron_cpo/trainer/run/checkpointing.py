@@ -10,7 +10,8 @@ then does `<root>/latest` name it, so a run killed mid-save resumes from the pre
 resume a damaged checkpoint (or `latest`) is reported and the newest intact one is used. With `hf_model` in
 `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is also written as a Hugging Face model
 directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or convertible to a Megatron checkpoint at
-any TP/PP); with `hf_model` in `critic.checkpoint.save_contents` the critic too, as a token-classification model with
+any TP/PP; a LoRA actor's is its PEFT adapter on the base model, docs/lora.md, and its rank files hold only the
+adapters); with `hf_model` in `critic.checkpoint.save_contents` the critic too, as a token-classification model with
 one label (`step_<k>/critic_huggingface`). Resuming needs the same world size and TP/PP layout; to change the
 layout, start a new run from that Hugging Face directory. No checkpoint holds a NaN or infinity: weights or optimizer
 state that are not finite on some rank are never written (nor exported), and on resume a checkpoint that holds one
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
+from megatron_cpo.models.lora.apply import load_trainable_state, lora_of, trainable_state
 from megatron_cpo.trainer.run.checkpoint_files import (
     CRITIC_HF_DIR,
     HF_DIR,
@@ -126,13 +128,18 @@ def _megatron_rng_tracker() -> Any:
 
 
 def model_state(model: Any) -> dict:
-    """A trainable model's (the actor's, the critic's) shard, optimizer state and schedule on this rank."""
-    return {"model": model.model.state_dict(), "optimizer": optimizer_state(model.optimizer),
+    """A trainable model's (the actor's, the critic's) shard, optimizer state and schedule on this rank; with LoRA
+    only what trains (the adapters, a critic's value head): the frozen base comes from the model's path again."""
+    weights = trainable_state(model.model) if lora_of(model.model) else model.model.state_dict()
+    return {"model": weights, "optimizer": optimizer_state(model.optimizer),
             "scheduler": model.scheduler.state_dict()}
 
 
-def load_model_state(model: Any, state: dict) -> None:
-    model.model.load_state_dict(state["model"])
+def load_model_state(model: Any, state: dict, where: str = "the checkpoint") -> None:
+    if lora_of(model.model):
+        load_trainable_state(model.model, state["model"], where)
+    else:
+        model.model.load_state_dict(state["model"])
     load_optimizer_state(model.optimizer, state["optimizer"])
     model.scheduler.load_state_dict(state["scheduler"])
 
@@ -295,9 +302,9 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {directory} {has} and this run {'has' if self.critic else 'has none'} "
                                   "(algorithm.adv_estimator=gae trains one): resume with the algorithm it was written "
                                   "with, or set trainer.resume=disable with a new trainer.default_local_dir")
-        load_model_state(self.actor, state)
+        load_model_state(self.actor, state, f"checkpoint {directory}")
         if self.critic is not None:
-            load_model_state(self.critic, saved_critic)
+            load_model_state(self.critic, saved_critic, f"checkpoint {directory} (critic)")
         set_rng_state(state["rng"])
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
@@ -313,7 +320,12 @@ class CheckpointManager:
 
 def hf_exporter(actor: Any, model_path: str, dtype: str) -> Callable[[Path], Any]:
     """Collective: writes the actor (or the critic) as a Hugging Face model directory in `dtype`
-    (`megatron.params_dtype`), its config and tokenizer from `model_path` (the model it started from)."""
+    (`megatron.params_dtype`), its config and tokenizer from `model_path` (the model it started from). A LoRA actor
+    is written as its PEFT adapter on `model_path` instead; a LoRA critic merged (its value head is no adapter)."""
+    if lora_of(actor.model) and not actor.model.value_head:
+        from megatron_cpo.models.lora.peft_format import save_peft_adapter
+
+        return lambda out: save_peft_adapter(actor.model, out, model_path, dtype=getattr(torch, dtype))
     from megatron_cpo.models.conversion_commands import export_hf_model
 
     return lambda out: export_hf_model(actor.model, actor.model.hf_config, model_path, out,

@@ -36,6 +36,7 @@ class Layout:
     dynamic_bsz: bool = False
     fused_kernels: bool = False
     critic: bool = False          # PPO's value model (trainer/workers/critic.py): the actor's size again, trained
+    lora_rank: int = 0            # LoRA adapters (model.lora.rank; 0: off): only they train, the reference is no copy
 
     @property
     def model_parallel(self) -> int:
@@ -64,9 +65,10 @@ class Layout:
     def from_sections(cls, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, reference_model: bool,
                       world_size: int, critic: bool = False) -> Layout:
         """The layout the model, actor and rollout sections imply on `world_size` trainer processes, with a frozen
-        reference when `reference_model` (`Config.needs_reference_model`) and a critic when `critic`
-        (`Config.critic_enabled`). Engines: `rollout.num_engines` Ray actors, one per `rollout.server_urls` entry
-        (server mode), or one per rollout-TP group of the trainer's processes (colocate)."""
+        reference when `reference_model` (`Config.needs_reference_model`; with LoRA no copy: the base with the
+        adapters off) and a critic when `critic` (`Config.critic_enabled`). Engines: `rollout.num_engines` Ray
+        actors, one per `rollout.server_urls` entry (server mode), or one per rollout-TP group of the trainer's
+        processes (colocate)."""
         megatron = actor.megatron
         engines = {"server": len(rollout.server_urls),
                    "colocate": max(1, world_size // rollout.tensor_model_parallel_size)}.get(rollout.mode,
@@ -78,11 +80,13 @@ class Layout:
                    params_dtype=megatron.compute_dtype,
                    fused_attention=megatron.attention_backend not in ("local", "unfused"),
                    distributed_optimizer=megatron.use_distributed_optimizer,
-                   reference_model=reference_model, sequence_parallel=megatron.sequence_parallel,
+                   reference_model=reference_model and not model.lora.enabled,
+                   sequence_parallel=megatron.sequence_parallel,
                    context_parallel=megatron.context_parallel_size,
                    recompute=megatron.recompute_granularity if model.enable_gradient_checkpointing else "",
                    recompute_num_layers=megatron.recompute_num_layers, remove_padding=model.use_remove_padding,
-                   dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels, critic=critic)
+                   dynamic_bsz=actor.use_dynamic_bsz, fused_kernels=model.use_fused_kernels, critic=critic,
+                   lora_rank=model.lora.rank)
 
     def describe_processes(self, world_source: str) -> list[str]:
         """The trainer's and the engines' lines of `--dry-run` (`world_source`: where the world size came from)."""
@@ -92,6 +96,9 @@ class Layout:
         if self.ep > 1 or (self.etp or self.tp) != self.tp:
             trainer += (f"; experts: EP {self.ep} x ETP {self.etp or self.tp} x expert-DP {self.expert_dp} per "
                         "pipeline stage")
+        if self.lora_rank:
+            trainer += (f"; LoRA rank {self.lora_rank}: only the adapters train, the reference is the base with "
+                        "them off (no copy)")
         if self.critic:
             trainer += "; a critic (value model) beside the actor, in the same layout"
         if self.rollout_mode == "server":

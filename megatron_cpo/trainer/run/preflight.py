@@ -210,6 +210,30 @@ def family_problems(model: ModelConfig, actor: ActorConfig, path: Path, layout_c
     return problems
 
 
+def lora_problems(model: ModelConfig, actor: ActorConfig, critic: CriticConfig | None) -> list[str]:
+    """LoRA's settings against the model and the layout (models/lora/targets.py) and a starting adapter against the
+    base (models/lora/peft_format.py), for the actor and, when it trains one with LoRA, the critic."""
+    from megatron_cpo.models.builder import load_hf_config
+    from megatron_cpo.models.lora.peft_format import adapter_problems
+    from megatron_cpo.models.lora.targets import layout_problems
+
+    megatron = actor.megatron
+    problems = []
+    for path, lora in ((model.path, model.lora), ((critic.model.path or model.path) if critic else "",
+                                                   critic.model.lora if critic else None)):
+        if lora is None or not lora.enabled or not Path(path, "config.json").is_file():
+            continue
+        try:
+            hf_config = load_hf_config(path)
+            problems += layout_problems(hf_config, lora, megatron.tensor_model_parallel_size,
+                                        megatron.pipeline_model_parallel_size, megatron.expert_tensor_parallel)
+            if lora.adapter_path and not problems:
+                problems += adapter_problems(lora.adapter_path, path, hf_config, lora)
+        except Exception as err:  # noqa: BLE001 - the family check reports an unreadable or unsupported config
+            problems.append(f"{lora.SECTION}: the model {path!r} cannot carry adapters ({type(err).__name__}: {err})")
+    return problems
+
+
 def context_parallel_problems(megatron: MegatronConfig, model: ModelConfig) -> list[str]:
     """Context parallelism needs Transformer Engine (its ring attention) and the padded rows."""
     from megatron_cpo.models.builder import uses_transformer_engine
@@ -353,6 +377,7 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
     lead = planning or os.environ.get("RANK", "0") == "0"
     problems = model_problems(model, actor, rollout.tensor_model_parallel_size)
     problems += critic_problems(model, config.critic) if config.critic_enabled else []
+    problems += lora_problems(model, actor, config.critic if config.critic_enabled else None) if not problems else []
     problems += layout_problems(layout, model, actor, config.trainer, world_source, planning)
     found, train_rows = data_problems(config.data, config.reward, rollout.multi_turn) if lead else ([], None)
     problems += found + output_problems(config.trainer) + sink_package_problems(config.trainer.logger)

@@ -29,7 +29,7 @@ from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.workers.megatron_model import MegatronModel, MicroBatch, with_zero_rows
 from megatron_cpo.trainer.workers.optimizer import megatron_optimizer, wrap_ddp
-from megatron_cpo.trainer.workers.policies import model_options
+from megatron_cpo.trainer.workers.policies import add_adapters, model_options
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 
 SUMMED_METRICS = {"vf_loss", "vf_clipfrac", "vpred_mean"}  # each micro-batch's is its share of the mini-batch's
@@ -133,12 +133,13 @@ class MegatronCritic(MegatronModel):
 
 
 def build_critic(model_cfg: ModelConfig, actor_cfg: ActorConfig, critic_cfg: CriticConfig, pad_token_id: int,
-                 total_updates: int) -> MegatronCritic:
+                 total_updates: int, seed: int = 0) -> MegatronCritic:
     """The critic of a run with `algorithm.adv_estimator=gae` (every rank, after `init_distributed`): the value model
     of `critic.model.path` (or the actor's `model.path`) in the actor's layout, dtype and recompute
     (`actor.megatron`, `model.enable_gradient_checkpointing`), packing (`model.use_remove_padding`) and the MoE
     knobs of a mixture of experts; its own DDP wrapper and optimizer; `total_updates` (steps x critic epochs x
-    mini-batches) sizes its learning-rate schedule."""
+    mini-batches) sizes its learning-rate schedule. With `critic.model.lora` it trains adapters (initialised from
+    `seed`) and its value head only."""
     path = critic_cfg.model.path or model_cfg.path
     hf_config = load_hf_config(path)
     moe = family_of(hf_config).moe(hf_config) is not None
@@ -146,6 +147,8 @@ def build_critic(model_cfg: ModelConfig, actor_cfg: ActorConfig, critic_cfg: Cri
     model = build_gpt_model(hf_config, params_dtype=getattr(torch, megatron.compute_dtype), value_head=True,
                             **model_options(megatron, model_cfg.enable_gradient_checkpointing, moe))
     load_hf_weights(model, path)
+    if critic_cfg.model.lora.enabled:  # adapters and the value head train; the decoder stays as loaded
+        add_adapters(model, critic_cfg.model.lora, seed, keep_trainable=("output_layer",))
     ddp_model = wrap_ddp(model, critic_cfg.megatron.use_distributed_optimizer)
     optimizer, scheduler = megatron_optimizer(ddp_model, critic_cfg.optim, megatron.compute_dtype,
                                               critic_cfg.megatron.use_distributed_optimizer, total_updates)
