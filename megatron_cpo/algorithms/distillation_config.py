@@ -54,8 +54,6 @@ class DistillationLossConfig:
     use_task_rewards: add the task's policy loss; the distillation term is then weighted by `distillation_loss_coef`.
     loss_max_clamp: clamp D to [-c, c] per token (null: off); log_prob_min_clamp: floor on the top-k log-probs (null:
         off).
-    use_chunked_topk / chunked_topk_chunk_size: verl's memory switch for its materialised logits; the fused lm-head
-        here never holds them, so they change nothing (kept so verl's scripts load).
     """
     loss_mode: str = "k3"
     topk: int = 32
@@ -69,8 +67,6 @@ class DistillationLossConfig:
     clip_ratio_low: float | None = 0.2
     clip_ratio_high: float | None = 0.2
     tail_mass_eps: float = 1e-6
-    use_chunked_topk: bool = False
-    chunked_topk_chunk_size: int = 4096
 
     def __post_init__(self) -> None:
         prefix = "distillation.distillation_loss."
@@ -99,8 +95,6 @@ class DistillationLossConfig:
         low, high = self.clip_range
         check(0 <= low < 1 and high >= 0, f"{prefix}clip_ratio_low={low} must be in [0, 1) and clip_ratio_high={high}"
                                           " >= 0 (PPO's clip range [1 - low, 1 + high])")
-        check(self.chunked_topk_chunk_size >= 1, f"{prefix}chunked_topk_chunk_size={self.chunked_topk_chunk_size} "
-                                                  "must be >= 1")
 
     @property
     def rules(self) -> DistillationModeRules:
