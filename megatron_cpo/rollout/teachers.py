@@ -73,7 +73,7 @@ class TeacherScores:
             if bool(bad.any()):
                 row, position = (int(i) for i in bad.nonzero()[0][:2])
                 raise TeacherScoreError(
-                    f"teacher {teacher!r} gave a non-finite log-prob ({float(values[row, position].flatten()[0])}) to "
+                    f"teacher {teacher!r} gave a non-finite log-prob ({float(values[bad][0])}) to "
                     f"token {position} of response {names[row]!r}; a teacher log-prob must be finite (check the "
                     "teacher's weights and dtype)")
 
