@@ -75,7 +75,13 @@ def test_verls_opd_scripts_pass_the_dry_run(name, tmp_path, capsys, monkeypatch)
           f"distillation.teacher_models.{entry}.model_path={teacher}", f"trainer.default_local_dir={tmp_path / 'run'}",
           "trainer.logger=[console]"])
     out = capsys.readouterr().out
-    assert "nothing was started" in out and "distillation:" in out and str(teacher) in out
+    assert "nothing was started" in out and str(teacher) in out
+    if entry == "teacher_model":
+        assert "# distillation: forward_kl_topk (top-64) as a loss, without the task loss" in out
+        assert f"# teacher teacher_model: 2 engine(s) x TP 2 of {teacher}; scores every row" in out
+    else:
+        assert "# distillation: k1 as a reward (policy gradient), without the task loss" in out
+        assert f"# teacher gsm8k: 1 engine(s) x TP 1 of {teacher}; scores rows with data_source=openai/gsm8k" in out
 
 
 def test_the_teachers_table_loads_from_a_file_and_overrides():

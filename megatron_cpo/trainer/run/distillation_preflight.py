@@ -164,3 +164,28 @@ def distillation_problems(distillation: DistillationConfig, student: ModelConfig
         if teacher.kind != "self" and teacher.model_path:
             problems += _model_problems(name, teacher, student, context, megatron)
     return problems + routing_problems(distillation, data)
+
+
+def describe_teachers(distillation: DistillationConfig) -> tuple[str, ...]:
+    """`--dry-run`'s lines: the distillation signal and where each teacher runs (none when distillation is off)."""
+    if not distillation.enabled:
+        return ()
+    loss = distillation.distillation_loss
+    if distillation.uses_additive_form:
+        signal = f"slime's additive form: advantages - {distillation.opd_kl_coef} x (student - teacher) log-probs"
+    else:
+        form = "as a reward (policy gradient)" if loss.use_policy_gradient else "as a loss"
+        task = (f"plus the task loss, weight {loss.distillation_loss_coef}" if loss.use_task_rewards
+                else "without the task loss")
+        signal = f"{loss.loss_mode}{f' (top-{loss.topk})' if loss.rules.topk else ''} {form}, {task}"
+    lines = [f"distillation: {signal}"]
+    for name, teacher in distillation.teacher_models.items():
+        key = distillation.routing_key(name)
+        rows = "every row" if key == DEFAULT_KEY else f"rows with {distillation.teacher_key}={key}"
+        tp = teacher.inference.tensor_model_parallel_size
+        where = {"engines": f"{distillation.replicas(name)} engine(s) x TP {tp} of {teacher.model_path}",
+                 "server": f"servers {', '.join(teacher.server_urls)}",
+                 "megatron": f"a frozen Megatron model of {teacher.load or teacher.model_path} in the actor's layout",
+                 "self": "the policy given the gold solution (the trainer's hinted pass)"}[teacher.kind]
+        lines.append(f"teacher {name}: {where}; scores {rows}")
+    return tuple(lines)

@@ -31,7 +31,7 @@ from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
-from megatron_cpo.trainer.run.distillation_preflight import distillation_problems
+from megatron_cpo.trainer.run.distillation_preflight import describe_teachers, distillation_problems
 from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
 
@@ -53,6 +53,7 @@ class RunPlan:
     generation_batch: int
     train_prompts: int | None
     steps: int | None
+    teachers: tuple[str, ...] = ()  # on-policy distillation's signal and teachers (distillation_preflight.py)
 
     def describe(self) -> str:
         """Lines for `--dry-run`."""
@@ -65,6 +66,7 @@ class RunPlan:
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
+            *self.teachers,
         ])
 
     def describe_dtype(self) -> list[str]:
@@ -361,4 +363,5 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
                    responses_per_step=data.train_batch_size * rollout.n,
                    mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
                    micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
-                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)
+                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps,
+                   teachers=describe_teachers(config.distillation))
