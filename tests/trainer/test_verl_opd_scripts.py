@@ -84,6 +84,21 @@ def test_verls_opd_scripts_pass_the_dry_run(name, tmp_path, capsys, monkeypatch)
         assert f"# teacher gsm8k: 1 engine(s) x TP 1 of {teacher}; scores rows with data_source=openai/gsm8k" in out
 
 
+def test_teacher_engines_launch_at_the_scripts_size_and_return_the_top_k(tmp_path):
+    """The 8B script's teacher: 2 engines (its pool of 4 devices at TP 2), the sequences of the run plus the one
+    generated token, the actor's dtype, vLLM's log-prob cap raised to the loss's top-64."""
+    from megatron_cpo.rollout.engine_teacher import teacher_launch_config
+
+    teacher = stand_in(tmp_path / "teacher")
+    config = resolve_config(None, [*overrides_of("opd_qwen3_8b_megatron.txt"),
+                                   f"distillation.teacher_models.teacher_model.model_path={teacher}"]).config
+    launch = teacher_launch_config("teacher_model", config.distillation, "bfloat16", 3073, 7, "local")
+    assert (launch.engines.num_engines, launch.engines.tensor_model_parallel_size) == (2, 2)
+    assert (launch.model_path, launch.max_model_len, launch.dtype, launch.seed) == (str(teacher), 3073, "bfloat16", 7)
+    assert (launch.max_logprobs, launch.engines.gpu_memory_utilization, launch.engines.ray_address) == (64, 0.4,
+                                                                                                        "local")
+
+
 def test_the_teachers_table_loads_from_a_file_and_overrides():
     tree = {"distillation": {"enabled": True, "teacher_models": {
         "gsm8k": {"key": "openai/gsm8k", "model_path": "/m/a", "inference": {"max_model_len": 100}},
