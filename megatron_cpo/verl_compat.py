@@ -87,6 +87,12 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
         "use_chunked_topk", "chunked_topk_chunk_size")),
     *(NoOpKey(f"distillation.teacher_models.*.inference.{key}", "the teacher's context is data.max_prompt_length + "
               "data.max_response_length (+1), as verl derives it") for key in ("prompt_length", "response_length")),
+    *(NoOpKey(f"{section}.megatron.{key}", "verl's choice of weight converter, mbridge or Megatron-Bridge; the "
+              "trainer converts HF <-> Megatron weights itself, models/weight_mapping.py")
+      for section in ("actor_rollout_ref.*", "critic") for key in ("use_mbridge", "vanilla_mbridge")),
+    *(NoOpKey(f"actor_rollout_ref.rollout.{key}", f"vLLM's {kind} parallelism inside one engine; here each engine is "
+              "one vLLM instance on rollout.tensor_model_parallel_size GPUs, and rollout.num_engines sets how many")
+      for key, kind in (("data_parallel_size", "data"), ("expert_parallel_size", "expert"))),
 )
 
 # verl keys accepted only when they agree with one of our settings (same meaning, one source of truth).

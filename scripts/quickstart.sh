@@ -115,7 +115,7 @@ else
   max_new_tokens=128
 fi
 
-# A held-out question: tiny, the first with three operands (the kind the README says RL improves on); smollm2, the
+# A held-out question: tiny, the first with three operands (the kind RL improves on: docs/status.md); smollm2, the
 # first one. Lines: the data source, the system message (may be empty), the question, the expected answer.
 mapfile -t held_out < <("$py" - "$data_dir/test.parquet" <<'PY'
 import sys

@@ -14,7 +14,8 @@ import time
 import torch
 
 from megatron_cpo.algorithms.advantages import grpo_advantages
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo import ShapingInputs, difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import CPOConfig
 from megatron_cpo.algorithms.losses import PolicyLossConfig, policy_loss
 from megatron_cpo.kernels import hint_mi_signals
 
@@ -41,9 +42,9 @@ def vectorised(b: dict) -> tuple[torch.Tensor, torch.Tensor]:
     correct = b["scores"] > 0.5
     adv = grpo_advantages(b["scores"], b["group"], b["mask"])
     signals = hint_mi_signals(b["old_log_probs"], b["hint_log_probs"], b["entropy"], b["mask"])
-    adv, _ = shape_advantages("negonly_mi3", adv, signals, b["entropy"], b["mask"], correct,
-                              difficulty_mask(correct, b["group"]), b["old_log_probs"], b["hint_log_probs"],
-                              POS_ALPHA, NEG_ALPHA, 5.0)
+    adv = shape_advantages(CPOConfig("negonly_mi3", pos_alpha=POS_ALPHA, neg_alpha=NEG_ALPHA, cpo_lambda=5.0),
+                           ShapingInputs(adv, b["mask"], b["old_log_probs"], b["entropy"], b["hint_log_probs"], signals,
+                                         correct, difficulty_mask(correct, b["group"])))
     log_probs = b["log_probs"].clone().requires_grad_(True)
     config = PolicyLossConfig(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C)
     loss, _ = policy_loss(log_probs, b["old_log_probs"], adv, b["mask"], config)

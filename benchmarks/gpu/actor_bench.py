@@ -262,7 +262,7 @@ def run_mode(mode_name: str, model_dir: Path, model: dict, shape: BatchShape, ar
         if log_probs.old_log_probs is None:  # on-policy: the update scores the batch itself; time that pass alone too
             actor.log_probs_and_routing(log_probs.seqs, config.actor_rollout_ref.rollout.log_prob_temperature)
         advantages, metrics = compute_advantages(batch, log_probs, settings)
-        metrics.update(update_policy(actor, batch, log_probs, advantages, settings))
+        metrics.update(update_policy(actor, batch, log_probs, advantages, settings).metrics)
     real_tokens = sum(totals)
     flops_real = forward_flops(model, totals)
     flops_padded = forward_flops(model, [padded_length] * len(totals))

@@ -72,7 +72,7 @@ def round_trip(model_dir: Path, shape: BatchShape, vocab: int, device: torch.dev
     def train(actor):  # steps 3-5 of Trainer.step, without a reference
         log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
         advantages, metrics = compute_advantages(batch, log_probs, settings)
-        metrics.update(update_policy(actor, batch, log_probs, advantages, settings))
+        metrics.update(update_policy(actor, batch, log_probs, advantages, settings).metrics)
         return {k: v for k, v in metrics.items() if not k.startswith("timing/")}  # wall times differ
 
     for actor in (offloaded, plain):

@@ -119,7 +119,7 @@ def run_setting(name: str, repeats: int, port: int) -> dict:
                 log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=2)
                 advantages, _ = compute_advantages(batch, log_probs, settings)
             else:
-                metrics = update_policy(actor, batch, log_probs, advantages, settings)
+                metrics = update_policy(actor, batch, log_probs, advantages, settings).metrics
             start_wall, start_cpu = times[part]
             times[part] = (time.perf_counter() - start_wall, cpu_seconds() - start_cpu)
         if index:

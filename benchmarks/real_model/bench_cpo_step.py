@@ -100,7 +100,7 @@ def run_setting(name: str, batches: dict[str, str], repeats: int, port: int) -> 
         log_probs = clock.wrap("log_probs", compute_log_probs)(batch, actor, reference, settings,
                                                                tokenizer.pad_token_id)
         advantages, metrics = clock.wrap("advantages", compute_advantages)(batch, log_probs, settings)
-        metrics.update(clock.wrap("update", update_policy)(actor, batch, log_probs, advantages, settings))
+        metrics.update(clock.wrap("update", update_policy)(actor, batch, log_probs, advantages, settings).metrics)
         if index:
             step = {f"{part}_cpu_s": clock.cpu.get(part, 0.0) for part in ("hints", "old_pass", "hint_pass", "update")}
             step.update({f"{part}_s": clock.wall.get(part, 0.0)

@@ -32,7 +32,7 @@ def main() -> None:
 
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.components import engine_launch_config
-    from megatron_cpo.trainer.driver.rank_zero import RankZero
+    from megatron_cpo.trainer.driver.lead import LeadDriver
 
     example = "dapo.yaml" if args.filter_groups else "grpo.yaml"
     config = load_config(str(ROOT / "examples/smollm2-135m" / example), [
@@ -40,11 +40,12 @@ def main() -> None:
         f"data.val_files={args.data}/test.parquet", f"trainer.seed={args.seed}",
         "actor_rollout_ref.rollout.ray_address=local"])
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
-    lead = RankZero(config, tokenizer, engine_launch_config(config))
+    lead = LeadDriver(config, tokenizer, engine_launch_config(config))
     try:
-        collected, lost = lead.collect(1)
-        if lost:
-            sys.exit(f"error: {lost}")
+        outcome = lead.collect_groups(1)  # rank 0's collection alone: no process group here
+        if outcome.collected is None:
+            sys.exit(f"error: {outcome.engines_lost or outcome.rewards_refused}")
+        collected = outcome.collected
     finally:
         lead.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,7 @@ class Run:
     val_every: int
     save_freq: int
     code: Path = REPO
+    keep_model: bool = False  # keep the final policy as a Hugging Face directory, `<out_dir>/model` (a teacher)
 
     @property
     def out_dir(self) -> Path:
@@ -79,15 +80,16 @@ class Run:
                 f"trainer.total_rollout_samples={self.budget}", f"trainer.test_freq_samples={self.val_every}",
                 "trainer.test_freq=-1", "trainer.val_before_train=true", f"trainer.save_freq={self.save_freq}",
                 "trainer.max_actor_ckpt_to_keep=1",
-                "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]",
+                "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
+                + (",hf_model]" if self.keep_model else "]"),
                 f"trainer.experiment_name=compare_cpo_{self.arm}_seed{self.seed}", "trainer.logger=[console,jsonl]",
                 "actor_rollout_ref.rollout.ray_address=local"]
 
 
-def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO
-         ) -> list[Run]:
+def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO,
+         keep_model: bool = False) -> list[Run]:
     """Seed-major: seed 1 of every arm, then seed 2, ..."""
-    return [Run(arm, seed, budget, val_every, save_freq, code) for seed in seeds for arm in arms]
+    return [Run(arm, seed, budget, val_every, save_freq, code, keep_model) for seed in seeds for arm in arms]
 
 
 def read_record(run: Run) -> dict:
@@ -201,6 +203,10 @@ def execute(run: Run, stop: StopRequest | None = None) -> dict:
     record["finished"] = returncode == 0 and generated >= run.budget and "val/acc" in last
     (run.out_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     if record["finished"]:
+        exports = sorted((run.out_dir / "checkpoints").glob("step_*/huggingface"))
+        if run.keep_model and exports:
+            shutil.rmtree(run.out_dir / "model", ignore_errors=True)
+            exports[-1].rename(run.out_dir / "model")
         shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
     return record
 
@@ -231,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-freq", type=int, default=SAVE_FREQ, help="checkpoint every this many steps")
     parser.add_argument("--code", type=Path, default=REPO, help="the package and example configs to run (a frozen "
                         "copy of the repository; default: this checkout)")
+    parser.add_argument("--keep-model", action="store_true", help="keep each finished run's final policy as a "
+                        "Hugging Face directory, runs/compare_cpo/<arm>/seed<k>/model (e.g. a distillation teacher)")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
     args = parser.parse_args(argv)
-    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve())
+    runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve(),
+                args.keep_model)
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))

@@ -16,7 +16,7 @@ responses (`cpo/*`), beside the start model's on the captured batch with every r
 (`cpo_step_results.jsonl`) and the tiny model's learning-table runs.
 
 `--write` replaces the blocks between the `<!-- compare_cpo:... -->` markers of docs/cpo.md ("When CPO pays") and
-README.md (the SmolLM2 rows of the learning table).
+docs/status.md (the SmolLM2 rows of its learning section).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ MI_KEYS = ("cpo/hinted_frac", "cpo/shaped_token_frac", "cpo/mi_wrong_p10", "cpo/
            "cpo/mi_correct_p10", "cpo/mi_correct_p50", "cpo/mi_correct_p90", "cpo/mi_positive_ratio")
 BENCH = HERE / "cpo_step_results.jsonl"
 TINY = REPO / "benchmarks" / "learning" / "runs" / "arith12" / "cpo"
-DOCS = {REPO / "docs" / "cpo.md": "when", REPO / "README.md": "rows"}
+DOCS = {REPO / "docs" / "cpo.md": "when", REPO / "docs" / "status.md": "rows"}
 
 
 @dataclass
@@ -308,7 +308,7 @@ def write_block(path: Path, name: str, lines: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="regenerate the blocks in docs/cpo.md and README.md")
+    parser.add_argument("--write", action="store_true", help="regenerate the blocks in docs/cpo.md and docs/status.md")
     parser.add_argument("--png-dir", default=str(HERE))
     args = parser.parse_args(argv)
     runs = load_runs()

@@ -45,8 +45,8 @@ def start_server(work: Path) -> tuple[subprocess.Popen, str, float]:
 def run_mode(mode: str, args: argparse.Namespace, data: dict, work: Path) -> dict:
     from megatron_cpo.config import load_config
     from megatron_cpo.rollout.modes import build_rollout_manager
+    from megatron_cpo.trainer.assemble import run_training
     from megatron_cpo.trainer.components import engine_launch_config
-    from megatron_cpo.trainer.loop import run_training
 
     extra, server = [], None
     start_s = 0.0

@@ -16,9 +16,9 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 - distillation.py: on-policy distillation's per-token divergences (verl's loss modes: reverse-KL estimators, top-k
   forward KL with or without the tail bucket), its policy-gradient and loss forms, slime's additive form
   (distillation_config.py: the `distillation.distillation_loss` section).
-- cpo.py: difficulty mask, the shaping-rule table.
-- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule) and CPO's
-  config.
+- cpo.py: difficulty mask, CPO's shaping rules on typed inputs (`ShapingInputs`); cpo_rules.py: the rules as data and
+  CPO's config (`algorithm.cpo`), torch-free.
+- shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule).
 - filters.py: DAPO filter-groups, RAGEN filters, filter loss scaling.
 - overlong.py: DAPO overlong reward shaping.
 - config.py: the algorithms' settings, torch-free (`algorithm.*`, RAGEN's filter, the overlong buffer), the names

@@ -18,12 +18,21 @@ spec's `yw`), every term that selects wrong responses also requires it (the refe
 that act on any response (naive, noaccmask, mi, the difficulty rule) are not gated, as they do not look at
 correctness.
 """
+from __future__ import annotations
+
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_cpo.algorithms.cpo_rules import HINT_READERS, RESPONSE_SELECTORS, SHAPING_RULES, resolve_rule
+from megatron_cpo.algorithms.cpo_rules import (
+    HINT_READERS,
+    RESPONSE_SELECTORS,
+    SHAPING_RULES,
+    CPOConfig,
+    resolve_rule,
+)
 from megatron_cpo.algorithms.groups import check_group, group_count, group_sum
 
 if TYPE_CHECKING:  # the signals come from the trainer's kernels.hint_mi_signals; no runtime import of kernels here
@@ -56,6 +65,27 @@ def difficulty_mask(correct: torch.Tensor, group: torch.Tensor, levels: int = 3)
     raise ValueError(f"difficulty levels={levels} is not supported; use 3 (-1/0/+1) or 5 (-2..2)")
 
 
+@dataclass(frozen=True)
+class ShapingInputs:
+    """What a shaping rule reads of some whole responses (the step batch's, or one micro-batch's rows of it).
+
+    Per token, [N, T]: the estimator's `advantages`, the `mask`, the actor's `log_probs` and `entropy`, the
+    `hint_log_probs` (a response not scored under a hint has its plain log-probs there) and their `signals`
+    (`kernels.hint_mi_signals`). Per response, [N]: `correct`, its prompt's 3-level `difficulty` (`difficulty_mask`,
+    read on the whole batch) and optionally `hint_correct`, whether a hinted rollout of the same prompt was correct
+    (terms on wrong responses then also require it)."""
+
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    hint_log_probs: torch.Tensor | None
+    signals: HintSignals | None
+    correct: torch.Tensor
+    difficulty: torch.Tensor
+    hint_correct: torch.Tensor | None = None
+
+
 class _Responses:
     """What a rule reads of each response before any log-prob pass: its correctness and its prompt's difficulty."""
 
@@ -71,11 +101,11 @@ class _Responses:
 class _Inputs(_Responses):
     """The tensors a rule reads, with the selectors and factors it names computed on demand."""
 
-    def __init__(self, advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                 cpo_lambda, hint_correct):
-        super().__init__(correct, difficulty, hint_correct)
-        self.advantages, self.signals, self.entropy, self.mask = advantages, signals, entropy, mask.bool()
-        self.log_probs, self.hint_log_probs, self.cpo_lambda = log_probs, hint_log_probs, cpo_lambda
+    def __init__(self, inputs: ShapingInputs, cpo_lambda: float) -> None:
+        super().__init__(inputs.correct, inputs.difficulty, inputs.hint_correct)
+        self.advantages, self.signals, self.entropy = inputs.advantages, inputs.signals, inputs.entropy
+        self.mask, self.log_probs, self.hint_log_probs = inputs.mask.bool(), inputs.log_probs, inputs.hint_log_probs
+        self.cpo_lambda = cpo_lambda
 
     def hint_ratio(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`clamp(p_hint / p, 1/lam, lam)` and lam as a tensor of the same dtype, so that the bound tests are exact."""
@@ -152,16 +182,16 @@ def _check_rule_table() -> None:
 _check_rule_table()
 
 
-def _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                          hint_correct) -> None:
-    shape = tuple(advantages.shape)
+def _check_shaping_inputs(inputs: ShapingInputs) -> None:
+    signals, difficulty = inputs.signals, inputs.difficulty
+    shape = tuple(inputs.advantages.shape)
     for name, tensor in (("signals.mi", signals.mi), ("signals.kl", signals.kl), ("signals.u", signals.u),
-                         ("entropy", entropy), ("mask", mask), ("log_probs", log_probs),
-                         ("hint_log_probs", hint_log_probs)):
+                         ("entropy", inputs.entropy), ("mask", inputs.mask), ("log_probs", inputs.log_probs),
+                         ("hint_log_probs", inputs.hint_log_probs)):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {shape} like advantages")
-    for name, tensor in (("signals.ubar", signals.ubar), ("signals.s", signals.s), ("correct", correct),
-                         ("difficulty", difficulty), ("hint_correct", hint_correct)):
+    for name, tensor in (("signals.ubar", signals.ubar), ("signals.s", signals.s), ("correct", inputs.correct),
+                         ("difficulty", difficulty), ("hint_correct", inputs.hint_correct)):
         if tensor is not None and tuple(tensor.shape) != shape[:1]:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected ({shape[0]},), one per response")
     if difficulty.numel() and (int(difficulty.min()) < -1 or int(difficulty.max()) > 1):
@@ -195,38 +225,17 @@ def hinted_responses(rule_name: str, correct: torch.Tensor, difficulty: torch.Te
     return hinted[:, 0]
 
 
-def shape_advantages(
-    rule_name: str,
-    advantages: torch.Tensor,
-    signals: "HintSignals",
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    correct: torch.Tensor,
-    difficulty: torch.Tensor,
-    log_probs: torch.Tensor,
-    hint_log_probs: torch.Tensor,
-    pos_alpha: float | None,
-    neg_alpha: float | None,
-    cpo_lambda: float,
-    hint_correct: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Apply the CPO shaping rule `rule_name` to the token-level GRPO advantages; returns (new advantages, metrics).
-
-    advantages, entropy, mask, log_probs, hint_log_probs: Tensor[N, T]; signals: from
-    `megatron_cpo.kernels.hint_mi_signals`; correct: BoolTensor[N]; difficulty: the 3-level `difficulty_mask`,
-    LongTensor[N]; hint_correct: optional BoolTensor[N], whether a hinted rollout of the same prompt was correct (terms
-    on wrong responses then also require it). Values on padding are returned unchanged. Nothing here needs gradients.
-    """
-    rule = resolve_rule(rule_name)
-    _check_shaping_inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                          hint_correct)
-    if cpo_lambda < 1.0:
-        raise ValueError(f"cpo_lambda={cpo_lambda} must be >= 1: the hint ratio is clamped to [1/lam, lam]")
+def shape_advantages(config: CPOConfig, inputs: ShapingInputs) -> torch.Tensor:
+    """The token-level advantages of `inputs` under CPO's rule `config.wrap_method`, weighted by `config.pos_alpha` /
+    `neg_alpha`, with the hint ratio clamped to [1/cpo_lambda, cpo_lambda] (the config checked cpo_lambda >= 1).
+    Values on padding are returned unchanged. Nothing here needs gradients."""
+    rule = resolve_rule(config.wrap_method)
+    _check_shaping_inputs(inputs)
+    assert config.cpo_lambda >= 1.0, "CPOConfig refuses algorithm.cpo.cpo_lambda < 1"
     with torch.no_grad():
-        x = _Inputs(advantages, signals, entropy, mask, correct, difficulty, log_probs, hint_log_probs,
-                    cpo_lambda, hint_correct)
-        alphas = {"pos": pos_alpha or 0.0, "neg": neg_alpha or 0.0}
-        change = torch.zeros_like(advantages)
+        x = _Inputs(inputs, config.cpo_lambda)
+        alphas = {"pos": config.pos_alpha or 0.0, "neg": config.neg_alpha or 0.0}
+        change = torch.zeros_like(x.advantages)
         for term in rule.terms:
             if alphas[term.alpha] == 0.0:
                 continue
@@ -236,19 +245,23 @@ def shape_advantages(
             value = alphas[term.alpha] * FACTORS[term.factors[0]](x)
             for factor in term.factors[1:]:
                 value = value * FACTORS[factor](x)
-            change = change + torch.where(where, APPLY[term.apply](value, advantages), torch.zeros_like(change))
-        shaped = advantages + change
+            change = change + torch.where(where, APPLY[term.apply](value, x.advantages), torch.zeros_like(change))
+        shaped = x.advantages + change
         if rule.sign_clamp:
             restored = torch.where(x.correct, shaped.clamp(min=0), shaped.clamp(max=0))
             shaped = torch.where(x.mask, restored, shaped)
-        tokens = x.mask.sum().clamp(min=1)
+    return shaped
 
-        def masked_mean(values: torch.Tensor) -> float:
-            return float(torch.where(x.mask, values, 0.0).sum() / tokens)
 
-        metrics = {
-            "cpo/adv_change_mean": masked_mean(shaped - advantages),
-            "cpo/shaped_token_frac": float(((shaped != advantages) & x.mask).sum() / tokens),
-            "cpo/u_mean": masked_mean(signals.u),
-        }
-    return shaped, metrics
+def shaping_metrics(inputs: ShapingInputs, shaped: torch.Tensor) -> dict[str, float]:
+    """What the rule did over the tokens of `inputs`: the mean change of the advantages (`cpo/adv_change_mean`), the
+    share of tokens it changed (`cpo/shaped_token_frac`) and the mean uncertainty `u` (`cpo/u_mean`)."""
+    mask = inputs.mask.bool()
+    tokens = mask.sum().clamp(min=1)
+
+    def masked_mean(values: torch.Tensor) -> float:
+        return float(torch.where(mask, values, 0.0).sum() / tokens)
+
+    return {"cpo/adv_change_mean": masked_mean(shaped - inputs.advantages),
+            "cpo/shaped_token_frac": float(((shaped != inputs.advantages) & mask).sum() / tokens),
+            "cpo/u_mean": masked_mean(inputs.signals.u)}

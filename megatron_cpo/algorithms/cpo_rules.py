@@ -1,5 +1,5 @@
-"""CPO's 18 shaping rules as rows of data (docs/cpo.md, "The 18 shaping rules"), torch-free so that a config can
-name its rule without loading torch; cpo.py evaluates them.
+"""CPO's settings (`algorithm.cpo`, `CPOConfig`) and its 18 shaping rules as rows of data (docs/cpo.md, "The 18
+shaping rules"), torch-free so that a config can name its rule without loading torch; cpo.py evaluates them.
 
 A rule is a few `Term`s, a term is "on responses/tokens selected by these selectors, add alpha times the product of
 these signals, in this way", plus a sign-clamp flag. Selectors, factors and ways of applying are named here and
@@ -112,3 +112,33 @@ def resolve_rule(name: str) -> ShapingRule:
     if rule is None:
         raise ValueError(f"unknown CPO shaping rule (algorithm.wrap_method) {name!r}; known rules: {known_rules()}")
     return rule
+
+
+@dataclass
+class CPOConfig:
+    """`algorithm.cpo.*`: CPO's settings (the seed's `algorithm.wrap_method`, `algorithm.gold_as_hint` and
+    `actor_rollout_ref.actor.{cpo_lambda, pos_alpha, neg_alpha}` are accepted as aliases). Used when
+    `algorithm.adv_estimator=cpo`.
+
+    wrap_method: the shaping rule (docs/cpo.md, "The 18 shaping rules").
+    gold_as_hint: show the data's worked solution as the hint (`data.hint_key`); off: no response gets a hint.
+    cpo_lambda: the hint ratio is clamped to [1/cpo_lambda, cpo_lambda] (>= 1).
+    pos_alpha / neg_alpha: the weights `a+` / `a-` of the rule's terms (0: the term does nothing).
+    base_estimator: the group estimator whose advantages the rule shapes (`grpo`, `rloo`,
+        `reinforce_plus_plus_baseline`; verl's `*_vectorized` spellings too).
+    """
+
+    wrap_method: str = "negonly_mi3"
+    gold_as_hint: bool = True
+    cpo_lambda: float = 5.0
+    pos_alpha: float = 0.05
+    neg_alpha: float = 0.1
+    base_estimator: str = "grpo"
+
+    def __post_init__(self) -> None:
+        rules = known_rules()
+        if self.wrap_method not in rules:
+            raise ValueError(f"algorithm.cpo.wrap_method={self.wrap_method!r} is not a CPO shaping rule; choose one "
+                             f"of {rules}")
+        if self.cpo_lambda < 1:
+            raise ValueError(f"algorithm.cpo.cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")

@@ -13,19 +13,21 @@ from megatron_cpo.config_checks import check_choice
 
 @dataclass(frozen=True)
 class LossModeRules:
-    """What a policy-loss mode defines: the `loss_agg_mode`s its objective allows, and whether it clips the ratio to
-    [1 - clip_ratio_low, 1 + clip_ratio_high] (then clip_ratio_low must stay below 1)."""
-    aggregations: tuple[str, ...] = LOSS_AGGREGATION_MODES
+    """What a policy-loss mode defines: the aggregation its objective fixes for the policy-gradient term whatever
+    `loss_agg_mode` says, as verl's does (None: `loss_agg_mode`'s; the entropy and KL-loss terms always follow
+    `loss_agg_mode`), and whether it clips the ratio to [1 - clip_ratio_low, 1 + clip_ratio_high] (then
+    clip_ratio_low must stay below 1)."""
+    policy_aggregation: str | None = None
     ratio_clip: bool = True
 
 
-SEQUENCE_MEAN = ("seq-mean-token-mean",)
+SEQUENCE_MEAN = "seq-mean-token-mean"
 POLICY_LOSS_MODE_RULES: dict[str, LossModeRules] = {
     "vanilla": LossModeRules(),
     "gspo": LossModeRules(SEQUENCE_MEAN),
     "sapo": LossModeRules(SEQUENCE_MEAN, ratio_clip=False),
     "cispo": LossModeRules(ratio_clip=False),
-    "geo_mean": LossModeRules(SEQUENCE_MEAN, ratio_clip=False),
+    "geo_mean": LossModeRules(SEQUENCE_MEAN, ratio_clip=False),  # one loss per sequence: the mean over responses
     "gpg": LossModeRules(ratio_clip=False),
     "clip_cov": LossModeRules(),
     "kl_cov": LossModeRules(ratio_clip=False),
@@ -117,8 +119,8 @@ class PolicyLossConfig:
     clip_ratio_low / clip_ratio_high: the clip range [1 - low, 1 + high] of the modes that clip the ratio (GSPO's
     paper uses 3e-4 / 4e-4; GMPO clips the log-ratio to [-low, high]; CISPO accepts low >= 1: no lower clip).
     clip_ratio_c: dual-clip bound for negative advantages (> 1; vanilla only).
-    loss_agg_mode: one of LOSS_AGGREGATION_MODES that the mode allows (gspo, sapo and geo_mean average per sequence:
-    seq-mean-token-mean).
+    loss_agg_mode: one of LOSS_AGGREGATION_MODES (gspo, sapo and geo_mean aggregate their policy-gradient term with
+    seq-mean-token-mean whatever it says, as verl; `policy_aggregation`).
     tau_pos / tau_neg: SAPO's gate temperatures for positive / other advantages.
     entropy_coeff: weight of the entropy bonus (subtracted from the loss); needs `entropy`.
     top_entropy_quantile (ms-swift's entropy mask): keep only that top fraction of tokens by entropy in the
@@ -155,10 +157,6 @@ class PolicyLossConfig:
         if self.loss_agg_mode not in LOSS_AGGREGATION_MODES:
             raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not supported; choose one of "
                              f"{', '.join(map(repr, LOSS_AGGREGATION_MODES))}")
-        if self.loss_agg_mode not in rules.aggregations:
-            raise ValueError(f"{prefix}loss_agg_mode={self.loss_agg_mode!r} is not defined for "
-                             f"policy_loss.loss_mode={mode}, whose objective averages over sequences; set "
-                             f"{prefix}loss_agg_mode={rules.aggregations[0]}")
         for problem in LOSS_MODE_CHECKS.get(mode, lambda config: [])(self):
             raise ValueError(problem)
         try:
@@ -169,6 +167,19 @@ class PolicyLossConfig:
             raise ValueError(f"{prefix}top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1]: the "
                              "fraction of highest-entropy tokens that take part in the policy gradient (1.0 keeps "
                              "all, e.g. 0.2 for the top 20%)")
+
+    @property
+    def policy_aggregation(self) -> str:
+        """How the policy-gradient term is aggregated: the mode's own (GSPO, SAPO, GMPO), else `loss_agg_mode`."""
+        return self.policy_loss.rules.policy_aggregation or self.loss_agg_mode
+
+    def aggregation_note(self) -> str:
+        """The one line saying how a mode that fixes its aggregation aggregates ("" for the others)."""
+        if self.policy_loss.rules.policy_aggregation is None:
+            return ""
+        return (f"policy_loss.loss_mode={self.policy_loss.loss_mode} aggregates its policy-gradient term with "
+                f"{self.policy_aggregation}, as verl does whatever loss_agg_mode says; the entropy and KL-loss terms "
+                f"use actor_rollout_ref.actor.loss_agg_mode={self.loss_agg_mode}")
 
     @property
     def tis(self) -> TISConfig | None:

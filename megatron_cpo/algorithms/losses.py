@@ -5,10 +5,14 @@ KL loss, TIS and the off-policy correction.
   2017) with separate lower / upper ranges (DAPO's clip-higher, Yu et al., 2025, sets `clip_ratio_high` e.g. 0.28
   above `clip_ratio_low` 0.2) and dual-clip (Ye et al., 2020: the loss of negative-advantage tokens bounded by
   `clip_ratio_c * |A|`); GSPO, SAPO, CISPO, GMPO, GPG, Clip-Cov and KL-Cov are the others.
-- Aggregation (`loss_agg_mode`, aggregation.py): verl's modes plus `token-sum`, as additive shares of the batch loss.
+- Aggregation (`loss_agg_mode`, aggregation.py): verl's modes plus `token-sum`, as additive shares of the batch loss;
+  GSPO, SAPO and GMPO aggregate their policy-gradient term per sequence whatever it says, as verl's do (logged once).
 - Entropy mask (ms-swift `top_entropy_quantile`, Wang et al., 2025 "Beyond the 80/20 rule"): only the tokens whose
   entropy is at or above the batch quantile `1 - q` take part in the policy-gradient term.
 """
+
+import functools
+import logging
 
 import torch
 
@@ -22,6 +26,14 @@ from megatron_cpo.algorithms.mismatch import (  # noqa: F401  (re-exported: the 
 )
 from megatron_cpo.algorithms.policy_losses import POLICY_LOSS_MODES
 from megatron_cpo.algorithms.rollout_correction import rollout_correction
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _announce(note: str) -> None:
+    """Log `note` once per process (the first micro-batch that computes it)."""
+    logger.info("%s", note)
 
 
 def entropy_mask(
@@ -93,7 +105,9 @@ def policy_loss(
         entropy_keep, threshold = entropy_mask(entropy, mask, config.top_entropy_quantile)
         pg_mask = pg_mask & entropy_keep
         metrics["entropy/threshold"] = threshold
-    pg_loss = aggregate_loss(pg_losses, pg_mask, config.loss_agg_mode, global_tokens, global_seqs)
+    if note := config.aggregation_note():
+        _announce(note)
+    pg_loss = aggregate_loss(pg_losses, pg_mask, config.policy_aggregation, global_tokens, global_seqs)
     loss = pg_loss
     metrics["pg_loss"] = float(pg_loss.detach())
     if entropy is not None:

@@ -3,11 +3,11 @@ registered in `POLICY_LOSS_MODES`.
 
 A mode turns the per-token log-probs (current and old), advantages and response mask [N, T] into per-token
 policy-gradient losses (0 on padding) and its metrics; losses.py weights them (TIS, off-policy correction), masks
-them (entropy mask, rejection) and aggregates them with `loss_agg_mode`. Which aggregations define a mode's objective
-and which clip ranges it takes are data of the config (loss_config.py `POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so
-a config that asks for something a mode does not define is refused when it loads. Formulas and when to use each:
-docs/algorithms.md. Each equals verl's `core_algos` loss of the same name
-(tests/algorithms/test_policy_losses_vs_verl.py).
+them (entropy mask, rejection) and aggregates them with `loss_agg_mode`, or with the aggregation a mode's objective
+fixes. That aggregation and the clip ranges a mode takes are data of the config (loss_config.py
+`POLICY_LOSS_MODE_RULES`, `LOSS_MODE_CHECKS`), so a config that asks for something a mode does not define is refused
+when it loads. Formulas and when to use each: docs/algorithms.md. Each equals verl's `core_algos` loss of the same
+name, metrics included (tests/algorithms/test_policy_losses_vs_verl.py).
 
 Padding may hold anything (NaN included): every mode zeroes the log-ratio and the advantage there before the
 arithmetic, so neither the loss nor its gradient can pick a NaN up from a padded position.
@@ -93,7 +93,7 @@ def clipped_policy_loss(
 
 class PolicyLossMode(ABC):
     """A policy-loss mode: `losses` gives the per-token losses and metrics, `weighted` applies importance weights.
-    What the mode allows (aggregations, clip ranges) is loss_config.POLICY_LOSS_MODE_RULES, checked when a config
+    What the mode defines (its aggregation, clip ranges) is loss_config.POLICY_LOSS_MODE_RULES, checked when a config
     loads."""
 
     @abstractmethod
@@ -139,7 +139,8 @@ class SAPO(PolicyLossMode):
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
         log_ratio, advantages = _valid_inputs(log_probs, old_log_probs, advantages, valid)
-        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # verl's bound, its ppo_kl included
+        ratio = torch.exp(log_ratio)
         tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(ratio.dtype)
         gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
         return -gates * advantages, {"pg_clipfrac": 0.0, "ppo_kl": _token_mean(-log_ratio, valid),
@@ -153,7 +154,8 @@ class CISPO(PolicyLossMode):
     def losses(self, log_probs, old_log_probs, advantages, mask, config, generator=None):
         valid = mask.bool()
         log_ratio, advantages = _valid_inputs(log_probs, old_log_probs, advantages, valid)
-        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # verl's bound, its ppo_kl included
+        ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high).detach()
         losses = -clipped * advantages * torch.where(valid, log_probs, 0.0)
         return losses, {"pg_clipfrac": _token_mean(ratio != clipped, valid), "ppo_kl": _token_mean(-log_ratio, valid),

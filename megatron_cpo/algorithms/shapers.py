@@ -3,9 +3,10 @@ or CPO's rule when `algorithm.adv_estimator=cpo` (registered in `ADVANTAGE_SHAPE
 
 A shaper says whether it needs hint contexts (`needs_hint_contexts`): the trainer builds the hinted prompts and runs
 the hinted log-prob pass only for a shaper that asks for them, only for the responses it names (`hinted_responses`:
-for CPO, those some term of the rule that reads a hint can select), and passes the resulting signals to `shape`. It
-also says whether it reads the actor's log-probs or entropy (`needs_log_probs`): an on-policy update then shapes each
-micro-batch from its own forward; otherwise they are computed before the update.
+for CPO, those some term of the rule that reads a hint can select), and passes the resulting signals to `shape` in
+its typed inputs (cpo.py's `ShapingInputs`). It also says whether it reads the actor's log-probs or entropy
+(`needs_log_probs`): an on-policy update then shapes each micro-batch from its own forward; otherwise they are
+computed before the update. The trainer applies it in one place, trainer/workers/shaping.py.
 
 - every estimator of advantages.py (`grpo`, `rloo`, ...; DAPO and Dr.GRPO differ in the filters and the loss): its
   advantages as they are.
@@ -14,68 +15,51 @@ micro-batch from its own forward; otherwise they are computed before the update.
   advantages of the group estimator `algorithm.cpo.base_estimator` (`grpo`, `rloo` or
   `reinforce_plus_plus_baseline`: CPO's difficulty levels are read per prompt group; algorithms/config.py checks it).
 
-Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`), so this module imports no torch:
-a shaper's math (cpo.py) loads when it first shapes a batch.
+Loading a config reads the shapers' names and flags (and checks `algorithm.cpo`: `CPOConfig`, cpo_rules.py), so this
+module imports no torch: a shaper's math (cpo.py) loads when it first shapes a batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from megatron_cpo.algorithms.cpo_rules import known_rules
+from megatron_cpo.algorithms.cpo_rules import CPOConfig
 
-if TYPE_CHECKING:  # tensors, and the signals of the trainer's kernels.hint_mi_signals: annotations only
+if TYPE_CHECKING:  # tensors, CPO's inputs and the signals of the trainer's kernels.hint_mi_signals: annotations only
     import torch
 
+    from megatron_cpo.algorithms.cpo import ShapingInputs
     from megatron_cpo.kernels.hint_signals import HintSignals
 
 
-@dataclass
-class CPOConfig:
-    """`algorithm.cpo.*`: CPO's settings (the seed's `algorithm.wrap_method`, `algorithm.gold_as_hint` and
-    `actor_rollout_ref.actor.{cpo_lambda, pos_alpha, neg_alpha}` are accepted as aliases). Used when
-    `algorithm.adv_estimator=cpo`.
+@dataclass(frozen=True)
+class ResponseInputs:
+    """What a shaper reads of each response besides its tokens, [N] each: its correctness and its prompt's 3-level
+    difficulty (-1 all wrong, 0 mixed, +1 all correct), read on the whole batch since it depends on the prompt's other
+    responses."""
 
-    wrap_method: the shaping rule (docs/cpo.md, "The 18 shaping rules").
-    gold_as_hint: show the data's worked solution as the hint (`data.hint_key`); off: no response gets a hint.
-    cpo_lambda: the hint ratio is clamped to [1/cpo_lambda, cpo_lambda] (>= 1).
-    pos_alpha / neg_alpha: the weights `a+` / `a-` of the rule's terms (0: the term does nothing).
-    base_estimator: the group estimator whose advantages the rule shapes (`grpo`, `rloo`,
-        `reinforce_plus_plus_baseline`; verl's `*_vectorized` spellings too).
-    """
-
-    wrap_method: str = "negonly_mi3"
-    gold_as_hint: bool = True
-    cpo_lambda: float = 5.0
-    pos_alpha: float = 0.05
-    neg_alpha: float = 0.1
-    base_estimator: str = "grpo"
-
-    def __post_init__(self) -> None:
-        rules = known_rules()
-        if self.wrap_method not in rules:
-            raise ValueError(f"algorithm.cpo.wrap_method={self.wrap_method!r} is not a CPO shaping rule; choose one "
-                             f"of {rules}")
-        if self.cpo_lambda < 1:
-            raise ValueError(f"algorithm.cpo.cpo_lambda={self.cpo_lambda} must be >= 1 (ratio clamp [1/lam, lam])")
+    correct: torch.Tensor
+    difficulty: torch.Tensor
 
 
 class AdvantageShaper:
     """The estimator's advantages unchanged; subclasses shape them. `needs_hint_contexts`: whether `shape` reads hint
     signals (the trainer then builds hinted prompts for the responses `hinted_responses` names and scores them under
-    those); `needs_log_probs`: whether it reads `log_probs` / `entropy` (None is passed otherwise).
+    those); `needs_log_probs`: whether it reads the actor's log-probs / entropy.
 
     Shaping is per response: `response_inputs` computes, on the whole batch, what a response's shaping reads besides
-    its own tokens (what depends on its prompt's other responses), and `shape_rows` then works on any subset of whole
-    responses, e.g. each micro-batch of an on-policy update, whose own forward gives the log-probs
-    (trainer/workers/shaping.py). `shape` is the two on the whole batch, with the step's metrics."""
+    its own tokens, and `shape` then works on any rows of whole responses (`ShapingInputs`), e.g. each micro-batch
+    of an on-policy update, whose own forward gives the log-probs (trainer/workers/shaping.py). `metrics` reads the
+    whole batch's inputs and shaped advantages."""
 
     needs_hint_contexts: ClassVar[bool] = False
     needs_log_probs: ClassVar[bool] = False
 
-    def response_inputs(self, correct: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-response tensors [N] for `shape_rows`, from each response's correctness and prompt group."""
-        return {}
+    def response_inputs(self, correct: torch.Tensor, group: torch.Tensor) -> ResponseInputs:
+        """Each response's correctness and its prompt's difficulty, from its correctness and prompt group."""
+        from megatron_cpo.algorithms.cpo import difficulty_mask
+
+        return ResponseInputs(correct.bool(), difficulty_mask(correct.bool(), group, levels=3))
 
     def hinted_responses(self, correct: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """BoolTensor[N]: the responses whose advantages a hint can change (only these are scored under a hint)."""
@@ -83,19 +67,15 @@ class AdvantageShaper:
 
         return torch.zeros_like(correct, dtype=torch.bool)
 
-    def shape_rows(self, advantages: torch.Tensor, *, mask: torch.Tensor, log_probs: torch.Tensor,
-                   entropy: torch.Tensor, hint_log_probs: torch.Tensor | None, signals: HintSignals | None,
-                   **response_inputs: torch.Tensor) -> torch.Tensor:
-        """The shaped advantages of some whole responses (rows of every tensor, `response_inputs` included)."""
-        return advantages
+    def shape(self, inputs: ShapingInputs) -> torch.Tensor:
+        """The advantages to train on of the responses of `inputs`, [N, T]."""
+        return inputs.advantages
 
-    def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
-              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: torch.Tensor | None = None,
-              signals: HintSignals | None = None, hinted: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-        """(advantages to train on, metrics); all per-token tensors [N, T], `correct` / `group` [N]; `hinted` [N]:
-        the responses scored under a hint (the others' `hint_log_probs` are their plain ones)."""
-        return advantages, {}
+    def metrics(self, inputs: ShapingInputs, shaped: torch.Tensor, hinted: torch.Tensor | None = None
+                ) -> dict[str, float]:
+        """The step's metrics of the shaping, from the whole batch's inputs and shaped advantages; `hinted` [N]: the
+        responses scored under a hint (None: all of them)."""
+        return {}
 
 
 class CPOShaper(AdvantageShaper):
@@ -107,45 +87,32 @@ class CPOShaper(AdvantageShaper):
     def __init__(self, config: CPOConfig) -> None:
         self.config = config
 
-    def response_inputs(self, correct: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
-        from megatron_cpo.algorithms.cpo import difficulty_mask
-
-        return {"correct": correct.bool(), "difficulty": difficulty_mask(correct.bool(), group, levels=3)}
-
     def hinted_responses(self, correct: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         from megatron_cpo.algorithms.cpo import hinted_responses
 
-        cfg, inputs = self.config, self.response_inputs(correct, group)
-        return hinted_responses(cfg.wrap_method, inputs["correct"], inputs["difficulty"], cfg.pos_alpha,
+        cfg, responses = self.config, self.response_inputs(correct, group)
+        return hinted_responses(cfg.wrap_method, responses.correct, responses.difficulty, cfg.pos_alpha,
                                 cfg.neg_alpha)
 
-    def _shape(self, advantages, mask, log_probs, entropy, hint_log_probs, signals, correct, difficulty):
+    def shape(self, inputs: ShapingInputs) -> torch.Tensor:
         from megatron_cpo.algorithms.cpo import shape_advantages
 
-        if hint_log_probs is None or signals is None:
+        if inputs.hint_log_probs is None or inputs.signals is None:
             raise ValueError("the cpo shaper needs hint_log_probs and the hint signals (kernels.hint_mi_signals)")
-        cfg = self.config
-        return shape_advantages(cfg.wrap_method, advantages, signals, entropy, mask.bool(), correct, difficulty,
-                                log_probs, hint_log_probs, cfg.pos_alpha, cfg.neg_alpha, cfg.cpo_lambda)
+        return shape_advantages(self.config, inputs)
 
-    def shape_rows(self, advantages: torch.Tensor, *, mask: torch.Tensor, log_probs: torch.Tensor,
-                   entropy: torch.Tensor, hint_log_probs: torch.Tensor | None, signals: HintSignals | None,
-                   **response_inputs: torch.Tensor) -> torch.Tensor:
-        return self._shape(advantages, mask, log_probs, entropy, hint_log_probs, signals, **response_inputs)[0]
-
-    def shape(self, advantages: torch.Tensor, *, mask: torch.Tensor, correct: torch.Tensor, group: torch.Tensor,
-              log_probs: torch.Tensor, entropy: torch.Tensor, hint_log_probs: torch.Tensor | None = None,
-              signals: HintSignals | None = None, hinted: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict[str, float]]:
+    def metrics(self, inputs: ShapingInputs, shaped: torch.Tensor, hinted: torch.Tensor | None = None
+                ) -> dict[str, float]:
         import torch
 
-        inputs = self.response_inputs(correct, group)
-        shaped, metrics = self._shape(advantages, mask, log_probs, entropy, hint_log_probs, signals, **inputs)
-        metrics.update(hint_signal_metrics(signals, mask.bool(), inputs["correct"],
-                                           hinted if hinted is not None else torch.ones_like(inputs["correct"])))
+        from megatron_cpo.algorithms.cpo import shaping_metrics
+
+        metrics = shaping_metrics(inputs, shaped)
+        metrics.update(hint_signal_metrics(inputs.signals, inputs.mask.bool(), inputs.correct,
+                                           hinted if hinted is not None else torch.ones_like(inputs.correct)))
         for level, name in ((-1, "all_wrong"), (0, "mixed"), (1, "all_correct")):
-            metrics[f"cpo/difficulty_{name}"] = float((inputs["difficulty"] == level).float().mean())
-        return shaped, metrics
+            metrics[f"cpo/difficulty_{name}"] = float((inputs.difficulty == level).float().mean())
+        return metrics
 
 
 def hint_signal_metrics(signals: HintSignals, mask: torch.Tensor, correct: torch.Tensor, hinted: torch.Tensor

@@ -6,22 +6,12 @@ with `actor_rollout_ref.rollout.multi_turn.enable` (`MultiTurnConfig`, config.py
 environment of a row comes from registry.py; templates.py turns observations into ids; metrics.py sums episodes up.
 Names load on first use, so that loading a config (which reads `config.py` here) imports no torch.
 """
+from megatron_cpo.lazy_exports import lazy_exports
 
-import importlib
-
-_LAZY = {
-    **dict.fromkeys(("Environment", "SingleTurnEnvironment", "StepResult", "TextEnvironment"),
-                    "megatron_cpo.envs.base"),
-    "MultiTurnConfig": "megatron_cpo.envs.config",
-    **dict.fromkeys(("BUILTIN_AGENTS", "EnvironmentRegistry"), "megatron_cpo.envs.registry"),
-    "EpisodeRunner": "megatron_cpo.envs.runner",
-    **dict.fromkeys(("Tool", "ToolContext", "ToolOutput"), "megatron_cpo.envs.tools"),
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "base": ("Environment", "SingleTurnEnvironment", "StepResult", "TextEnvironment"),
+    "config": ("MultiTurnConfig",),
+    "registry": ("BUILTIN_AGENTS", "EnvironmentRegistry"),
+    "runner": ("EpisodeRunner",),
+    "tools": ("Tool", "ToolContext", "ToolOutput"),
+})

@@ -7,21 +7,11 @@
   checkpoint.py: torch_dist save/load.
 Names load on first use, so that loading a config (which reads `config.py` here) imports no torch.
 """
+from megatron_cpo.lazy_exports import lazy_exports
 
-import importlib
-
-_LAZY = {
-    **dict.fromkeys(("build_gpt_model", "load_hf_config", "padded_vocab_size", "unwrap_model"),
-                    "megatron_cpo.models.builder"),
-    **dict.fromkeys(("load_checkpoint", "read_checkpoint_info", "save_checkpoint"), "megatron_cpo.models.checkpoint"),
-    **dict.fromkeys(("iter_hf_weights", "load_hf_weights"), "megatron_cpo.models.weight_mapping"),
-    **dict.fromkeys(("forward_logits", "greedy_generate"), "megatron_cpo.models.inference"),
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "builder": ("build_gpt_model", "load_hf_config", "padded_vocab_size", "unwrap_model"),
+    "checkpoint": ("load_checkpoint", "read_checkpoint_info", "save_checkpoint"),
+    "weight_mapping": ("iter_hf_weights", "load_hf_weights"),
+    "inference": ("forward_logits", "greedy_generate"),
+})

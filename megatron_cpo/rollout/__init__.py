@@ -23,24 +23,13 @@ then has every engine continue fixed prompts greedily, outside the outstanding r
 colocated on the trainer's devices (`colocate.py`); all three share the manager interface shown here.
 Names load on first use, so that loading a config (which reads `config.py` here) imports no torch.
 """
+from megatron_cpo.lazy_exports import lazy_exports
 
-import importlib
-
-_LAZY = {
-    "RolloutManager": "megatron_cpo.rollout.manager",
-    "RolloutEngineConfig": "megatron_cpo.rollout.config",
-    **dict.fromkeys(("EngineLaunchConfig", "RolloutEngineStartError", "RolloutEnginesLostError", "RolloutGroup",
-                     "RolloutSample", "SamplingParams", "derive_sample_seeds"),
-                    "megatron_cpo.rollout.types"),
-    "WeightGroupJoinError": "megatron_cpo.rollout.collective",
-    **dict.fromkeys(("WeightSender", "WeightSenderSpec", "close_weight_groups", "send_from_pipeline_stages"),
-                    "megatron_cpo.rollout.weight_sync"),
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "manager": ("RolloutManager",),
+    "config": ("RolloutEngineConfig",),
+    "types": ("EngineLaunchConfig", "RolloutEngineStartError", "RolloutEnginesLostError", "RolloutGroup",
+              "RolloutSample", "SamplingParams", "derive_sample_seeds"),
+    "collective": ("WeightGroupJoinError",),
+    "weight_sync": ("WeightSender", "WeightSenderSpec", "close_weight_groups", "send_from_pipeline_stages"),
+})

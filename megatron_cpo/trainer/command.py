@@ -27,7 +27,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def dry_run_report(config_path: str, overrides: list[str]) -> str:
-    """The resolved config as YAML, the ignored verl keys and the layout; raises `ConfigError` on any problem."""
+    """The resolved config as YAML, the ignored verl keys, the policy loss's aggregation where its mode fixes it,
+    and the layout; raises `ConfigError` on any problem."""
     from megatron_cpo.trainer.run.preflight import preflight
 
     resolved = resolve_config(config_path, overrides)
@@ -36,6 +37,8 @@ def dry_run_report(config_path: str, overrides: list[str]) -> str:
     lines = ["# resolved config", yaml.safe_dump(tree, sort_keys=False).rstrip()]
     if resolved.ignored:
         lines += ["", "# " + resolved.ignored_warning()]
+    if note := resolved.config.actor_rollout_ref.actor.aggregation_note():
+        lines += ["", "# " + note]
     lines += ["", "# layout", *("# " + line for line in plan.describe().splitlines()),
               "", "# dry run: config, model, layout and data are valid; nothing was started"]
     return "\n".join(lines)
@@ -57,7 +60,7 @@ def run_train(args: argparse.Namespace) -> None:
                           "teachers and checks are; docs/distillation.md); check the config with --dry-run")
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
-    from megatron_cpo.trainer.loop import run_training  # after the logging set-up: Megatron logs on import
+    from megatron_cpo.trainer.assemble import run_training  # after the logging set-up: Megatron logs on import
     from megatron_cpo.trainer.run.errors import RunAbortedError
     try:
         final = run_training(config, checked=True)

@@ -1,10 +1,12 @@
 """What the composition root builds once for a run from several sections of the `Config`: the engines' launch
-settings, the actor and reference, the critic, and the settings steps 3-5 read.
+settings, the actor and reference, the critic, the settings steps 3-5 read and the loop's `RunSettings`.
 
-`trainer/loop.py` calls these while it builds the `Trainer`; tests and benchmarks call them to build the same parts
-without a run. Every other module receives its own section (docs/architecture.md, "Where each setting lives").
+`trainer/assemble.py` calls these while it builds the `Trainer`; tests and benchmarks call them to build the same
+parts without a run. Every other module receives its own section (docs/architecture.md, "Where each setting lives").
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from megatron_cpo.config import Config
 from megatron_cpo.rollout.types import EngineLaunchConfig
@@ -56,3 +58,31 @@ def policy_update_config(config: Config) -> PolicyUpdateConfig:
                               max_staleness=config.async_training.max_staleness,
                               critic=config.critic if config.critic_enabled else None,
                               critic_warmup=config.trainer.critic_warmup)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything the step loop reads while it runs, built once: the run's length (`total_steps`, from the training
+    prompts), `trainer.*`'s frequencies (0 or less: never), validation before training and resume, the reference's
+    sync (`reference_sync_steps` 0: off), the push's in-flight policy (`async_training`), the batch size its errors
+    name, and steps 3-5's settings (`update`)."""
+    total_steps: int
+    update: PolicyUpdateConfig
+    save_freq: int
+    test_freq: int
+    val_before_train: bool
+    resume: str
+    reference_sync_steps: int
+    reference_sync_alpha: float
+    in_flight: str
+    train_batch_size: int
+
+
+def run_settings(config: Config, total_steps: int) -> RunSettings:
+    """The loop's settings for a run of `total_steps` steps."""
+    trainer, ref = config.trainer, config.actor_rollout_ref.ref
+    return RunSettings(total_steps=total_steps, update=policy_update_config(config), save_freq=trainer.save_freq,
+                       test_freq=trainer.test_freq, val_before_train=trainer.val_before_train, resume=trainer.resume,
+                       reference_sync_steps=ref.ref_model_sync_steps if ref.sync_ref_model else 0,
+                       reference_sync_alpha=ref.ref_model_mixup_alpha, in_flight=config.async_training.in_flight,
+                       train_batch_size=config.data.train_batch_size)

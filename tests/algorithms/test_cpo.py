@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
-from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, known_rules, resolve_rule
+from megatron_cpo.algorithms.cpo import ShapingInputs, difficulty_mask, shape_advantages, shaping_metrics
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, CPOConfig, known_rules, resolve_rule
 from megatron_cpo.kernels import HintSignals, hint_mi_signals
 
 LN2 = math.log(2.0)
@@ -71,6 +71,13 @@ def _batch(**overrides):
     return batch
 
 
+def _shape(rule, pos_alpha, neg_alpha, cpo_lambda, **tensors):
+    """CPO's `rule` with these weights on tensors named as `ShapingInputs`' fields: (shaped advantages, metrics)."""
+    inputs = ShapingInputs(**tensors)
+    shaped = shape_advantages(CPOConfig(rule, pos_alpha=pos_alpha, neg_alpha=neg_alpha, cpo_lambda=cpo_lambda), inputs)
+    return shaped, shaping_metrics(inputs, shaped)
+
+
 EXPECTED = {
     "naive": [[3.0, -1.0], [1.0, -3.0], [1.5, -2.5], [2.5, 9.0]],
     "naive_qwen3": [[3.0, 1.0], [-1.0, -3.0], [-0.5, -2.5], [2.5, 9.0]],
@@ -101,7 +108,7 @@ def test_every_rule_has_a_hand_computed_case():
 
 @pytest.mark.parametrize("rule", sorted(EXPECTED))
 def test_rule_table(rule):
-    shaped, info = shape_advantages(rule, **_batch())
+    shaped, info = _shape(rule, **_batch())
     torch.testing.assert_close(shaped, torch.tensor(EXPECTED[rule]))
     assert "cpo/u_mean" in info and math.isfinite(info["cpo/adv_change_mean"])
 
@@ -109,7 +116,7 @@ def test_rule_table(rule):
 @pytest.mark.parametrize("rule", sorted(EXPECTED))
 def test_zero_alphas_change_nothing(rule):
     batch = _batch(pos_alpha=None, neg_alpha=0.0)
-    shaped, _ = shape_advantages(rule, **batch)
+    shaped, _ = _shape(rule, **batch)
     base = batch["advantages"]
     if SHAPING_RULES[rule].sign_clamp:  # with both alphas off only the sign clamp can act
         base = torch.where(batch["mask"].bool(), torch.where(batch["correct"][:, None], base.clamp(min=0),
@@ -122,8 +129,8 @@ def test_names_with_and_without_suffix():
     assert resolve_rule("naive") is SHAPING_RULES["naive"]  # the exact name wins: naive != naive_qwen3
     assert resolve_rule("naive_qwen3") is SHAPING_RULES["naive_qwen3"]
     assert len(known_rules()) == 18 + 16  # every _qwen3 name also bare; bare naive is its own rule
-    with pytest.raises(ValueError, match="known rules: .*negonly_mi3"):
-        shape_advantages("mi4", **_batch())
+    with pytest.raises(ValueError, match="choose one of .*negonly_mi3"):
+        _shape("mi4", **_batch())
     with pytest.raises(ValueError, match="known rules"):
         resolve_rule("bogus")
 
@@ -135,10 +142,10 @@ def test_mi_and_kl_are_clamped_at_ten():
                   mask=torch.ones(1, 2), correct=torch.tensor([False]), difficulty=torch.tensor([-1]),
                   log_probs=torch.zeros(1, 2), hint_log_probs=torch.zeros(1, 2), pos_alpha=1.0, neg_alpha=0.1,
                   cpo_lambda=5.0)
-    shaped, _ = shape_advantages("mi_clamp_unify", **common)
+    shaped, _ = _shape("mi_clamp_unify", **common)
     # wrong: A + 0.1 * min(mi, 10) * (1 - u) = -1 + 0.5, -1 + 0.15; clamp keeps <= 0
     torch.testing.assert_close(shaped, torch.tensor([[-0.5, -0.85]]))
-    shaped, _ = shape_advantages("negonly_tok_kl", **common)
+    shaped, _ = _shape("negonly_tok_kl", **common)
     torch.testing.assert_close(shaped, torch.tensor([[0.0, -2.0]]))  # -1 + 0.1 * clamp(kl, -10, 10)
 
 
@@ -146,31 +153,31 @@ def test_naive_needs_confident_probabilities():
     # ratio 4 -> clamped to lam=2 but p_hint = 0.08 <= 0.1; ratio 1/4 but p = 0.08: neither condition holds
     batch = _batch(log_probs=torch.log(torch.tensor([[0.02, 0.08]] * 4)),
                    hint_log_probs=torch.log(torch.tensor([[0.08, 0.02]] * 4)))
-    shaped, info = shape_advantages("naive", **batch)
+    shaped, info = _shape("naive", **batch)
     torch.testing.assert_close(shaped, batch["advantages"])
     assert info["cpo/shaped_token_frac"] == 0.0
 
 
 def test_hint_correct_gates_terms_on_wrong_responses():
     # r1 is wrong and its hinted rollout was wrong too: its mi3 terms switch off; r2 keeps them
-    shaped, _ = shape_advantages("mi3", **_batch(hint_correct=torch.tensor([True, False, True, True])))
+    shaped, _ = _shape("mi3", **_batch(hint_correct=torch.tensor([True, False, True, True])))
     torch.testing.assert_close(shaped, torch.tensor([[1.25, 1.5], [-1.0, -1.0], [-0.25, -1.0], [0.75, 9.0]]))
 
 
 def test_seq_kl_floor_bound_on_correct_responses():
     # a negative pos_alpha pulls correct responses down, but by at most |A|/2 outside all-correct prompts
-    shaped, _ = shape_advantages("seq_kl", **_batch(pos_alpha=-2.0, neg_alpha=0.0))
+    shaped, _ = _shape("seq_kl", **_batch(pos_alpha=-2.0, neg_alpha=0.0))
     # r0: max(-2 * 0.8, -0.5) = -0.5 -> 0.5; r3 (all correct): 0.5 - 2 * 0.3 = -0.1
     torch.testing.assert_close(shaped, torch.tensor([[0.5, 0.5], [-1.0, -1.0], [-0.5, -0.5], [-0.1, 9.0]]))
 
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="3-level"):
-        shape_advantages("mi3", **_batch(difficulty=torch.tensor([0, 0, -2, 2])))
+        _shape("mi3", **_batch(difficulty=torch.tensor([0, 0, -2, 2])))
     with pytest.raises(ValueError, match="entropy has shape"):
-        shape_advantages("mi3", **_batch(entropy=torch.ones(4, 3)))
+        _shape("mi3", **_batch(entropy=torch.ones(4, 3)))
     with pytest.raises(ValueError, match="cpo_lambda"):
-        shape_advantages("naive", **_batch(cpo_lambda=0.5))
+        _shape("naive", **_batch(cpo_lambda=0.5))
 
 
 def test_mi_accmask_gates_by_correctness_issue_repro():
@@ -181,8 +188,8 @@ def test_mi_accmask_gates_by_correctness_issue_repro():
     entropy, mask = torch.ones(2, 1), torch.ones(2, 1)
     correct = torch.tensor([True, False])
     signals = hint_mi_signals(log_probs, hint_log_probs, entropy, mask)
-    shaped, _ = shape_advantages("mi_accmask", torch.tensor([[0.7071], [-0.7071]]), signals, entropy, mask, correct,
-                                 torch.tensor([0, 0]), log_probs, hint_log_probs, pos_alpha=1.0, neg_alpha=0.0,
-                                 cpo_lambda=5.0)
+    shaped, _ = _shape("mi_accmask", advantages=torch.tensor([[0.7071], [-0.7071]]), signals=signals, entropy=entropy,
+                       mask=mask, correct=correct, difficulty=torch.tensor([0, 0]), log_probs=log_probs,
+                       hint_log_probs=hint_log_probs, pos_alpha=1.0, neg_alpha=0.0, cpo_lambda=5.0)
     torch.testing.assert_close(shaped, torch.tensor([[0.7071 + 0.8 * math.log(4.0)], [-0.7071]]))
     assert abs(float(shaped[0, 0]) - 1.816) < 1e-3

@@ -4,8 +4,8 @@ batches (mixed prompts only), whatever the other rows' hinted log-probs hold."""
 import pytest
 import torch
 
-from megatron_cpo.algorithms.cpo import difficulty_mask, hinted_responses, shape_advantages
-from megatron_cpo.algorithms.cpo_rules import HINT_READERS, SHAPING_RULES
+from megatron_cpo.algorithms.cpo import ShapingInputs, difficulty_mask, hinted_responses, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import HINT_READERS, SHAPING_RULES, CPOConfig
 from megatron_cpo.kernels import hint_mi_signals
 
 ALPHAS = [(0.05, 0.1), (1.0, 0.0), (0.0, 2.0)]
@@ -37,9 +37,9 @@ def _batch(seed: int, mixed_only: bool, prompts: int = 12, n: int = 4, width: in
 def _shape(rule, batch, hint_log_probs, pos_alpha, neg_alpha, hint_correct):
     difficulty = difficulty_mask(batch["correct"], batch["group"])
     signals = hint_mi_signals(batch["log_probs"], hint_log_probs, batch["entropy"], batch["mask"])
-    return shape_advantages(rule, batch["advantages"], signals, batch["entropy"], batch["mask"], batch["correct"],
-                            difficulty, batch["log_probs"], hint_log_probs, pos_alpha, neg_alpha, 5.0,
-                            hint_correct)[0]
+    inputs = ShapingInputs(batch["advantages"], batch["mask"], batch["log_probs"], batch["entropy"], hint_log_probs,
+                           signals, batch["correct"], difficulty, hint_correct)
+    return shape_advantages(CPOConfig(rule, pos_alpha=pos_alpha, neg_alpha=neg_alpha, cpo_lambda=5.0), inputs)
 
 
 @pytest.mark.parametrize("rule", sorted(SHAPING_RULES))

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
-from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES
+from megatron_cpo.algorithms.cpo import ShapingInputs, difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, CPOConfig
 from megatron_cpo.kernels import hint_mi_signals
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -150,10 +150,9 @@ def reference_batch(draw):
 def _ours(rule, b, a_pos, a_neg, lam, hint_correct=None):
     signals = hint_mi_signals(b["lp"], b["lp_h"], b["entropy"], b["mask"])
     correct = b["score"] == 1
-    shaped, _ = shape_advantages(rule, b["adv"], signals, b["entropy"], b["mask"], correct,
-                                 difficulty_mask(correct, b["group"]), b["lp"], b["lp_h"], a_pos, a_neg, lam,
-                                 hint_correct=hint_correct)
-    return shaped
+    inputs = ShapingInputs(b["adv"], b["mask"], b["lp"], b["entropy"], b["lp_h"], signals, correct,
+                           difficulty_mask(correct, b["group"]), hint_correct)
+    return shape_advantages(CPOConfig(rule, pos_alpha=a_pos, neg_alpha=a_neg, cpo_lambda=lam), inputs)
 
 
 def _reference(rule, b, a_pos, a_neg, lam, yw=None):
@@ -201,8 +200,9 @@ def test_naive_entropy_max_ignores_padding():
     lp_h = torch.log(torch.tensor([[0.2, 0.5]]))
     entropy, mask = torch.tensor([[1.0, 9.0]]), torch.tensor([[1, 0]])
     signals = hint_mi_signals(lp, lp_h, entropy, mask)
-    shaped, _ = shape_advantages("naive", torch.tensor([[-1.0, 0.0]]), signals, entropy, mask, torch.tensor([False]),
-                                 torch.tensor([-1]), lp, lp_h, pos_alpha=0.0, neg_alpha=0.5, cpo_lambda=2.0)
+    shaped = shape_advantages(CPOConfig("naive", pos_alpha=0.0, neg_alpha=0.5, cpo_lambda=2.0),
+                              ShapingInputs(torch.tensor([[-1.0, 0.0]]), mask, lp, entropy, lp_h, signals,
+                                            torch.tensor([False]), torch.tensor([-1])))
     torch.testing.assert_close(shaped, torch.tensor([[-1.0, 0.0]]))
 
 
@@ -213,8 +213,9 @@ def test_wrong_means_not_correct_for_partial_scores():
     lp, lp_h = torch.full((1, 1), math.log(0.2)), torch.full((1, 1), math.log(0.8))
     entropy, mask = torch.ones(1, 1), torch.ones(1, 1)
     signals = hint_mi_signals(lp, lp_h, entropy, mask)
-    shaped, _ = shape_advantages("mi_unify", torch.tensor([[-0.5]]), signals, entropy, mask, torch.tensor([False]),
-                                 torch.tensor([0]), lp, lp_h, pos_alpha=0.0, neg_alpha=0.1, cpo_lambda=5.0)
+    shaped = shape_advantages(CPOConfig("mi_unify", pos_alpha=0.0, neg_alpha=0.1, cpo_lambda=5.0),
+                              ShapingInputs(torch.tensor([[-0.5]]), mask, lp, entropy, lp_h, signals,
+                                            torch.tensor([False]), torch.tensor([0])))
     torch.testing.assert_close(shaped, torch.tensor([[-0.5 + 0.1 * 0.8 * math.log(4.0)]]))
 
 

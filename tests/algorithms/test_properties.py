@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_cpo.algorithms.advantages import grpo_scalar_advantages
-from megatron_cpo.algorithms.cpo import difficulty_mask, shape_advantages
-from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES
+from megatron_cpo.algorithms.cpo import ShapingInputs, difficulty_mask, shape_advantages
+from megatron_cpo.algorithms.cpo_rules import SHAPING_RULES, CPOConfig
 from megatron_cpo.algorithms.filters import RolloutFilterConfig, filter_groups, ragen_filter
 from megatron_cpo.algorithms.groups import group_sum
 from megatron_cpo.kernels import hint_mi_signals
@@ -99,14 +99,14 @@ def shaping_batch(draw):
 def test_shaping_sign_clamp_and_order_independence(batch, rule, pos_alpha, neg_alpha):
     inputs, perm = batch
     signals = hint_mi_signals(inputs["log_probs"], inputs["hint_log_probs"], inputs["entropy"], inputs["mask"])
-    params = dict(pos_alpha=pos_alpha, neg_alpha=neg_alpha, cpo_lambda=2.0)
-    shaped, _ = shape_advantages(rule, signals=signals, **inputs, **params)
+    config = CPOConfig(rule, pos_alpha=pos_alpha, neg_alpha=neg_alpha, cpo_lambda=2.0)
+    shaped = shape_advantages(config, ShapingInputs(signals=signals, **inputs))
     if SHAPING_RULES[rule].sign_clamp:
         assert torch.all(shaped * inputs["advantages"] >= 0)  # never the opposite sign of GRPO's
     permuted = {k: v[perm] for k, v in inputs.items()}
     permuted_signals = hint_mi_signals(permuted["log_probs"], permuted["hint_log_probs"], permuted["entropy"],
                                     permuted["mask"])
-    shaped_permuted, _ = shape_advantages(rule, signals=permuted_signals, **permuted, **params)
+    shaped_permuted = shape_advantages(config, ShapingInputs(signals=permuted_signals, **permuted))
     torch.testing.assert_close(shaped_permuted, shaped[perm])
 
 

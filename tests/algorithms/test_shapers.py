@@ -1,40 +1,44 @@
 """The advantage shapers `algorithm.adv_estimator` selects: GRPO leaves the advantages alone and needs no hints; CPO
 asks for hint contexts and applies its rule with `algorithm.cpo.*` (the seed's keys are aliases)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
+from megatron_cpo.algorithms.cpo import ShapingInputs
 from megatron_cpo.algorithms.shapers import CPOConfig, CPOShaper, build_shaper
 from megatron_cpo.config import build_config
 from tests.algorithms.test_cpo import EXPECTED, _batch
 
 
-def _inputs():
+def _inputs(shaper):
     batch = _batch()  # r0, r1 share a mixed group; r2 is an all-wrong group, r3 an all-correct one
-    return batch, dict(mask=batch["mask"], correct=batch["correct"], group=torch.tensor([0, 0, 1, 2]),
-                       log_probs=batch["log_probs"], entropy=batch["entropy"],
-                       hint_log_probs=batch["hint_log_probs"], signals=batch["signals"])
+    responses = shaper.response_inputs(batch["correct"], torch.tensor([0, 0, 1, 2]))
+    return ShapingInputs(batch["advantages"], batch["mask"], batch["log_probs"], batch["entropy"],
+                         batch["hint_log_probs"], batch["signals"], responses.correct, responses.difficulty)
 
 
 def test_grpo_keeps_the_advantages_and_needs_no_hints():
-    batch, inputs = _inputs()
     shaper = build_shaper("grpo", CPOConfig())
+    inputs = _inputs(shaper)
     assert not shaper.needs_hint_contexts
-    shaped, metrics = shaper.shape(batch["advantages"], **inputs)
-    assert shaped is batch["advantages"] and metrics == {}
+    shaped = shaper.shape(inputs)
+    assert shaped is inputs.advantages and shaper.metrics(inputs, shaped) == {}
 
 
 def test_cpo_applies_its_rule_with_the_configured_weights():
-    batch, inputs = _inputs()
     shaper = build_shaper("cpo", CPOConfig(wrap_method="negonly_mi3", pos_alpha=1.0, neg_alpha=2.0, cpo_lambda=2.0))
+    inputs = _inputs(shaper)
     assert isinstance(shaper, CPOShaper) and shaper.needs_hint_contexts
-    shaped, metrics = shaper.shape(batch["advantages"], **inputs)
+    shaped = shaper.shape(inputs)
+    metrics = shaper.metrics(inputs, shaped)
     torch.testing.assert_close(shaped, torch.tensor(EXPECTED["negonly_mi3_qwen3"]))
     # one response of four in each of: all wrong (r2), all correct (r3); two in the mixed group
     assert (metrics["cpo/difficulty_all_wrong"], metrics["cpo/difficulty_mixed"],
             metrics["cpo/difficulty_all_correct"]) == (0.25, 0.5, 0.25)
     assert metrics["cpo/mi_positive_ratio"] == pytest.approx(4 / 7)  # 7 unmasked tokens, token 0 has mi = 0.5
     with pytest.raises(ValueError, match="needs hint_log_probs"):
-        shaper.shape(batch["advantages"], **{**inputs, "signals": None})
+        shaper.shape(replace(inputs, signals=None))
 
 
 def test_cpo_settings_under_algorithm_cpo_and_the_seed_keys_as_aliases():

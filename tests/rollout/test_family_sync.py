@@ -168,7 +168,7 @@ def test_a_qwen3_grpo_run_on_the_engine_keeps_engine_and_trainer_log_probs_equal
 
     from megatron_cpo.config import build_config
     from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     _, model_dir, manager = family_engine
     data = write_arith_parquet(tmp_path / "data", ArithConfig(num_train=16, num_test=4))

@@ -79,7 +79,7 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
     import ray
 
     from megatron_cpo.data.synthetic import ArithConfig, write_arith_parquet
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     data = {k: str(v) for k, v in write_arith_parquet(tmp_path / "data", ArithConfig(num_train=32, num_test=4)).items()}
     ray_was_running = ray.is_initialized()
@@ -107,7 +107,7 @@ def test_multi_turn_episodes_train_against_a_server(servers, tmp_path, restore_e
     rarely end before the per-turn cap, which ends the episode; the warm-started model's two-turn episodes with the
     same fixtures run in Ray mode, tests/trainer/test_multi_turn_e2e.py)."""
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     fixtures = ROOT / "tests" / "fixtures" / "multi_turn"
     rows = fixtures / "gsm8k_tool_agent.parquet"

@@ -37,7 +37,7 @@ def test_library_noise_goes_to_the_log_file_only(tmp_path):
         logging.getLogger("megatron.core.distributed.param_and_grad_buffer").info(
             "Number of buckets for gradient all-reduce / reduce-scatter: 1\\nParams for bucket 1 (10 elements):")
         warnings.warn("an unexpected library warning", UserWarning)
-        logging.getLogger("megatron_cpo.trainer.loop").info("building the Megatron actor")
+        logging.getLogger("megatron_cpo.trainer.assemble").info("building the Megatron actor")
     """, tmp_path)
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "run" / "train.log").read_text()
@@ -55,7 +55,7 @@ def test_log_file_follows_its_path_when_the_run_directory_is_moved_away(tmp_path
         import logging, os
         from megatron_cpo.console import setup_logging
         setup_logging("run/train.log")
-        log = logging.getLogger("megatron_cpo.trainer.loop")
+        log = logging.getLogger("megatron_cpo.trainer.assemble")
         log.info("before the move")
         os.rename("run", "run.archived")
         log.info("after the move")
@@ -120,7 +120,7 @@ def test_console_bar_shows_an_eta_until_the_last_step(tmp_path):
 def test_a_requested_sink_without_its_package_is_an_error_at_start(tmp_path, monkeypatch, sink, install):
     """The package is made unimportable for this test (sys.modules[name] = None), whether or not it is installed."""
     from megatron_cpo.config import load_config
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     monkeypatch.setitem(sys.modules, sink, None)
     with pytest.raises(ValueError, match=f"trainer.logger includes '{sink}' but .* not installed; {install}"):

@@ -43,7 +43,8 @@ def two_updates(model_dir, tp, pp, *overrides):
     for _ in range(2):  # steps 3-5 of Trainer.step
         log_probs = compute_log_probs(batch, actor, reference, policy_update_config(config), pad_token_id=0)
         advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
-        history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, policy_update_config(config))})
+        history.append({**metrics,
+                        **update_policy(actor, batch, log_probs, advantages, policy_update_config(config)).metrics})
     parallel_state.destroy_model_parallel()
     return [{k: m[k] for k in KEYS} for m in history]
 

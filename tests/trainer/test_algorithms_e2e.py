@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from megatron_cpo.rollout import SamplingParams
 from megatron_cpo.rollout.generators import GREEDY_SUFFIX, GreedyBaselineGenerator, SingleTurnGenerator
-from megatron_cpo.trainer.driver.rank_zero import RankZero
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
+from megatron_cpo.trainer.driver.lead import LeadDriver
 from tests.rollout.servers import assert_engine_in_sync
 from tests.trainer.graders import even_first_character
 from tests.trainer.test_e2e import deterministic, read_metrics, send_sigterm_after_first_step
@@ -109,10 +109,10 @@ def test_the_greedy_baseline_is_the_engines_greedy_answer(rollout_manager):
 def test_remax_batches_carry_the_graded_greedy_answer_and_train_on_the_samples_only(make_config, rollout_manager,
                                                                                      tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    side = RankZero(make_config("algorithm.adv_estimator=remax"), tokenizer, rollout_manager)
+    side = LeadDriver(make_config("algorithm.adv_estimator=remax"), tokenizer, rollout_manager)
     try:
         collected = side.controller.collect(step=1)
-        batch = side.make_batch(collected)
+        batch = side.build_batch(collected)
         greedy = {}
         for group in collected.groups:  # the same prompts answered greedily by a plain request
             side.sampler.submit(f"check-{group.seq}", group.record, SamplingParams(

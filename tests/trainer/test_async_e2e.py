@@ -5,7 +5,7 @@ vLLM's scheduler, with filter-groups), each three steps with a validation in the
 requests are in flight."""
 import pytest
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.trainer.test_e2e import read_metrics
 
 pytestmark = pytest.mark.usefixtures("restore_environment")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_cpo.config import load_config
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.trainer.test_run_recovery import EXAMPLE, TrainProcess, latest, logged_steps, rows
 
 pytestmark = [pytest.mark.usefixtures("restore_environment"), pytest.mark.slow]

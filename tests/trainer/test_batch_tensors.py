@@ -45,7 +45,7 @@ def test_pack_sequences_errors_name_the_fix():
 def _round_trip(rank, world_size):
     from megatron_cpo import platform
     from megatron_cpo.trainer.batch.step_batch import StepBatch
-    from megatron_cpo.trainer.workers.collectives import broadcast_batch
+    from megatron_cpo.trainer.collectives import broadcast_batch
 
     platform.init_distributed(1, 1, seed=1)
     batch = None

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.rollout.servers import assert_engine_in_sync, greedy_matches_transformers
 
 pytestmark = pytest.mark.usefixtures("restore_environment")

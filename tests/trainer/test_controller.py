@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from megatron_cpo.trainer.driver.accumulator import GroupAccumulator, keep_varied_groups
 from megatron_cpo.trainer.driver.admission import KeepRateHistory, prompts_to_request
 from megatron_cpo.trainer.driver.controller import GenerationLimitError
-from megatron_cpo.trainer.driver.rank_zero import RankZero
+from megatron_cpo.trainer.driver.lead import LeadDriver
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def side_for(rollout_manager, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     def make(config):
-        sides.append(RankZero(config, tokenizer, rollout_manager))
+        sides.append(LeadDriver(config, tokenizer, rollout_manager))
         return sides[-1]
     yield make
     for side in sides:
@@ -154,4 +154,4 @@ def test_only_prompts_on_the_engines_count_against_the_in_flight_cap(make_config
         controller._top_up(1, accumulator)
         assert (open_.issued, len(open_.running)) == (7, 1)
     finally:
-        side.manager.cancel_all()
+        side.engines.cancel_all()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.rollout.servers import assert_engine_in_sync
 
 VARYING = ("timing/", "timing_s/", "weight_sync/", "rollout/sync_check")  # timing_s/: verl's timings; noise

@@ -22,7 +22,7 @@ STEPS = 3
 def train_at_ep2(rank, world_size, model_dir, data, run_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     return run_training(build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data['train']}",

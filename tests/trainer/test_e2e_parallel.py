@@ -41,7 +41,7 @@ def inject_nan_log_probs(updates: set[int]) -> dict:
 
     from megatron_cpo.trainer.workers.actor import MegatronPolicy
 
-    real_update, real_log_probs = MegatronPolicy._update, MegatronPolicy._log_probs_entropy
+    real_update, real_log_probs = MegatronPolicy._train_step, MegatronPolicy._log_probs_entropy
     state = {"update": 0, "poisoned": True}
 
     def counting_update(self, *args, **kwargs):
@@ -55,7 +55,7 @@ def inject_nan_log_probs(updates: set[int]) -> dict:
             log_probs = log_probs + float("nan")
         return log_probs, entropy
 
-    MegatronPolicy._update, MegatronPolicy._log_probs_entropy = counting_update, poisoned_log_probs
+    MegatronPolicy._train_step, MegatronPolicy._log_probs_entropy = counting_update, poisoned_log_probs
     return state
 
 
@@ -76,8 +76,8 @@ def train_every_layout(rank, world_size, model_dir, data, run_dir, ports):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from megatron_cpo.config import build_config
     from megatron_cpo.rollout.modes import build_rollout_manager
+    from megatron_cpo.trainer.assemble import run_training
     from megatron_cpo.trainer.components import engine_launch_config
-    from megatron_cpo.trainer.loop import run_training
     from megatron_cpo.trainer.run.errors import RunAbortedError
 
     def clean(layout, pipeline_size):

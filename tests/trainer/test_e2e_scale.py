@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 
 SCALE = ("actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
          "actor_rollout_ref.model.use_remove_padding=true",

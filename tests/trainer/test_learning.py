@@ -1,4 +1,4 @@
-"""The shipped quickstart learns: GRPO on the tiny warm-started model raises held-out accuracy by 10+ points.
+"""The GRPO example config learns: on the tiny warm-started model it raises held-out accuracy by 10+ points.
 
 A real run of `examples/tiny/grpo_arith.yaml` (real vLLM CPU engine, real Megatron on gloo, real grading pool),
 shortened to 20 steps, with every scale path on (token-budget micro-batches, padding-free packing, log-probs fused
@@ -15,7 +15,7 @@ import pytest
 
 from megatron_cpo.config import load_config
 from megatron_cpo.data.synthetic import write_arith_parquet
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.trainer.test_e2e import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

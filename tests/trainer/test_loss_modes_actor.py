@@ -67,10 +67,12 @@ def test_every_loss_mode_updates_the_megatron_actor(tiny_model_dir):
             start = [p.detach().clone() for p in actor.model.parameters()]
             lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
             advantages, _ = policy_update.compute_advantages(batch, lp, settings)
-            first = policy_update.update_policy(actor, batch, lp, advantages, settings)  # fills lp.old_log_probs
-            expected, _ = policy_loss(lp.old_log_probs, lp.old_log_probs, advantages.values, lp.mask,
+            first = policy_update.update_policy(actor, batch, lp, advantages, settings)  # its own old log-probs
+            expected, _ = policy_loss(first.old_log_probs, first.old_log_probs, first.advantages, lp.mask,
                                       config.actor_rollout_ref.actor, generator=torch.Generator().manual_seed(0))
-            second = policy_update.update_policy(actor, batch, lp, advantages, settings)
+            reused = dataclasses.replace(lp, old_log_probs=first.old_log_probs, entropy=first.entropy)
+            first, second = first.metrics, policy_update.update_policy(actor, batch, reused, advantages,
+                                                                       settings).metrics
             moved = max(float((p.detach() - s).abs().max()) for p, s in zip(actor.model.parameters(), start))
             results[mode] = (first, second, float(expected), moved)
     finally:

@@ -83,7 +83,7 @@ def run_case(model_dir, tp=1, ep=1, *overrides, scores=(1.0, 0, 0, 1, 0, 1, 1, 1
             for router in moe_routers(actor.model):
                 router.weight.add_(torch.randn(router.weight.shape, generator=generator))
     advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
-    metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)))
+    metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)).metrics)
     exported = _exported(actor.model, export == "grads") if export else None
     routers_moved = [not torch.equal(before, router.weight)
                      for before, router in zip(routers_before, moe_routers(actor.model))]

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_cpo.trainer.driver.rank_zero as rank_zero
-import megatron_cpo.trainer.workers.actor as actor_module
+import megatron_cpo.trainer.driver.lead as lead_driver
+import megatron_cpo.trainer.workers.policy_loss_step as loss_step_module
 from megatron_cpo.config import load_config
 from megatron_cpo.envs.frozen_lake import write_frozen_lake_parquet
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from tests.conditions import wait_until
 from tests.envs.scripted import Counted, Misbehaving
 from tests.trainer.test_async_resume import epoch_prompts, trained_prompts
@@ -34,7 +34,7 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
                                                                              monkeypatch):
     data = write_frozen_lake_parquet(tmp_path / "lake", num_train=12, num_test=4)
     calls = []
-    real_loss = actor_module.policy_loss
+    real_loss = loss_step_module.policy_loss
 
     def recording_loss(log_probs, old_log_probs, advantages, mask, config, **kwargs):
         loss, metrics = real_loss(log_probs, old_log_probs, advantages, mask, config, **kwargs)
@@ -45,7 +45,7 @@ def test_frozen_lake_trains_three_steps_and_observation_tokens_carry_no_loss(mak
                       "engine": kwargs["rollout_log_probs"].detach().cpu()})
         return loss, metrics
 
-    monkeypatch.setattr(actor_module, "policy_loss", recording_loss)
+    monkeypatch.setattr(loss_step_module, "policy_loss", recording_loss)
     run_dir = tmp_path / "run"
     config = make_config(
         f"actor_rollout_ref.model.path={WARM_MODEL}", f"data.train_files={data['train']}",
@@ -122,13 +122,13 @@ def test_agent_episodes_under_k1_keep_their_environment_and_each_token_its_weigh
     from transformers import AutoTokenizer
 
     trained = []
-    real_make_batch = rank_zero.make_step_batch
+    real_make_batch = lead_driver.make_step_batch
 
     def recording(groups, kept_ratio, hints=None, policy_version=None):
         trained.append((list(groups), policy_version))
         return real_make_batch(groups, kept_ratio, hints, policy_version)
 
-    monkeypatch.setattr(rank_zero, "make_step_batch", recording)
+    monkeypatch.setattr(lead_driver, "make_step_batch", recording)
     Counted.reset_counts()
     run_dir = tmp_path / "run"
     agent = "tests.envs.scripted:NumberedRetry"

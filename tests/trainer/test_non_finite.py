@@ -98,6 +98,7 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
     from megatron_cpo.trainer.run.checkpointing import CheckpointError, CheckpointManager
     from megatron_cpo.trainer.workers.offload import actor_tensors
     from megatron_cpo.trainer.workers.policy_update import compute_advantages, compute_log_probs, update_policy
+    from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 
     config = build_config({}, [
         f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -109,12 +110,16 @@ def _guarded_updates(model_dir: str, dtype: str, checkpoint_dir: str) -> dict:
 
     def update(scores, poison_rank=None):
         batch = _batch(torch.tensor(scores))
-        log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0)
-        advantages, _ = compute_advantages(batch, log_probs, settings)
-        if rank == poison_rank:
-            advantages = dataclasses.replace(advantages, values=torch.where(
-                log_probs.mask.bool(), torch.full_like(advantages.values, float("nan")), advantages.values))
-        metrics = update_policy(actor, batch, log_probs, advantages, settings)
+        probe = FiniteProbe()  # the step's, as Trainer.step passes it through steps 3-5
+        log_probs = compute_log_probs(batch, actor, None, settings, pad_token_id=0, probe=probe)
+        advantages, _ = compute_advantages(batch, log_probs, settings, probe)
+        if rank == poison_rank:  # what the update trains on (the shaping's last step), NaN on every response token
+            shaped = advantages.shaped
+            poisoned = torch.where(log_probs.mask.bool(), torch.full_like(shaped.advantages, float("nan")),
+                                   shaped.advantages)
+            advantages = dataclasses.replace(advantages, shaped=dataclasses.replace(
+                shaped, steps=(*shaped.steps[:-1], poisoned)))
+        metrics = update_policy(actor, batch, log_probs, advantages, settings, probe).metrics
         return metrics["actor/update_skipped"], actor.guard.consecutive, list(actor.guard.first_stages)
 
     def snapshot():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from megatron_cpo.trainer.run.checkpoint_files import file_digest, write_manifest
 from megatron_cpo.trainer.run.errors import RunAbortedError
 from tests.trainer.test_e2e import read_metrics

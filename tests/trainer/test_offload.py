@@ -55,7 +55,7 @@ def round_trip(model_dir: str, dtype: str, *overrides: str) -> dict:
     def train(actor):  # steps 3-5 of Trainer.step, without a reference
         log_probs = compute_log_probs(batch, actor, None, policy_update_config(config), pad_token_id=0)
         advantages, metrics = compute_advantages(batch, log_probs, policy_update_config(config))
-        metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)))
+        metrics.update(update_policy(actor, batch, log_probs, advantages, policy_update_config(config)).metrics)
         return {k: v for k, v in metrics.items() if not k.startswith("timing/")}  # wall times differ
 
     for actor in (offloaded, plain):

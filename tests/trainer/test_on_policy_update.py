@@ -6,8 +6,9 @@ weights.
 
 Real Megatron on gloo (two spawned ranks: DP=2, then PP=2), the suite's tiny model. In each layout two identically
 built fp32 actors train on the same batch, one through the separate old-log-prob pass, one through
-`update_on_policy`: their weights after the update, the loss terms and the old log-probs / entropy the step reports
-(gathered over DP, broadcast from the last pipeline stage) must agree.
+`update_on_policy`: their weights after the update, the loss terms, the old log-probs / entropy and the advantages
+the step reports it trained on (gathered over DP, broadcast from the last pipeline stage) must agree, and the step's
+earlier values stay as they were.
 """
 import torch
 
@@ -73,14 +74,20 @@ def _compare(model_dir, pp, cpo=False):
             lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
             assert lp.old_log_probs is None and lp.entropy is None and "timing/old_log_prob_s" not in lp.timing
         advantages, metrics = policy_update.compute_advantages(batch, lp, settings)
-        assert (advantages.shaping is not None) == (cpo and mode == "from_update")
-        metrics.update(policy_update.update_policy(actor, batch, lp, advantages, settings))
+        assert (advantages.shaped is None) == (cpo and mode == "from_update")  # then the update shapes them
+        estimated = advantages.estimated.clone()
+        update = policy_update.update_policy(actor, batch, lp, advantages, settings)
+        metrics.update(update.metrics)
+        # the update returned what it computed: steps 3-4's values are as they were
+        assert (lp.old_log_probs is None) == (mode == "from_update") and torch.equal(advantages.estimated, estimated)
         if cpo:  # only the wrong responses were scored under their hints; the shaping moved the advantages
             assert lp.hint_log_probs[~batch.has_hint].eq(0).all() and lp.hint_log_probs[batch.has_hint].ne(0).any()
             assert metrics["cpo/hinted_frac"] == 0.5 and metrics["cpo/shaped_token_frac"] > 0
             assert metrics["filter/loss_scale"] == 0.5 ** 0.5
+            assert not torch.equal(update.advantages, estimated)
         results[mode] = {"params": torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()]),
-                         "old_log_probs": lp.old_log_probs, "entropy": lp.entropy, "metrics": metrics}
+                         "old_log_probs": update.old_log_probs, "entropy": update.entropy,
+                         "advantages": update.advantages, "metrics": metrics}
 
     parameters = torch.cat([p.detach().reshape(-1) for p in actor.model.parameters()])  # this stage's
     if pp == 1 and not cpo:  # the bf16 actor, at DP=2
@@ -89,7 +96,7 @@ def _compare(model_dir, pp, cpo=False):
     parallel_state.destroy_model_parallel()
     separate, from_update = results.pop("separate_pass"), results.pop("from_update")  # plain numbers cross the queue
     results["differences"] = {key: float((from_update[key] - separate[key]).abs().max())
-                              for key in ("params", "old_log_probs", "entropy")}
+                              for key in ("params", "old_log_probs", "entropy", "advantages")}
     results["params_scale"] = float(parameters.abs().max())
     results["metric_differences"] = {key: abs(from_update["metrics"][key] - separate["metrics"][key]) for key in (
         "actor/pg_loss", "actor/entropy", "actor/grad_norm", "entropy/mean", "completions/mean_length",
@@ -107,7 +114,7 @@ def _bf16_update(bf16_config, batch):
     settings = policy_update_config(bf16_config)
     lp = policy_update.compute_log_probs(batch, actor, None, settings, pad_token_id=0)
     advantages = policy_update.compute_advantages(batch, lp, settings)[0]
-    policy_update.update_policy(actor, batch, lp, advantages, settings)
+    update = policy_update.update_policy(actor, batch, lp, advantages, settings)
     # what Adam updates: the main parameters (with the distributed optimizer, this rank's shard of them)
     masters = [p for member in actor.optimizer.chained_optimizers for group in member.optimizer.param_groups
                for p in group["params"]]
@@ -115,7 +122,7 @@ def _bf16_update(bf16_config, batch):
             "master_dtypes": sorted({str(p.dtype) for p in masters}), "master_numel": sum(p.numel() for p in masters),
             "numel": sum(p.numel() for p in actor.model.parameters()),
             "moved": max(float((p.float() - b).abs().max()) for p, b in zip(actor.model.parameters(), before)),
-            "old_log_probs_finite": bool(torch.isfinite(lp.old_log_probs).all())}
+            "old_log_probs_finite": bool(torch.isfinite(update.old_log_probs).all())}
 
 
 def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(tiny_model_dir):
@@ -124,6 +131,9 @@ def test_on_policy_update_equals_the_separate_pass_and_bf16_keeps_fp32_masters(t
         for layout in ("dp2", "pp2", "cpo_dp2"):
             results = rank_results[layout]
             assert results["differences"]["old_log_probs"] < 1e-5 and results["differences"]["entropy"] < 1e-5
+            # what the on-policy update trained on (CPO: shaped micro-batch by micro-batch from its own forward) is
+            # the whole-batch shaping of the separate pass's log-probs
+            assert results["differences"]["advantages"] < 1e-5, layout
             assert results["differences"]["params"] < 1e-6 and results["params_scale"] > 0, layout
             assert all(value < 1e-5 for value in results["metric_differences"].values()), (layout, results)
             assert results["update_seconds"] > 0

@@ -330,7 +330,7 @@ def test_tp3_fails_in_a_real_train_command_before_ray_starts(files, tmp_path):
 def test_a_run_that_cannot_form_its_first_batch_is_an_error(make_config, rollout_manager):
     """Every group filtered (a grader that marks everything wrong, as empty ground truths would) used to end the
     run after zero steps with exit status 0."""
-    from megatron_cpo.trainer.loop import run_training
+    from megatron_cpo.trainer.assemble import run_training
 
     config = make_config("algorithm.filter_groups.enable=true", "trainer.total_training_steps=2",
                          "reward.custom_reward_function=tests.trainer.graders:never_correct",

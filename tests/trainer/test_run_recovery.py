@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from megatron_cpo.config import ConfigError, load_config
-from megatron_cpo.trainer.loop import run_training
+from megatron_cpo.trainer.assemble import run_training
 from megatron_cpo.trainer.run.checkpoint_files import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]

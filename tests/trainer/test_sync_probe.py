@@ -1,10 +1,13 @@
 """The trainer's side of the sync check without engines: the probe prompts it builds, the settings it refuses, and
-the warning when the step's engine-vs-trainer mismatch jumps after a push (the checks after real pushes are in the
-end-to-end tests: test_e2e.py, test_e2e_parallel.py, test_colocate.py, tests/rollout/test_server_mode.py)."""
+rank 0's warning when the step's engine-vs-trainer mismatch jumps after a push (`MismatchWatch`; the checks after real
+pushes are in the end-to-end tests: test_e2e.py, test_e2e_parallel.py, test_colocate.py,
+tests/rollout/test_server_mode.py)."""
 import logging
 
 import pytest
 
+from megatron_cpo.rollout.config import SyncCheckConfig
+from megatron_cpo.trainer.driver.mismatch_watch import MismatchWatch
 from megatron_cpo.trainer.workers.sync_probe import SyncProbe
 
 
@@ -46,13 +49,13 @@ def test_only_a_push_with_requests_in_flight_that_is_probed_holds_them_for_the_p
     assert not make("actor_rollout_ref.rollout.sync_check.enable=false").holds_paused_requests("partial")
 
 
-def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
-    probe = make_probe[0]()
+def test_a_mismatch_jump_after_a_push_is_warned_about_once(caplog):
+    watch = MismatchWatch(SyncCheckConfig(), "float32")
 
     def observe(step, mean, peak):
-        probe.observe_mismatch(step, {"mismatch/log_probs_diff_mean": mean, "mismatch/log_probs_diff_max": peak})
+        watch.observe(step, {"mismatch/log_probs_diff_mean": mean, "mismatch/log_probs_diff_max": peak})
 
-    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.workers.sync_probe"):
+    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.driver.mismatch_watch"):
         observe(1, 1e-7, 7e-7)
         observe(2, 5e-6, 9e-5)  # 50x, but below the tolerance: no warning
         observe(3, 0.2, 0.99)
@@ -64,10 +67,10 @@ def test_a_mismatch_jump_after_a_push_is_warned_about_once(make_probe, caplog):
         "likely do not serve the pushed weights (a layer their reload did not update, e.g. a tied output head")
 
 
-def test_with_stale_tokens_only_those_of_the_trained_weights_are_watched(make_probe, caplog):
+def test_with_stale_tokens_only_those_of_the_trained_weights_are_watched(caplog):
     """Asynchronous training: tokens sampled by older weights differ by the policy's change since, which is no sign
     of a bad push; a jump of the staleness-0 tokens' mismatch still is."""
-    probe = make_probe[0]()
+    watch = MismatchWatch(SyncCheckConfig(), "float32")
 
     def observe(step, whole, fresh):
         metrics = {"mismatch/log_probs_diff_mean": whole[0], "mismatch/log_probs_diff_max": whole[1]}
@@ -75,9 +78,9 @@ def test_with_stale_tokens_only_those_of_the_trained_weights_are_watched(make_pr
             metrics.update({"mismatch/staleness_0/log_probs_diff_mean": fresh[0],
                             "mismatch/staleness_0/log_probs_diff_max": fresh[1]})
         metrics["mismatch/staleness_1/log_probs_diff_mean"] = whole[0]
-        probe.observe_mismatch(step, metrics)
+        watch.observe(step, metrics)
 
-    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.workers.sync_probe"):
+    with caplog.at_level(logging.WARNING, logger="megatron_cpo.trainer.driver.mismatch_watch"):
         observe(1, (1e-7, 7e-7), (1e-7, 7e-7))
         observe(2, (0.05, 0.9), (1e-7, 8e-7))  # stale tokens differ a lot: no warning
         observe(3, (0.05, 0.9), None)          # no staleness-0 token: not observed

@@ -1,6 +1,7 @@
-"""verl launch scripts load: seven real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
+"""verl launch scripts load: eight real scripts' overrides (tests/fixtures/verl_overrides/) against shipped recipes,
 every problem of a command reported at once with right hints, and no key that changes the algorithm ignored; verl's
-PPO scripts (GAE with a Megatron critic) pass `megatron-cpo train --dry-run`."""
+PPO scripts (GAE with a Megatron critic) and its GSPO script (Qwen3-30B-A3B with experts) pass
+`megatron-cpo train --dry-run`."""
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,8 @@ from megatron_cpo.config import Config, ConfigError, build_config, known_names, 
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "verl_overrides"
-RECIPES = ROOT / "examples" / "qwen2.5-math-7b"
+EXAMPLES = ROOT / "examples"
+RECIPES = EXAMPLES / "qwen2.5-math-7b"
 
 # Keys accepted without effect, per script (hand-listed from verl_compat.py's reasons: none changes the maths).
 EXPECTED_IGNORED = {
@@ -44,11 +46,28 @@ EXPECTED_IGNORED = {
     "ppo_deepseek_llm_7b_math_megatron.txt": {
         "actor_rollout_ref.rollout.name", "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size"},
+    "gspo_qwen30b_a3b_ep.txt": {
+        "data.return_raw_chat", "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.calculate_log_probs",
+        "actor_rollout_ref.rollout.data_parallel_size", "actor_rollout_ref.rollout.expert_parallel_size",
+        "actor_rollout_ref.ref.megatron.param_offload", "actor_rollout_ref.actor.megatron.use_mbridge",
+        *(f"actor_rollout_ref.actor.megatron.override_transformer_config.{key}"
+          for key in ("apply_rope_fusion", "gradient_accumulation_fusion", "moe_permute_fusion")),
+        "reward_model.reward_manager", "trainer.log_val_generations", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        *(f"actor_rollout_ref.ref.megatron.{key}" for key in ("pipeline_model_parallel_size",
+                                                              "tensor_model_parallel_size",
+                                                              "expert_model_parallel_size",
+                                                              "expert_tensor_parallel_size")),
+        "reward_model.reward_kwargs.max_resp_len"},
 }
-RECIPE_OF = {"grpo_qwen2_7b_math_megatron.txt": "grpo.yaml", "dapo_qwen2.5_7b_math_megatron.txt": "dapo.yaml",
-             "dapo_qwen2.5_32b.txt": "dapo.yaml", "gpg_qwen2_7b_math_megatron.txt": "grpo.yaml",
-             "reinforce_plus_plus_qwen2_7b_math.txt": "grpo.yaml", "ppo_qwen2_7b_math_megatron.txt": "ppo.yaml",
-             "ppo_deepseek_llm_7b_math_megatron.txt": "ppo.yaml"}
+RECIPE_OF = {"grpo_qwen2_7b_math_megatron.txt": "qwen2.5-math-7b/grpo.yaml",
+             "dapo_qwen2.5_7b_math_megatron.txt": "qwen2.5-math-7b/dapo.yaml",
+             "dapo_qwen2.5_32b.txt": "qwen2.5-math-7b/dapo.yaml",
+             "gpg_qwen2_7b_math_megatron.txt": "qwen2.5-math-7b/grpo.yaml",
+             "reinforce_plus_plus_qwen2_7b_math.txt": "qwen2.5-math-7b/grpo.yaml",
+             "ppo_qwen2_7b_math_megatron.txt": "qwen2.5-math-7b/ppo.yaml",
+             "ppo_deepseek_llm_7b_math_megatron.txt": "qwen2.5-math-7b/ppo.yaml",
+             "gspo_qwen30b_a3b_ep.txt": "qwen3-30b-a3b/grpo.yaml"}
 
 
 def overrides_of(name: str) -> list[str]:
@@ -59,18 +78,18 @@ def distinct_keys(overrides: list[str]) -> set[str]:
     return {line.split("=", 1)[0].lstrip("+") for line in overrides}
 
 
-def test_fixtures_hold_the_seven_scripts():
+def test_fixtures_hold_the_eight_scripts():
     sizes = {name: len(distinct_keys(overrides_of(name))) for name in EXPECTED_IGNORED}
     assert sizes == {"grpo_qwen2_7b_math_megatron.txt": 39, "dapo_qwen2.5_7b_math_megatron.txt": 66,
                      "dapo_qwen2.5_32b.txt": 70, "gpg_qwen2_7b_math_megatron.txt": 37,
                      "reinforce_plus_plus_qwen2_7b_math.txt": 37, "ppo_qwen2_7b_math_megatron.txt": 34,
-                     "ppo_deepseek_llm_7b_math_megatron.txt": 34}
+                     "ppo_deepseek_llm_7b_math_megatron.txt": 34, "gspo_qwen30b_a3b_ep.txt": 88}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_IGNORED))
 def test_verl_script_loads_whole_against_a_shipped_recipe(name):
     overrides = overrides_of(name)
-    resolved = resolve_config(RECIPES / RECIPE_OF[name], overrides)
+    resolved = resolve_config(EXAMPLES / RECIPE_OF[name], overrides)
     assert set(resolved.ignored) == EXPECTED_IGNORED[name]
     keys = distinct_keys(overrides)
     honoured = keys - set(resolved.ignored)
@@ -83,7 +102,7 @@ def test_verl_script_loads_whole_against_a_shipped_recipe(name):
 @pytest.mark.parametrize("name", sorted(EXPECTED_IGNORED))
 def test_at_least_90_percent_of_the_keys_load_one_at_a_time(name):
     """The issue's measurement: each override alone against the recipe."""
-    recipe = RECIPES / RECIPE_OF[name]
+    recipe = EXAMPLES / RECIPE_OF[name]
     failed = []
     for override in overrides_of(name):
         try:
@@ -99,7 +118,7 @@ def test_the_docs_count_every_script():
     and overrides that load one at a time, in the order of its list of scripts."""
     names = ["grpo_qwen2_7b_math_megatron.txt", "dapo_qwen2.5_7b_math_megatron.txt", "dapo_qwen2.5_32b.txt",
              "gpg_qwen2_7b_math_megatron.txt", "reinforce_plus_plus_qwen2_7b_math.txt",
-             "ppo_qwen2_7b_math_megatron.txt", "ppo_deepseek_llm_7b_math_megatron.txt"]
+             "ppo_qwen2_7b_math_megatron.txt", "ppo_deepseek_llm_7b_math_megatron.txt", "gspo_qwen30b_a3b_ep.txt"]
     assert sorted(names) == sorted(EXPECTED_IGNORED)
     keys = [len(distinct_keys(overrides_of(name))) for name in names]
     ignored = [len(EXPECTED_IGNORED[name]) for name in names]
@@ -108,7 +127,7 @@ def test_the_docs_count_every_script():
         loaded = 0
         for override in overrides_of(name):
             try:
-                resolve_config(RECIPES / RECIPE_OF[name], [override])
+                resolve_config(EXAMPLES / RECIPE_OF[name], [override])
                 loaded += 1
             except ConfigError:
                 pass
@@ -118,7 +137,7 @@ def test_the_docs_count_every_script():
         return ", ".join(map(str, counts[:-1])) + f" and {counts[-1]}"
 
     text = " ".join((ROOT / "docs" / "verl_compat.md").read_text().split())
-    assert "Tested on seven real scripts" in text
+    assert "Tested on eight real scripts" in text
     assert (f"({listed(keys)} keys; {listed([k - i for k, i in zip(keys, ignored)])} of them are honoured or checked, "
             f"and {listed(ignored)} accepted without effect). One at a time, {listed(alone)} load") in text
 
@@ -200,6 +219,40 @@ def test_the_ppo_scripts_pass_the_dry_run(name, tmp_path, capsys, monkeypatch):
     assert "nothing was started" in out and "  adv_estimator: gae" in out
     assert "# trainer: 8 process(es)" in out and "TP 2 x PP 2 x DP 2" in out
     assert "a critic (value model) beside the actor, in the same layout" in out
+    assert not (tmp_path / "run").exists(), "a dry run writes nothing"
+
+
+def test_the_gspo_script_passes_the_dry_run_and_says_how_it_aggregates(tmp_path, capsys, monkeypatch):
+    """verl's GSPO script for Qwen3-30B-A3B as it is but for the paths (the data: this test's rows; the model: a
+    stand-in folder with Qwen3-30B-A3B's heads, layers and experts and tiny weights) and the logger, on its 2 nodes x
+    8 GPUs at TP 4 x EP 4: its `loss_agg_mode=token-mean` (which verl's GSPO ignores), `use_mbridge` and vLLM's
+    data and expert parallelism load, and the dry run says which aggregation the policy loss computes."""
+    from megatron_cpo.cli import main
+    from tests.trainer.test_preflight import STAND_IN_DIMENSIONS, TINY_MODEL, _row, write_rows
+
+    name = "gspo_qwen30b_a3b_ep.txt"
+    actor = resolve_config(EXAMPLES / RECIPE_OF[name], overrides_of(name)).config.actor_rollout_ref.actor
+    assert (actor.policy_loss.loss_mode, actor.loss_agg_mode, actor.policy_aggregation) == (
+        "gspo", "token-mean", "seq-mean-token-mean")
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.megatron.expert_model_parallel_size) == (3e-4, 4e-4, 4)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model)
+    hf = json.loads((model / "config.json").read_text())
+    hf.pop("layer_types", None)  # transformers derives it from num_hidden_layers
+    hf.update(STAND_IN_DIMENSIONS["qwen3-30b-a3b"])
+    (model / "config.json").write_text(json.dumps(hf))
+    data = write_rows(tmp_path / "train.parquet", [_row(), _row(truth="5")])
+    main(["train", "--config", str(EXAMPLES / RECIPE_OF[name]), "--dry-run", *overrides_of(name),
+          f"data.train_files={data}", f"data.val_files={data}", f"actor_rollout_ref.model.path={model}",
+          f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[console]"])
+    out = capsys.readouterr().out
+    assert "nothing was started" in out and "  loss_mode: gspo" in out
+    assert "TP 4 x PP 1 x DP 4; experts: EP 4 x ETP 1 x expert-DP 4" in out
+    assert ("# policy_loss.loss_mode=gspo aggregates its policy-gradient term with seq-mean-token-mean, as verl does "
+            "whatever loss_agg_mode says; the entropy and KL-loss terms use "
+            "actor_rollout_ref.actor.loss_agg_mode=token-mean") in out
+    assert "actor_rollout_ref.actor.megatron.use_mbridge=True (verl's choice of weight converter" in out
     assert not (tmp_path / "run").exists(), "a dry run writes nothing"
 
 

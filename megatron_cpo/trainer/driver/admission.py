@@ -1,33 +1,11 @@
-"""Admission: which prompts the rank-0 controller submits, as a strategy that owns its rule.
+"""Admission: which prompts the rank-0 controller submits, and what becomes of those a batch did not use, as one
+strategy class per rule; the controller asks it and branches on none of its settings (docs/async.md, "The admission
+rule").
 
-The controller asks its `Admission` once per prompt, before submitting it, whether one more may start
-(`admits`). That moment is the prompt's oldest token: every sample of the prompt, and every turn of a multi-turn
-episode, is generated after it, on weights at least as new. So a rule that bounds what is admitted bounds the age
-of everything a trained sample (or episode) holds, and continuing an admitted episode never asks again. Both rules
-count prompts in request order: groups commit in that order whichever finishes first (accumulator.py).
-
-- `SynchronousAdmission` (`async_training.max_staleness` = 0): the look-ahead. It requests enough uncommitted
-  prompts that the batch fills with about 90% probability at the keep rate observed so far (`prompts_to_request`,
-  `KeepRateHistory`); what the batch does not use is cancelled and its prompts go back to the data stream, so
-  every trained sample is sampled by the weights that train it (staleness 0).
-- `StalenessAdmission` (k > 0): bounded staleness. Unused prompts stay in flight for the next batch
-  (`carries_unused`), and a prompt is submitted only while
-
-      held = (kept groups of the batch being filled, or handed to the trainer and not yet pushed)
-             + (prompts submitted and not yet committed: generating, or finished and waiting for an earlier one)
-      held < (k + 1) * train_batch_size.
-
-  This is AReaL's `(k + v + 1) * B - (accepted + running)` at weight version v, counted from the live prompts
-  instead of totals (the same when every batch is full, and still exact when one is partial). Why it bounds
-  staleness: a prompt submitted with `held` prompts ahead of it that may still be trained lands at most (k + 1)
-  batches from now, counting the batch that is waiting for its push; it is trained at most k weight versions after
-  the one it started on, and every token it has is at least that new. A group a filter drops (filter-groups, RAGEN)
-  leaves `held` when it is judged and frees its slot; filter-groups judges each group on its own, so a group it will
-  drop leaves as soon as it is scored, before the groups ahead of it commit. With k = 0 this rule would admit one
-  batch at a time; the look-ahead does better (it may request ahead, then cancels what it did not use), so k = 0 is
-  the synchronous admission (`admission_for`); the staleness rule at k = 0 forms the same batches
-  (tests/trainer/test_async_admission.py).
-
+- `SynchronousAdmission` (`async_training.max_staleness` = 0): requests ahead by the observed keep rate
+  (`prompts_to_request`); unused prompts are cancelled and go back to the data stream.
+- `StalenessAdmission` (k > 0): admits while `held < (k + 1) * train_batch_size` (`admission_capacity`), so no trained
+  sample is more than k weight versions old; unused prompts stay in flight for the next batch.
 Both cap the prompts generating at once (`inflight_cap`); finished ones waiting to commit do not count.
 """
 from __future__ import annotations
@@ -41,9 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.config import AsyncTrainingConfig
-from megatron_cpo.trainer.driver.prompt_stream import StreamPosition
+from megatron_cpo.trainer.driver.prompt_stream import PromptStream, StreamPosition
 
 # Look-ahead: request enough prompts that the batch fills with about this probability (one-sided normal quantile).
 FILL_PROBABILITY_Z = 1.28
@@ -87,11 +66,14 @@ class OpenRequests:
 
 class BatchProgress(Protocol):
     """What admission reads of the batch being filled (`GroupAccumulator`): groups kept so far, the next seq to
-    commit, groups scored that a filter will drop (`dropping`), and the kept / committed counts (`stats`)."""
+    commit, groups scored that a filter will drop (`dropping`), the kept / committed counts (`stats`), and the scored
+    groups after the batch, waiting to commit (`leftover`)."""
     kept: list
     next_seq: int
     dropping: int
     stats: Any
+
+    def leftover(self) -> dict[int, Any]: ...
 
 
 def prompts_to_request(needed: int, keep_rate: float) -> int:
@@ -125,20 +107,16 @@ class KeepRateHistory:
 
 
 class Admission(ABC):
-    """The rule the controller asks before each submission (see the module docstring). `max_staleness`: the bound
-    it keeps; `carries_unused`: prompts a batch did not use stay in flight for the next one (else they are
-    cancelled and go back to the data stream); `inflight_cap`: prompts generating at once, at most."""
-
-    max_staleness: int = 0
-    carries_unused: bool = False
+    """The rule the controller asks before each submission and at each hand-out. `inflight_cap`: prompts generating
+    at once, at most."""
 
     def __init__(self, batch_size: int, inflight_cap: int) -> None:
         self.batch_size = batch_size
         self.inflight_cap = inflight_cap
 
+    @abstractmethod
     def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
-        """The open requests a collection starts from, at the engines' weight version `policy_version`."""
-        return carried if self.carries_unused else OpenRequests()
+        """The open requests a collection starts from (`carried`: the last one's), at the engines' weight version."""
 
     @abstractmethod
     def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
@@ -148,13 +126,31 @@ class Admission(ABC):
     def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
         """The batch goes to the trainer (full or not); what it kept trains with `policy_version`."""
 
+    @abstractmethod
+    def release_unused(self, open_: OpenRequests, batch: BatchProgress, generator: GroupGenerator,
+                       stream: PromptStream) -> tuple[OpenRequests, bool]:
+        """What the batch did not use, after its hand-out: the open requests the controller keeps, and whether prompts
+        went back to the data stream (then the data is not exhausted after all)."""
+
+    @abstractmethod
+    def request_seed_step(self, step: int) -> int:
+        """The step that a request's sampling seed mixes in (rerun and resume sample identically)."""
+
+    def buffer_metrics(self, open_: OpenRequests) -> dict[str, float]:
+        """What waits for the next batches after a hand-out (none unless the strategy carries prompts over)."""
+        return {}
+
 
 class SynchronousAdmission(Admission):
-    """Staleness 0: request ahead by the observed keep rate; unused prompts are cancelled at the hand-out."""
+    """Staleness 0: request ahead by the observed keep rate; unused prompts are cancelled at the hand-out and go back
+    to the data stream, so every trained sample is sampled by the weights that train it."""
 
     def __init__(self, batch_size: int, inflight_cap: int) -> None:
         super().__init__(batch_size, inflight_cap)
         self.keep_history = KeepRateHistory()
+
+    def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
+        return OpenRequests()  # each step afresh
 
     def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
         keep_rate = self.keep_history.rate(batch.stats.kept, batch.stats.committed)
@@ -164,12 +160,22 @@ class SynchronousAdmission(Admission):
     def hand_out(self, batch: BatchProgress, policy_version: int | None) -> None:
         self.keep_history.update(batch.stats.kept, batch.stats.committed)
 
+    def release_unused(self, open_: OpenRequests, batch: BatchProgress, generator: GroupGenerator,
+                       stream: PromptStream) -> tuple[OpenRequests, bool]:
+        if open_.running:
+            generator.cancel_all()
+        rewound = batch.next_seq < open_.issued
+        if rewound:
+            stream.rewind(open_.by_seq[batch.next_seq].position)
+        return OpenRequests(), rewound
+
+    def request_seed_step(self, step: int) -> int:
+        return step
+
 
 class StalenessAdmission(Admission):
     """At most k weight versions between a prompt's admission and the update that trains it; unused prompts stay
     in flight. `unpushed`: kept prompts of the last batch whose weights the engines do not serve yet."""
-
-    carries_unused = True
 
     def __init__(self, max_staleness: int, batch_size: int, inflight_cap: int) -> None:
         super().__init__(batch_size, inflight_cap)
@@ -180,7 +186,7 @@ class StalenessAdmission(Admission):
     def begin(self, carried: OpenRequests, policy_version: int | None) -> OpenRequests:
         prompts, version = self._handed_out
         self.unpushed = prompts if policy_version is not None and policy_version == version else 0
-        return super().begin(carried, policy_version)
+        return carried
 
     def admits(self, batch: BatchProgress, open_: OpenRequests) -> bool:
         held = self.unpushed + len(batch.kept) + (open_.issued - batch.next_seq) - batch.dropping
@@ -190,9 +196,22 @@ class StalenessAdmission(Admission):
         self._handed_out = (len(batch.kept), policy_version)
         self.unpushed = 0  # the batch's own groups count as kept from now on (the next batches are admitted)
 
+    def release_unused(self, open_: OpenRequests, batch: BatchProgress, generator: GroupGenerator,
+                       stream: PromptStream) -> tuple[OpenRequests, bool]:
+        open_.commit_up_to(batch.next_seq, batch.leftover())
+        return open_, False
+
+    def request_seed_step(self, step: int) -> int:
+        """0 when k > 0: which step submits a prompt depends on how fast earlier groups finished (and were dropped),
+        and a prompt's samples must not."""
+        return step if self.max_staleness == 0 else 0
+
+    def buffer_metrics(self, open_: OpenRequests) -> dict[str, float]:
+        return {"async/buffered_groups": float(len(open_.finished)), "async/in_flight": float(len(open_.running))}
+
 
 def admission_capacity(max_staleness: int, batch_size: int, held: int) -> int:
-    """Prompts that may still be submitted: (k + 1) * B - held (see the module docstring)."""
+    """Prompts that may still be submitted: (k + 1) * B - held (docs/async.md, "The admission rule")."""
     return (max_staleness + 1) * batch_size - held
 
 

@@ -1,28 +1,12 @@
 """The rank-0 filter-accumulate controller: keeps the rollout engines busy and fills one batch per step.
 
-It never waits for a whole generation batch: prompts are submitted ahead, and every group that has finished when
-the controller looks is scored in one call to the grading pool, then committed in request order by a
-`GroupAccumulator` (see accumulator.py for why the order is fixed). How far ahead it requests follows the keep rate
-observed in this and earlier steps: enough uncommitted prompts to fill the batch with about 90% probability (a
-prompt requested too late costs a whole response's latency, one requested needlessly only the tokens it got before
-cancellation), with at most `inflight_cap` of them running on the engines. Prompts that finished but wait for an
-earlier one to commit do not count against that cap, so a long response holds up the commit order but not the
-engines (benchmarks/streaming/README.md measures why this matters when response lengths have a long tail). When
-`train_batch_size` prompts are kept, what is still running is cancelled and the unused prompts go back to the data
-stream. `max_num_gen_batches` caps the prompts requested (in units of `gen_batch_size`, verl's DAPO generation batch,
-by default `train_batch_size`); when it is reached `on_limit` decides between a clear error and training on the
-partial batch.
-Which prompts form a batch depends only on the data order and the per-request seeds, never on the look-ahead, so the
-keep-rate history is a speed hint that checkpoints need not hold.
-
-Which prompts are submitted is the `Admission` strategy's rule (admission.py): the look-ahead above when training is
-synchronous; with `async_training.max_staleness` k > 0 the same request order and commit rule but nothing is
-cancelled: unused prompts stay in flight (or finished, waiting) for the next batch, admission follows the staleness
-bound, and before a batch is handed to the trainer the next batches' prompts are submitted, so the engines generate
-while the trainer updates. Submitting ahead at the hand-off is enough: the bound only gains room when weights are
-pushed (right before the next collection) or a filter drops a group, so a thread admitting during the update could
-add only the dropped groups' slots (docs/async.md measures this). A checkpoint saves the first prompt not yet trained
-(`state_dict`); what was in flight is generated again on resume.
+Prompts are submitted ahead, as the `Admission` strategy allows (admission.py); every group finished when the
+controller looks is scored in one call to the grading pool and committed in request order by a `GroupAccumulator`
+(accumulator.py), so which prompts form a batch depends on the data order, the request seeds and the filters, never
+on timing or look-ahead.
+`max_num_gen_batches` caps the prompts one step requests; `on_limit` then errs or trains on the partial batch.
+Why prompts finished but waiting to commit do not count against the in-flight cap: benchmarks/streaming/README.md;
+how asynchronous training carries prompts across steps and checkpoints their position: docs/async.md.
 """
 from __future__ import annotations
 
@@ -126,7 +110,7 @@ class RolloutController:
         `policy_version`: the engines' weight version now (`RolloutEngines.weight_version`), which is also the
         version of the trainer's weights that will train the batch."""
         start, started_at = time.perf_counter(), time.time()
-        self.open = open_ = self.admission.begin(self.open, policy_version)  # synchronous: each step afresh
+        self.open = open_ = self.admission.begin(self.open, policy_version)
         accumulator = GroupAccumulator(self.batch_size, self.group_filter, self.filter_groups.metric,
                                        start_seq=open_.first, pending=open_.finished)
         timing = dict.fromkeys(("timing/generated_tokens", "timing/gen_wait_s", "timing/score_s",
@@ -154,8 +138,8 @@ class RolloutController:
         self.admission.hand_out(accumulator, policy_version)
         if batch is not None:
             self._top_up(step, accumulator)  # the next batches' prompts while the trainer updates, if admitted
-        if self._release_unused(accumulator):
-            data_exhausted = False
+        self.open, rewound = self.admission.release_unused(self.open, accumulator, self.generator, self.stream)
+        data_exhausted = data_exhausted and not rewound
         self.idle.hand_out(time.time(), self.open.running)
         metrics = self._metrics(accumulator, requested, timing, time.perf_counter() - start)
         metrics.update(self._async_metrics(accumulator, policy_version, idle))
@@ -246,22 +230,6 @@ class RolloutController:
             open_.add(request_id, Request(open_.issued, position, record))
         return False
 
-    def _release_unused(self, accumulator: GroupAccumulator) -> bool:
-        """What the batch did not use after its hand-out: kept in flight for the next batch when the admission
-        carries it, else cancelled, with the data stream back at the first unused prompt; True when prompts went
-        back to the stream (so the data is not exhausted after all)."""
-        open_ = self.open
-        if self.admission.carries_unused:
-            open_.commit_up_to(accumulator.next_seq, accumulator.leftover())
-            return False
-        if open_.running:
-            self.generator.cancel_all()
-        rewound = accumulator.next_seq < open_.issued
-        if rewound:
-            self.stream.rewind(open_.by_seq[accumulator.next_seq].position)
-        self.open = OpenRequests()
-        return rewound
-
     def _score(self, finished: list[tuple[Request, RolloutGroup]], timing: dict[str, float]) -> list[ScoredGroup]:
         """Score the finished groups in one scorer call (one round trip to the grading pool for all of them)."""
         if not finished:
@@ -282,10 +250,9 @@ class RolloutController:
                 for (request, group), group_responses, graded in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:
-        """A sampling seed fixed by (run seed, step, data position), so reruns and resumes sample identically. With
-        k > 0 the step is left out: which step submits a prompt depends on how fast earlier groups finished (and
-        were dropped), and a prompt's samples must not."""
-        step = step if self.admission.max_staleness == 0 else 0
+        """A sampling seed fixed by (run seed, the admission's step for it, data position), so reruns and resumes
+        sample identically."""
+        step = self.admission.request_seed_step(step)
         return (self.stream.seed * 1_000_003 + step * 10_007 + position.epoch * 7_919 + position.offset) % (2**31)
 
     def _metrics(self, accumulator: GroupAccumulator, requested: int, timing: dict[str, float], seconds: float
@@ -305,13 +272,11 @@ class RolloutController:
     def _async_metrics(self, accumulator: GroupAccumulator, policy_version: int | None, engine_idle: float | None
                        ) -> dict[str, float]:
         """The engines' idle time since the last batch was handed out (`timing/engine_idle_s`; the trainer idles
-        for `timing/gen_s`), what waits for the next batches (`async/buffered_groups` finished, `async/in_flight`
-        generating), and the batch's staleness (admission.staleness_metrics: per sample or episode, and per sampled
-        token)."""
+        for `timing/gen_s`), what the admission carries to the next batches (`async/buffered_groups` finished,
+        `async/in_flight` generating), and the batch's staleness (admission.staleness_metrics: per sample or
+        episode, and per sampled token)."""
         metrics = {} if engine_idle is None else {"timing/engine_idle_s": engine_idle}
-        if self.admission.carries_unused:
-            metrics.update({"async/buffered_groups": float(len(self.open.finished)),
-                            "async/in_flight": float(len(self.open.running))})
+        metrics.update(self.admission.buffer_metrics(self.open))
         kept = accumulator.kept[: accumulator.target_prompts]
         if policy_version is not None and kept and all(g.policy_versions is not None for g in kept):
             metrics.update(staleness_metrics(RaggedRows.cat([g.policy_versions for g in kept]), policy_version,

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from megatron_cpo.compute_dtype import resolve_dtype
 from megatron_cpo.config_checks import ConfigError
+from megatron_cpo.trainer.collectives import all_gather_object
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY
-from megatron_cpo.trainer.workers.collectives import all_gather_object
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,2 @@
 """The workers, on every rank: the Megatron actor and reference (and their optimizer, routing replay, offload), the
-log-prob / advantage / update steps they run in lockstep, the sync probe's scoring, and every collective of a step
-(`collectives.py`)."""
+log-prob / advantage / update steps they run in lockstep, the weight push and the sync probe's scoring."""

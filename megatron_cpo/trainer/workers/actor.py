@@ -11,12 +11,13 @@ use the shared weight).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from operator import itemgetter
+from typing import Any
 
 import torch
 
 from megatron_cpo.algorithms.config import RolloutCorrectionConfig
-from megatron_cpo.algorithms.losses import policy_loss
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import gather_sequence_parallel, lm_head_weight
 from megatron_cpo.trainer.batch.context_parallel import chunk_index, gather_positions
@@ -24,20 +25,19 @@ from megatron_cpo.trainer.batch.micro_batches import Plan
 from megatron_cpo.trainer.batch.packing import PackedRows
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 from megatron_cpo.trainer.config import ActorConfig
-from megatron_cpo.trainer.workers.megatron_model import MegatronModel, TokenOutputs
+from megatron_cpo.trainer.workers.megatron_model import MegatronModel, TokenOutputs, with_zero_rows
+from megatron_cpo.trainer.workers.policy_loss_step import LossOutput, PolicyLossStep, PolicyMicroBatch
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
+from megatron_cpo.trainer.workers.shaping import ResponseShaping, ShapedAdvantages
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 
-if TYPE_CHECKING:
-    from megatron_cpo.trainer.workers.shaping import ResponseShaping
 
-
-@dataclass
+@dataclass(frozen=True)
 class UpdateInputs:
     """Per-token tensors [rows, R] of one batch for the PPO update (response-aligned), and the off-policy correction
     that weights and masks the policy gradient by them (`algorithm.rollout_correction`, resolved; None: off).
     `old_log_probs` None: the update's own forward gives them (`MegatronPolicy.update_on_policy`); then `shaping`,
-    when set, turns each micro-batch's `advantages` (GRPO's) into the ones to train on from that forward's
+    when set, turns each micro-batch's `advantages` (the estimator's) into the ones to train on from that forward's
     log-probs and entropy (trainer/workers/shaping.py)."""
     advantages: torch.Tensor
     old_log_probs: torch.Tensor | None
@@ -48,6 +48,27 @@ class UpdateInputs:
     first_row: int = 0                      # this mini-batch's first row in the step batch
     shaping: ResponseShaping | None = None
     probe: FiniteProbe | None = None        # the step's finiteness flags so far (update_guard.py)
+
+
+@dataclass(frozen=True)
+class OnPolicyUpdate:
+    """What `update_on_policy` returns on every rank: the optimizer step's metrics, its forward's log-probs and entropy
+    [rows, R] (the PPO ratio's old ones), and, when it shaped the advantages itself (`UpdateInputs.shaping`), the
+    `ShapedAdvantages` it trained on, gathered over its micro-batches (None: it trained on `inputs.advantages`)."""
+    metrics: dict[str, float]
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    shaped: ShapedAdvantages | None
+
+
+@dataclass(frozen=True)
+class _TrainStep:
+    """One optimizer step on this rank: its metrics (every rank), each micro-batch's `LossOutput` (the last pipeline
+    stage's; none elsewhere) and how the batch was cut, to gather their rows."""
+    metrics: dict[str, float]
+    outputs: list[LossOutput]
+    plan: Plan
+    padded_rows: int
 
 
 LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
@@ -129,7 +150,7 @@ class MegatronPolicy(MegatronModel):
                             lambda log_probs, entropy, batch: (torch.zeros((), device=log_probs.device),
                                                                (log_probs, entropy)),
                             forward_only=True,
-                            around_forward=(lambda batch, layout: self.routing.recording(layout, batch["rows"]))
+                            around_forward=(lambda batch, layout: self.routing.recording(layout, batch.rows))
                             if record_routing else None)
         routing, routing_metrics = (self.routing.finish_recording(plan, seqs.lengths()) if record_routing
                                     else (None, {}))
@@ -143,82 +164,42 @@ class MegatronPolicy(MegatronModel):
         depend on how the mini-batch is split (fixed or token-budget micro-batches alike). A step whose loss or
         gradient norm is not finite on any rank is skipped on every rank (`actor/update_skipped`, update_guard.py).
         """
-        return self._update(seqs, inputs, temperature)[0]
+        return self._train_step(seqs, inputs, temperature).metrics
 
-    def update_on_policy(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
-                         ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+    def update_on_policy(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> OnPolicyUpdate:
         """`update` whose PPO old log-probs are its own forward's, detached (`inputs.old_log_probs` is None): exact
         when the batch is one mini-batch trained once (`policy_update.old_log_probs_from_update`), and one forward
-        cheaper than a separate scoring pass. Also returns those log-probs and the entropy, [rows, R] each, on every
-        rank."""
+        cheaper than a separate scoring pass. With `inputs.shaping`, each micro-batch is shaped from that forward."""
         if inputs.old_log_probs is not None:
             raise ValueError("update_on_policy takes its old log-probs from its own forward; pass "
                              "UpdateInputs(old_log_probs=None) or call update()")
-        metrics, outputs, plan, padded_rows = self._update(seqs, inputs, temperature)
-        log_probs, entropy = self._gather_rows([(lp, ent) for _, lp, ent in outputs], plan, padded_rows, seqs,
-                                               count=2)
-        return metrics, log_probs, entropy
+        step = self._train_step(seqs, inputs, temperature)
+        shaping = inputs.shaping
+        log_probs, entropy, *columns = self._gather_rows(
+            [output.columns() for output in step.outputs], step.plan, step.padded_rows, seqs,
+            count=2 + (shaping.column_count if shaping is not None else 0))
+        shaped = shaping.from_columns(inputs.advantages, tuple(columns)) if shaping is not None else None
+        return OnPolicyUpdate(step.metrics, log_probs, entropy, shaped)
 
-    def _update(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float
-                ) -> tuple[dict[str, float], list, Plan, int]:
-        """The optimizer step; also this rank's per-micro-batch (metrics, log-probs, entropy) outputs and the plan."""
-        from megatron.core import parallel_state
-
-        mask = seqs.response_mask()
-        global_tokens = float(mask.sum().clamp(min=1))
-        global_seqs = float((mask.sum(-1) > 0).sum().clamp(min=1))
-        extra = {"advantages": inputs.advantages}
-        if inputs.old_log_probs is not None:
-            extra["old_log_probs"] = inputs.old_log_probs
-        if inputs.ref_log_probs is not None:
-            extra["ref_log_probs"] = inputs.ref_log_probs
-        if inputs.rollout_log_probs is not None:
-            extra["rollout_log_probs"] = inputs.rollout_log_probs
-        shaping_rows = inputs.shaping.row_inputs() if inputs.shaping is not None else {}
-        extra.update({f"shaping/{name}": tensor for name, tensor in shaping_rows.items()})
+    def _train_step(self, seqs: PackedSequences, inputs: UpdateInputs, temperature: float) -> _TrainStep:
+        """The optimizer step: the micro-batches through Megatron's schedule with the loss step, then the guarded
+        optimizer step."""
         padded, plan = self._plan(seqs, self.config.ppo_max_token_len_per_gpu,
                                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                   self.config.ppo_micro_batch_size_per_gpu)
-        micro = self._micro_batches(padded, plan, extra)
-        routed = self.routing is not None and inputs.routing is not None
-        if routed:  # each micro-batch's rows' recorded routing, fetched from the ranks that scored them
-            recorded = self.routing.rows_for_update(inputs.routing, inputs.first_row, plan, seqs.rows)
-            for batch in micro:
-                batch["routing"] = [recorded.get(inputs.first_row + row) if row < seqs.rows else None
-                                    for row in batch["rows"].tolist()]
-        # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
-        scale = len(micro) * parallel_state.get_data_parallel_world_size()
-        probe = inputs.probe.for_update() if inputs.probe is not None else FiniteProbe()
-
-        def loss_step(log_probs, entropy, batch):
-            device = log_probs.device
-            response_mask = batch["seqs"].response_mask().to(device)
-            old = batch["old_log_probs"].to(device) if "old_log_probs" in batch else log_probs.detach()
-            advantages = batch["advantages"].to(device)
-            probe.observe("log-probs", log_probs, response_mask)
-            if inputs.shaping is not None:  # the shaper reads this forward's log-probs (on-policy: the old ones)
-                advantages = inputs.shaping(advantages, response_mask, old, entropy.detach(),
-                                            {name: batch[f"shaping/{name}"].to(device) for name in shaping_rows})
-                probe.observe("advantages", advantages, response_mask)
-            loss, metrics = policy_loss(
-                log_probs, old, advantages, response_mask, self.config, entropy=entropy,
-                ref_log_probs=batch["ref_log_probs"].to(device) if "ref_log_probs" in batch else None,
-                rollout_log_probs=batch["rollout_log_probs"].to(device) if "rollout_log_probs" in batch else None,
-                global_tokens=global_tokens, global_seqs=global_seqs, correction=inputs.correction,
-                generator=self.loss_generator)
-            probe.observe("loss", loss)
-            return loss * scale, ({k: torch.tensor(float(v)) for k, v in metrics.items()}, log_probs.detach(),
-                                  entropy.detach())
-
+        micro = self._update_micro_batches(seqs, padded, plan, inputs)
+        loss_step = self._loss_step(seqs, inputs, len(micro))
+        routed = self._replays(inputs)
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro, self._token_outputs(temperature), loss_step, forward_only=False,
-                            around_forward=(lambda batch, layout: self.routing.updating(layout, batch["routing"]))
+                            around_forward=(lambda batch, layout: self.routing.updating(layout, batch.routing))
                             if routed else None)
         self.scheduler.step(increment=1)
-        updated, grad_norm = self.guard.step(self.optimizer, probe)
-        metrics = self._reduce_metrics([output[0] for output in outputs], {"pg_loss", "entropy", "kl_loss"}, "actor")
+        updated, grad_norm = self.guard.step(self.optimizer, loss_step.probe)
+        metrics = self._reduce_metrics([output.metrics for output in outputs], {"pg_loss", "entropy", "kl_loss"},
+                                       "actor")
         if routed:
             metrics.update(self.routing.finish_update())
         if self.routing is not None:
@@ -226,7 +207,45 @@ class MegatronPolicy(MegatronModel):
                                             .aux_loss_names(), len(micro)))
         metrics.update({"actor/grad_norm": grad_norm, "actor/lr": self.optimizer.param_groups[0]["lr"],
                         "actor/update_skipped": float(not updated)})
-        return metrics, outputs, plan, padded.rows
+        return _TrainStep(metrics, outputs, plan, padded.rows)
+
+    def _update_micro_batches(self, seqs: PackedSequences, padded: PackedSequences, plan: Plan,
+                              inputs: UpdateInputs) -> list[PolicyMicroBatch]:
+        """This rank's micro-batches with their rows of `inputs` (zero rows for the plan's padding) and, for a mixture
+        of experts that replays or compares it, each row's recorded routing, fetched from the ranks that scored it."""
+        per_token = [with_zero_rows(tensor, padded.rows) if tensor is not None else None for tensor in
+                     (inputs.advantages, inputs.old_log_probs, inputs.ref_log_probs, inputs.rollout_log_probs)]
+        shaping = (inputs.shaping.map_rows(partial(with_zero_rows, rows=padded.rows)) if inputs.shaping is not None
+                   else None)
+        recorded = (self.routing.rows_for_update(inputs.routing, inputs.first_row, plan, seqs.rows)
+                    if self._replays(inputs) else None)
+        micro = []
+        for batch in self._micro_batches(padded, plan):
+            take = itemgetter(batch.rows)
+            advantages, old, ref, rollout = (take(tensor) if tensor is not None else None for tensor in per_token)
+            routing = (None if recorded is None else [recorded.get(inputs.first_row + row) if row < seqs.rows else None
+                                                      for row in batch.rows.tolist()])
+            micro.append(PolicyMicroBatch(
+                rows=batch.rows, seqs=batch.seqs, packed=batch.packed, advantages=advantages, old_log_probs=old,
+                ref_log_probs=ref, rollout_log_probs=rollout,
+                shaping=shaping.map_rows(take) if shaping is not None else None, routing=routing))
+        return micro
+
+    def _replays(self, inputs: UpdateInputs) -> bool:
+        """Whether the update replays or compares a recorded routing (a mixture of experts' actor with one given)."""
+        return self.routing is not None and inputs.routing is not None
+
+    def _loss_step(self, seqs: PackedSequences, inputs: UpdateInputs, micro_batches: int) -> PolicyLossStep:
+        """The loss over the whole mini-batch (its tokens and sequences on every rank), times the schedule's divisor:
+        it divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP."""
+        from megatron.core import parallel_state
+
+        mask = seqs.response_mask()
+        return PolicyLossStep(
+            self.config, inputs.correction, inputs.probe.for_update() if inputs.probe is not None else FiniteProbe(),
+            self.loss_generator, global_tokens=float(mask.sum().clamp(min=1)),
+            global_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
+            scale=micro_batches * parallel_state.get_data_parallel_world_size())
 
     @torch.no_grad()
     def mix_into(self, target: MegatronPolicy, alpha: float) -> None:

@@ -12,6 +12,7 @@ it (the prompt's last token for the first), as in verl. It trains under its own 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,12 +27,41 @@ from megatron_cpo.trainer.batch.packing import PackedRows
 from megatron_cpo.trainer.batch.sequences import PackedSequences
 from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
-from megatron_cpo.trainer.workers.megatron_model import MegatronModel
+from megatron_cpo.trainer.workers.megatron_model import MegatronModel, MicroBatch, with_zero_rows
 from megatron_cpo.trainer.workers.optimizer import megatron_optimizer, wrap_ddp
 from megatron_cpo.trainer.workers.policies import model_options
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe, UpdateGuard
 
 SUMMED_METRICS = {"vf_loss", "vf_clipfrac", "vpred_mean"}  # each micro-batch's is its share of the mini-batch's
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueMicroBatch(MicroBatch):
+    """One micro-batch of a critic update: its rows of the values before the update and of the returns, [rows, R]."""
+    old_values: torch.Tensor
+    returns: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ValueLossStep:
+    """The loss function of one critic update, called by Megatron's schedule for each micro-batch: verl's clipped
+    value loss over the whole mini-batch's tokens / sequences, times `scale` (the schedule divides each micro-batch's
+    loss by this rank's micro-batch count and DDP averages over DP); what it sees goes to `probe`."""
+    config: CriticConfig
+    probe: FiniteProbe
+    global_tokens: float
+    global_seqs: float
+    scale: float
+
+    def __call__(self, values: torch.Tensor, micro: ValueMicroBatch) -> tuple[torch.Tensor, dict]:
+        device = values.device
+        response_mask = micro.seqs.response_mask().to(device)
+        self.probe.observe("values", values, response_mask)
+        loss, metrics = value_loss(values, micro.old_values.to(device), micro.returns.to(device), response_mask,
+                                   self.config.cliprange_value, self.config.loss_agg_mode, self.global_tokens,
+                                   self.global_seqs)
+        self.probe.observe("loss", loss)
+        return loss * self.scale, metrics
 
 
 class MegatronCritic(MegatronModel):
@@ -89,21 +119,12 @@ class MegatronCritic(MegatronModel):
         global_seqs = float((mask.sum(-1) > 0).sum().clamp(min=1))
         padded, plan = self._plan(seqs, config.ppo_max_token_len_per_gpu, "critic.ppo_max_token_len_per_gpu",
                                   config.ppo_micro_batch_size_per_gpu)
-        micro = self._micro_batches(padded, plan, {"old_values": old_values, "returns": returns})
-        # the schedule divides each micro-batch's loss by this rank's micro-batch count and DDP averages over DP
-        scale = len(micro) * parallel_state.get_data_parallel_world_size()
+        old_values, returns = with_zero_rows(old_values, padded.rows), with_zero_rows(returns, padded.rows)
+        micro = [ValueMicroBatch(rows=m.rows, seqs=m.seqs, packed=m.packed, old_values=old_values[m.rows],
+                                 returns=returns[m.rows]) for m in self._micro_batches(padded, plan)]
         probe = probe.for_update() if probe is not None else FiniteProbe()
-
-        def loss_step(values, batch):
-            device = values.device
-            response_mask = batch["seqs"].response_mask().to(device)
-            probe.observe("values", values, response_mask)
-            loss, metrics = value_loss(values, batch["old_values"].to(device), batch["returns"].to(device),
-                                       response_mask, config.cliprange_value, config.loss_agg_mode, global_tokens,
-                                       global_seqs)
-            probe.observe("loss", loss)
-            return loss * scale, metrics
-
+        loss_step = ValueLossStep(config, probe, global_tokens, global_seqs,
+                                  len(micro) * parallel_state.get_data_parallel_world_size())
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()

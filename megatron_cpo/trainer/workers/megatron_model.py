@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,25 @@ from megatron_cpo.trainer.batch.sequences import PackedSequences
 
 TokenOutputs = Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
 """(last stage's output, the micro-batch's layout) -> response-aligned per-token tensors [rows, R]."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of this DP rank: its row indices into the padded batch, its sequences and, when rows are
+    packed (`use_remove_padding`), their packed layout. The models extend it with their rows of per-token inputs."""
+    rows: torch.Tensor
+    seqs: PackedSequences
+    packed: PackedRows | None = None
+
+    @property
+    def layout(self) -> PackedSequences | PackedRows:
+        """What the forward runs on: the packed rows, else the padded ones."""
+        return self.packed if self.packed is not None else self.seqs
+
+
+def with_zero_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` (rows first) with zero rows appended up to `rows`: the values of a plan's empty padding rows."""
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -69,8 +88,8 @@ class MegatronModel:
     def _module(self) -> Any:
         return self.ddp_model if self.ddp_model is not None else self.model
 
-    def _run(self, micro_batches: list[dict], token_outputs: TokenOutputs, step_fn: Callable, forward_only: bool,
-             around_forward: Callable[[dict, Any], Any] | None = None) -> list:
+    def _run(self, micro_batches: list[MicroBatch], token_outputs: TokenOutputs, step_fn: Callable,
+             forward_only: bool, around_forward: Callable[[MicroBatch, Any], Any] | None = None) -> list:
         """Megatron's schedule over `micro_batches`; the last stage's output becomes per-token tensors through
         `token_outputs`, and `step_fn(*those, batch)` is the loss function; `around_forward(batch, layout)`, when
         given, is a context manager around each micro-batch's forward."""
@@ -78,12 +97,12 @@ class MegatronModel:
 
         def forward_step(data_iterator, stage_model):
             batch = next(data_iterator)
-            layout = batch.get("packed", batch["seqs"])
+            layout = batch.layout
             with around_forward(batch, layout) if around_forward else contextlib.nullcontext():
                 output = self._forward(stage_model, layout)
             return output, lambda out: step_fn(*token_outputs(out, layout), batch)
 
-        shapes = [tuple(b.get("packed", b["seqs"]).tokens_shape) for b in micro_batches]
+        shapes = [tuple(b.layout.tokens_shape) for b in micro_batches]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self._module],
             num_microbatches=len(micro_batches), seq_length=max(width for _, width in shapes),
@@ -126,23 +145,17 @@ class MegatronModel:
         return padded, token_budget_plan(padded.lengths(), dp_size, token_budget, budget_name, stages,
                                          packed=self.packing is not None)
 
-    def _micro_batches(self, padded: PackedSequences, plan: Plan, extra: dict[str, torch.Tensor] | None = None
-                       ) -> list[dict]:
-        """This DP rank's micro-batches: sequences (cut to their own longest row when dynamic) and extra rows."""
+    def _micro_batches(self, padded: PackedSequences, plan: Plan) -> list[MicroBatch]:
+        """This DP rank's micro-batches of `padded` (each cut to its own longest row when dynamic)."""
         from megatron.core import parallel_state
 
-        full = {name: torch.cat([tensor, tensor.new_zeros((padded.rows - tensor.shape[0], *tensor.shape[1:]))])
-                for name, tensor in (extra or {}).items()}  # zero rows for the empty padding rows, made once
         micro = []
+        multiple = self._sequence_multiple()
         for index in plan[parallel_state.get_data_parallel_rank()]:
             seqs = padded.select(index)
             seqs = seqs.trimmed() if self.config.use_dynamic_bsz else seqs
-            multiple = self._sequence_multiple()
-            batch = {"seqs": replace(seqs, length=_round_up(seqs.length, multiple)), "rows": index}
-            if self.packing:
-                batch["packed"] = pack_rows(seqs, self.packing, multiple)
-            batch.update({name: tensor[index] for name, tensor in full.items()})
-            micro.append(batch)
+            micro.append(MicroBatch(index, replace(seqs, length=_round_up(seqs.length, multiple)),
+                                    pack_rows(seqs, self.packing, multiple) if self.packing else None))
         return micro
 
     def _sequence_multiple(self) -> int:

@@ -1,14 +1,13 @@
 """Steps 3-5 of docs/architecture.md's "One RL step", as every rank runs them in lockstep on the broadcast batch.
 
-`compute_log_probs` (old log-probs and entropy, the reference's, CPO's hinted ones, a critic's values),
-`compute_advantages` (the estimator of `algorithm.adv_estimator`, verl's KL-in-reward, the selected shaper such as
-CPO's rule, filter loss scaling: `shaping.py`), `update_critic` (PPO with GAE: the critic's epochs over mini-batches
-towards the returns, before the actor's, as verl orders them) and `update_policy` (the PPO epochs over mini-batches;
-an on-policy update also finishes the shaping, from its own forward's log-probs, when the shaper reads them).
-`Trainer.step()` calls them one by one, with the `PolicyUpdateConfig` the trainer builds once: the actor's, the
-algorithm's and the critic's sections as they are, plus the facts of other sections they read. Each stage's results
-are probed for NaN and infinity as they are made
-(`BatchLogProbs.finite`, update_guard.py), so a skipped update can say where the first non-finite value appeared.
+Each step returns new frozen values that no later step changes: `compute_log_probs` -> `BatchLogProbs` (old
+log-probs and entropy, the reference's, CPO's hinted ones, a critic's values), `compute_advantages` ->
+`StepAdvantages` (the estimator of `algorithm.adv_estimator` with verl's KL-in-reward, GAE's returns, and the step's
+`ResponseShaping`, shaping.py: the one place that turns them into the advantages to train on), `update_critic` (PPO
+with GAE: the critic's epochs towards the returns, before the actor's, as verl orders them) and `update_policy` ->
+`PolicyUpdate` (the PPO epochs over mini-batches, and what they trained on). `Trainer.step()` calls them one by one
+with the `PolicyUpdateConfig` the trainer builds once, and passes each the step's `FiniteProbe` (update_guard.py),
+which records where the first non-finite value appeared so that a skipped update can say so.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.workers.critic import MegatronCritic
 from megatron_cpo.trainer.workers.routing import RecordedRouting
-from megatron_cpo.trainer.workers.shaping import ResponseShaping
+from megatron_cpo.trainer.workers.shaping import ResponseShaping, ScoredTokens, ShapedAdvantages, ShapingSources
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe
 
 
@@ -91,12 +90,12 @@ def _masked_stats(prefix: str, per_response: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": float(per_response.min())}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchLogProbs:
-    """Step 4's results: the batch's sequences and every rank's log-probs of the responses under each model.
+    """Step 3's results: the batch's sequences and every rank's log-probs of the responses under each model.
 
-    `old_log_probs` and `entropy` are None until the update when it computes them itself
-    (`old_log_probs_from_update`); `update_policy` then fills them in."""
+    `old_log_probs` and `entropy` are None when the update computes them from its own forward
+    (`old_log_probs_from_update`); its `PolicyUpdate` holds them then."""
     seqs: PackedSequences
     mask: torch.Tensor
     rollout_log_probs: RaggedRows  # the engine's, padded per mini-batch when it trains
@@ -108,9 +107,7 @@ class BatchLogProbs:
     routing: RecordedRouting | None = None  # MoE: the old pass's routing, for the update to replay or compare
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
-    finite: FiniteProbe = field(default_factory=FiniteProbe)  # the step's finiteness flags, stage by stage
-    values: torch.Tensor | None = None   # a critic's value of every response token (GAE)
-    returns: torch.Tensor | None = None  # GAE's returns, the critic's targets (step 4 fills them in)
+    values: torch.Tensor | None = None  # a critic's value of every response token (GAE)
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
@@ -118,7 +115,7 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
     scoring pass before it (verl does the same): exactly when the policy is still the one that scores the batch at
     every optimizer step, i.e. one epoch over one mini-batch, and nothing before the update reads them (verl's
     KL-in-reward), nor records anything in that pass (routing replay R2 records each token's experts there for the
-    update to replay), nor skips the update (a critic's warm-up steps, `trainer.critic_warmup`). A shaper that reads
+    update to replay), nor skips the update (a critic's warm-up steps, `trainer.critic_warmup`). A shaping that reads
     them (CPO's) then shapes each micro-batch inside the update, from the same forward (`shaping.py`).
 
     "Old" here is the proximal policy of the ratio, the trainer's weights right before the update. The behaviour
@@ -132,16 +129,16 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
 
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None,
-                      settings: PolicyUpdateConfig, pad_token_id: int, critic: MegatronCritic | None = None
-                      ) -> BatchLogProbs:
+                      settings: PolicyUpdateConfig, pad_token_id: int, critic: MegatronCritic | None = None,
+                      probe: FiniteProbe | None = None) -> BatchLogProbs:
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
-    the hinted ones for CPO and a critic's values. The old pass is left to the update when
+    the hinted ones for CPO and a critic's values; `probe` observes them. The old pass is left to the update when
     `old_log_probs_from_update` holds and the actor tracks no routing (a mixture of experts records it in this
     pass)."""
     temperature, width = settings.temperature, settings.response_width
     seqs, rollout_log_probs = prepare_sequences(batch, pad_token_id, width)
     timing: dict[str, float] = {}
-    old_log_probs = entropy = routing = ref_log_probs = hint_log_probs = None
+    old_log_probs = entropy = routing = ref_log_probs = hint_log_probs = values = None
     routing_metrics: dict[str, float] = {}
     if actor.routing is not None or not old_log_probs_from_update(settings):
         start = time.perf_counter()
@@ -158,60 +155,59 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         hint_log_probs = torch.zeros(batch.response_ids.rows, width)
         hint_log_probs[rows] = actor.log_probs(hint_seqs, temperature)[0]
         timing["timing/hint_log_prob_s"] = time.perf_counter() - start
-    lp = BatchLogProbs(seqs, seqs.response_mask(), rollout_log_probs, old_log_probs, entropy, ref_log_probs,
-                       hint_log_probs, routing, routing_metrics, timing)
     if critic is not None:
         start = time.perf_counter()
-        lp.values = critic.values(seqs)
+        values = critic.values(seqs)
         timing["timing/values_s"] = time.perf_counter() - start
+    mask = seqs.response_mask()
+    probe = probe if probe is not None else FiniteProbe()
     for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
-        lp.finite.observe("log-probs", log_probs, lp.mask)
-    lp.finite.observe("values", lp.values, lp.mask)
-    return lp
+        probe.observe("log-probs", log_probs, mask)
+    probe.observe("values", values, mask)
+    return BatchLogProbs(seqs, mask, rollout_log_probs, old_log_probs, entropy, ref_log_probs, hint_log_probs,
+                         routing, routing_metrics, timing, values)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepAdvantages:
-    """Step 4's result: `values`, the advantages to train on; or, with `shaping` set (a shaper that reads the
-    log-probs an on-policy update computes itself), the estimator's advantages, which `shaping` turns into them
-    inside the update, micro-batch by micro-batch, from its own forward."""
-    values: torch.Tensor
-    shaping: ResponseShaping | None = None
+    """Step 4's result: the estimator's advantages (`estimated`), GAE's returns (the critic's targets; None without a
+    critic), the step's `shaping`, and what it made of them when it ran before the update (`shaped`; its
+    `advantages` are the ones to train on). `shaped` is None when the update shapes each micro-batch from its own
+    forward (on-policy, with a term that reads the log-probs): its `PolicyUpdate` holds them then."""
+    estimated: torch.Tensor
+    returns: torch.Tensor | None
+    shaping: ResponseShaping
+    shaped: ShapedAdvantages | None
 
 
-def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig
-                       ) -> tuple[StepAdvantages, dict[str, float]]:
+def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig,
+                       probe: FiniteProbe | None = None) -> tuple[StepAdvantages, dict[str, float]]:
     """The advantages of `algorithm.adv_estimator` (advantages.py; token rewards with verl's KL-in-reward penalty
-    when on), the shaper's rule (CPO's), and the filters' loss scaling (`actor.filter_loss_scaling`); the last two
-    are left to the update when the shaper reads log-probs that only the update computes
-    (`old_log_probs_from_update`)."""
-    algo, actor_cfg = settings.algorithm, settings.actor
-    mask = lp.mask
+    when on) and, unless the update shapes them from the log-probs it computes itself, the step's shaping of them
+    (shaping.py: the shaper's rule such as CPO's, the filters' loss scale) with its metrics; `probe` observes the
+    rewards and advantages."""
+    algo, mask = settings.algorithm, lp.mask
+    probe = probe if probe is not None else FiniteProbe()
     token_rewards, metrics = token_rewards_of(batch, lp, algo)
     inputs = AdvantageInputs(token_rewards, mask, batch.group, gamma=algo.gamma, lam=algo.lam,
                              norm_by_std=algo.norm_adv_by_std_in_grpo, values=lp.values,
                              reward_baselines=batch.reward_baselines)
-    advantages, returns = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)
-    if lp.values is not None:
-        lp.returns = returns  # the critic's targets (GAE)
+    estimated, returns = ADVANTAGE_ESTIMATORS[algo.estimator_name](inputs)
+    returns = returns if lp.values is not None else None  # the critic's targets (GAE)
     if batch.reward_baselines is not None:
         metrics["reward/greedy_baseline_mean"] = float(batch.reward_baselines.mean())
-    shaper = algo.shaper  # none for a plain estimator; cpo: the hint-conditioned rule (algorithms/shapers.py)
-    rows = batch.response_ids.rows
-    hinted = batch.has_hint if batch.hint_prompt_ids is not None else torch.zeros(rows, dtype=torch.bool)
-    shaping = ResponseShaping(shaper, batch.acc > 0, batch.group, hinted,
-                              lp.hint_log_probs if lp.hint_log_probs is not None else torch.zeros(rows, mask.shape[1]),
-                              batch.kept_ratio, actor_cfg.filter_loss_scaling)
-    if shaper.needs_hint_contexts:
+    if algo.shaper.needs_hint_contexts:
         metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
-    lp.finite.observe("rewards", token_rewards, mask)
-    lp.finite.observe("advantages", advantages, mask)
-    if shaper.needs_log_probs and lp.old_log_probs is None:  # the update observes the shaped ones
-        return StepAdvantages(advantages, shaping), metrics
-    advantages, shaping_metrics = shaping.whole_batch(advantages, mask, lp.old_log_probs, lp.entropy)
-    metrics.update(shaping_metrics)
-    lp.finite.observe("advantages", advantages, mask)
-    return StepAdvantages(advantages), metrics
+    probe.observe("rewards", token_rewards, mask)
+    probe.observe("advantages", estimated, mask)
+    shaping = ResponseShaping.of_step(ShapingSources(batch, lp.hint_log_probs, algo, settings.actor))
+    if shaping.reads_log_probs and lp.old_log_probs is None:  # the update shapes (and probes) them
+        return StepAdvantages(estimated, returns, shaping, None), metrics
+    tokens = ScoredTokens(mask, lp.old_log_probs, lp.entropy)
+    shaped = shaping.shape(estimated, tokens)
+    metrics.update(shaping.metrics(shaped, tokens))
+    probe.observe("advantages", shaped.advantages, mask)
+    return StepAdvantages(estimated, returns, shaping, shaped), metrics
 
 
 def _mini_batches(rows: int, rows_per_mini: int, epochs: int) -> list[slice]:
@@ -223,64 +219,82 @@ def _mean_metrics(per_update: list[dict[str, float]]) -> dict[str, float]:
     return {key: sum(m[key] for m in per_update) / len(per_update) for key in (per_update[0] if per_update else ())}
 
 
-def update_critic(critic: MegatronCritic, lp: BatchLogProbs, settings: PolicyUpdateConfig) -> dict[str, float]:
+def update_critic(critic: MegatronCritic, lp: BatchLogProbs, advantages: StepAdvantages,
+                  settings: PolicyUpdateConfig, probe: FiniteProbe | None = None) -> dict[str, float]:
     """The critic's epochs over mini-batches (`critic.ppo_epochs`, `critic.ppo_mini_batch_size` prompts; one
     optimizer step each) towards GAE's returns, clipped around the values of step 3; verl's critic metrics."""
     config = settings.critic
     start = time.perf_counter()
     metrics = _mean_metrics([
-        critic.update(lp.seqs.select(rows), lp.values[rows], lp.returns[rows], lp.finite)
+        critic.update(lp.seqs.select(rows), lp.values[rows], advantages.returns[rows], probe)
         for rows in _mini_batches(lp.seqs.rows, config.ppo_mini_batch_size * settings.samples_per_prompt,
                                   config.ppo_epochs)])
-    metrics.update(value_metrics(lp.values, lp.returns, lp.mask))
+    metrics.update(value_metrics(lp.values, advantages.returns, lp.mask))
     metrics["timing/update_critic_s"] = time.perf_counter() - start
     return metrics
 
 
-def _actor_updates(actor: MegatronPolicy, lp: BatchLogProbs, advantages: StepAdvantages, settings: PolicyUpdateConfig
-                   ) -> tuple[list[dict[str, float]], torch.Tensor, dict[str, float]]:
-    """The actor's optimizer steps of one RL step: each one's metrics, the advantages they trained on and, when the
-    on-policy update shaped them itself, the shaping's metrics."""
-    temperature, width, correction = settings.temperature, settings.response_width, settings.correction
-    if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
-        inputs = UpdateInputs(advantages.values, None, lp.ref_log_probs,
-                              lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(width, 0.0), correction,
-                              shaping=advantages.shaping, probe=lp.finite)
-        metrics, lp.old_log_probs, lp.entropy = actor.update_on_policy(lp.seqs, inputs, temperature)
-        if advantages.shaping is None:
-            return [metrics], advantages.values, {}
-        # what the micro-batches trained on, whole, with the step's metrics
-        trained, shaping_metrics = advantages.shaping.whole_batch(advantages.values, lp.mask, lp.old_log_probs,
-                                                                  lp.entropy)
-        return [metrics], trained, shaping_metrics
-    per_update = []
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """Step 5's result: the update's metrics (with the batch's length, advantage, entropy and KL statistics), and what
+    it trained on: the old log-probs and entropy (step 3's, or the update's own forward's) and the advantages."""
+    metrics: dict[str, float]
+    old_log_probs: torch.Tensor
+    entropy: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _on_policy_update(actor: MegatronPolicy, lp: BatchLogProbs, advantages: StepAdvantages,
+                      settings: PolicyUpdateConfig, probe: FiniteProbe | None
+                      ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, ShapedAdvantages]:
+    """The one optimizer step of `old_log_probs_from_update`, shaping each micro-batch from its forward when step 4
+    left the shaping to it: its metrics, that forward's log-probs and entropy, and the shaped advantages."""
+    shaping = advantages.shaping if advantages.shaped is None else None
+    given = advantages.estimated if shaping is not None else advantages.shaped.advantages
+    engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(settings.response_width, 0.0)
+    inputs = UpdateInputs(given, None, lp.ref_log_probs, engine_log_probs, settings.correction, shaping=shaping,
+                          probe=probe)
+    result = actor.update_on_policy(lp.seqs, inputs, settings.temperature)
+    shaped = result.shaped if result.shaped is not None else advantages.shaped
+    return result.metrics, result.log_probs, result.entropy, shaped
+
+
+def _mini_batch_updates(actor: MegatronPolicy, lp: BatchLogProbs, advantages: torch.Tensor,
+                        settings: PolicyUpdateConfig, probe: FiniteProbe | None) -> list[dict[str, float]]:
+    """The PPO epochs over mini-batches, one optimizer step each, on step 3's old log-probs: each one's metrics."""
+    per_update, width = [], settings.response_width
     for rows in _mini_batches(lp.seqs.rows, settings.responses_per_mini_batch, settings.actor.ppo_epochs):
         engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
-        inputs = UpdateInputs(advantages.values[rows], lp.old_log_probs[rows],
+        inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                               lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                              engine_log_probs, correction, lp.routing, rows.start, probe=lp.finite)
-        per_update.append(actor.update(lp.seqs.select(rows), inputs, temperature))
-    return per_update, advantages.values, {}
+                              engine_log_probs, settings.correction, lp.routing, rows.start, probe=probe)
+        per_update.append(actor.update(lp.seqs.select(rows), inputs, settings.temperature))
+    return per_update
 
 
 def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, advantages: StepAdvantages,
-                  settings: PolicyUpdateConfig, train: bool = True) -> dict[str, float]:
-    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats.
-    When the update computed the old log-probs and entropy itself, it fills them into `lp` (and finishes the
-    shaping with them: its metrics are among the returned ones). `train=False` (a critic's warm-up step,
-    `trainer.critic_warmup`) leaves the actor as it is and logs the stats only."""
-    actor_cfg = settings.actor
+                  settings: PolicyUpdateConfig, probe: FiniteProbe | None = None, train: bool = True
+                  ) -> PolicyUpdate:
+    """The PPO epochs over mini-batches (one optimizer step each), and the batch's length / advantage / KL stats. When
+    the update shaped the advantages itself, the shaping's metrics are those of what it trained on.
+    `train=False` (a critic's warm-up step, `trainer.critic_warmup`) leaves the actor as it is and logs the stats
+    only."""
     start = time.perf_counter()
-    per_update, trained, shaping_metrics = (_actor_updates(actor, lp, advantages, settings) if train
-                                            else ([], advantages.values, {}))
+    if lp.old_log_probs is None:  # old_log_probs_from_update: one mini-batch, one epoch
+        metrics, old_log_probs, entropy, shaped = _on_policy_update(actor, lp, advantages, settings, probe)
+        per_update = [metrics]
+    else:
+        old_log_probs, entropy, shaped = lp.old_log_probs, lp.entropy, advantages.shaped
+        per_update = _mini_batch_updates(actor, lp, shaped.advantages, settings, probe) if train else []
     metrics = _mean_metrics(per_update)
-    metrics.update({**lp.routing_metrics, **lp.timing, **shaping_metrics})
+    metrics.update({**lp.routing_metrics, **lp.timing})
     if train:
         metrics["timing/update_actor_s"] = time.perf_counter() - start
-
-    mask = lp.mask
+    mask, trained = lp.mask, shaped.advantages
+    if advantages.shaped is None:  # shaped inside the update: the metrics of what it trained on
+        metrics.update(advantages.shaping.metrics(shaped, ScoredTokens(mask, old_log_probs, entropy)))
     lengths = lp.seqs.response_lengths.float()
-    metrics.update(_masked_stats("entropy", masked_mean(lp.entropy, mask, -1)))
+    metrics.update(_masked_stats("entropy", masked_mean(entropy, mask, -1)))
     metrics.update({
         "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
         "completions/min_length": float(lengths.min()),
@@ -290,17 +304,19 @@ def update_policy(actor: MegatronPolicy, batch: StepBatch, lp: BatchLogProbs, ad
         "timing/train_tokens": float(mask.sum()),
     })
     if lp.ref_log_probs is not None:
-        kl = kl_penalty(lp.old_log_probs, lp.ref_log_probs, actor_cfg.kl_loss_type)
+        kl = kl_penalty(old_log_probs, lp.ref_log_probs, settings.actor.kl_loss_type)
         metrics["kl"] = float(masked_mean(kl, mask))
-    metrics.update(staleness_mismatch(batch, lp, settings))
-    return metrics
+    metrics.update(staleness_mismatch(batch, lp, old_log_probs, settings))
+    return PolicyUpdate(metrics, old_log_probs, entropy, trained)
 
 
-def staleness_mismatch(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpdateConfig) -> dict[str, float]:
-    """With asynchronous training: the engine-vs-trainer log-prob mismatch of the batch's tokens, split by how many
-    weight versions each token is behind the trainer (staleness 0: the engine's difference alone)."""
+def staleness_mismatch(batch: StepBatch, lp: BatchLogProbs, old_log_probs: torch.Tensor,
+                       settings: PolicyUpdateConfig) -> dict[str, float]:
+    """With asynchronous training: the engine-vs-trainer log-prob mismatch of the batch's tokens (`old_log_probs`,
+    the trainer's), split by how many weight versions each token is behind the trainer (staleness 0: the engine's
+    difference alone)."""
     if settings.max_staleness == 0 or batch.policy_versions is None or batch.policy_version is None:
         return {}
     width = settings.response_width
     staleness = batch.policy_version - batch.policy_versions.padded(width, batch.policy_version)
-    return mismatch_by_staleness(lp.old_log_probs, lp.rollout_log_probs.padded(width, 0.0), lp.mask, staleness)
+    return mismatch_by_staleness(old_log_probs, lp.rollout_log_probs.padded(width, 0.0), lp.mask, staleness)

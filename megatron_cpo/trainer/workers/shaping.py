@@ -1,69 +1,230 @@
-"""The shaping half of step 4 (docs/architecture.md, "One RL step"): the selected shaper (`algorithm.adv_estimator`,
-e.g. CPO's rule) and the filters' loss scale applied to GRPO's advantages, on whole responses.
+"""Shaping, the end of step 4 (docs/architecture.md, "One RL step"): the one place that turns the estimator's
+advantages into the advantages the actor trains on.
 
-Every shaper works per response once the per-response inputs that depend on a prompt's other responses are known
-(`AdvantageShaper.response_inputs`, e.g. CPO's difficulty): so when the shaper reads the actor's log-probs and the
-update is on-policy (`policy_update.old_log_probs_from_update`), the update's own forward gives them and each
-micro-batch is shaped inside it (`MegatronPolicy.update_on_policy`) instead of a separate forward-only pass first;
-otherwise the whole batch is shaped before the update. Both compute the same per-response math: the whole-batch call
-after such an update reproduces the advantages it trained on, with the step's metrics.
+`ResponseShaping` applies its terms in order, each a small class registered in `SHAPING_TERMS`: the shaper that
+`algorithm.adv_estimator` selects (CPO's rule, algorithms/shapers.py), then the filters' loss scale
+(`actor.filter_loss_scaling`). A term works on whole responses: what it reads of a response besides the response's
+own tokens is computed once on the whole batch (its row fields), so it can shape any rows. Off-policy, or when no
+term reads the actor's log-probs, `compute_advantages` shapes the whole batch once before the update; on-policy
+(`policy_update.old_log_probs_from_update`) the update shapes each micro-batch from its own forward's log-probs and
+returns the `ShapedAdvantages` it gathered. Either way the step's metrics are `ResponseShaping.metrics` of the whole
+batch's `ShapedAdvantages`: of what the actor trained on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_cpo.algorithms.config import AlgorithmConfig
+from megatron_cpo.algorithms.cpo import ShapingInputs
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
-from megatron_cpo.algorithms.shapers import AdvantageShaper
-from megatron_cpo.kernels import hint_mi_signals
+from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper
+from megatron_cpo.kernels import HintSignals, hint_mi_signals
+from megatron_cpo.trainer.batch.step_batch import StepBatch
+from megatron_cpo.trainer.config import ActorConfig
 
 
-@dataclass
-class ResponseShaping:
-    """The shaper and the filters' loss scale (`actor.filter_loss_scaling` of the batch's `kept_ratio`), with what
-    they read per response of the step batch: correctness and prompt group, and which responses were scored under a
-    hint (`hinted` [N]) with those log-probs (`hint_log_probs` [N, R], 0 on the other rows, whose plain log-probs
-    stand in for them)."""
+@dataclass(frozen=True)
+class ShapingSources:
+    """What the terms are built from: the step batch, CPO's hinted log-probs (step 3; None: none scored), and the
+    algorithm's and the actor's sections."""
+    batch: StepBatch
+    hint_log_probs: torch.Tensor | None
+    algorithm: AlgorithmConfig
+    actor: ActorConfig
+
+
+@dataclass(frozen=True)
+class ScoredTokens:
+    """The tokens of some whole responses: their mask and, when the actor scored them, its log-probs and entropy
+    ([rows, R] each, without gradient)."""
+    mask: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ShapedAdvantages:
+    """What the shaping made of some whole responses' advantages: `steps[0]` the estimator's, then each term's result
+    in order (the last, `advantages`, is what the actor trains on), and per term what it recorded for its metrics
+    (per-token tensors [rows, R]; empty: nothing)."""
+    steps: tuple[torch.Tensor, ...]
+    records: tuple[tuple[torch.Tensor, ...], ...]
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        return self.steps[-1]
+
+
+@dataclass(frozen=True)
+class ShapingTerm(ABC):
+    """One change to the advantages of whole responses. Its tensor fields hold one row per response of the batch
+    (`map_rows` takes some rows of them, or moves them); `apply` works on the rows it holds; `metrics` reads the
+    whole batch's. A new term (e.g. on-policy distillation's per-token reward `-coef * (student - teacher log-prob)`,
+    added to the advantages or replacing them) is a subclass registered in `SHAPING_TERMS`, and what it is built from
+    a field of `ShapingSources`."""
+
+    @classmethod
+    @abstractmethod
+    def of_step(cls, sources: ShapingSources) -> ShapingTerm | None:
+        """The term for this step's batch and settings; None when it does not apply."""
+
+    @property
+    def record_width(self) -> int:
+        """How many per-token tensors `apply` records for `metrics`."""
+        return 0
+
+    @property
+    def reads_log_probs(self) -> bool:
+        """Whether `apply` reads the actor's log-probs or entropy (an on-policy update then shapes inside itself)."""
+        return False
+
+    @abstractmethod
+    def apply(self, advantages: torch.Tensor, tokens: ScoredTokens
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The advantages after this term, [rows, R], and its `record_width` per-token records."""
+
+    def metrics(self, before: torch.Tensor, after: torch.Tensor, tokens: ScoredTokens,
+                record: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        """The step's metrics of this term, from the whole batch's advantages before and after it."""
+        return {}
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ShapingTerm:
+        """This term with `fn` applied to each of its per-response tensors (rows first)."""
+        rows = {f.name: fn(value) for f in fields(self) if isinstance(value := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **rows)
+
+
+@dataclass(frozen=True)
+class ShaperTerm(ShapingTerm):
+    """The shaper `algorithm.adv_estimator` selects (CPO's rule), with what it reads per response: correctness, the
+    prompt's difficulty, whether the response was scored under a hint (`hinted`) and those log-probs
+    (`hint_log_probs`, 0 on the other rows, whose plain log-probs stand in for them). Records the hint signals."""
     shaper: AdvantageShaper
     correct: torch.Tensor
-    group: torch.Tensor
+    difficulty: torch.Tensor
     hinted: torch.Tensor
-    hint_log_probs: torch.Tensor
+    hint_log_probs: torch.Tensor | None
+
+    @classmethod
+    def of_step(cls, sources: ShapingSources) -> ShaperTerm | None:
+        algorithm, batch = sources.algorithm, sources.batch
+        if algorithm.adv_estimator not in ADVANTAGE_SHAPERS:
+            return None
+        shaper = algorithm.shaper
+        responses = shaper.response_inputs(batch.acc > 0, batch.group)
+        hinted = (batch.has_hint if batch.hint_prompt_ids is not None
+                  else torch.zeros(batch.response_ids.rows, dtype=torch.bool))
+        return cls(shaper, responses.correct, responses.difficulty, hinted, sources.hint_log_probs)
+
+    @property
+    def record_width(self) -> int:  # HintSignals' five fields, the per-response ones broadcast over the tokens
+        return len(HintSignals._fields) if self.shaper.needs_hint_contexts else 0
+
+    @property
+    def reads_log_probs(self) -> bool:
+        return self.shaper.needs_log_probs
+
+    def apply(self, advantages: torch.Tensor, tokens: ScoredTokens
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        hint_log_probs = signals = None
+        if self.shaper.needs_hint_contexts:
+            hint_log_probs = (tokens.log_probs if self.hint_log_probs is None
+                              else torch.where(self.hinted[:, None], self.hint_log_probs, tokens.log_probs))
+            signals = hint_mi_signals(tokens.log_probs, hint_log_probs, tokens.entropy, tokens.mask)
+        shaped = self.shaper.shape(self._inputs(advantages, tokens, hint_log_probs, signals))
+        if signals is None:
+            return shaped, ()
+        return shaped, tuple(value if value.dim() == 2 else value[:, None].expand_as(advantages) for value in signals)
+
+    def metrics(self, before: torch.Tensor, after: torch.Tensor, tokens: ScoredTokens,
+                record: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        signals = (HintSignals(*(value if name in ("mi", "kl", "u") else value[:, 0]
+                                 for name, value in zip(HintSignals._fields, record))) if record else None)
+        return self.shaper.metrics(self._inputs(before, tokens, None, signals), after, self.hinted)
+
+    def _inputs(self, advantages: torch.Tensor, tokens: ScoredTokens, hint_log_probs: torch.Tensor | None,
+                signals: HintSignals | None) -> ShapingInputs:
+        return ShapingInputs(advantages, tokens.mask, tokens.log_probs, tokens.entropy, hint_log_probs, signals,
+                             self.correct, self.difficulty)
+
+
+@dataclass(frozen=True)
+class LossScaleTerm(ShapingTerm):
+    """The filters' loss scale: the advantages times `actor.filter_loss_scaling` of the share of prompt groups the
+    filters kept (`kept_ratio`)."""
     kept_ratio: float
-    loss_scaling: str
+    mode: str
 
-    def row_inputs(self) -> dict[str, torch.Tensor]:
-        """Per-response tensors (rows first) for `__call__`: each micro-batch takes its rows of them."""
-        return {**self.shaper.response_inputs(self.correct, self.group), "hinted": self.hinted,
-                "hint_log_probs": self.hint_log_probs}
+    @classmethod
+    def of_step(cls, sources: ShapingSources) -> LossScaleTerm:
+        return cls(sources.batch.kept_ratio, sources.actor.filter_loss_scaling)
 
-    def __call__(self, advantages: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, entropy: torch.Tensor,
-                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The advantages to train on of some whole responses: their GRPO advantages, mask, log-probs and entropy
-        [rows, R], and their rows of `row_inputs()`."""
-        inputs = dict(rows)
-        hinted, hint_log_probs = inputs.pop("hinted"), inputs.pop("hint_log_probs")
-        hint_log_probs, signals = self._hint(mask, log_probs, entropy, hinted, hint_log_probs)
-        shaped = self.shaper.shape_rows(advantages, mask=mask, log_probs=log_probs, entropy=entropy,
-                                        hint_log_probs=hint_log_probs, signals=signals, **inputs)
-        return scale_advantages(shaped, self.kept_ratio, self.loss_scaling)
+    def apply(self, advantages: torch.Tensor, tokens: ScoredTokens
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return scale_advantages(advantages, self.kept_ratio, self.mode), ()
 
-    def whole_batch(self, advantages: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor | None,
-                    entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The whole batch's advantages to train on, and the shaper's and the loss scale's metrics."""
-        hint_log_probs, signals = self._hint(mask, log_probs, entropy, self.hinted, self.hint_log_probs)
-        shaped, metrics = self.shaper.shape(advantages, mask=mask, correct=self.correct, group=self.group,
-                                            log_probs=log_probs, entropy=entropy, hint_log_probs=hint_log_probs,
-                                            signals=signals, hinted=self.hinted)
-        metrics["filter/loss_scale"] = filter_loss_scale(self.kept_ratio, self.loss_scaling)
-        return scale_advantages(shaped, self.kept_ratio, self.loss_scaling), metrics
+    def metrics(self, before: torch.Tensor, after: torch.Tensor, tokens: ScoredTokens,
+                record: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        return {"filter/loss_scale": filter_loss_scale(self.kept_ratio, self.mode)}
 
-    def _hint(self, mask, log_probs, entropy, hinted, hint_log_probs):
-        """The hinted log-probs (the plain ones on rows not scored under a hint) and their signals; (None, None)
-        for a shaper that reads no hint."""
-        if not self.shaper.needs_hint_contexts:
-            return None, None
-        hint_log_probs = torch.where(hinted[:, None].to(log_probs.device), hint_log_probs.to(log_probs.device),
-                                     log_probs)
-        return hint_log_probs, hint_mi_signals(log_probs, hint_log_probs, entropy, mask)
+
+SHAPING_TERMS: tuple[type[ShapingTerm], ...] = (ShaperTerm, LossScaleTerm)
+"""The shaping's terms, in the order they apply; each one decides from the step whether it applies."""
+
+
+@dataclass(frozen=True)
+class ResponseShaping:
+    """The step's shaping: its terms in order, each holding its per-response inputs (all rows of the step batch, or
+    one micro-batch's)."""
+    terms: tuple[ShapingTerm, ...]
+
+    @classmethod
+    def of_step(cls, sources: ShapingSources) -> ResponseShaping:
+        terms = (term.of_step(sources) for term in SHAPING_TERMS)
+        return cls(tuple(term for term in terms if term is not None))
+
+    @property
+    def reads_log_probs(self) -> bool:
+        return any(term.reads_log_probs for term in self.terms)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ResponseShaping:
+        """The same shaping with `fn` applied to every per-response tensor (take a micro-batch's rows, move them)."""
+        return ResponseShaping(tuple(term.map_rows(fn) for term in self.terms))
+
+    def shape(self, advantages: torch.Tensor, tokens: ScoredTokens) -> ShapedAdvantages:
+        """The estimator's `advantages` [rows, R] of the rows this shaping holds, through every term."""
+        steps, records = [advantages], []
+        for term in self.terms:
+            shaped, record = term.apply(steps[-1], tokens)
+            steps.append(shaped)
+            records.append(record)
+        return ShapedAdvantages(tuple(steps), tuple(records))
+
+    def metrics(self, shaped: ShapedAdvantages, tokens: ScoredTokens) -> dict[str, float]:
+        """Every term's metrics over the whole batch."""
+        metrics: dict[str, float] = {}
+        for index, term in enumerate(self.terms):
+            metrics.update(term.metrics(shaped.steps[index], shaped.steps[index + 1], tokens, shaped.records[index]))
+        return metrics
+
+    @property
+    def column_count(self) -> int:
+        """How many per-token tensors `columns` gives: the update gathers them over its micro-batches and ranks."""
+        return len(self.terms) + sum(term.record_width for term in self.terms)
+
+    def columns(self, shaped: ShapedAdvantages) -> tuple[torch.Tensor, ...]:
+        """`shaped` as per-token tensors [rows, R] (each term's result, then its records), the estimator's left out."""
+        return (*shaped.steps[1:], *(value for record in shaped.records for value in record))
+
+    def from_columns(self, advantages: torch.Tensor, columns: tuple[torch.Tensor, ...]) -> ShapedAdvantages:
+        """The `ShapedAdvantages` of the estimator's `advantages` whose `columns` an update gathered."""
+        steps, rest = columns[:len(self.terms)], columns[len(self.terms):]
+        records = []
+        for term in self.terms:
+            records.append(tuple(rest[:term.record_width]))
+            rest = rest[term.record_width:]
+        return ShapedAdvantages((advantages, *steps), tuple(records))

@@ -11,8 +11,7 @@ afterwards) and every rank reaches the same verdict. Over the tolerance the push
 When the actor's own log-prob of a probe token is NaN or infinite the fault is the trainer's weights, not the sync:
 that is `TrainerNotFiniteError`, and the loop stops without a checkpoint (none may hold such weights).
 
-`SyncProbe.observe_mismatch` (rank 0) watches the step's own engine-vs-trainer metrics (`mismatch/*`, on the tokens
-the engine sampled): a jump from one step to the next means the push in between went wrong, which it says once.
+Rank 0 also watches each step's own engine-vs-trainer metrics for a push gone wrong (`driver/mismatch_watch.py`).
 """
 from __future__ import annotations
 
@@ -28,11 +27,9 @@ from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.sync_check import compare_probe
 from megatron_cpo.rollout.weight_sync import reload_problem
 from megatron_cpo.trainer.batch.sequences import pack_sequences
-from megatron_cpo.trainer.workers.collectives import broadcast_object
+from megatron_cpo.trainer.collectives import broadcast_object
 
 logger = logging.getLogger(__name__)
-
-JUMP_FACTOR = 10.0  # mismatch/log_probs_diff_mean growing this much from one step to the next is a jump
 
 
 class EngineOutOfSyncError(RuntimeError):
@@ -50,7 +47,7 @@ class TrainerNotFiniteError(EngineOutOfSyncError):
 
 
 class SyncProbe:
-    """Checks pushes on every rank (`after_push`) and watches the mismatch metrics on rank 0 (`observe_mismatch`)."""
+    """Checks pushes on every rank (`after_push`)."""
 
     def __init__(self, settings: SyncCheckConfig, dtype: str, max_model_len: int, tokenizer: Any, pad_token_id: int
                  ) -> None:
@@ -72,8 +69,6 @@ class SyncProbe:
                              f"{limit} tokens (data.max_prompt_length + data.max_response_length); shorten "
                              "actor_rollout_ref.rollout.sync_check.prompts or max_tokens")
         self.pushes = 0
-        self._previous: tuple[int, float] | None = None
-        self._warned = False
 
     def holds_paused_requests(self, in_flight: str) -> bool:
         """Whether the next push, made with `in_flight` (types.IN_FLIGHT_POLICIES), is to leave the requests it
@@ -136,30 +131,6 @@ class SyncProbe:
             return []
         return [(group.request_id, group.prompt_token_ids, group.samples[0].token_ids, group.samples[0].logprobs)
                 for group in groups]
-
-    def observe_mismatch(self, step: int, metrics: dict[str, float]) -> None:
-        """Rank 0, once per step: warn (once per run) when the engine-vs-trainer mismatch of the sampled tokens
-        jumped since the previous step beyond what the dtype's noise explains. With asynchronous training only the
-        tokens sampled by the trained weights count (`mismatch/staleness_0/*`): older ones differ by the policy's
-        change since, not by a push gone wrong; a step without such tokens is not observed."""
-        split = any(key.startswith("mismatch/staleness_") for key in metrics)
-        prefix = "mismatch/staleness_0/" if split else "mismatch/"
-        mean, peak = metrics.get(prefix + "log_probs_diff_mean"), metrics.get(prefix + "log_probs_diff_max")
-        if mean is None or peak is None:
-            return
-        previous, self._previous = self._previous, (step, mean)
-        if self._warned or previous is None:
-            return
-        previous_step, previous_mean = previous
-        if mean > JUMP_FACTOR * previous_mean and peak > self.tolerance:
-            self._warned = True
-            logger.warning(
-                "mismatch/log_probs_diff_mean jumped from %.3g at step %d to %.3g at step %d (max %.3g, above the "
-                "%s sync-check tolerance %g): step %d sampled right after the weight push of step %d, so the "
-                "engines most likely do not serve the pushed weights (a layer their reload did not update, e.g. a "
-                "tied output head or MoE experts, or a push that missed an engine); see "
-                "rollout/sync_check_max_abs_diff and docs/launch.md, \"Is the engine in sync?\"", previous_mean,
-                previous_step, mean, step, peak, self.dtype, self.tolerance, step, previous_step)
 
 
 def _resume(manager: RolloutEngines) -> None:

@@ -1,14 +1,16 @@
-"""What only rank 0 does in a run: data, engines, the controller, grading, validation, run controls and logging.
+"""Rank 0's driver: data, engines, the controller, grading, validation, run controls and logging.
 
-The other ranks learn its decisions through `collectives.py`. Engines passed in (already running, e.g. shared by
-tests or a notebook) are used and left running; given the run's `EngineLaunchConfig` instead, the engines are
-started here. `RankZero` is rank 0's composition root: the one class of the driver that reads the whole
-`Config`, and hands each component its own section.
+`LeadDriver` does the work of every method of the driver interface (`interface.py`) and broadcasts what the other
+ranks' `FollowerDriver` receives (`trainer/collectives.py`). Engines passed in (already running, e.g. shared by tests
+or a notebook) are used and left running; given the run's `EngineLaunchConfig` instead, the engines are started here.
+Its construction is rank 0's part of the composition root: it reads the `Config` once, hands each component its own
+section and keeps no `Config`.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,15 @@ from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import build_rollout_manager
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
 from megatron_cpo.trainer.batch.step_batch import StepBatch
+from megatron_cpo.trainer.collectives import broadcast_batch, broadcast_object
 from megatron_cpo.trainer.driver.accumulator import group_selection
 from megatron_cpo.trainer.driver.admission import admission_for
 from megatron_cpo.trainer.driver.batching import make_step_batch
 from megatron_cpo.trainer.driver.controller import CollectedBatch, RolloutController, prompt_limit
 from megatron_cpo.trainer.driver.grading import ResponseScorer
+from megatron_cpo.trainer.driver.interface import CollectOutcome, Driver, StepControls
 from megatron_cpo.trainer.driver.loggers import MetricLogger
+from megatron_cpo.trainer.driver.mismatch_watch import MismatchWatch
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, training_sampling_params
 from megatron_cpo.trainer.driver.sample_budget import SampleBudget
@@ -44,13 +49,13 @@ from megatron_cpo.trainer.driver.validation import Validator
 logger = logging.getLogger(__name__)
 
 
-class RankZero:
+class LeadDriver(Driver):
     """Rank 0's side of a run (step numbers of docs/architecture.md, "One RL step"): `collect` fills a batch (1),
-    `make_batch` flattens it for the broadcast (2), `observe_early_stop` feeds the monitor (8), `validate` (9) and
-    `log_step` writes the step's metrics (10); `open_log` starts the metric sinks once the resume step is known."""
+    `make_batch` flattens and broadcasts it (2), `observe_controls` feeds the early-stop monitor and the sample
+    count (8), `validate` (9) and `log_step` writes the step's metrics (10); `open` starts the metric sinks once the
+    resume step is known."""
 
     def __init__(self, config: Config, tokenizer: Any, engines: RolloutEngines | EngineLaunchConfig) -> None:
-        self.config = config
         data, rollout, algorithm, trainer = (config.data, config.actor_rollout_ref.rollout, config.algorithm,
                                              config.trainer)
         needs_ground_truth = config.reward.needs_ground_truth
@@ -58,10 +63,10 @@ class RankZero:
         val_data = (PromptDataset(data.val_files, tokenizer, data, needs_ground_truth=needs_ground_truth)
                     if data.val_files else None)
         self.stream = PromptStream(self.train_data, trainer.total_epochs, trainer.seed, data.shuffle)
-        self.owns_manager = isinstance(engines, EngineLaunchConfig)
+        self.owns_engines = isinstance(engines, EngineLaunchConfig)
         # rollout.mode: ray, server or colocate
-        self.manager = build_rollout_manager(rollout, engines) if self.owns_manager else engines
-        self.sampler = make_generator(rollout.multi_turn, config.reward.sandbox, self.manager, tokenizer, data)
+        self.engines = build_rollout_manager(rollout, engines) if self.owns_engines else engines
+        self.sampler = make_generator(rollout.multi_turn, config.reward.sandbox, self.engines, tokenizer, data)
         # ReMax: each prompt's greedy answer too, as its baseline (validation samples without it)
         self.generator = (GreedyBaselineGenerator(self.sampler) if algorithm.estimator_needs.greedy_baseline
                           else self.sampler)
@@ -83,56 +88,104 @@ class RankZero:
                                    rollout.val_kwargs, trainer.seed, data.val_max_samples, self.controller.receive)
         self.monitor = EarlyStopMonitor(trainer.early_stop) if trainer.early_stop.enable else None
         self.samples = SampleBudget(trainer.total_rollout_samples, trainer.test_freq_samples)
+        self.mismatch = MismatchWatch(rollout.sync_check, config.actor_rollout_ref.actor.megatron.compute_dtype)
+        self.completion_rows = trainer.log_completions
+        # the sinks start in `open`, once the run's length and resume step are known
+        self.metric_sinks = partial(MetricLogger, trainer.logger, Path(trainer.default_local_dir),
+                                    project=trainer.project_name, name=trainer.experiment_name,
+                                    config=config_to_dict(config), verl_names=trainer.log_verl_metric_names,
+                                    val_samples=rollout.val_kwargs.n)
         self.metric_logger: MetricLogger | None = None
 
-    def open_log(self, total_steps: int, resume_step: int) -> None:
-        trainer = self.config.trainer
-        self.metric_logger = MetricLogger(trainer.logger, Path(trainer.default_local_dir), total_steps,
-                                          trainer.project_name, trainer.experiment_name, config_to_dict(self.config),
-                                          trainer.log_verl_metric_names,
-                                          self.config.actor_rollout_ref.rollout.val_kwargs.n, resume_step=resume_step)
+    # --- before training ----------------------------------------------------------------------------------------
+    def train_prompts(self) -> int:
+        return broadcast_object(len(self.train_data))
 
-    # --- steps 1-2: collect, flatten for the broadcast --------------------------------------------------------
-    def collect(self, step: int) -> tuple[CollectedBatch | None, str | None]:
-        """This step's kept groups, or (None, why) when no engine is left; then, and when a non-finite reward stops
-        the run (`NonFiniteRewardError`, raised), the data position goes back to the first prompt not yet trained,
-        so a resumed run collects the same prompts."""
+    def checkpointed(self) -> tuple[RolloutController, dict[str, Any]]:
+        controls = {"early_stop": self.monitor, "samples": self.samples}
+        return self.controller, {name: control for name, control in controls.items() if control is not None}
+
+    def open(self, total_steps: int, start_step: int) -> str | None:
+        self.metric_logger = self.metric_sinks(total_steps=total_steps, resume_step=start_step)
+        reason = None
+        if self.monitor is not None and self.monitor.stopped:
+            reason = self.early_stop_reason(start_step)
+        elif start_step >= total_steps or self.samples.spent:
+            budget = self.samples.total
+            reason = (f"the checkpoint of step {start_step} already ends this run of {total_steps} steps"
+                      f"{f' and {budget} generated samples' if budget else ''} (raise trainer.total_training_steps"
+                      f"{' or trainer.total_rollout_samples' if budget else ''} to train on)")
+        if reason is not None:
+            logger.warning("not training: %s", reason)
+        return broadcast_object(reason)
+
+    def announce(self, message: str, *args: Any) -> None:
+        logger.info(message, *args)
+
+    # --- steps 1-2: collect, flatten and broadcast --------------------------------------------------------------
+    def collect(self, step: int) -> CollectOutcome:
+        outcome = self.collect_groups(step)
+        broadcast_object((outcome.engines_lost, outcome.rewards_refused))
+        return outcome
+
+    def collect_groups(self, step: int) -> CollectOutcome:
+        """This step's kept groups, or why there are none: no engine left, or a reward not finite; then the data
+        position goes back to the first prompt not yet trained, so a resumed run collects the same prompts."""
         position = self.controller.state_dict()
         try:
-            return self.controller.collect(step, self.manager.weight_version), None
+            return CollectOutcome(self.controller.collect(step, self.engines.weight_version))
         except RolloutEnginesLostError as err:
             self.controller.load_state_dict(position)
-            return None, str(err)
-        except NonFiniteRewardError:
+            return CollectOutcome(None, engines_lost=str(err))
+        except NonFiniteRewardError as err:
             self.controller.load_state_dict(position)
-            raise
+            return CollectOutcome(None, rewards_refused=str(err))
 
-    def generation_held(self) -> AbstractContextManager[None]:
-        """What the weight push runs inside: episodes advance on their own thread (envs/runner.py) and submit no
-        turn meanwhile; single answers are submitted by the controller alone, so there is nothing to hold."""
-        return self.generator.held() if isinstance(self.generator, EpisodeRunner) else nullcontext()
+    def make_batch(self, outcome: CollectOutcome) -> StepBatch | None:
+        return broadcast_batch(self.build_batch(outcome.collected))
 
-    def make_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
+    def build_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
         """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
         if collected is None or not collected.groups or not collected.trainable:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints,
                                collected.policy_version)
 
-    def count_samples(self, collected: CollectedBatch, metrics: dict[str, float]) -> tuple[bool, bool]:
-        """Add the step's generated samples to the run's count (`train/generated_samples` in `metrics`); (whether
-        that makes a validation due by `trainer.test_freq_samples`, whether the budget is spent)."""
+    # --- step 6: the engines around the weight push -------------------------------------------------------------
+    def watch_mismatch(self, step: int, metrics: dict[str, float]) -> None:
+        self.mismatch.observe(step, metrics)
+
+    def generation_held(self) -> AbstractContextManager[None]:
+        """Episodes advance on their own thread (envs/runner.py) and submit no turn while held; single answers are
+        submitted by the controller alone, so there is nothing to hold."""
+        return self.generator.held() if isinstance(self.generator, EpisodeRunner) else nullcontext()
+
+    def check_engines(self) -> str | None:
+        lost = None
+        if self.engines.check_engines() == 0:
+            lost = self.engines.last_engine_failure or "no engine answers"
+        return broadcast_object(lost)
+
+    def engine_counts(self) -> tuple[int, int]:
+        return self.engines.num_engines_alive(), len(self.engines.engines)
+
+    def engine_failure(self) -> str | None:
+        return self.engines.last_engine_failure
+
+    # --- step 8: early stop and the sample budget ---------------------------------------------------------------
+    def observe_controls(self, outcome: CollectOutcome) -> StepControls:
+        """Feed the reward-variance monitor (with `trainer.early_stop.enable`) and add the step's generated samples
+        to the run's count (`train/generated_samples`)."""
+        collected, metrics, stopped = outcome.collected, {}, False
+        if self.monitor is not None:
+            stopped = self.monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
+            baseline = self.monitor.baseline
+            metrics = {"train/early_stopped": float(stopped),
+                       "early_stop/baseline": baseline if baseline is not None else 0.0}
         due = self.samples.add(int(collected.metrics["rollout/generated_samples"]))
         metrics["train/generated_samples"] = float(self.samples.generated)
-        return due, self.samples.spent
-
-    # --- step 8: early stop -----------------------------------------------------------------------------------
-    def observe_early_stop(self, collected: CollectedBatch) -> tuple[bool, dict[str, float]]:
-        """Feed the reward-variance monitor; (stop now?, its metrics)."""
-        stopped = self.monitor.observe(collected.metrics["rollout/in_group_reward_std"], successful=True)
-        baseline = self.monitor.baseline
-        return stopped, {"train/early_stopped": float(stopped),
-                         "early_stop/baseline": baseline if baseline is not None else 0.0}
+        flags = broadcast_object((stopped, due, self.samples.spent))
+        return StepControls(*flags, metrics=metrics)
 
     def early_stop_reason(self, step: int) -> str:
         cfg = self.monitor.config
@@ -141,7 +194,7 @@ class RankZero:
                 f"{cfg.baseline_steps} steps); the rewards no longer separate the responses of a prompt. A checkpoint "
                 "was written; to train on, resume with trainer.early_stop.enable=false")
 
-    # --- steps 9-10: validation, metrics ----------------------------------------------------------------------
+    # --- steps 9-10: validation, metrics ------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """Validation metrics; {} (with a warning) when the engines were lost meanwhile, so the step's checkpoint
         is still written and the next rollout ends the run with the full message."""
@@ -151,13 +204,13 @@ class RankZero:
             logger.warning("validation skipped: %s", err)
             return {}
 
-    def log_step(self, step: int, metrics: dict[str, float], collected: CollectedBatch, seconds: float
+    def log_step(self, step: int, metrics: dict[str, float], outcome: CollectOutcome, seconds: float
                  ) -> dict[str, float]:
-        """Add rank 0's metrics (rollout, rewards, timing) to the step's and write its row."""
+        collected = outcome.collected
         metrics = {**metrics, **collected.metrics, **batch_reward_metrics(collected.groups),
                    **self.scorer.counted_metrics(),
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
-        metrics["rollout/engines_alive"] = float(self.manager.num_engines_alive())
+        metrics["rollout/engines_alive"] = float(self.engines.num_engines_alive())
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
         self.metric_logger.log(metrics, step)
@@ -166,18 +219,24 @@ class RankZero:
 
     def _log_completions(self, groups: list, step: int) -> None:
         """Up to `trainer.log_completions` prompt / completion / reward rows of this step, to completions.jsonl."""
-        rows = self.config.trainer.log_completions
-        if rows <= 0:
+        if self.completion_rows <= 0:
             return
         table = []
         for group in groups:
             for text, score, acc in zip(group.response_texts, group.scores.tolist(), group.acc.tolist()):
                 table.append({"prompt": group.record.messages[-1]["content"], "completion": text, "score": score,
                               "acc": acc})
-        self.metric_logger.log_table("completions", table[:rows], step)
+        self.metric_logger.log_table("completions", table[:self.completion_rows], step)
 
-    def engines(self) -> tuple[int, int]:
-        return self.manager.num_engines_alive(), len(self.manager.engines)
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metric_logger.log(metrics, step)
+
+    def log_end(self, step: int, early_stopped: bool) -> None:
+        if early_stopped:
+            logger.warning("%s", self.early_stop_reason(step))
+        else:
+            logger.info("the run has generated its %d samples (trainer.total_rollout_samples) after step %d",
+                        self.samples.total, step)
 
     def close(self) -> None:
         if self.metric_logger is not None:
@@ -185,10 +244,10 @@ class RankZero:
         self.scorer.close()
         if isinstance(self.sampler, EpisodeRunner):
             self.sampler.close()
-        if self.owns_manager:
-            self.manager.shutdown()
+        if self.owns_engines:
+            self.engines.shutdown()
         else:
-            self.manager.cancel_all()
+            self.engines.cancel_all()
 
 
 def announce_engines(rollout: RolloutConfig, model_path: str, given: bool) -> None:
