@@ -83,6 +83,15 @@ class Config:
         check(not grouped or rollout.n >= 2,
               f"actor_rollout_ref.rollout.n={rollout.n} cannot form groups for {algo.adv_estimator} advantages or "
               "filter_groups; set actor_rollout_ref.rollout.n >= 2")
+        check(not self.distillation.has_self_teacher or not algo.shaper.needs_hint_contexts,
+              f"distillation with a kind=self teacher and algorithm.adv_estimator={algo.adv_estimator} is not "
+              "available yet: both build hint contexts, for different responses; use grpo (or another estimator) with "
+              "the self teacher, or an engines teacher with CPO")
+        megatron_teachers = [name for name, t in self.distillation.teacher_models.items() if t.kind == "megatron"]
+        check(not (self.distillation.enabled and megatron_teachers and rollout.mode == "colocate"),
+              f"distillation.teacher_models.{megatron_teachers[0] if megatron_teachers else ''}.kind=megatron with "
+              "actor_rollout_ref.rollout.mode=colocate is not available yet (the frozen teacher is not offloaded while "
+              "the engines generate); use kind=engines, or rollout.mode=ray")
         for section in ("actor_rollout_ref.actor", "critic"):
             mini_batch = (actor if section != "critic" else self.critic).ppo_mini_batch_size
             check(self.data.train_batch_size % mini_batch == 0, f"data.train_batch_size={self.data.train_batch_size}"

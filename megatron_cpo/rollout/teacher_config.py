@@ -18,6 +18,8 @@ from megatron_cpo.config_checks import check, check_choice
 
 PREFIX = "distillation."
 TEACHER_KINDS = ("engines", "server", "megatron", "self")
+TRAINER_KINDS = ("megatron", "self")
+"""The kinds that score in the trainer, on every rank (trainer/workers/megatron_teacher.py)."""
 DEFAULT_TEACHER = "teacher_model"
 """verl's single-teacher entry: alone it scores every row; verl drops it silently when other entries exist."""
 DEFAULT_KEY = "default"
@@ -140,6 +142,12 @@ class DistillationConfig:
         check(len(keys) == len(set(keys)), f"{PREFIX}teacher_models: two teachers share one key ({keys}); give each "
                                            "its own")
         self._check_pool()
+        in_trainer = [name for name, t in models.items() if t.kind in TRAINER_KINDS]
+        check(not in_trainer or len(models) == 1,
+              f"{PREFIX}teacher_models: {in_trainer[0] if in_trainer else ''} (kind "
+              f"{models[in_trainer[0]].kind if in_trainer else ''}) beside other teachers is not available yet: a "
+              "teacher in the trainer (kind megatron or self) is the run's only teacher; route several teachers with "
+              "kind engines or server")
         loss = self.distillation_loss
         check(not self.opd_kl_coef or loss.loss_mode in ADDITIVE_LOSS_MODES,
               f"{PREFIX}opd_kl_coef={self.opd_kl_coef} (slime's additive form) subtracts coef x (student - teacher) "
@@ -178,6 +186,11 @@ class DistillationConfig:
         """The `teacher_key` value whose rows teacher `name` scores (`DEFAULT_KEY`: every row)."""
         teacher = self.teacher_models[name]
         return DEFAULT_KEY if len(self.teacher_models) == 1 and name == DEFAULT_TEACHER else str(teacher.key)
+
+    @property
+    def has_self_teacher(self) -> bool:
+        """Whether the policy given the gold solution is a teacher (the driver builds every row's hint context)."""
+        return self.enabled and any(teacher.kind == "self" for teacher in self.teacher_models.values())
 
     @property
     def uses_additive_form(self) -> bool:

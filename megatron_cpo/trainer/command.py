@@ -13,7 +13,7 @@ import sys
 
 import yaml
 
-from megatron_cpo.config import ConfigError, config_to_dict, load_config, resolve_config
+from megatron_cpo.config import config_to_dict, load_config, resolve_config
 from megatron_cpo.console import run_log_path, setup_logging
 
 
@@ -55,9 +55,6 @@ def run_train(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     preflight(config)  # before the run's folder gets its log file: a refused run leaves nothing on disk
-    if config.distillation.enabled:  # until the step trains on the teachers (docs/distillation.md, "Status")
-        raise ConfigError("distillation.enabled=true: training on a teacher is not in this build yet (the signal, "
-                          "teachers and checks are; docs/distillation.md); check the config with --dry-run")
     log_file = setup_logging(run_log_path(config.trainer.default_local_dir))
     logging.getLogger(__name__).info("full log (library messages and warnings included): %s", log_file)
     from megatron_cpo.trainer.assemble import run_training  # after the logging set-up: Megatron logs on import

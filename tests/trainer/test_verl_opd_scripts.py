@@ -102,15 +102,16 @@ def test_teacher_engines_launch_at_the_scripts_size_and_return_the_top_k(tmp_pat
 def test_the_teachers_table_loads_from_a_file_and_overrides():
     tree = {"distillation": {"enabled": True, "teacher_models": {
         "gsm8k": {"key": "openai/gsm8k", "model_path": "/m/a", "inference": {"max_model_len": 100}},
-        "math": {"key": "math", "model_path": "/m/b", "kind": "megatron"}}}}
+        "math": {"key": "math", "kind": "server", "server_urls": ["http://teacher:8000"], "server_token_file": "/t"}}}}
     config = build_config(tree, ["distillation.teacher_models.gsm8k.inference.tensor_model_parallel_size=2",
                                  "+distillation.teacher_models.code.key=code",
-                                 "distillation.teacher_models.code.kind=self"])
+                                 "distillation.teacher_models.code.model_path=/m/c"])
     teachers = config.distillation.teacher_models
     assert list(teachers) == ["gsm8k", "math", "code"]
     assert (teachers["gsm8k"].inference.max_model_len, teachers["gsm8k"].inference.tensor_model_parallel_size) == (
         100, 2)
-    assert (teachers["math"].kind, teachers["code"].kind) == ("megatron", "self")
+    assert (teachers["math"].kind, teachers["code"].kind) == ("server", "engines")
+    assert teachers["math"].server_urls == ["http://teacher:8000"] and teachers["code"].model_path == "/m/c"
     with pytest.raises(ConfigError, match="unknown config key 'distillation.teacher_models.gsm8k.model_pth'; did you "
                                           "mean 'distillation.teacher_models.gsm8k.model_path'"):
         build_config(tree, ["distillation.teacher_models.gsm8k.model_pth=/x"])
@@ -135,6 +136,14 @@ def test_the_teachers_table_loads_from_a_file_and_overrides():
      "one replica takes 2 devices, which does not divide the teacher pool"),
     (["distillation.teacher_models.teacher_model.model_path=/m", "distillation.distillation_loss.loss_mode=k1"],
      "loss_mode=k1 as a loss (use_policy_gradient=false) has a gradient that does not depend on the teacher"),
+    (["distillation.teacher_models.a.kind=megatron", "distillation.teacher_models.a.model_path=/m",
+      "distillation.teacher_models.a.key=a", "distillation.teacher_models.b.model_path=/m",
+      "distillation.teacher_models.b.key=b"], "a (kind megatron) beside other teachers is not available yet"),
+    (["distillation.teacher_models.teacher_model.kind=self", "algorithm.adv_estimator=cpo"],
+     "kind=self teacher and algorithm.adv_estimator=cpo is not available yet"),
+    (["distillation.teacher_models.teacher_model.kind=megatron", "distillation.teacher_models.teacher_model.model_path"
+      "=/m", "actor_rollout_ref.rollout.mode=colocate"], "kind=megatron with actor_rollout_ref.rollout.mode=colocate "
+                                                         "is not available yet"),
 ])
 def test_a_bad_teacher_config_is_refused_at_load(overrides, message):
     enabled = [] if overrides == ["distillation.enabled=true"] else ["distillation.enabled=true"]

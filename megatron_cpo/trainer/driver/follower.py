@@ -29,8 +29,8 @@ class FollowerDriver(Driver):
         pass
 
     def collect(self, step: int) -> CollectOutcome:
-        engines_lost, rewards_refused = broadcast_object(None)
-        return CollectOutcome(None, engines_lost, rewards_refused)
+        engines_lost, rewards_refused, teacher_refused = broadcast_object(None)
+        return CollectOutcome(None, engines_lost, rewards_refused, teacher_refused=teacher_refused)
 
     def make_batch(self, outcome: CollectOutcome) -> StepBatch | None:
         return broadcast_batch(None)
