@@ -3,6 +3,12 @@
     nohup python benchmarks/real_model/compare_cpo.py > runs/compare_cpo/runner.log 2>&1 &   # all runs, in order
     python benchmarks/real_model/compare_cpo.py --list                                        # the commands only
     python benchmarks/real_model/compare_cpo_report.py                                        # curves, tables, docs
+    python benchmarks/real_model/compare_cpo.py --arms opd opd_task opsd                      # on-policy distillation
+
+The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget:
+`opd` (k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task
+reward), `opsd` (the policy given the gold solution as its own teacher); the teacher is `--teacher`, by default GRPO
+seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
 
 Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
 run ends after the step at which it has generated `--budget` samples (`trainer.total_rollout_samples`; every sample
@@ -48,7 +54,22 @@ from run_table import TreeCpuSampler  # noqa: E402
 RUNS = REPO / "runs" / "compare_cpo"
 PAUSE = RUNS / "PAUSE"  # while it exists, no run starts
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
-ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
+ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml",
+        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml"}
+CPO_ARMS = ("grpo", "dapo", "cpo", "cpo_grpo")  # the default: the CPO comparison (docs/cpo.md)
+TEACHER = RUNS / "grpo" / "seed1" / "model"  # the OPD arms' teacher: GRPO seed 1's final policy (--keep-model)
+HINT_INSTRUCTION = "Please refer to the above solution and end your answer with the sum."  # cpo_grpo.yaml's
+# On-policy distillation (docs/distillation.md) on GRPO's config, sampling at temperature 1 (the teacher scores at 1,
+# so D is the reverse KL of the sampled distributions): OPD from the teacher's engine (k1 as a reward, verl's
+# script), the same plus the task reward, and on-policy self-distillation (the policy given the gold solution).
+OPD_K1 = ("distillation.enabled=true", "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=k1",
+          "distillation.distillation_loss.use_policy_gradient=true", "actor_rollout_ref.rollout.temperature=1.0")
+OPD_ARMS = {
+    "opd": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false"),
+    "opd_task": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true"),
+    "opsd": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false",
+             "distillation.teacher_models.teacher_model.kind=self", f"data.hint_instruction={HINT_INSTRUCTION}"),
+}
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
 RESUMED = re.compile(r"resumed from .* \(step (\d+)\)")  # the checkpoint manager's line
@@ -64,6 +85,7 @@ class Run:
     save_freq: int
     code: Path = REPO
     keep_model: bool = False  # keep the final policy as a Hugging Face directory, `<out_dir>/model` (a teacher)
+    teacher: Path = TEACHER  # the OPD arms' teacher (a Hugging Face directory)
 
     @property
     def out_dir(self) -> Path:
@@ -83,13 +105,21 @@ class Run:
                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
                 + (",hf_model]" if self.keep_model else "]"),
                 f"trainer.experiment_name=compare_cpo_{self.arm}_seed{self.seed}", "trainer.logger=[console,jsonl]",
-                "actor_rollout_ref.rollout.ray_address=local"]
+                "actor_rollout_ref.rollout.ray_address=local", *self.distillation()]
+
+    def distillation(self) -> tuple[str, ...]:
+        """The OPD arms' overrides (the teacher engine's path for those with one); () for the others."""
+        overrides = OPD_ARMS.get(self.arm, ())
+        if overrides and "kind=self" not in " ".join(overrides):
+            overrides = (*overrides, f"distillation.teacher_models.teacher_model.model_path={self.teacher}")
+        return overrides
 
 
 def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO,
-         keep_model: bool = False) -> list[Run]:
+         keep_model: bool = False, teacher: Path = TEACHER) -> list[Run]:
     """Seed-major: seed 1 of every arm, then seed 2, ..."""
-    return [Run(arm, seed, budget, val_every, save_freq, code, keep_model) for seed in seeds for arm in arms]
+    return [Run(arm, seed, budget, val_every, save_freq, code, keep_model, teacher) for seed in seeds
+            for arm in arms]
 
 
 def read_record(run: Run) -> dict:
@@ -230,7 +260,8 @@ def last_row(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(CPO_ARMS), choices=list(ARMS),
+                        help="default: the CPO comparison; opd, opd_task, opsd: on-policy distillation")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--budget", type=int, default=BUDGET, help="generated samples per run")
     parser.add_argument("--val-every", type=int, default=VAL_EVERY, help="validate after every this many samples")
@@ -239,16 +270,21 @@ def main(argv: list[str] | None = None) -> int:
                         "copy of the repository; default: this checkout)")
     parser.add_argument("--keep-model", action="store_true", help="keep each finished run's final policy as a "
                         "Hugging Face directory, runs/compare_cpo/<arm>/seed<k>/model (e.g. a distillation teacher)")
+    parser.add_argument("--teacher", type=Path, default=TEACHER, help="the opd arms' teacher, a Hugging Face "
+                        "directory (default: GRPO seed 1's final policy, kept with --keep-model)")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
     args = parser.parse_args(argv)
     runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve(),
-                args.keep_model)
+                args.keep_model, args.teacher.resolve())
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
         return 0
     if not (MODEL / "config.json").is_file():
         sys.exit(f"error: no model at {MODEL}; fetch it once with python tools/fetch_smollm2.py")
+    if any(OPD_ARMS.get(arm) and arm != "opsd" for arm in args.arms) and not (args.teacher / "config.json").is_file():
+        sys.exit(f"error: no teacher at {args.teacher}; make it with python benchmarks/real_model/compare_cpo.py "
+                 "--arms grpo --seeds 1 --keep-model, or pass --teacher <HF dir>")
     if not (args.code / "megatron_cpo" / "__init__.py").is_file():
         sys.exit(f"error: --code {args.code} holds no megatron_cpo package; "
                  "make one with git archive HEAD | tar -x -C DIR")
