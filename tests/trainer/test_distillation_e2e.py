@@ -21,21 +21,24 @@ pytestmark = pytest.mark.usefixtures("restore_environment")
 NOISE = 1e-3  # |student - teacher| log-prob of float32 engines against the trainer, same weights
 
 
-class PoisonedTeacher(EngineTeacher):
-    """The session's engine as a teacher whose scores of the `poisoned_batch`-th step batch hold a NaN."""
+class FailingTeacher(EngineTeacher):
+    """The session's engine as a teacher that fails at its `failing_batch`-th step batch: its first group's first
+    log-prob is NaN (`nan`, caught by the teacher's own check), or its collect raises (`raise`)."""
 
-    def __init__(self, engines, topk: int, poisoned_batch: int) -> None:
-        super().__init__("teacher_model", engines, topk, owns_engines=False)
-        self.poisoned_batch, self.batches = poisoned_batch, 0
+    def __init__(self, engines, failing_batch: int, failure: str) -> None:
+        super().__init__("teacher_model", engines, 0, owns_engines=False)
+        self.failing_batch, self.failure, self.batches = failing_batch, failure, 0
 
     def collect(self, request_ids, timeout=None):
         self.batches += 1
-        scores = super().collect(request_ids, timeout)
-        if self.batches == self.poisoned_batch:
-            first = next(iter(scores.values()))
-            first.log_probs[0, 0] = float("nan")
-            first.check_finite([first.log_probs.shape[1]], ["the poisoned group's first response"], self.name)
-        return scores
+        if self.batches == self.failing_batch and self.failure == "raise":
+            raise ConnectionError("the teacher's server closed the connection")
+        return super().collect(request_ids, timeout)
+
+    def _scores(self, group):
+        if self.batches == self.failing_batch and self.failure == "nan":
+            group.responses[0].log_probs[0] = float("nan")
+        return super()._scores(group)
 
 
 def _teacher(make_config, tiny_model, run_dir, *overrides):
@@ -59,9 +62,10 @@ def test_k1_as_a_reward_from_an_engine_teacher_and_a_nan_teacher_refused(make_co
                       "actor_rollout_ref.rollout.n=1", "distillation.distillation_loss.loss_mode=k1",
                       "distillation.distillation_loss.use_policy_gradient=true",
                       "distillation.distillation_loss.use_task_rewards=false", "trainer.save_freq=1")
-    teacher = PoisonedTeacher(rollout_manager, topk=0, poisoned_batch=3)
+    teacher = FailingTeacher(rollout_manager, failing_batch=3, failure="nan")
     with pytest.raises(RunAbortedError, match="step 3 stopped before its update: teacher 'teacher_model' gave a "
-                                              "non-finite log-prob \\(nan\\).*checkpointed in"):
+                                              "non-finite log-prob \\(nan\\) to token 0 of response "
+                                              "'step\\d+-e\\d+-o\\d+/sample0'.*checkpointed in"):
         run_training(config, rollout_manager, teachers={"teacher_model": teacher})
     metrics = read_metrics(tmp_path / "run")
     assert sorted(step for step in metrics if step > 0) == [1, 2]
@@ -70,6 +74,19 @@ def test_k1_as_a_reward_from_an_engine_teacher_and_a_nan_teacher_refused(make_co
         assert row["distillation/teacher_seconds"] > 0 and "actor/distillation/pg_clipfrac" in row
         assert row["actor/distillation/abs_loss"] < NOISE  # the teacher is the student's own engine
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def test_a_teacher_that_raises_ends_the_run_named(make_config, rollout_manager, tiny_model, tmp_path):
+    """A teacher whose scoring fails (here at step 2) ends the run before that update with the teacher's name and
+    error; step 1 is checkpointed."""
+    config = _teacher(make_config, tiny_model, tmp_path / "run", "trainer.total_training_steps=2",
+                      "distillation.distillation_loss.loss_mode=k3")
+    teacher = FailingTeacher(rollout_manager, failing_batch=2, failure="raise")
+    with pytest.raises(RunAbortedError, match="step 2 stopped before its update: teacher 'teacher_model' failed to "
+                                              "score \\d+ group\\(s\\) \\(ConnectionError: the teacher's server closed"
+                                              ".*checkpointed in"):
+        run_training(config, rollout_manager, teachers={"teacher_model": teacher})
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000001"
 
 
 def test_top_k_forward_kl_from_an_engine_teacher_on_the_fused_lm_head(make_config, rollout_manager, tiny_model,

@@ -19,8 +19,8 @@ import torch
 from megatron_cpo.rollout.engine_teacher import EngineTeacher, start_engine_teacher
 from megatron_cpo.rollout.generators import GroupGenerator
 from megatron_cpo.rollout.teacher_config import DEFAULT_KEY, DistillationConfig
-from megatron_cpo.rollout.teachers import TeacherScores
-from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
+from megatron_cpo.rollout.teachers import TeacherScoreError, TeacherScores
+from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutGroup, SamplingParams
 from megatron_cpo.trainer.driver.accumulator import ScoredGroup
 
 COLLECT_TIMEOUT_S = 600.0  # without progress: a teacher engine that answers nothing for this long is stuck
@@ -74,8 +74,9 @@ class TeacherFeed:
 
     def collect(self, groups: list[ScoredGroup]) -> TeacherBatch:
         """The scores of a step batch's `groups` (each group's rows in order), [N, longest response(, k)]; a
-        non-finite log-prob raises `TeacherScoreError` naming the response. The groups scored but not trained since
-        the batch before are collected and dropped."""
+        non-finite log-prob raises `TeacherScoreError` naming the response, and so does a teacher that fails (other
+        than by losing every engine). The groups scored but not trained since the batch before are collected and
+        dropped."""
         started = time.perf_counter()
         for group in groups:
             if group.request_id not in self.submitted:
@@ -88,7 +89,14 @@ class TeacherFeed:
             by_teacher.setdefault(id(teacher), (teacher, []))[1].append(request_id)
         scores: dict[str, TeacherScores] = {}
         for teacher, ids in by_teacher.values():
-            scores.update(teacher.collect(ids, timeout=COLLECT_TIMEOUT_S))
+            try:
+                scores.update(teacher.collect(ids, timeout=COLLECT_TIMEOUT_S))
+            except (TeacherScoreError, RolloutEnginesLostError):
+                raise
+            except Exception as err:  # any other failure of a teacher ends the step, named
+                raise TeacherScoreError(f"teacher {teacher.name!r} failed to score {len(ids)} group(s) "
+                                        f"({type(err).__name__}: {err}); check the teacher's engines or "
+                                        "servers") from err
         self.batches += 1
         width = max((len(r) for group in groups for r in group.response_token_ids), default=0)
         rows = [_padded(scores[group.request_id], width) for group in groups]
