@@ -76,10 +76,6 @@ class DistillationLossConfig:
         self.clip_ratio_high = _optional_float(self.clip_ratio_high)
         check_choice(prefix + "loss_mode", self.loss_mode, tuple(DISTILLATION_LOSS_MODES))
         check_choice(prefix + "policy_loss_mode", self.policy_loss_mode, DISTILLATION_POLICY_LOSS_MODES)
-        check(self.use_policy_gradient or self.rules.has_gradient,
-              f"{prefix}loss_mode={self.loss_mode} as a loss (use_policy_gradient=false) has a gradient that does not "
-              f"depend on the teacher's log-probs; set {prefix}use_policy_gradient=true (k1 as a reward) or choose "
-              "k3 / forward_kl_topk")
         check(not self.rules.topk or self.topk >= 1, f"{prefix}topk={self.topk} must be >= 1 for loss_mode="
               f"{self.loss_mode} (the teacher's top-k tokens)")
         check(self.loss_max_clamp is None or self.loss_max_clamp > 0,
@@ -95,6 +91,16 @@ class DistillationLossConfig:
         low, high = self.clip_range
         check(0 <= low < 1 and high >= 0, f"{prefix}clip_ratio_low={low} must be in [0, 1) and clip_ratio_high={high}"
                                           " >= 0 (PPO's clip range [1 - low, 1 + high])")
+
+    def gradient_problem(self) -> str | None:
+        """Why this signal as a loss would not train towards the teacher (k1 without the policy gradient), else None;
+        checked by `distillation.*` unless slime's additive form replaces the loss term."""
+        if self.use_policy_gradient or self.rules.has_gradient:
+            return None
+        prefix = "distillation.distillation_loss."
+        return (f"{prefix}loss_mode={self.loss_mode} as a loss (use_policy_gradient=false) has a gradient that does "
+                f"not depend on the teacher's log-probs; set {prefix}use_policy_gradient=true (k1 as a reward) or "
+                "choose k3 / forward_kl_topk")
 
     @property
     def rules(self) -> DistillationModeRules:

@@ -149,6 +149,8 @@ class DistillationConfig:
               "teacher in the trainer (kind megatron or self) is the run's only teacher; route several teachers with "
               "kind engines or server")
         loss = self.distillation_loss
+        problem = None if self.uses_additive_form else loss.gradient_problem()
+        check(problem is None, problem or "")
         check(not self.opd_kl_coef or loss.loss_mode in ADDITIVE_LOSS_MODES,
               f"{PREFIX}opd_kl_coef={self.opd_kl_coef} (slime's additive form) subtracts coef x (student - teacher) "
               f"log-probs, the k1 estimator; set {PREFIX}distillation_loss.loss_mode=k1")

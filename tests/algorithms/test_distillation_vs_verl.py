@@ -430,8 +430,6 @@ def test_every_mode_name_has_its_divergence():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(loss_mode="k1", use_policy_gradient=False), "loss_mode=k1 as a loss (use_policy_gradient=false)"),
-    (dict(loss_mode="kl"), "loss_mode=kl as a loss"),
     (dict(loss_mode="forward_kl_topk_tail", log_prob_min_clamp=-10.0), "requires log_prob_min_clamp=null"),
     (dict(loss_mode="forward_kl_topk", topk=0), "topk=0 must be >= 1"),
     (dict(loss_mode="js"), "loss_mode='js' is not supported"),
@@ -442,3 +440,13 @@ def test_every_mode_name_has_its_divergence():
 def test_what_verl_refuses_is_refused_with_the_key_and_the_fix(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DistillationLossConfig(**settings)
+
+
+def test_k1_as_a_loss_is_a_problem_unless_it_is_a_reward():
+    """k1's gradient as a loss ignores the teacher: `distillation.*` refuses it (tests/trainer/test_verl_opd_scripts.py)
+    unless slime's additive form, which has no loss term, reads the k1 difference."""
+    problem = DistillationLossConfig(loss_mode="k1").gradient_problem()
+    assert "loss_mode=k1 as a loss (use_policy_gradient=false)" in problem
+    assert "loss_mode=kl as a loss" in DistillationLossConfig(loss_mode="kl").gradient_problem()
+    assert DistillationLossConfig(loss_mode="k1", use_policy_gradient=True).gradient_problem() is None
+    assert DistillationLossConfig(loss_mode="k3").gradient_problem() is None
