@@ -14,6 +14,8 @@ handed to that code as it is (docs/architecture.md, "Where each setting lives"):
   `envs` sits above `rollout`).
 - `async_training.*`: `trainer/config.py` (`AsyncTrainingConfig`, read by `trainer/driver/admission.py`).
 - `critic.*`: `trainer/critic_config.py` (`CriticConfig`, read by `trainer/workers/critic.py`).
+- `distillation.*`: `rollout/teacher_config.py` (`DistillationConfig`: the teachers), its `distillation_loss.*`:
+  `algorithms/distillation_config.py` (the signal).
 
 Every section's module is torch-free, so loading a config imports no torch (tests/trainer/test_config.py). Each
 section validates itself in `__post_init__`; checks that need two sections live in `Config.__post_init__`.
@@ -37,6 +39,7 @@ from megatron_cpo.envs.config import MultiTurnConfig
 from megatron_cpo.models.config import ModelConfig
 from megatron_cpo.rewards.config import RewardConfig
 from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.rollout.teacher_config import DistillationConfig
 from megatron_cpo.trainer.config import ActorConfig, AsyncTrainingConfig, RefConfig, TrainerConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.verl_compat import VERL_MOVED_HINTS, VERL_MUST_EQUAL, VERL_NO_OP_KEYS
@@ -68,15 +71,27 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def __post_init__(self) -> None:
         rollout, actor, algo = self.actor_rollout_ref.rollout, self.actor_rollout_ref.actor, self.algorithm
         self.critic.take_actor_defaults(actor)  # the critic's batch settings left null are the actor's (verl's rule)
         self._check_critic()
-        grouped = algo.filter_groups.enable or algo.estimator_needs.grouped
+        # verl's OPD scripts run rollout.n=1 with grpo when the distillation term replaces the task's
+        grouped = algo.filter_groups.enable or (algo.estimator_needs.grouped and
+                                                not self.distillation.replaces_task_reward)
         check(not grouped or rollout.n >= 2,
               f"actor_rollout_ref.rollout.n={rollout.n} cannot form groups for {algo.adv_estimator} advantages or "
               "filter_groups; set actor_rollout_ref.rollout.n >= 2")
+        check(not self.distillation.has_self_teacher or not algo.shaper.needs_hint_contexts,
+              f"distillation with a kind=self teacher and algorithm.adv_estimator={algo.adv_estimator} is not "
+              "available yet: both build hint contexts, for different responses; use grpo (or another estimator) with "
+              "the self teacher, or an engines teacher with CPO")
+        megatron_teachers = [name for name, t in self.distillation.teacher_models.items() if t.kind == "megatron"]
+        check(not (self.distillation.enabled and megatron_teachers and rollout.mode == "colocate"),
+              f"distillation.teacher_models.{megatron_teachers[0] if megatron_teachers else ''}.kind=megatron with "
+              "actor_rollout_ref.rollout.mode=colocate is not available yet (the frozen teacher is not offloaded while "
+              "the engines generate); use kind=engines, or rollout.mode=ray")
         for section in ("actor_rollout_ref.actor", "critic"):
             mini_batch = (actor if section != "critic" else self.critic).ppo_mini_batch_size
             check(self.data.train_batch_size % mini_batch == 0, f"data.train_batch_size={self.data.train_batch_size}"

@@ -72,6 +72,48 @@ def known_names(cls: type, prefix: str = "") -> list[str]:
     return names
 
 
+def entry_type(tp: Any) -> type | None:
+    """The dataclass of a `dict[str, SomeDataclass]` field's entries (a table of named sections, e.g.
+    `distillation.teacher_models`), else None."""
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]) else None
+
+
+def entry_tables(cls: type, prefix: str = "") -> dict[str, type]:
+    """Dotted name -> entry dataclass of every table of named sections in the tree."""
+    tables = {}
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            tables.update(entry_tables(tp, f"{prefix}{name}."))
+        elif entry_type(tp) is not None:
+            tables[prefix + name] = entry_type(tp)
+    return tables
+
+
+def expand_entries(flat: dict[str, Any], tables: dict[str, type], errors: list[str]) -> list[str]:
+    """Spread each table's folded value (`{entry: {...}}` from a file, `{"entry.key": value}` from overrides) back
+    into dotted names `table.entry.key`; returns every such entry's accepted names (for the unknown-key check)."""
+    known = []
+    for table, cls in tables.items():
+        value = flat.pop(table, None)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            errors.append(f"{table}={value!r} is not a mapping; give {table}.<name>.<key>=value")
+            continue
+        for key, item in value.items():
+            entry, _, rest = str(key).partition(".")
+            if rest:
+                flat[f"{table}.{entry}.{rest}"] = item
+            elif isinstance(item, dict):
+                flat.update({f"{table}.{entry}.{name}": v for name, v in _flatten(item).items()})
+            else:
+                errors.append(f"{table}.{entry}={item!r} is not a mapping; give {table}.{entry}.<key>=value")
+                continue
+            known += known_names(cls, f"{table}.{entry}.")
+    return sorted(set(known))
+
+
 def mapping_fields(cls: type, prefix: str = "") -> list[str]:
     """Dotted names of the dict-typed fields (e.g. `reward.custom_graders`)."""
     names = []
@@ -215,6 +257,11 @@ class ConfigLoader:
             dotted = prefix + name
             if dataclasses.is_dataclass(tp):
                 kwargs[name] = self._build(tp, flat, errors, dotted + ".")
+            elif entry_type(tp) is not None:
+                inside = [n[len(dotted) + 1:] for n in flat if n.startswith(dotted + ".")]
+                entries = dict.fromkeys(n.split(".", 1)[0] for n in inside)
+                kwargs[name] = {entry: self._build(entry_type(tp), flat, errors, f"{dotted}.{entry}.")
+                                for entry in entries}
             elif dotted in flat:
                 try:
                     kwargs[name] = coerce(dotted, flat[dotted], tp)
@@ -278,8 +325,9 @@ class ConfigLoader:
             given[name] = value
         flat.update(self._canonical(given, errors, flat))  # an override wins over the file under either name
         fold_mappings(flat, mapping_fields(self.root), errors)
+        entry_names = expand_entries(flat, entry_tables(self.root), errors)
         ignored, repeated = self._set_aside(flat, errors)
-        known = known_names(self.root)
+        known = known_names(self.root) + entry_names
         for name in [n for n in flat if n not in known]:
             flat.pop(name)
             close = hint_for(name, known, {**self.aliases, **self.moved_hints})

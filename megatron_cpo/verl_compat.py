@@ -80,6 +80,31 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
     NoOpKey("*.model.lora.freeze_language_model", "vision-language models; the models here are text-only", (False,)),
     NoOpKey("actor_rollout_ref.*.megatron.override_transformer_config.moe_enable_deepep", "DeepEP's dispatcher "
             "(moe_token_dispatcher_type=flex) is not offered; alltoall or allgather dispatch the tokens", (False,)),
+    NoOpKey("model_engine", "the trainer is Megatron-Core whichever engine verl's script names (the model and the "
+            "loss are the same)", ("megatron", "fsdp", "veomni")),
+    NoOpKey("actor_rollout_ref.*.veomni.*", "VeOmni (FSDP2) settings; the trainer is Megatron-Core"),
+    NoOpKey("actor_rollout_ref.actor.use_torch_compile", "torch.compile of verl's FSDP actor; the Megatron trainer "
+            "runs its own kernels"),
+    NoOpKey("actor_rollout_ref.rollout.max_model_len", "the engines hold data.max_prompt_length + "
+            "data.max_response_length tokens per sequence"),
+    NoOpKey("trainer.balance_batch", "verl's reordering of the batch over its data-parallel ranks; here the rows are "
+            "cut into micro-batches by token budget (actor.use_dynamic_bsz)"),
+    NoOpKey("ray_kwargs.*", "verl's Ray runtime for its workers; the engines' Ray cluster is "
+            "actor_rollout_ref.rollout.ray_address"),
+    *(NoOpKey(f"distillation.teacher_models.*.inference.{key}", "an engine setting of verl's that changes how fast "
+              "its teacher runs, not what it scores") for key in (
+        "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine", "load_format", "engine_kwargs.*",
+        "disable_log_stats", "skip_tokenizer_init", "limit_images")),
+    NoOpKey("distillation.teacher_models.*.inference.expert_parallel_size", "a teacher engine is one vLLM engine "
+            "without expert parallelism", (1,)),
+    NoOpKey("distillation.teacher_models.*.inference.temperature", "the teacher scores at temperature 1 (verl forces "
+            "it too)"),
+    *(NoOpKey(f"distillation.distillation_loss.{key}", "verl's memory switch for the top-k loss over its "
+              "materialised logits; the student's log-probs at the teacher's ids come from the fused lm-head "
+              "(actor_rollout_ref.model.use_fused_kernels) in bounded tiles") for key in (
+        "use_chunked_topk", "chunked_topk_chunk_size")),
+    *(NoOpKey(f"distillation.teacher_models.*.inference.{key}", "the teacher's context is data.max_prompt_length + "
+              "data.max_response_length (+1), as verl derives it") for key in ("prompt_length", "response_length")),
     *(NoOpKey(f"{section}.megatron.{key}", "verl's choice of weight converter, mbridge or Megatron-Bridge; the "
               "trainer converts HF <-> Megatron weights itself, models/weight_mapping.py")
       for section in ("actor_rollout_ref.*", "critic") for key in ("use_mbridge", "vanilla_mbridge")),

@@ -27,6 +27,11 @@ def _type_name(tp: typing.Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+def _entry_type(tp: typing.Any) -> type | None:
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]) else None
+
+
 def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         value = field.default
@@ -59,6 +64,9 @@ def sections(cls: type, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(tp):
             nested.append((tp, f"{prefix}{field.name}."))
         else:
+            entry = _entry_type(tp)
+            if entry is not None:  # a table of named sections: each entry's names under `<name>`
+                nested.append((entry, f"{prefix}{field.name}.<name>."))
             type_name = _type_name(tp).replace("|", "\\|")  # a union's bar would end the table cell
             rows.append(f"| `{prefix}{field.name}` | `{type_name}` | {_default(field)} |")
     out = []

@@ -3,6 +3,12 @@
     nohup python benchmarks/real_model/compare_cpo.py > runs/compare_cpo/runner.log 2>&1 &   # all runs, in order
     python benchmarks/real_model/compare_cpo.py --list                                        # the commands only
     python benchmarks/real_model/compare_cpo_report.py                                        # curves, tables, docs
+    python benchmarks/real_model/compare_cpo.py --arms opd opd_task opsd                      # on-policy distillation
+
+The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget:
+`opd` (k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task
+reward), `opsd` (the policy given the gold solution as its own teacher); the teacher is `--teacher`, by default GRPO
+seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
 
 Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
 run ends after the step at which it has generated `--budget` samples (`trainer.total_rollout_samples`; every sample
@@ -47,7 +53,22 @@ from run_table import TreeCpuSampler  # noqa: E402
 
 RUNS = REPO / "runs" / "compare_cpo"
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
-ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml"}
+ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml",
+        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml"}
+CPO_ARMS = ("grpo", "dapo", "cpo", "cpo_grpo")  # the default: the CPO comparison (docs/cpo.md)
+TEACHER = RUNS / "grpo" / "seed1" / "model"  # the OPD arms' teacher: GRPO seed 1's final policy (--keep-model)
+HINT_INSTRUCTION = "Please refer to the above solution and end your answer with the sum."  # cpo_grpo.yaml's
+# On-policy distillation (docs/distillation.md) on GRPO's config, sampling at temperature 1 (the teacher scores at 1,
+# so D is the reverse KL of the sampled distributions): OPD from the teacher's engine (k1 as a reward, verl's
+# script), the same plus the task reward, and on-policy self-distillation (the policy given the gold solution).
+OPD_K1 = ("distillation.enabled=true", "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=k1",
+          "distillation.distillation_loss.use_policy_gradient=true", "actor_rollout_ref.rollout.temperature=1.0")
+OPD_ARMS = {
+    "opd": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false"),
+    "opd_task": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true"),
+    "opsd": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false",
+             "distillation.teacher_models.teacher_model.kind=self", f"data.hint_instruction={HINT_INSTRUCTION}"),
+}
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
 RESUMED = re.compile(r"resumed from .* \(step (\d+)\)")  # the checkpoint manager's line
@@ -62,13 +83,14 @@ class Comparison:
     name: str
     arms: dict[str, str]
     runs: Path
+    default_arms: tuple[str, ...] = ()  # what runs without --arms (empty: every arm)
 
     @property
     def pause(self) -> Path:
         return self.runs / "PAUSE"  # while it exists, no run starts
 
 
-CPO = Comparison("compare_cpo", ARMS, RUNS)
+CPO = Comparison("compare_cpo", ARMS, RUNS, CPO_ARMS)
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,7 @@ class Run:
     comparison: Comparison = CPO
     model: Path = MODEL
     keep_model: bool = False  # keep the final policy as a Hugging Face directory, `<out_dir>/model` (a teacher)
+    teacher: Path = TEACHER  # the OPD arms' teacher (a Hugging Face directory)
 
     @property
     def out_dir(self) -> Path:
@@ -102,13 +125,21 @@ class Run:
                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
                 + (",hf_model]" if self.keep_model else "]"),
                 f"trainer.experiment_name={self.comparison.name}_{self.arm}_seed{self.seed}",
-                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local"]
+                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local", *self.distillation()]
+
+    def distillation(self) -> tuple[str, ...]:
+        """The OPD arms' overrides (the teacher engine's path for those with one); () for the others."""
+        overrides = OPD_ARMS.get(self.arm, ())
+        if overrides and "kind=self" not in " ".join(overrides):
+            overrides = (*overrides, f"distillation.teacher_models.teacher_model.model_path={self.teacher}")
+        return overrides
 
 
 def plan(arms: list[str], seeds: list[int], budget: int, val_every: int, save_freq: int, code: Path = REPO,
-         comparison: Comparison = CPO, model: Path = MODEL, keep_model: bool = False) -> list[Run]:
+         comparison: Comparison = CPO, model: Path = MODEL, keep_model: bool = False,
+         teacher: Path = TEACHER) -> list[Run]:
     """Seed-major: seed 1 of every arm, then seed 2, ..."""
-    return [Run(arm, seed, budget, val_every, save_freq, code, comparison, model, keep_model)
+    return [Run(arm, seed, budget, val_every, save_freq, code, comparison, model, keep_model, teacher)
             for seed in seeds for arm in arms]
 
 
@@ -264,8 +295,10 @@ def last_row(path: Path) -> dict:
 
 def main(argv: list[str] | None = None, comparison: Comparison = CPO, description: str = __doc__) -> int:
     parser = argparse.ArgumentParser(description=description.strip().splitlines()[0])
-    arms = list(comparison.arms)
-    parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
+    parser.add_argument("--arms", nargs="+", default=list(comparison.default_arms or comparison.arms),
+                        choices=list(comparison.arms),
+                        help="default: " + " ".join(comparison.default_arms or comparison.arms)
+                        + ("; opd, opd_task, opsd: on-policy distillation" if "opd" in comparison.arms else ""))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--budget", type=int, default=BUDGET, help="generated samples per run")
     parser.add_argument("--val-every", type=int, default=VAL_EVERY, help="validate after every this many samples")
@@ -278,17 +311,22 @@ def main(argv: list[str] | None = None, comparison: Comparison = CPO, descriptio
                         f"{comparison.runs.relative_to(REPO)}; another folder for a smoke run)")
     parser.add_argument("--keep-model", action="store_true", help="keep each finished run's final policy as a "
                         "Hugging Face directory, <runs>/<arm>/seed<k>/model (e.g. a distillation teacher)")
+    parser.add_argument("--teacher", type=Path, default=TEACHER, help="the opd arms' teacher, a Hugging Face "
+                        "directory (default: GRPO seed 1's final policy, kept with --keep-model)")
     parser.add_argument("--list", action="store_true", help="print the commands and stop")
     args = parser.parse_args(argv)
     comparison = replace(comparison, runs=args.runs.absolute())
     runs = plan(args.arms, args.seeds, args.budget, args.val_every, args.save_freq, args.code.resolve(), comparison,
-                args.model.absolute(), args.keep_model)
+                args.model.absolute(), args.keep_model, args.teacher.resolve())
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
         return 0
     if not (args.model / "config.json").is_file():
         sys.exit(f"error: no model at {args.model}; fetch it once with python tools/fetch_smollm2.py")
+    if any(OPD_ARMS.get(arm) and arm != "opsd" for arm in args.arms) and not (args.teacher / "config.json").is_file():
+        sys.exit(f"error: no teacher at {args.teacher}; make it with python benchmarks/real_model/compare_cpo.py "
+                 "--arms grpo --seeds 1 --keep-model, or pass --teacher <HF dir>")
     if not (args.code / "megatron_cpo" / "__init__.py").is_file():
         sys.exit(f"error: --code {args.code} holds no megatron_cpo package; "
                  "make one with git archive HEAD | tar -x -C DIR")

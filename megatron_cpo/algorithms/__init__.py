@@ -13,6 +13,9 @@ Torch only: no I/O, no torch.distributed, no Python loop over samples, groups or
 - aggregation.py: the loss aggregations (`loss_agg_mode`), as additive shares of the batch loss.
 - losses.py: the actor's whole loss (the mode's term, aggregation, entropy bonus and mask, KL loss; kl.py: KL
   estimators; mismatch.py: rollout/trainer mismatch metrics and TIS, re-exported by losses.py).
+- distillation.py: on-policy distillation's per-token divergences (verl's loss modes: reverse-KL estimators, top-k
+  forward KL with or without the tail bucket), its policy-gradient and loss forms, slime's additive form
+  (distillation_config.py: the `distillation.distillation_loss` section).
 - cpo.py: difficulty mask, CPO's shaping rules on typed inputs (`ShapingInputs`); cpo_rules.py: the rules as data and
   CPO's config (`algorithm.cpo`), torch-free.
 - shapers.py: the advantage shaper `algorithm.adv_estimator` selects (the estimator's as is, CPO's rule).

@@ -6,7 +6,7 @@ A backend reduces its slice of the (temperature-scaled) logits ``z`` of each tok
 - ``sum_exp``: ``sum exp(z - max)``,
 - ``sum_exp_shift``: ``sum exp(z - max) * (z - max)`` (kept relative to ``max`` so that logits of +-1e4 do not cancel
   catastrophically when the entropy is formed),
-- ``target_z``: ``z`` of the target token if the slice holds it, else 0.
+- ``target_z``: ``z`` of the target token if the slice holds it, else 0 (with k ids per token: [tokens, k]).
 
 Partial statistics of disjoint slices (vocabulary tiles inside one rank, then tensor-parallel ranks) combine exactly,
 so the per-token log-prob ``z_t - logsumexp(z)`` and entropy ``logsumexp(z) - E_p[z]`` come out of a single pass over
@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 
 class SoftmaxStats(NamedTuple):
-    """Per-token partial softmax statistics of one vocabulary slice (all float32, same shape)."""
+    """Per-token partial softmax statistics of one vocabulary slice (float32, [tokens]; `target_z` [tokens, k] when
+    each token has k ids)."""
 
     max: torch.Tensor
     sum_exp: torch.Tensor
@@ -32,7 +33,8 @@ class SoftmaxStats(NamedTuple):
 
 
 class LogProbsEntropy(NamedTuple):
-    """Per-token float32 results: log-prob of the target, entropy, and ``logsumexp(z) = max + log_sum_exp``.
+    """Per-token float32 results: log-prob of the target (of each of k ids: [tokens, k]), entropy, and
+    ``logsumexp(z) = max + log_sum_exp``.
 
     Backward forms ``log p = (z - max) - log_sum_exp``: with logits near 1e4 a float32 ``logsumexp`` would already
     carry an error of 5e-4, which ``z - max`` (exact) and a small ``log_sum_exp`` avoid.
@@ -115,18 +117,25 @@ def combine_partials(parts: SoftmaxStats) -> SoftmaxStats:
 
 
 def finalize(stats: SoftmaxStats, tp_group: dist.ProcessGroup | None) -> LogProbsEntropy:
-    """Reduce a rank's statistics over the tensor-parallel group and form log-probs, entropy and log-sum-exp."""
+    """Reduce a rank's statistics over the tensor-parallel group and form log-probs, entropy and log-sum-exp.
+
+    ``target_z`` is [tokens] (one target per token) or [tokens, k] (k ids per token, ``log_probs`` then [tokens, k]);
+    either way the k values ride in the one summed all-reduce."""
     global_max = stats.max.clone()
     if tp_group is not None:
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
     sum_exp, sum_exp_shift = _rescaled(stats, global_max)
-    sums = torch.stack([sum_exp, sum_exp_shift, stats.target_z])
+    targets = stats.target_z.reshape(stats.target_z.shape[0], -1).T
+    sums = torch.cat([torch.stack([sum_exp, sum_exp_shift]), targets])
     if tp_group is not None:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-    sum_exp, sum_exp_shift, target_z = sums.unbind(0)
+    sum_exp, sum_exp_shift = sums[0], sums[1]
+    target_z = sums[2:].T.reshape(stats.target_z.shape)
     log_sum_exp = sum_exp.log()
     entropy = log_sum_exp - sum_exp_shift / sum_exp
-    return LogProbsEntropy(target_z - global_max - log_sum_exp, entropy, global_max, log_sum_exp)
+    per_target = (-1,) + (1,) * (target_z.dim() - 1)
+    return LogProbsEntropy(target_z - global_max.view(per_target) - log_sum_exp.view(per_target), entropy, global_max,
+                           log_sum_exp)
 
 
 def grad_of_z(z: torch.Tensor, local_targets: torch.Tensor, z_max: torch.Tensor, log_sum_exp: torch.Tensor,

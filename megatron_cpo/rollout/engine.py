@@ -16,6 +16,7 @@ import time
 import uuid
 
 from megatron_cpo.rollout.buckets import BucketSpec
+from megatron_cpo.rollout.scoring import ScoredGroup, ScoredResponse, ScoreRequest, extract_scores, score_params
 from megatron_cpo.rollout.types import (
     IN_FLIGHT_POLICIES,
     EngineLaunchConfig,
@@ -52,6 +53,7 @@ class VLLMEngine:
             max_num_seqs=config.max_num_seqs,
             enable_prefix_caching=config.enable_prefix_caching,
             logprobs_mode=config.logprobs_mode,
+            max_logprobs=config.max_logprobs,
             worker_extension_cls=WORKER_EXTENSION,
             seed=config.seed + engine_index,
             enforce_eager=not config.uses_gpu,
@@ -142,6 +144,25 @@ class VLLMEngine:
         return [RolloutSample(token_ids=list(c.token_ids), logprobs=_token_logprobs(c), finish_reason=c.finish_reason,
                               truncated=c.finish_reason == "length")
                 if c is not None and c.finish_reason in ("stop", "length") else None for c in completions]
+
+    async def score(self, request: ScoreRequest) -> ScoredGroup:
+        """A distillation teacher's scores of each response after its prompt (rollout/scoring.py): one vLLM request
+        per response, at temperature 1 with `request.topk` prompt log-probs. Not groups in flight (`cancel_all`
+        leaves them alone)."""
+        params, first, tag = score_params(request.topk), len(request.prompt_token_ids), uuid.uuid4().hex[:12]
+
+        async def one(index: int, response: list[int]) -> ScoredResponse:
+            if not response:
+                return ScoredResponse([], [] if request.topk else None, [] if request.topk else None)
+            sequence = list(request.prompt_token_ids) + list(response)
+            final = None
+            async for output in self.engine.generate({"prompt_token_ids": sequence}, params,
+                                                     f"score-{tag}-{request.request_id}/{index}"):
+                final = output
+            return extract_scores(final.prompt_logprobs, sequence, first, request.topk)
+
+        return ScoredGroup(request.request_id, list(await asyncio.gather(
+            *(one(index, response) for index, response in enumerate(request.responses)))))
 
     async def _complete(self, vllm_id: str, prompt_token_ids: list[int], options: dict):
         """vLLM's final output (`CompletionOutput`) of one request (`options`: vLLM sampling parameters), or None

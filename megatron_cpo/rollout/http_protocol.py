@@ -25,6 +25,7 @@ WEIGHTS_LEAVE = "/weights/leave"
 WEIGHTS_FINISH = "/weights/finish"
 WEIGHTS_RESUME = "/weights/resume"
 SYNC_PROBE = "/sync_probe"
+SCORE = "/score"
 SLEEP = "/sleep"
 WAKE_UP = "/wake_up"
 OPEN_ROUTES = frozenset({HEALTH})

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # types only: this module stays a leaf that imports neither R
     import torch
 
     from megatron_cpo.rollout.http_client import ServerSenderSpec
+    from megatron_cpo.rollout.scoring import ScoredGroup, ScoreRequest
     from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
     from megatron_cpo.rollout.weight_sync import WeightSenderSpec
 
@@ -89,6 +90,15 @@ class RolloutEngines(Protocol):
                      in_flight: str = "none", resume: bool = True) -> dict[str, float]:
         """Load HF-named full tensors, all from this process, into every live engine (`in_flight` as in
         `begin_weight_sync`, `resume` as in `finish_weight_sync`); returns transfer metrics."""
+
+    def submit_score(self, request: ScoreRequest) -> None:
+        """Score one group's responses as a distillation teacher (rollout/scoring.py) on the least-loaded live engine;
+        not an outstanding generation request (`finished()` and `cancel_all()` never see it)."""
+
+    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
+                       ) -> dict[str, ScoredGroup]:
+        """Wait for the submitted scoring requests `request_ids` (None: all) and return them by id; a dead engine's
+        requests are scored again on the others."""
 
     def shutdown(self) -> None:
         """Release the engines (stop those this object started). Safe to call twice."""

@@ -30,7 +30,12 @@ from megatron_cpo.rollout.engine_actors import EngineActors, root_cause
 from megatron_cpo.rollout.health import EngineWatch, RestartBudget
 from megatron_cpo.rollout.processes import end_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
-from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError, RolloutGroup
+from megatron_cpo.rollout.scoring import ScoredGroup, ScoreRequest
+from megatron_cpo.rollout.types import (
+    EngineLaunchConfig,
+    RolloutEnginesLostError,
+    RolloutGroup,
+)
 from megatron_cpo.rollout.weight_sync import WeightSender, WeightSenderSpec, resolve_weight_transport
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,7 @@ class RolloutManager(RequestBook):
         self._alive: list[bool] = [True] * count
         self._pending: dict = {}  # Ray ObjectRef -> EngineRequest
         self._orphans: list[EngineRequest] = []  # requests of given-up engines, sent again at the next look
+        self._scoring: dict = {}  # Ray ObjectRef -> (ScoreRequest, engine index): a distillation teacher's requests
         self._closed = False
         self._failures: dict[int, str] = {}  # why each given-up engine slot was (cleared when it serves again)
         self.weight_version = 0  # weight pushes completed (finish_weight_sync)
@@ -141,6 +147,48 @@ class RolloutManager(RequestBook):
         self._check_replacements()
         self._check_at_once(self._live_indices())
         return self.num_engines_alive() + self.num_engines_restarting()
+
+    # --- scoring (a distillation teacher's engines) ------------------------------------------------------------
+    def submit_score(self, request: ScoreRequest) -> None:
+        """Score a group's responses on the least-loaded live engine (`VLLMEngine.score`); `collect_scores` returns
+        it. Apart from the generation requests: `finished()` and `cancel_all()` never see it."""
+        live = self._live_indices()
+        if not live:
+            raise RolloutEnginesLostError(f"all {len(self.engines)} teacher engines are dead (last failure: "
+                                          f"{self.last_engine_failure}); request {request.request_id!r} cannot be "
+                                          "scored")
+        load = {i: 0 for i in live}
+        for _, index in self._scoring.values():
+            load[index] = load.get(index, 0) + 1
+        index = min(live, key=lambda i: (load[i], i))
+        self._scoring[self.engines[index].score.remote(request)] = (request, index)
+
+    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
+                       ) -> dict[str, ScoredGroup]:
+        """Wait for the submitted scoring requests `request_ids` (None: all) and return them by id; the requests of
+        an engine that died are scored again on the others. TimeoutError after `timeout` s without progress."""
+        import ray
+
+        wanted = set(request_ids) if request_ids is not None else {r.request_id for r, _ in self._scoring.values()}
+        done: dict[str, ScoredGroup] = {}
+        while wanted - done.keys():
+            refs = [ref for ref, (request, _) in self._scoring.items() if request.request_id in wanted]
+            if not refs:
+                raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+            if not ready:
+                raise TimeoutError(f"no scoring request finished within {timeout}s; {len(refs)} outstanding")
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                request, index = self._scoring.pop(ref)
+                try:
+                    done[request.request_id] = ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    if self._alive[index] and self._health_problem(index) is None:
+                        raise
+                    self._mark_dead(index, err)
+                    self.submit_score(request)
+        return done
 
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec:
@@ -265,6 +313,7 @@ class RolloutManager(RequestBook):
             ray.shutdown()
         self._pending.clear()
         self._orphans.clear()
+        self._scoring.clear()
         end_processes(children, self.config.health_timeout_s)
         if actors is not None:
             actors.remove_pid_dir()

@@ -13,6 +13,7 @@ event loop and answers the routes of `http_protocol`:
   then has every engine continue the trainer's probe prompts greedily (rollout/sync_check.py), and `/weights/resume`
   lets the requests that a push finished with `resume=false` held back go on. A server takes weights from one
   trainer run at a time: a run joining closes the groups of other runs (a trainer that died never left its group);
+- `POST /score` scores one group's responses as a distillation teacher (rollout/scoring.py);
 - `/sleep` and `/wake_up` (vLLM's sleep mode on GPUs; on CPU they do nothing and say so once in the log).
 Every route but `/health` needs the token given at start (`--token-file`). The server binds to 127.0.0.1 unless
 `--host` says otherwise. `--ready-file` receives the server's URL once the engines are up (with `--port 0` the OS
@@ -58,6 +59,7 @@ class RolloutServer:
                                (proto.WEIGHTS_JOIN, self.join), (proto.WEIGHTS_RECEIVE, self.receive),
                                (proto.WEIGHTS_LEAVE, self.leave), (proto.WEIGHTS_FINISH, self.weights_finish),
                                (proto.WEIGHTS_RESUME, self.weights_resume), (proto.SYNC_PROBE, self.sync_probe),
+                               (proto.SCORE, self.score),
                                (proto.SLEEP, self.sleep), (proto.WAKE_UP, self.wake_up)):
             app.router.add_post(route, handler)
         return app
@@ -112,6 +114,24 @@ class RolloutServer:
             return web.json_response({"cancelled": True})
         group.request_id = body["request_id"]
         return web.json_response({"group": proto.group_to_wire(group)})
+
+    async def score(self, request):
+        """A distillation teacher's scores of one group's responses (`VLLMEngine.score`) on the least-loaded
+        engine."""
+        import dataclasses
+
+        from aiohttp import web
+
+        from megatron_cpo.rollout.scoring import ScoreRequest
+
+        body = await request.json()
+        index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
+        self._load[index] += 1
+        try:
+            group = await self.engines[index].score(ScoreRequest(**body))
+        finally:
+            self._load[index] -= 1
+        return web.json_response(dataclasses.asdict(group))
 
     async def check_token(self, request):
         """Answers only when the token is right (the middleware refuses it otherwise); changes nothing."""
@@ -282,6 +302,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests' sampling)")
     parser.add_argument("--enable-sleep-mode", action="store_true",
                         help="let /sleep free the engines' GPU memory (vLLM sleep mode; no effect on CPU)")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most log-probs per position a request may ask (a distillation teacher's top-k)")
     parser.add_argument("--ready-file", default=None, help="write the server's URL here once it serves")
     return parser
 
@@ -297,5 +319,5 @@ def run_rollout_command(args: argparse.Namespace) -> None:
     dtype.announce(logger, "the engines", "--dtype")
     config = EngineLaunchConfig(model_path=args.model, engines=engines, dtype=dtype.name,
                                 max_model_len=args.max_model_len, seed=args.seed,
-                                enable_sleep_mode=args.enable_sleep_mode)
+                                enable_sleep_mode=args.enable_sleep_mode, max_logprobs=args.max_logprobs)
     asyncio.run(serve(config, args.data_parallel_size, token, args.host, args.port, args.ready_file))

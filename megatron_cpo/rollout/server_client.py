@@ -39,6 +39,7 @@ from megatron_cpo.rollout.http_client import (
     health_problem,
     wait_all,
 )
+from megatron_cpo.rollout.scoring import ScoredGroup, ScoredResponse, ScoreRequest
 from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutEngineStartError, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class ServerRolloutManager(RequestBook):
         self._alive = [True] * len(self.engines)
         self._pending: dict[str, tuple[EngineRequest, concurrent.futures.Future]] = {}
         self._orphans: list[EngineRequest] = []  # requests of given-up servers, sent again at the next look
+        self._scoring: dict[str, tuple[ScoreRequest, int, concurrent.futures.Future]] = {}  # a teacher's requests
         self._done: queue.Queue = queue.Queue()
         self._closed = False
         self._watch = EngineWatch(config.health, len(self.engines))
@@ -161,6 +163,49 @@ class ServerRolloutManager(RequestBook):
         self._check_at_once(self._live_indices())
         self._poll_pings()
         return self.num_engines_alive() + self.num_engines_restarting()
+
+    # --- scoring (a distillation teacher's servers) ------------------------------------------------------------
+    def submit_score(self, request: ScoreRequest) -> None:
+        """Score a group's responses on the least-loaded live server (`RolloutManager.submit_score`)."""
+        import dataclasses
+
+        live = self._live_indices()
+        if not live:
+            raise RolloutEnginesLostError(self._lost_message(f"request {request.request_id!r} cannot be scored"))
+        load = {i: 0 for i in live}
+        for _, index, _ in self._scoring.values():
+            load[index] = load.get(index, 0) + 1
+        index = min(live, key=lambda i: (load[i], i))
+        future = self._caller.spawn(self.engines[index], proto.SCORE, dataclasses.asdict(request), None,
+                                    connect_timeout_s=self.config.timeout_s)
+        self._scoring[uuid.uuid4().hex] = (request, index, future)
+
+    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
+                       ) -> dict[str, ScoredGroup]:
+        """`RolloutManager.collect_scores` over HTTP: a dead server's requests are scored again on the others."""
+        wanted = set(request_ids) if request_ids is not None else {r.request_id for r, _, _ in self._scoring.values()}
+        done: dict[str, ScoredGroup] = {}
+        while wanted - done.keys():
+            keys = [key for key, (request, _, _) in self._scoring.items() if request.request_id in wanted]
+            if not keys:
+                raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
+            finished, _ = concurrent.futures.wait([self._scoring[key][2] for key in keys], timeout=timeout,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+            if not finished:
+                raise TimeoutError(f"no scoring request finished within {timeout}s; {len(keys)} outstanding")
+            for key in [key for key in keys if self._scoring[key][2].done()]:
+                request, index, future = self._scoring.pop(key)
+                try:
+                    body = future.result()
+                except RolloutServerError as err:
+                    if isinstance(err, RolloutServerAuthError) or self._health_problem(index) is None:
+                        raise
+                    self._mark_dead(index, str(err))
+                    self.submit_score(request)
+                    continue
+                done[request.request_id] = ScoredGroup(body["request_id"],
+                                                       [ScoredResponse(**r) for r in body["responses"]])
+        return done
 
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> ServerSenderSpec:
@@ -271,6 +316,7 @@ class ServerRolloutManager(RequestBook):
             close_server_groups(self._session)
         finally:
             self._pending.clear()
+            self._scoring.clear()
             self._caller.close()
 
     # --- internals ------------------------------------------------------------------------------------------

@@ -178,6 +178,7 @@ class EngineLaunchConfig:
     engine_start_timeout_s: float = 600.0
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
+    max_logprobs: int = 20  # vLLM's cap on (prompt) log-probs per position: a distillation teacher's top-k at least
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):
@@ -191,6 +192,8 @@ class EngineLaunchConfig:
             raise ValueError(f"rollout weight_sync_bucket_mb={self.weight_sync_bucket_mb}; set a positive size")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"rollout logprobs_mode={self.logprobs_mode!r}; use raw_logprobs or processed_logprobs")
+        if self.max_logprobs < 0:
+            raise ValueError(f"rollout max_logprobs={self.max_logprobs}; set it >= 0 (a teacher's top-k or more)")
         if self.engine_start_timeout_s <= 0:
             raise ValueError(f"rollout engine_start_timeout_s={self.engine_start_timeout_s}; set a positive timeout")
 

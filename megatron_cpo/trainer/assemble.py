@@ -14,10 +14,17 @@ import torch.distributed as dist
 
 from megatron_cpo import platform
 from megatron_cpo.config import Config
+from megatron_cpo.rollout.engine_teacher import EngineTeacher
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import start_colocated
 from megatron_cpo.trainer.collectives import all_gather_object, broadcast_object
-from megatron_cpo.trainer.components import critic_for, engine_launch_config, policies_for, run_settings
+from megatron_cpo.trainer.components import (
+    critic_for,
+    engine_launch_config,
+    policies_for,
+    run_settings,
+    trainer_teacher,
+)
 from megatron_cpo.trainer.driver.follower import FollowerDriver
 from megatron_cpo.trainer.driver.lead import LeadDriver, announce_engines
 from megatron_cpo.trainer.loop import Trainer
@@ -31,9 +38,11 @@ from megatron_cpo.trainer.workers.sync_probe import SyncProbe
 logger = logging.getLogger(__name__)
 
 
-def build_trainer(config: Config, manager: RolloutEngines | None = None) -> Trainer:
-    """Initialise the process groups, start rank 0's side (data, engines) as its `LeadDriver` (the other ranks get
-    a `FollowerDriver`), build the actor, reference and critic, and return the `Trainer` on every rank. What was
+def build_trainer(config: Config, manager: RolloutEngines | None = None,
+                  teachers: dict[str, EngineTeacher] | None = None) -> Trainer:
+    """Initialise the process groups, start rank 0's side (data, engines, distillation's engine teachers unless
+    `teachers` gives them by name) as its `LeadDriver` (the other ranks get a `FollowerDriver`), build the actor,
+    reference, critic and a distillation teacher in the trainer, and return the `Trainer` on every rank. What was
     started is stopped again when a later part fails."""
     from transformers import AutoTokenizer
 
@@ -62,7 +71,7 @@ def build_trainer(config: Config, manager: RolloutEngines | None = None) -> Trai
             if colocated is not None:
                 started_parts.callback(colocated.shutdown)
         engines = manager if manager is not None else launch  # rank 0 starts them unless given or colocated
-        driver = LeadDriver(config, tokenizer, engines) if lead else FollowerDriver()
+        driver = LeadDriver(config, tokenizer, engines, teachers) if lead else FollowerDriver()
         started_parts.callback(driver.close)
         if lead:
             logger.info("data and rollout engines ready after %.0f s", time.perf_counter() - started)
@@ -74,6 +83,7 @@ def build_trainer(config: Config, manager: RolloutEngines | None = None) -> Trai
                    * (config.data.train_batch_size // actor_cfg.ppo_mini_batch_size))
         actor, reference = policies_for(config, tokenizer.pad_token_id, updates)
         critic = critic_for(config, tokenizer.pad_token_id, settings.total_steps)
+        teacher = trainer_teacher(config, actor, tokenizer.pad_token_id)
         # colocated engines share the trainer's devices: the models' state goes to host memory while they generate
         offloads = (colocated_offload(actor, megatron, rollout.mode),
                     colocated_offload(critic, config.critic.megatron, rollout.mode, "critic.megatron")
@@ -88,15 +98,18 @@ def build_trainer(config: Config, manager: RolloutEngines | None = None) -> Trai
             if critic and config.critic.checkpoint.hf_model else None)
         trainer = Trainer(driver=driver, actor=actor, reference=reference, critic=critic, offloads=offloads,
                           checkpoints=checkpoints, sync_probe=sync_probe, settings=settings,
-                          pad_token_id=tokenizer.pad_token_id, started_engines=colocated)
+                          pad_token_id=tokenizer.pad_token_id, started_engines=colocated, teacher=teacher)
         started_parts.pop_all()
     return trainer
 
 
-def run_training(config: Config, manager: RolloutEngines | None = None, checked: bool = False) -> dict[str, float]:
+def run_training(config: Config, manager: RolloutEngines | None = None, checked: bool = False,
+                 teachers: dict[str, EngineTeacher] | None = None) -> dict[str, float]:
     """Train as configured; returns rank 0's last logged metrics (empty dict on other ranks).
 
     `manager`: already running engines (`RolloutEngines`) to use on rank 0 (left running); by default they are started.
+    `teachers`: distillation's engine teachers already running, by `distillation.teacher_models` name (left
+    running); by default they are started.
     The engines always receive the actor's weights before the first rollout, so they may have served anything.
     SIGTERM during start-up raises `RunAbortedError` after the engines are stopped.
     `checked`: the caller already ran `preflight(config)` (the `train` command does, before it opens the run's log).
@@ -108,7 +121,7 @@ def run_training(config: Config, manager: RolloutEngines | None = None, checked:
     startup = StartupSignal()
     trainer = stop = None
     try:
-        trainer = build_trainer(config, manager)
+        trainer = build_trainer(config, manager, teachers)
         startup.check()
         startup.restore()
         stop = StopSignal()

@@ -1,5 +1,6 @@
 """What the composition root builds once for a run from several sections of the `Config`: the engines' launch
-settings, the actor and reference, the critic, the settings steps 3-5 read and the loop's `RunSettings`.
+settings, the actor and reference, the critic, distillation's teacher in the trainer, the settings steps 3-5 read
+and the loop's `RunSettings`.
 
 `trainer/assemble.py` calls these while it builds the `Trainer`; tests and benchmarks call them to build the same
 parts without a run. Every other module receives its own section (docs/architecture.md, "Where each setting lives").
@@ -12,6 +13,8 @@ from megatron_cpo.config import Config
 from megatron_cpo.rollout.types import EngineLaunchConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
 from megatron_cpo.trainer.workers.critic import MegatronCritic, build_critic
+from megatron_cpo.trainer.workers.distillation_step import TrainerTeacher
+from megatron_cpo.trainer.workers.megatron_teacher import build_megatron_teacher, self_teacher
 from megatron_cpo.trainer.workers.policies import build_policies
 from megatron_cpo.trainer.workers.policy_update import PolicyUpdateConfig
 
@@ -48,6 +51,26 @@ def critic_for(config: Config, pad_token_id: int, total_steps: int) -> MegatronC
     return build_critic(parts.model, parts.actor, critic, pad_token_id, updates, seed=config.trainer.seed)
 
 
+def trainer_teacher(config: Config, actor: MegatronPolicy, pad_token_id: int) -> TrainerTeacher | None:
+    """Distillation's teacher in the trainer, on every rank (trainer/workers/megatron_teacher.py): a frozen Megatron
+    model (`kind: megatron`, in the actor's layout) or the actor's own model given the gold solution (`kind: self`);
+    None when no teacher of those kinds is configured. Its micro-batches are the reference's (verl's
+    `ref.log_prob_micro_batch_size_per_gpu`)."""
+    distillation = config.distillation
+    kinds = {name: teacher for name, teacher in distillation.teacher_models.items()
+             if distillation.enabled and teacher.kind in ("megatron", "self")}
+    if not kinds:
+        return None
+    (name, teacher), = kinds.items()  # the config allows one teacher in the trainer
+    parts = config.actor_rollout_ref
+    topk, micro = distillation.distillation_loss.teacher_topk, parts.ref.log_prob_micro_batch_size_per_gpu
+    remove_padding = parts.model.use_remove_padding
+    if teacher.kind == "self":
+        return TrainerTeacher(self_teacher(actor.model, parts.actor, pad_token_id, topk, micro, remove_padding), True)
+    return TrainerTeacher(build_megatron_teacher(name, teacher, parts.actor, pad_token_id, topk, micro,
+                                                 remove_padding), False)
+
+
 def policy_update_config(config: Config) -> PolicyUpdateConfig:
     """What steps 3-5 read (`PolicyUpdateConfig`), built once for the run."""
     rollout = config.actor_rollout_ref.rollout
@@ -57,7 +80,8 @@ def policy_update_config(config: Config) -> PolicyUpdateConfig:
                               train_batch_size=config.data.train_batch_size,
                               max_staleness=config.async_training.max_staleness,
                               critic=config.critic if config.critic_enabled else None,
-                              critic_warmup=config.trainer.critic_warmup)
+                              critic_warmup=config.trainer.critic_warmup,
+                              distillation=config.distillation if config.distillation.enabled else None)
 
 
 @dataclass(frozen=True)

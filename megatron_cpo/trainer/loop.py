@@ -39,6 +39,7 @@ from megatron_cpo.trainer.run.run_guards import (
 )
 from megatron_cpo.trainer.workers.actor import MegatronPolicy
 from megatron_cpo.trainer.workers.critic import MegatronCritic
+from megatron_cpo.trainer.workers.distillation_step import TrainerTeacher
 from megatron_cpo.trainer.workers.offload import ActorOffload, offloaded_during
 from megatron_cpo.trainer.workers.policy_update import (
     compute_advantages,
@@ -95,6 +96,7 @@ class Trainer:
     settings: RunSettings
     pad_token_id: int
     started_engines: Any = None
+    teacher: TrainerTeacher | None = None  # distillation's teacher in the trainer (kind megatron or self)
 
     # --- the run ---------------------------------------------------------------------------------------------
     def fit(self, stop: StopSignal) -> dict[str, float]:
@@ -139,7 +141,7 @@ class Trainer:
             return None
         settings, probe = self.settings.update, FiniteProbe()  # probe: where the step's first non-finite value was
         log_probs = compute_log_probs(batch, self.actor, self.reference, settings, self.pad_token_id,   # 3
-                                      self.critic, probe)
+                                      self.critic, probe, self.teacher)
         advantages, metrics = compute_advantages(batch, log_probs, settings, probe)                 # 4
         if self.critic is not None:                                                                 # 5
             metrics.update(update_critic(self.critic, log_probs, advantages, settings, probe))
@@ -168,12 +170,12 @@ class Trainer:
     # --- the step's parts ------------------------------------------------------------------------------------
     def collect(self, step: int) -> CollectOutcome:
         """The step's groups (rank 0's; colocated, every rank's actor is offloaded meanwhile). When no engine is left,
-        or a reward is not finite (`reward.non_finite=error`), every rank checkpoints the steps trained so far (with
-        the actor back in place) and the run is aborted."""
+        or a reward (`reward.non_finite=error`) or a distillation teacher's log-prob is not finite, every rank
+        checkpoints the steps trained so far (with the actor back in place) and the run is aborted."""
         with offloaded_during(*self.offloads):
             collected = self.driver.collect(step)
-        if collected.rewards_refused is not None:
-            raise RunAbortedError(rewards_refused_message(collected.rewards_refused, step,
+        if collected.refused is not None:
+            raise RunAbortedError(rewards_refused_message(collected.refused, step,
                                                           self._checkpoint_before_abort(step - 1)))
         if collected.engines_lost is not None:
             if collected.engines_restarting:  # they take the weights of step - 1, then the step is collected again

@@ -1,4 +1,5 @@
-"""The CPO comparison's bookkeeping: a paused and resumed run's CPU seconds per step leave its start-up out.
+"""The CPO comparison's bookkeeping: a paused and resumed run's CPU seconds per step leave its start-up out; the
+on-policy distillation arms' commands load as the configs they mean.
 
 `benchmarks/real_model/compare_cpo.py` appends to a run's `step_cpu.jsonl` the process tree's CPU seconds at every
 step row the trainer logs, and at the checkpoint manager's "resumed from ... (step k)" line of a resumed attempt;
@@ -77,3 +78,25 @@ def test_the_curve_table_pairs_seeds_at_each_sample_count_interpolating_off_grid
     at_640 = [cell.strip() for cell in dapo_row.strip("|").split("|")][2]
     assert at_640 == "+6.0 [+6.0, +6.0]"  # 36% against GRPO's 30% in both seeds
     assert not any(line.startswith("| CPO on DAPO") for line in table)  # no seed of cpo: no row
+
+
+def test_the_distillation_arms_load_as_configs_with_their_teacher(tmp_path):
+    """The OPD arms' commands are GRPO's config with distillation on: opd from the teacher's engine without the task
+    reward, opd_task with it, opsd the policy given the gold solution."""
+    from compare_cpo import plan
+
+    from megatron_cpo.config import load_config
+
+    teacher = tmp_path / "teacher"
+    configs = {}
+    for run in plan(["opd", "opd_task", "opsd", "grpo"], [2], 640, 320, 5, teacher=teacher):
+        command = run.command()
+        configs[run.arm] = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
+    assert not configs["grpo"].distillation.enabled
+    for arm, task_reward, kind in (("opd", False, "engines"), ("opd_task", True, "engines"), ("opsd", False, "self")):
+        distillation = configs[arm].distillation
+        assert distillation.enabled and distillation.distillation_loss.use_policy_gradient
+        assert distillation.distillation_loss.use_task_rewards is task_reward
+        assert distillation.teacher_models["teacher_model"].kind == kind
+        assert configs[arm].actor_rollout_ref.rollout.temperature == 1.0 and configs[arm].trainer.resume == "auto"
+    assert configs["opd"].distillation.teacher_models["teacher_model"].model_path == str(teacher)

@@ -7,7 +7,8 @@ after every push the engine's log-probs, of its samples and of the sync probe, e
 server generates transformers' greedy tokens for each run's exported weights. Multi-turn episodes (verl's tool agent)
 train against a server. A server stopped (hung) or killed while holding prompts has them served by the other, and a
 hung one that answers again is taken back at the next push; a wrong token is refused, and a port that accepts
-connections but never answers is an error naming its URL within the timeout.
+connections but never answers is an error naming its URL within the timeout. A server scores its own samples as a
+distillation teacher.
 """
 import json
 import signal
@@ -143,6 +144,25 @@ def test_a_wrong_token_is_refused_and_health_needs_none(servers):
     assert refused.value.code == 401
     with urllib.request.urlopen(url + "/health", timeout=30) as response:
         assert json.loads(response.read())["ok"] is True
+
+
+def test_a_server_as_a_distillation_teacher_scores_its_own_greedy_samples(servers):
+    """`kind: server` (POST /score): the log-probs the server gives its own greedy samples equal those it sampled
+    them with (temperature 0 samples carry the plain log-softmax, which the teacher scores at), and its top-1 id is
+    the sampled token."""
+    from megatron_cpo.rollout.engine_teacher import EngineTeacher
+
+    with ServerRolloutManager(ServerClientConfig(urls=(servers["urls"]["a"],), token=TOKEN)) as client:
+        for index, prompt in enumerate([[1, 40, 41, 42], [1, 60, 70, 80, 90], [1, 33, 3]]):
+            client.submit(f"greedy-{index}", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        groups = sorted(client.completed(timeout=120), key=lambda group: group.request_id)
+        teacher = EngineTeacher("server", client, topk=3, owns_engines=False)
+        scores = teacher.score([g.prompt_token_ids for g in groups], [g.samples[0].token_ids for g in groups])
+    for row, group in enumerate(groups):
+        sample = group.samples[0]
+        length = len(sample.token_ids)
+        assert max(abs(a - b) for a, b in zip(scores.log_probs[row, :length].tolist(), sample.logprobs)) < 1e-4
+        assert scores.topk_ids[row, :length, 0].tolist() == sample.token_ids
 
 
 def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_path):

@@ -32,6 +32,11 @@ class StepBatch:
     policy_versions: RaggedRows | None = None  # the weight version that sampled each response token
     policy_version: int | None = None  # the version of the weights that train this batch
     reward_baselines: torch.Tensor | None = None  # ReMax: each response's prompt's greedy answer's score [N]
+    # distillation's engine teachers (trainer/driver/teacher_feed.py): each response token's log-prob under its teacher
+    # [N, longest response], and for the top-k losses the teacher's k best ids [N, longest, k] with their log-probs
+    teacher_log_probs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_log_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = RaggedRows.of(self.prompt_ids)

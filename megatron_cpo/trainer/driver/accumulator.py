@@ -90,6 +90,7 @@ class ScoredGroup:
     episodes: list[EpisodeInfo] | None = None
     policy_versions: RaggedRows | None = None
     greedy_score: float | None = None  # ReMax: the score of the prompt's greedy answer (the baseline)
+    request_id: str = ""  # the generation request's id (a distillation teacher scores the group under it)
     _ragged: tuple[RaggedRows, RaggedRows] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -5,16 +5,17 @@ from typing import Any
 
 import torch
 
+from megatron_cpo.rollout.teachers import TeacherScores
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 from megatron_cpo.trainer.driver.accumulator import ScoredGroup
 
 
 def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: Any = None,
-                    policy_version: int | None = None) -> StepBatch:
+                    policy_version: int | None = None, teacher: TeacherScores | None = None) -> StepBatch:
     """Flatten kept groups into a `StepBatch`; `hint_builder(groups)` adds CPO's hinted prompts (its `StepBatch`
     fields); `policy_version`: the weight version that trains it (the token versions travel when every group has
-    them)."""
+    them); `teacher`: the engine teachers' scores of the rows (distillation)."""
     hints = hint_builder(groups) if hint_builder is not None else {}
     group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.n for g in groups]))
     return StepBatch(
@@ -26,7 +27,10 @@ def make_step_batch(groups: list[ScoredGroup], kept_ratio: float, hint_builder: 
         loss_mask=batch_loss_mask(groups), **hints,
         policy_versions=(RaggedRows.cat([g.policy_versions for g in groups])
                          if all(g.policy_versions is not None for g in groups) else None),
-        policy_version=policy_version, reward_baselines=greedy_baselines(groups))
+        policy_version=policy_version, reward_baselines=greedy_baselines(groups),
+        teacher_log_probs=teacher.log_probs if teacher is not None else None,
+        teacher_topk_ids=teacher.topk_ids if teacher is not None else None,
+        teacher_topk_log_probs=teacher.topk_log_probs if teacher is not None else None)
 
 
 def greedy_baselines(groups: list[ScoredGroup]) -> torch.Tensor | None:

@@ -241,7 +241,8 @@ class RolloutController:
                             rollout_log_probs=[list(x.logprobs) for x in group.samples],
                             truncated=torch.tensor([bool(x.truncated) for x in group.samples]),
                             **_split_greedy_score(len(group.samples), *graded),
-                            policy_versions=_token_versions(group.samples), **episode_fields(group.samples))
+                            policy_versions=_token_versions(group.samples), request_id=group.request_id,
+                            **episode_fields(group.samples))
                 for (request, group), group_responses, graded in zip(finished, responses, scored)]
 
     def _request_seed(self, step: int, position: StreamPosition) -> int:

@@ -29,7 +29,9 @@ class FollowerDriver(Driver):
         pass
 
     def collect(self, step: int) -> CollectOutcome:
-        return CollectOutcome(None, *broadcast_object(None))
+        engines_lost, rewards_refused, engines_restarting, teacher_refused = broadcast_object(None)
+        return CollectOutcome(None, engines_lost, rewards_refused, engines_restarting=engines_restarting,
+                              teacher_refused=teacher_refused)
 
     def make_batch(self, outcome: CollectOutcome) -> StepBatch | None:
         return broadcast_batch(None)

@@ -14,19 +14,28 @@ from typing import Any
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 from megatron_cpo.trainer.driver.controller import CollectedBatch
+from megatron_cpo.trainer.driver.teacher_feed import TeacherBatch
 
 
 @dataclass(frozen=True)
 class CollectOutcome:
-    """Step 1 on one rank: rank 0's kept groups (`collected`; None on the other ranks, and when the run ends) and,
-    on every rank, why the run ends before the update: no engine is left (`engines_lost`), or a reward was refused as
-    not finite (`rewards_refused`, `reward.non_finite=error`); each a one-line message. `engines_restarting`: with
-    `engines_lost`, how many engines started in place of lost ones are coming (rollout/engine_actors.py); then the
-    run goes on: the last weights are pushed again, which they take, and the step is collected again."""
+    """Step 1 on one rank: rank 0's kept groups (`collected`; None on the other ranks, and when the run ends) with
+    their distillation teachers' scores (`teacher`; None without engine teachers) and, on every rank, why the run
+    ends before the update: no engine is left (`engines_lost`), or a reward or a teacher's log-prob was refused as not
+    finite (`rewards_refused`, `reward.non_finite=error`; `teacher_refused`); each a one-line message.
+    `engines_restarting`: with `engines_lost`, how many engines started in place of lost ones are coming
+    (rollout/engine_actors.py); then the last weights are pushed again and the step is collected again."""
     collected: CollectedBatch | None
     engines_lost: str | None = None
     rewards_refused: str | None = None
     engines_restarting: int = 0
+    teacher: TeacherBatch | None = None
+    teacher_refused: str | None = None
+
+    @property
+    def refused(self) -> str | None:
+        """Why the step's values cannot be trained on (a reward or a teacher's log-prob), else None."""
+        return self.rewards_refused or self.teacher_refused
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_cpo.algorithms.cpo_rules import CPOConfig
 from megatron_cpo.algorithms.early_stop import EarlyStopMonitor
 from megatron_cpo.config import Config, config_to_dict
 from megatron_cpo.data.config import DataConfig
@@ -27,9 +28,12 @@ from megatron_cpo.envs.runner import EpisodeRunner
 from megatron_cpo.rewards.non_finite import NonFiniteRewardError
 from megatron_cpo.rewards.sandbox_types import SandboxConfig
 from megatron_cpo.rollout.config import RolloutConfig
+from megatron_cpo.rollout.engine_teacher import EngineTeacher
 from megatron_cpo.rollout.generators import GreedyBaselineGenerator, GroupGenerator, SingleTurnGenerator
 from megatron_cpo.rollout.interface import RolloutEngines
 from megatron_cpo.rollout.modes import build_rollout_manager
+from megatron_cpo.rollout.teacher_config import DistillationConfig
+from megatron_cpo.rollout.teachers import TeacherScoreError
 from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 from megatron_cpo.trainer.collectives import broadcast_batch, broadcast_object
@@ -44,6 +48,7 @@ from megatron_cpo.trainer.driver.mismatch_watch import MismatchWatch
 from megatron_cpo.trainer.driver.prompt_stream import PromptStream
 from megatron_cpo.trainer.driver.rollout_side import HintContextBuilder, training_sampling_params
 from megatron_cpo.trainer.driver.sample_budget import SampleBudget
+from megatron_cpo.trainer.driver.teacher_feed import TeacherBatch, start_teacher_feed
 from megatron_cpo.trainer.driver.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -55,7 +60,8 @@ class LeadDriver(Driver):
     count (8), `validate` (9) and `log_step` writes the step's metrics (10); `open` starts the metric sinks once the
     resume step is known."""
 
-    def __init__(self, config: Config, tokenizer: Any, engines: RolloutEngines | EngineLaunchConfig) -> None:
+    def __init__(self, config: Config, tokenizer: Any, engines: RolloutEngines | EngineLaunchConfig,
+                 teachers: dict[str, EngineTeacher] | None = None) -> None:
         data, rollout, algorithm, trainer = (config.data, config.actor_rollout_ref.rollout, config.algorithm,
                                              config.trainer)
         needs_ground_truth = config.reward.needs_ground_truth
@@ -71,14 +77,21 @@ class LeadDriver(Driver):
         self.generator = (GreedyBaselineGenerator(self.sampler) if algorithm.estimator_needs.greedy_baseline
                           else self.sampler)
         self.scorer = ResponseScorer(config.reward, tokenizer)
+        # distillation's engine teachers (`teachers`: already running ones by name, left running), after the engines
+        self.teachers = start_teacher_feed(
+            config.distillation, teachers, config.actor_rollout_ref.actor.megatron.compute_dtype,
+            data.max_prompt_length + data.max_response_length + 1, trainer.seed, rollout.ray_address,
+            rollout.server_timeout_s)
         eos = tokenizer.eos_token_id
         shaper = algorithm.shaper
         self.hints = (HintContextBuilder(algorithm.cpo, data, tokenizer, shaper.hinted_responses)
-                      if shaper.needs_hint_contexts else None)
+                      if shaper.needs_hint_contexts else self_teacher_hints(config.distillation, data, tokenizer))
         selection = group_selection(algorithm.filter_groups, rollout, config.reward.overlong_buffer,
                                     data.train_batch_size, data.max_response_length)
+        # with engine teachers, each finished group is submitted to its teacher before the controller sees it
+        generator = self.teachers.watching(self.generator) if self.teachers is not None else self.generator
         self.controller = RolloutController(
-            self.generator, self.stream, self.scorer.score_groups,
+            generator, self.stream, self.scorer.score_groups,
             admission_for(config.async_training, data.train_batch_size, rollout.max_inflight_prompts), selection,
             lambda seed: training_sampling_params(rollout, data.max_response_length, eos, seed), data,
             algorithm.filter_groups, prompt_limit(algorithm.filter_groups, rollout, data.generation_batch_size))
@@ -125,16 +138,21 @@ class LeadDriver(Driver):
     # --- steps 1-2: collect, flatten and broadcast --------------------------------------------------------------
     def collect(self, step: int) -> CollectOutcome:
         outcome = self.collect_groups(step)
-        broadcast_object((outcome.engines_lost, outcome.rewards_refused, outcome.engines_restarting))
+        broadcast_object((outcome.engines_lost, outcome.rewards_refused, outcome.engines_restarting,
+                          outcome.teacher_refused))
         return outcome
 
     def collect_groups(self, step: int) -> CollectOutcome:
-        """This step's kept groups, or why there are none: no engine left, or a reward not finite; then the data
-        position goes back to the first prompt not yet trained, so a resumed run (or this step collected again once
-        restarted engines took the weights) collects the same prompts: what was outstanding is dropped."""
+        """This step's kept groups with their engine teachers' scores, or why there are none: no engine left, a
+        reward or a teacher's log-prob not finite; then the data position goes back to the first prompt not yet
+        trained, so a resumed run (or this step collected again once restarted engines took the weights) collects
+        the same prompts: what was outstanding is dropped."""
         position = self.controller.state_dict()
         try:
-            return CollectOutcome(self.controller.collect(step, self.engines.weight_version))
+            collected = self.controller.collect(step, self.engines.weight_version)
+            teacher = (self.teachers.collect(collected.groups)
+                       if self.teachers is not None and collected.groups and collected.trainable else None)
+            return CollectOutcome(collected, teacher=teacher)
         except RolloutEnginesLostError as err:
             self.generator.cancel_all()
             self.controller.load_state_dict(position)
@@ -147,16 +165,20 @@ class LeadDriver(Driver):
         except NonFiniteRewardError as err:
             self.controller.load_state_dict(position)
             return CollectOutcome(None, rewards_refused=str(err))
+        except TeacherScoreError as err:
+            self.controller.load_state_dict(position)
+            return CollectOutcome(None, teacher_refused=str(err))
 
     def make_batch(self, outcome: CollectOutcome) -> StepBatch | None:
-        return broadcast_batch(self.build_batch(outcome.collected))
+        return broadcast_batch(self.build_batch(outcome.collected, outcome.teacher))
 
-    def build_batch(self, collected: CollectedBatch | None) -> StepBatch | None:
-        """The kept groups as a `StepBatch` (with CPO's hint contexts), or None when there is nothing to train on."""
+    def build_batch(self, collected: CollectedBatch | None, teacher: TeacherBatch | None = None) -> StepBatch | None:
+        """The kept groups as a `StepBatch` (with CPO's or the self teacher's hint contexts, and the engine
+        teachers' scores), or None when there is nothing to train on."""
         if collected is None or not collected.groups or not collected.trainable:
             return None
         return make_step_batch(collected.groups, collected.metrics["filter/kept_ratio"], self.hints,
-                               collected.policy_version)
+                               collected.policy_version, teacher.scores if teacher is not None else None)
 
     # --- step 6: the engines around the weight push -------------------------------------------------------------
     def watch_mismatch(self, step: int, metrics: dict[str, float]) -> None:
@@ -219,6 +241,8 @@ class LeadDriver(Driver):
                    **episode_metrics([e for g in collected.groups for e in g.episodes or ()])}
         metrics["rollout/engines_alive"] = float(self.engines.num_engines_alive())
         metrics["rollout/engine_restarts"] = float(self.engines.engine_restarts)
+        if outcome.teacher is not None:
+            metrics["distillation/teacher_seconds"] = outcome.teacher.seconds
         metrics.update({"timing/step_s": seconds, "timing/tokens_per_s": metrics["timing/generated_tokens"] / seconds,
                         "train/epoch": float(self.stream.epoch)})
         self.metric_logger.log(metrics, step)
@@ -250,6 +274,8 @@ class LeadDriver(Driver):
         if self.metric_logger is not None:
             self.metric_logger.close()
         self.scorer.close()
+        if self.teachers is not None:  # a teacher's engines joined the rollout's Ray: they stop first
+            self.teachers.shutdown()
         if isinstance(self.sampler, EpisodeRunner):
             self.sampler.close()
         if self.owns_engines:
@@ -277,6 +303,16 @@ def make_generator(multi_turn: MultiTurnConfig, sandbox: SandboxConfig, engines:
         return SingleTurnGenerator(engines)
     return EpisodeRunner(engines, tokenizer, EnvironmentRegistry(multi_turn, sandbox), data.max_response_length,
                          data.max_prompt_length, data.truncation)
+
+
+def self_teacher_hints(distillation: DistillationConfig, data: DataConfig, tokenizer: Any
+                       ) -> HintContextBuilder | None:
+    """The hint contexts of distillation's `self` teacher (the policy given the gold solution): every response's
+    prompt with its gold solution (`data.hint_key`), through the chat template; None without a self teacher."""
+    if not distillation.has_self_teacher:
+        return None
+    return HintContextBuilder(CPOConfig(gold_as_hint=True), data, tokenizer,
+                              lambda correct, group: torch.ones_like(correct))
 
 
 def batch_reward_metrics(groups: list) -> dict[str, float]:

@@ -4,7 +4,8 @@
 data files, and reports every problem at once in one `ConfigError`: the model directory, TP/PP against the heads,
 layers and world size, EP/ETP against the experts and the world size (and the model family's own checks,
 `models.builder.check_hf_config`), verl's `trainer.nnodes x n_gpus_per_node`, the data files (present, non-empty,
-every row as the dataset checks it, a grader for every data source) and the output directory. It returns the
+every row as the dataset checks it, a grader for every data source), the output directory and the distillation
+teachers (distillation_preflight.py). It returns the
 `RunPlan` the config implies (its `Layout`, trainer/run/layout.py, and a step's batch arithmetic), which
 `megatron-cpo train --dry-run` prints. The trainer calls it first, so a bad layout fails in a second instead of after
 the engines have started.
@@ -30,6 +31,7 @@ from megatron_cpo.rollout.modes import rollout_mode_problems
 from megatron_cpo.trainer.config import PARAMS_DTYPE_KEY, ActorConfig, MegatronConfig, TrainerConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.driver.loggers import sink_package_problems
+from megatron_cpo.trainer.run.distillation_preflight import describe_teachers, distillation_problems
 from megatron_cpo.trainer.run.layout import Layout
 from megatron_cpo.trainer.run.run_guards import mixing_problem
 
@@ -51,6 +53,7 @@ class RunPlan:
     generation_batch: int
     train_prompts: int | None
     steps: int | None
+    teachers: tuple[str, ...] = ()  # on-policy distillation's signal and teachers (distillation_preflight.py)
 
     def describe(self) -> str:
         """Lines for `--dry-run`."""
@@ -63,6 +66,7 @@ class RunPlan:
             f"generation batch: {self.generation_batch} prompts (unit of filter_groups.max_num_gen_batches)",
             f"training prompts: {self.train_prompts if self.train_prompts is not None else 'unknown'}; "
             f"steps: {steps}",
+            *self.teachers,
         ])
 
     def describe_dtype(self) -> list[str]:
@@ -382,6 +386,7 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
     found, train_rows = data_problems(config.data, config.reward, rollout.multi_turn) if lead else ([], None)
     problems += found + output_problems(config.trainer) + sink_package_problems(config.trainer.logger)
     problems += rollout_mode_problems(rollout) if lead else []
+    problems += distillation_problems(config.distillation, model, config.data, actor.megatron) if lead else []
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -394,4 +399,5 @@ def preflight(config: Config, planning: bool = False) -> RunPlan:
                    responses_per_step=data.train_batch_size * rollout.n,
                    mini_batches_per_step=data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs,
                    micro_batches_per_rank=math.ceil(per_mini / layout.dp / actor.ppo_micro_batch_size_per_gpu),
-                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps)
+                   generation_batch=data.generation_batch_size, train_prompts=train_rows, steps=steps,
+                   teachers=describe_teachers(config.distillation))

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from megatron_cpo.algorithms.config import RolloutCorrectionConfig
+from megatron_cpo.algorithms.distillation import METRIC_PREFIX as DISTILLATION_METRICS
+from megatron_cpo.algorithms.distillation_config import DistillationLossConfig
 from megatron_cpo.kernels import linear_log_probs_and_entropy, log_probs_and_entropy
 from megatron_cpo.models.builder import gather_sequence_parallel, lm_head_weight
 from megatron_cpo.trainer.batch.context_parallel import chunk_index, gather_positions
@@ -21,6 +23,7 @@ from megatron_cpo.trainer.batch.micro_batches import Plan
 from megatron_cpo.trainer.batch.packing import PackedRows
 from megatron_cpo.trainer.batch.sequences import IGNORE_INDEX, PackedSequences
 from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.workers.distillation_step import StudentScorer, TeacherSignal
 from megatron_cpo.trainer.workers.megatron_model import MegatronModel, TokenOutputs, with_zero_rows
 from megatron_cpo.trainer.workers.policy_loss_step import LossOutput, PolicyLossStep, PolicyMicroBatch
 from megatron_cpo.trainer.workers.routing import RecordedRouting, RouterTracker, aux_loss_metrics
@@ -44,6 +47,8 @@ class UpdateInputs:
     first_row: int = 0                      # this mini-batch's first row in the step batch
     shaping: ResponseShaping | None = None
     probe: FiniteProbe | None = None        # the step's finiteness flags so far (update_guard.py)
+    teacher: TeacherSignal | None = None    # distillation: the teacher's scores of these rows
+    distillation: DistillationLossConfig | None = None  # verl's distillation term of the loss (None: none)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class _TrainStep:
     padded_rows: int
 
 
+DISTILLATION_LOSS_METRIC = DISTILLATION_METRICS + "loss"  # a share of the batch's term, summed like pg_loss
 LOSS_GENERATOR_SEED = 20250702  # any fixed value: the stream only has to be the same on every rank
 
 
@@ -95,6 +101,13 @@ class MegatronPolicy(MegatronModel):
     def _token_outputs(self, temperature: float) -> TokenOutputs:
         """The last stage's output -> response-aligned (log-probs, entropy) at `temperature`."""
         return lambda output, layout: self._log_probs_entropy(output, layout, temperature)
+
+    def _update_token_outputs(self, temperature: float) -> TokenOutputs:
+        """The update's: `_token_outputs`' and a `StudentScorer` of other ids at the same positions (distillation's
+        top-k losses; it computes only when called)."""
+        return lambda output, layout: (*self._log_probs_entropy(output, layout, temperature),
+                                       StudentScorer(self.model, self.use_fused_kernels, output, layout, temperature,
+                                                     self._cp_size(), self._cp_rank() if self._cp_size() > 1 else 0))
 
     def _log_probs_entropy(self, output: torch.Tensor, seqs: PackedSequences | PackedRows, temperature: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,13 +200,13 @@ class MegatronPolicy(MegatronModel):
         self._module.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro, self._token_outputs(temperature), loss_step, forward_only=False,
+        outputs = self._run(micro, self._update_token_outputs(temperature), loss_step, forward_only=False,
                             around_forward=(lambda batch, layout: self.routing.updating(layout, batch.routing))
                             if routed else None)
         self.scheduler.step(increment=1)
         updated, grad_norm = self.guard.step(self.optimizer, loss_step.probe)
-        metrics = self._reduce_metrics([output.metrics for output in outputs], {"pg_loss", "entropy", "kl_loss"},
-                                       "actor")
+        metrics = self._reduce_metrics([output.metrics for output in outputs],
+                                       {"pg_loss", "entropy", "kl_loss", DISTILLATION_LOSS_METRIC}, "actor")
         if routed:
             metrics.update(self.routing.finish_update())
         if self.routing is not None:
@@ -211,6 +224,8 @@ class MegatronPolicy(MegatronModel):
                      (inputs.advantages, inputs.old_log_probs, inputs.ref_log_probs, inputs.rollout_log_probs)]
         shaping = (inputs.shaping.map_rows(partial(with_zero_rows, rows=padded.rows)) if inputs.shaping is not None
                    else None)
+        teacher = (inputs.teacher.map_rows(partial(with_zero_rows, rows=padded.rows)) if inputs.teacher is not None
+                   else None)
         recorded = (self.routing.rows_for_update(inputs.routing, inputs.first_row, plan, seqs.rows)
                     if self._replays(inputs) else None)
         micro = []
@@ -222,7 +237,8 @@ class MegatronPolicy(MegatronModel):
             micro.append(PolicyMicroBatch(
                 rows=batch.rows, seqs=batch.seqs, packed=batch.packed, advantages=advantages, old_log_probs=old,
                 ref_log_probs=ref, rollout_log_probs=rollout,
-                shaping=shaping.map_rows(take) if shaping is not None else None, routing=routing))
+                shaping=shaping.map_rows(take) if shaping is not None else None, routing=routing,
+                teacher=teacher.map_rows(take) if teacher is not None else None))
         return micro
 
     def _replays(self, inputs: UpdateInputs) -> bool:
@@ -239,7 +255,7 @@ class MegatronPolicy(MegatronModel):
             self.config, inputs.correction, inputs.probe.for_update() if inputs.probe is not None else FiniteProbe(),
             self.loss_generator, global_tokens=float(mask.sum().clamp(min=1)),
             global_seqs=float((mask.sum(-1) > 0).sum().clamp(min=1)),
-            scale=micro_batches * parallel_state.get_data_parallel_world_size())
+            scale=micro_batches * parallel_state.get_data_parallel_world_size(), distillation=inputs.distillation)
 
     @torch.no_grad()
     def mix_into(self, target: MegatronPolicy, alpha: float) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cpo import platform
+from megatron_cpo.algorithms.distillation import METRIC_PREFIX as DISTILLATION_METRICS
 from megatron_cpo.models.builder import decoder_hidden_states, output_logits, packing_layout
 from megatron_cpo.trainer.batch.context_parallel import chunk_index
 from megatron_cpo.trainer.batch.micro_batches import Plan, fixed_plan, token_budget_plan
@@ -44,6 +45,14 @@ class MicroBatch:
     def layout(self) -> PackedSequences | PackedRows:
         """What the forward runs on: the packed rows, else the padded ones."""
         return self.packed if self.packed is not None else self.seqs
+
+
+def extreme_of(metric: str) -> str | None:
+    """"min" / "max" for a metric reduced over micro-batches and ranks by its extreme (distillation's `loss_min`,
+    `*_mass_max`, ...), else None."""
+    if not metric.startswith(DISTILLATION_METRICS):
+        return None
+    return next((op for op in ("min", "max") if metric.endswith(f"_{op}")), None)
 
 
 def with_zero_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -208,7 +217,9 @@ class MegatronModel:
         if parallel_state.is_pipeline_last_stage() and outputs:
             for key in outputs[0]:
                 values = torch.stack([o[key] for o in outputs])
-                local[key] = float(values.sum() if key in summed else values.mean())
+                extreme = extreme_of(key)
+                local[key] = float(values.sum() if key in summed else getattr(values, extreme)() if extreme
+                                   else values.mean())
         payload = [local]
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast_object_list(payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -218,7 +229,13 @@ class MegatronModel:
         dp_size = parallel_state.get_data_parallel_world_size()
         if dp_size > 1 and keys:
             values = values.to(platform.device())  # NCCL reduces device tensors only
+            extremes = {op: values.clone() for op in ("min", "max")}
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-            values = values.cpu()
-            values = torch.where(torch.tensor([k in summed for k in keys]), values, values / dp_size)
+            for op, reduced in extremes.items():
+                if any(extreme_of(k) == op for k in keys):
+                    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op.upper()),
+                                    group=parallel_state.get_data_parallel_group())
+            values = torch.where(torch.tensor([k in summed for k in keys]), values.cpu(), values.cpu() / dp_size)
+            for op, reduced in extremes.items():
+                values = torch.where(torch.tensor([extreme_of(k) == op for k in keys]), reduced.cpu(), values)
         return {(k if "/" in k else f"{prefix}/{k}"): float(v) for k, v in zip(keys, values)}

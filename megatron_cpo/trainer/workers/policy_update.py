@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 
 from megatron_cpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from megatron_cpo.algorithms.config import AlgorithmConfig, RolloutCorrectionConfig
+from megatron_cpo.algorithms.distillation_config import DistillationLossConfig
 from megatron_cpo.algorithms.kl import kl_in_reward, kl_penalty
 from megatron_cpo.algorithms.masked import masked_mean
 from megatron_cpo.algorithms.mismatch import mismatch_by_staleness
 from megatron_cpo.algorithms.value_loss import value_metrics
 from megatron_cpo.rewards.manager import token_level_rewards
+from megatron_cpo.rollout.teacher_config import DistillationConfig
 from megatron_cpo.trainer.batch.ragged import RaggedRows
 from megatron_cpo.trainer.batch.sequences import PackedSequences, pack_sequences
 from megatron_cpo.trainer.batch.step_batch import StepBatch
@@ -25,6 +28,7 @@ from megatron_cpo.trainer.config import ActorConfig
 from megatron_cpo.trainer.critic_config import CriticConfig
 from megatron_cpo.trainer.workers.actor import MegatronPolicy, UpdateInputs
 from megatron_cpo.trainer.workers.critic import MegatronCritic
+from megatron_cpo.trainer.workers.distillation_step import TeacherSignal, TrainerTeacher, teacher_signal
 from megatron_cpo.trainer.workers.routing import RecordedRouting
 from megatron_cpo.trainer.workers.shaping import ResponseShaping, ScoredTokens, ShapedAdvantages, ShapingSources
 from megatron_cpo.trainer.workers.update_guard import FiniteProbe
@@ -46,6 +50,15 @@ class PolicyUpdateConfig:
     max_staleness: int = 0
     critic: CriticConfig | None = None
     critic_warmup: int = 0
+    distillation: DistillationConfig | None = None  # `distillation` when enabled (docs/distillation.md)
+
+    @property
+    def distillation_loss(self) -> DistillationLossConfig | None:
+        """verl's distillation term of the actor's loss (None: no distillation, or slime's additive form)."""
+        distillation = self.distillation
+        if distillation is None or distillation.uses_additive_form:
+            return None
+        return distillation.distillation_loss
 
     @property
     def correction(self) -> RolloutCorrectionConfig | None:
@@ -103,6 +116,7 @@ class BatchLogProbs:
     routing_metrics: dict[str, float] = field(default_factory=dict)  # MoE: expert load, router entropy
     timing: dict[str, float] = field(default_factory=dict)  # seconds of each scoring pass (timing/*_s)
     values: torch.Tensor | None = None  # a critic's value of every response token (GAE)
+    teacher: TeacherSignal | None = None  # distillation: the teacher's scores of the responses
 
 
 def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
@@ -118,9 +132,10 @@ def old_log_probs_from_update(settings: PolicyUpdateConfig) -> bool:
 
 def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: MegatronPolicy | None,
                       settings: PolicyUpdateConfig, pad_token_id: int, critic: MegatronCritic | None = None,
-                      probe: FiniteProbe | None = None) -> BatchLogProbs:
+                      probe: FiniteProbe | None = None, teacher: TrainerTeacher | None = None) -> BatchLogProbs:
     """Old log-probs and entropy under the actor (with a mixture of experts' routing), the reference's log-probs,
-    the hinted ones for CPO and a critic's values; `probe` observes them. The old pass is left to the update when
+    the hinted ones for CPO, a critic's values and distillation's teacher signal (the engine teachers' from the
+    batch, or `teacher`'s pass); `probe` observes them. The old pass is left to the update when
     `old_log_probs_from_update` holds and the actor tracks no routing (a mixture of experts records it in this
     pass)."""
     temperature, width = settings.temperature, settings.response_width
@@ -136,7 +151,8 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         start = time.perf_counter()
         ref_log_probs = reference.log_probs(seqs, temperature)[0]
         timing["timing/ref_s"] = time.perf_counter() - start
-    if batch.hint_prompt_ids is not None:  # only the responses whose advantages the hint can change
+    if batch.hint_prompt_ids is not None and settings.algorithm.shaper.needs_hint_contexts:
+        # only the responses whose advantages the hint can change
         start = time.perf_counter()
         rows = batch.has_hint.nonzero()[:, 0]
         hint_seqs = pack_sequences(batch.hint_prompt_ids, batch.response_ids.select(rows), pad_token_id, width)
@@ -147,13 +163,21 @@ def compute_log_probs(batch: StepBatch, actor: MegatronPolicy, reference: Megatr
         start = time.perf_counter()
         values = critic.values(seqs)
         timing["timing/values_s"] = time.perf_counter() - start
+    signal = None
+    if settings.distillation is not None:
+        start = time.perf_counter()
+        signal = teacher_signal(batch, seqs, teacher, pad_token_id)
+        if teacher is not None:
+            timing["timing/teacher_log_prob_s"] = time.perf_counter() - start
     mask = seqs.response_mask()
     probe = probe if probe is not None else FiniteProbe()
     for log_probs in (old_log_probs, ref_log_probs, hint_log_probs):
         probe.observe("log-probs", log_probs, mask)
+    if signal is not None:
+        probe.observe("log-probs", signal.log_probs, mask * signal.rows[:, None])
     probe.observe("values", values, mask)
     return BatchLogProbs(seqs, mask, rollout_log_probs, old_log_probs, entropy, ref_log_probs, hint_log_probs,
-                         routing, routing_metrics, timing, values)
+                         routing, routing_metrics, timing, values, signal)
 
 
 @dataclass(frozen=True)
@@ -188,7 +212,8 @@ def compute_advantages(batch: StepBatch, lp: BatchLogProbs, settings: PolicyUpda
         metrics.update({"cpo/hints_truncated": float(batch.hints_truncated), **(batch.hint_metrics or {})})
     probe.observe("rewards", token_rewards, mask)
     probe.observe("advantages", estimated, mask)
-    shaping = ResponseShaping.of_step(ShapingSources(batch, lp.hint_log_probs, algo, settings.actor))
+    shaping = ResponseShaping.of_step(ShapingSources(batch, lp.hint_log_probs, algo, settings.actor, lp.teacher,
+                                                     settings.distillation))
     if shaping.reads_log_probs and lp.old_log_probs is None:  # the update shapes (and probes) them
         return StepAdvantages(estimated, returns, shaping, None), metrics
     tokens = ScoredTokens(mask, lp.old_log_probs, lp.entropy)
@@ -241,7 +266,7 @@ def _on_policy_update(actor: MegatronPolicy, lp: BatchLogProbs, advantages: Step
     given = advantages.estimated if shaping is not None else advantages.shaped.advantages
     engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)).padded(settings.response_width, 0.0)
     inputs = UpdateInputs(given, None, lp.ref_log_probs, engine_log_probs, settings.correction, shaping=shaping,
-                          probe=probe)
+                          probe=probe, teacher=lp.teacher, distillation=settings.distillation_loss)
     result = actor.update_on_policy(lp.seqs, inputs, settings.temperature)
     shaped = result.shaped if result.shaped is not None else advantages.shaped
     return result.metrics, result.log_probs, result.entropy, shaped
@@ -255,7 +280,9 @@ def _mini_batch_updates(actor: MegatronPolicy, lp: BatchLogProbs, advantages: to
         engine_log_probs = lp.rollout_log_probs.select(torch.arange(lp.seqs.rows)[rows]).padded(width, 0.0)
         inputs = UpdateInputs(advantages[rows], lp.old_log_probs[rows],
                               lp.ref_log_probs[rows] if lp.ref_log_probs is not None else None,
-                              engine_log_probs, settings.correction, lp.routing, rows.start, probe=probe)
+                              engine_log_probs, settings.correction, lp.routing, rows.start, probe=probe,
+                              teacher=lp.teacher.map_rows(itemgetter(rows)) if lp.teacher is not None else None,
+                              distillation=settings.distillation_loss)
         per_update.append(actor.update(lp.seqs.select(rows), inputs, settings.temperature))
     return per_update
 

@@ -1,9 +1,9 @@
 """Shaping, the end of step 4 (docs/architecture.md, "One RL step"): the one place that turns the estimator's
 advantages into the advantages the actor trains on.
 
-`ResponseShaping` applies its terms (`SHAPING_TERMS`: the shaper, then the filters' loss scale) to whole responses:
-on the whole batch before the update, or per micro-batch inside an on-policy update. Its metrics are always of
-the whole batch's `ShapedAdvantages`.
+`ResponseShaping` applies its terms (`SHAPING_TERMS`: the shaper, e.g. CPO's rule; slime's on-policy distillation,
+`distillation.opd_kl_coef`; then the filters' loss scale) to whole responses: on the whole batch before the update,
+or per micro-batch inside an on-policy update. Its metrics are always of the whole batch's `ShapedAdvantages`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ import torch
 
 from megatron_cpo.algorithms.config import AlgorithmConfig
 from megatron_cpo.algorithms.cpo import ShapingInputs
+from megatron_cpo.algorithms.distillation import additive_advantages
 from megatron_cpo.algorithms.filters import filter_loss_scale, scale_advantages
 from megatron_cpo.algorithms.shapers import ADVANTAGE_SHAPERS, AdvantageShaper
 from megatron_cpo.kernels import HintSignals, hint_mi_signals
+from megatron_cpo.rollout.teacher_config import DistillationConfig
 from megatron_cpo.trainer.batch.step_batch import StepBatch
 from megatron_cpo.trainer.config import ActorConfig
+from megatron_cpo.trainer.workers.distillation_step import TeacherSignal
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class ShapingSources:
     hint_log_probs: torch.Tensor | None
     algorithm: AlgorithmConfig
     actor: ActorConfig
+    teacher: TeacherSignal | None = None  # distillation's teacher signal (step 3)
+    distillation: DistillationConfig | None = None  # `distillation` when enabled
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,39 @@ class LossScaleTerm(ShapingTerm):
         return {"filter/loss_scale": filter_loss_scale(self.kept_ratio, self.mode)}
 
 
-SHAPING_TERMS: tuple[type[ShapingTerm], ...] = (ShaperTerm, LossScaleTerm)
+@dataclass(frozen=True)
+class DistillationTerm(ShapingTerm):
+    """slime's on-policy distillation (`distillation.opd_kl_coef` > 0): the advantages minus `coef` x (old - teacher
+    log-prob) per token (algorithms/distillation.py `additive_advantages`); a row without a teacher (the self
+    teacher's rows without a gold solution) is left as it is. Records the per-token reverse KL."""
+    coef: float
+    teacher_log_probs: torch.Tensor
+    has_teacher: torch.Tensor
+
+    @classmethod
+    def of_step(cls, sources: ShapingSources) -> DistillationTerm | None:
+        distillation, teacher = sources.distillation, sources.teacher
+        if distillation is None or not distillation.uses_additive_form or teacher is None:
+            return None
+        return cls(distillation.opd_kl_coef, teacher.log_probs, teacher.rows)
+
+    @property
+    def reads_log_probs(self) -> bool:
+        return True
+
+    def apply(self, advantages: torch.Tensor, tokens: ScoredTokens
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        teacher = torch.where(self.has_teacher[:, None], self.teacher_log_probs, tokens.log_probs)
+        shaped, _ = additive_advantages(advantages, tokens.log_probs, teacher, tokens.mask, self.coef)
+        return shaped, ()
+
+    def metrics(self, before: torch.Tensor, after: torch.Tensor, tokens: ScoredTokens,
+                record: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        teacher = torch.where(self.has_teacher[:, None], self.teacher_log_probs, tokens.log_probs)
+        return additive_advantages(before, tokens.log_probs, teacher, tokens.mask, self.coef)[1]
+
+
+SHAPING_TERMS: tuple[type[ShapingTerm], ...] = (ShaperTerm, DistillationTerm, LossScaleTerm)
 """The shaping's terms, in the order they apply; each one decides from the step whether it applies."""
 
 
