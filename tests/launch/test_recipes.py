@@ -75,7 +75,7 @@ def test_smollm2_examples_use_the_fast_cpu_settings(path):
     assert actor.ppo_max_token_len_per_gpu >= config.data.max_prompt_length + config.data.max_response_length
     assert old_log_probs_from_update(policy_update_config(config))
     assert "\\boxed" not in config.data.hint_instruction or not path.stem.startswith("cpo")
-    assert {p.stem for p in SMOLLM2} == {"grpo", "dapo", "cpo", "cpo_grpo"}
+    assert {p.stem for p in SMOLLM2} == {"grpo", "dapo", "cpo", "cpo_grpo", "grpo_lora_r32", "grpo_lora_r1"}
     if path.stem.startswith("cpo"):  # the CPO files are their base's file plus algorithm.cpo and the hint text
         base = load_config(path.parent / ("dapo.yaml" if path.stem == "cpo" else "grpo.yaml"))
         assert config.algorithm.adv_estimator == "cpo" and config.algorithm.cpo.wrap_method == "negonly_mi3"
