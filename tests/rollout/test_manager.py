@@ -118,7 +118,7 @@ def test_engines_run_at_the_trainers_priority(manager):
     setting: at Ray's default, 15, anything else busy on the machine took their cores."""
     import psutil
 
-    for pid_file in manager._pid_dir.glob("*.pid"):
+    for pid_file in manager.actors.pid_dir.glob("*.pid"):
         actor = psutil.Process(int(pid_file.read_text().split()[1]))
         tree = [actor, *actor.children(recursive=True)]
         assert len(tree) >= 3 and all(process.nice() == 0 for process in tree), [p.name() for p in tree]
