@@ -29,28 +29,31 @@ class EngineTeacher:
         self.engines = engines
         self.topk = topk
         self.owns_engines = owns_engines
+        # engines shared by several runs (one process, e.g. a test session) may still hold a finished run's requests
+        self._prefix = f"teacher-{name}-{uuid.uuid4().hex[:8]}/"
 
     def submit(self, request_id: str, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> None:
         """Start scoring one group's responses (e.g. as soon as the group finished generating)."""
-        self.engines.submit_score(ScoreRequest(request_id, list(prompt), [list(r) for r in responses], self.topk))
+        self.engines.submit_score(ScoreRequest(self._prefix + request_id, list(prompt), [list(r) for r in responses],
+                                               self.topk))
 
     def collect(self, request_ids: Sequence[str], timeout: float | None = None) -> dict[str, TeacherScores]:
         """The scores of submitted groups by id, each [responses, its longest response(, k)]; a non-finite
         log-prob is refused naming the response (`TeacherScoreError`)."""
-        return {request_id: self._scores(group) for request_id, group in
-                self.engines.collect_scores(list(request_ids), timeout).items()}
+        groups = self.engines.collect_scores([self._prefix + request_id for request_id in request_ids], timeout)
+        return {request_id: self._scores(request_id, groups[self._prefix + request_id]) for request_id in request_ids}
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> TeacherScores:
         """Every response after its prompt, one group per row, [N, longest response(, k)]."""
-        ids = [f"teacher-{self.name}-{uuid.uuid4().hex[:8]}-{row}" for row in range(len(responses))]
+        ids = [f"row{row}-{uuid.uuid4().hex[:8]}" for row in range(len(responses))]
         for request_id, prompt, response in zip(ids, prompts, responses):
             self.submit(request_id, prompt, [response])
-        groups = self.engines.collect_scores(ids)
-        rows = [groups[request_id].responses[0] for request_id in ids]
+        groups = self.engines.collect_scores([self._prefix + request_id for request_id in ids])
+        rows = [groups[self._prefix + request_id].responses[0] for request_id in ids]
         return self._checked(rows, ids, max((len(r) for r in responses), default=0))
 
-    def _scores(self, group: ScoredGroup) -> TeacherScores:
-        names = [f"{group.request_id}/sample{i}" for i in range(len(group.responses))]
+    def _scores(self, request_id: str, group: ScoredGroup) -> TeacherScores:
+        names = [f"{request_id}/sample{i}" for i in range(len(group.responses))]
         return self._checked(group.responses, names, max((len(r.log_probs) for r in group.responses), default=0))
 
     def _checked(self, rows, names: list[str], width: int) -> TeacherScores:

@@ -35,10 +35,10 @@ class FailingTeacher(EngineTeacher):
             raise ConnectionError("the teacher's server closed the connection")
         return super().collect(request_ids, timeout)
 
-    def _scores(self, group):
+    def _scores(self, request_id, group):
         if self.batches == self.failing_batch and self.failure == "nan":
             group.responses[0].log_probs[0] = float("nan")
-        return super()._scores(group)
+        return super()._scores(request_id, group)
 
 
 def _teacher(make_config, tiny_model, run_dir, *overrides):
