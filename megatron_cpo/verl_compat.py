@@ -60,7 +60,6 @@ VERL_NO_OP_KEYS: tuple[NoOpKey, ...] = (
       for key in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
                   "gradient_accumulation_fusion", "persist_layer_norm", "deallocate_pipeline_outputs",
                   "moe_grouped_gemm", "moe_permute_fusion")),
-    NoOpKey("model_engine", "verl's choice of training engine; the trainer is Megatron-Core", ("megatron",)),
     NoOpKey("trainer.balance_batch", "verl reorders a batch's rows to even the tokens of its data-parallel ranks; "
             "here the micro-batch planner spreads them (by tokens with use_dynamic_bsz) and the loss is aggregated "
             "over the whole mini-batch either way"),
