@@ -8,7 +8,7 @@ whether anything is outstanding (the pending entries, and requests of given-up e
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
@@ -50,6 +50,15 @@ class RequestBook:
 
     def _outstanding(self) -> bool:
         return bool(self._pending)
+
+    def _least_loaded(self, busy: Iterable[int]) -> int | None:
+        """The live engine with the fewest of `busy` (one engine index per request in flight), lowest index first;
+        None when no engine is live."""
+        load = {i: 0 for i in self._live_indices()}
+        for index in busy:
+            if index in load:
+                load[index] += 1
+        return min(load, key=lambda i: (load[i], i)) if load else None
 
     def _live_indices(self) -> list[int]:
         return [i for i, alive in enumerate(self._alive) if alive]

@@ -152,15 +152,11 @@ class RolloutManager(RequestBook):
     def submit_score(self, request: ScoreRequest) -> None:
         """Score a group's responses on the least-loaded live engine (`VLLMEngine.score`); `collect_scores` returns
         it. Apart from the generation requests: `finished()` and `cancel_all()` never see it."""
-        live = self._live_indices()
-        if not live:
+        index = self._least_loaded(index for _, index in self._scoring.values())
+        if index is None:
             raise RolloutEnginesLostError(f"all {len(self.engines)} teacher engines are dead (last failure: "
                                           f"{self.last_engine_failure}); request {request.request_id!r} cannot be "
                                           "scored")
-        load = {i: 0 for i in live}
-        for _, index in self._scoring.values():
-            load[index] = load.get(index, 0) + 1
-        index = min(live, key=lambda i: (load[i], i))
         self._scoring[self.engines[index].score.remote(request)] = (request, index)
 
     def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None

@@ -169,13 +169,9 @@ class ServerRolloutManager(RequestBook):
         """Score a group's responses on the least-loaded live server (`RolloutManager.submit_score`)."""
         import dataclasses
 
-        live = self._live_indices()
-        if not live:
+        index = self._least_loaded(index for _, index, _ in self._scoring.values())
+        if index is None:
             raise RolloutEnginesLostError(self._lost_message(f"request {request.request_id!r} cannot be scored"))
-        load = {i: 0 for i in live}
-        for _, index, _ in self._scoring.values():
-            load[index] = load.get(index, 0) + 1
-        index = min(live, key=lambda i: (load[i], i))
         future = self._caller.spawn(self.engines[index], proto.SCORE, dataclasses.asdict(request), None,
                                     connect_timeout_s=self.config.timeout_s)
         self._scoring[uuid.uuid4().hex] = (request, index, future)
