@@ -19,6 +19,8 @@ def _as_numpy(scores) -> dict:
 
 
 def _ranks(rank: int, world_size: int, model_dir: str, checkpoint_dir: str) -> dict:
+    from megatron.core import parallel_state
+
     from megatron_cpo import platform
     from megatron_cpo.models.checkpoint import save_checkpoint
     from megatron_cpo.rollout.teacher_config import TeacherModelConfig
@@ -44,7 +46,10 @@ def _ranks(rank: int, world_size: int, model_dir: str, checkpoint_dir: str) -> d
             loaded = build_megatron_teacher("ckpt", TeacherModelConfig(model_path=model_dir, kind="megatron",
                                                                        load=checkpoint_dir), actor, 0, TOPK)
             out["loaded"] = _as_numpy(loaded.score(PROMPTS, RESPONSES))
-        platform.destroy_distributed()
+        # one default group for every layout: re-creating it on the same port races (a rank that gets there first
+        # joins the other's old store and is refused)
+        parallel_state.destroy_model_parallel()
+    platform.destroy_distributed()
     return out
 
 

@@ -124,9 +124,9 @@ def test_agent_episodes_under_k1_keep_their_environment_and_each_token_its_weigh
     trained = []
     real_make_batch = lead_driver.make_step_batch
 
-    def recording(groups, kept_ratio, hints=None, policy_version=None):
+    def recording(groups, kept_ratio, hints=None, policy_version=None, *rest):
         trained.append((list(groups), policy_version))
-        return real_make_batch(groups, kept_ratio, hints, policy_version)
+        return real_make_batch(groups, kept_ratio, hints, policy_version, *rest)
 
     monkeypatch.setattr(lead_driver, "make_step_batch", recording)
     Counted.reset_counts()
