@@ -85,7 +85,8 @@ def teacher_launch_config(name: str, distillation: DistillationConfig, dtype: st
     return EngineLaunchConfig(model_path=teacher.model_path, engines=engines, dtype=inference.dtype or dtype,
                               max_model_len=max(context, inference.max_model_len or 0), seed=seed,
                               max_num_seqs=inference.max_num_seqs,
-                              enable_prefix_caching=inference.enable_prefix_caching, max_logprobs=max_logprobs)
+                              enable_prefix_caching=inference.enable_prefix_caching, max_logprobs=max_logprobs,
+                              frozen_weights=True)
 
 
 def start_engine_teacher(name: str, distillation: DistillationConfig, dtype: str, context: int, seed: int,
@@ -100,7 +101,7 @@ def start_engine_teacher(name: str, distillation: DistillationConfig, dtype: str
 
         token = read_token_file(teacher.server_token_file, f"distillation.teacher_models.{name}.server_token_file")
         client = ServerClientConfig(urls=tuple(teacher.server_urls), token=token, timeout_s=server_timeout_s,
-                                    min_model_len=context)
+                                    min_model_len=context, frozen_weights=True)
         return EngineTeacher(name, ServerRolloutManager(client), topk)
     if teacher.kind != "engines":
         raise ValueError(f"distillation.teacher_models.{name}.kind={teacher.kind} is not served by engines")

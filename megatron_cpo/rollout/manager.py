@@ -9,9 +9,10 @@ others, so every submitted prompt comes back exactly once; when no engine is lef
 the prompts that could not be served. Within the restart budget a new engine is started in the given-up engine's
 slot; it joins at the next weight push (`begin_weight_sync` includes it, so the push and the sync check that follows
 reach it) and gets requests only after that push: an engine that has not served the current weights never
-samples. `num_engines_alive()` counts the engines serving requests, `engine_restarts` the restarts started. Each
-engine actor records its host and pid when it starts, so its processes (vLLM's engine core, its workers) can be
-ended even when the actor is killed before it finished starting (SIGTERM during start-up).
+samples (a distillation teacher's engines, `frozen_weights`, load their own weights and serve once up; their
+scoring requests: ray_scoring.py). `num_engines_alive()` counts the engines serving requests, `engine_restarts`
+the restarts started. Each engine actor records its host and pid when it starts, so its processes (vLLM's engine
+core, its workers) can be ended even when the actor is killed before it finished starting (SIGTERM during start-up).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from megatron_cpo.rollout.engine_actors import EngineActors, root_cause
 from megatron_cpo.rollout.health import EngineWatch, RestartBudget
 from megatron_cpo.rollout.processes import end_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
-from megatron_cpo.rollout.scoring import ScoredGroup, ScoreRequest
+from megatron_cpo.rollout.ray_scoring import TICK_S, RayScoreBook
 from megatron_cpo.rollout.types import (
     EngineLaunchConfig,
     RolloutEnginesLostError,
@@ -39,8 +40,6 @@ from megatron_cpo.rollout.types import (
 from megatron_cpo.rollout.weight_sync import WeightSender, WeightSenderSpec, resolve_weight_transport
 
 logger = logging.getLogger(__name__)
-
-TICK_S = 0.5  # the longest single wait on the engines between two looks at their health
 
 
 def _connect_ray(config: EngineLaunchConfig) -> bool:
@@ -56,7 +55,7 @@ def _connect_ray(config: EngineLaunchConfig) -> bool:
             signal.signal(signal.SIGTERM, previous)
 
 
-class RolloutManager(RequestBook):
+class RolloutManager(RequestBook, RayScoreBook):
     """Engines behind one submit / completed interface. Use as a context manager or call `shutdown()`."""
 
     def __init__(self, config: EngineLaunchConfig) -> None:
@@ -67,6 +66,7 @@ class RolloutManager(RequestBook):
         self._pending: dict = {}  # Ray ObjectRef -> EngineRequest
         self._orphans: list[EngineRequest] = []  # requests of given-up engines, sent again at the next look
         self._scoring: dict = {}  # Ray ObjectRef -> (ScoreRequest, engine index): a distillation teacher's requests
+        self._score_orphans: list = []  # scoring requests of given-up engines (ray_scoring.py)
         self._closed = False
         self._failures: dict[int, str] = {}  # why each given-up engine slot was (cleared when it serves again)
         self.weight_version = 0  # weight pushes completed (finish_weight_sync)
@@ -147,44 +147,6 @@ class RolloutManager(RequestBook):
         self._check_replacements()
         self._check_at_once(self._live_indices())
         return self.num_engines_alive() + self.num_engines_restarting()
-
-    # --- scoring (a distillation teacher's engines) ------------------------------------------------------------
-    def submit_score(self, request: ScoreRequest) -> None:
-        """Score a group's responses on the least-loaded live engine (`VLLMEngine.score`); `collect_scores` returns
-        it. Apart from the generation requests: `finished()` and `cancel_all()` never see it."""
-        index = self._least_loaded(index for _, index in self._scoring.values())
-        if index is None:
-            raise RolloutEnginesLostError(f"all {len(self.engines)} teacher engines are dead (last failure: "
-                                          f"{self.last_engine_failure}); request {request.request_id!r} cannot be "
-                                          "scored")
-        self._scoring[self.engines[index].score.remote(request)] = (request, index)
-
-    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
-                       ) -> dict[str, ScoredGroup]:
-        """Wait for the submitted scoring requests `request_ids` (None: all) and return them by id; the requests of
-        an engine that died are scored again on the others. TimeoutError after `timeout` s without progress."""
-        import ray
-
-        wanted = set(request_ids) if request_ids is not None else {r.request_id for r, _ in self._scoring.values()}
-        done: dict[str, ScoredGroup] = {}
-        while wanted - done.keys():
-            refs = [ref for ref, (request, _) in self._scoring.items() if request.request_id in wanted]
-            if not refs:
-                raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
-            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-            if not ready:
-                raise TimeoutError(f"no scoring request finished within {timeout}s; {len(refs)} outstanding")
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                request, index = self._scoring.pop(ref)
-                try:
-                    done[request.request_id] = ray.get(ref)
-                except ray.exceptions.RayError as err:
-                    if self._alive[index] and self._health_problem(index) is None:
-                        raise
-                    self._mark_dead(index, err)
-                    self.submit_score(request)
-        return done
 
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> WeightSenderSpec:
@@ -310,6 +272,7 @@ class RolloutManager(RequestBook):
         self._pending.clear()
         self._orphans.clear()
         self._scoring.clear()
+        self._score_orphans.clear()
         end_processes(children, self.config.health_timeout_s)
         if actors is not None:
             actors.remove_pid_dir()
@@ -438,6 +401,7 @@ class RolloutManager(RequestBook):
         for ref in [ref for ref, request in self._pending.items() if request.engine_index == index]:
             self._orphans.append(self._pending.pop(ref))
             self.actors.abandon(ref)
+        self._orphan_scoring_of(index)
         name, cause = self.engine_names[index], err if isinstance(err, str) else root_cause(err)
         self.actors.retire(index)
         refusal = self.actors.restart(index)
@@ -450,14 +414,19 @@ class RolloutManager(RequestBook):
                        f"not restarted: {refusal}" if refusal else
                        f"restarting it as {self.actors.replacements[index].name} (restart "
                        f"{self._restarts.per_engine[index]} of this engine, {self._restarts.total} of the run; it "
-                       "serves once the next weight push reached it)")
+                       f"serves once {'it is up' if self.config.frozen_weights else 'the next push reached it'})")
 
     def _check_replacements(self, wait: bool = False) -> None:
         """Restarted engines that are up join the next push; a failed start is recorded as the last failure."""
         admitted, failures = self.actors.admit(wait)
-        self._joining.update(admitted)
         for index in admitted:
             self._watch.forget(index)
+            if self.config.frozen_weights:  # a teacher's engine loads its own weights: it serves at once
+                self._alive[index] = True
+                self._failures.pop(index, None)
+                logger.info("engine %d (%s) serves again after its restart", index, self.engine_names[index])
+            else:
+                self._joining.add(index)
         for index, failure in failures.items():
             self._failures.pop(index, None)
             self._failures[index] = failure

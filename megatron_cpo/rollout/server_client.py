@@ -39,12 +39,11 @@ from megatron_cpo.rollout.http_client import (
     health_problem,
     wait_all,
 )
-from megatron_cpo.rollout.scoring import ScoredGroup, ScoredResponse, ScoreRequest
+from megatron_cpo.rollout.scoring import ScoreRequest
+from megatron_cpo.rollout.server_scoring import TICK_S, ServerScoreBook
 from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutEngineStartError, RolloutGroup
 
 logger = logging.getLogger(__name__)
-
-TICK_S = 0.5  # the longest single wait for a finished group between two looks at the servers' health
 
 
 @dataclass
@@ -59,6 +58,7 @@ class ServerClientConfig:
     weight_sync_timeout_s: float = 300.0
     min_model_len: int = 0  # the longest prompt + response the run needs; a server with less is refused
     health: EngineHealthConfig = field(default_factory=EngineHealthConfig)  # pings and stalls (restart: unused)
+    frozen_weights: bool = False  # a teacher's servers: never pushed to, so one healthy again serves at once
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -73,7 +73,7 @@ class ServerClientConfig:
         self.urls = tuple(url.rstrip("/") for url in self.urls)
 
 
-class ServerRolloutManager(RequestBook):
+class ServerRolloutManager(RequestBook, ServerScoreBook):
     """Rollout servers behind `RolloutManager`'s submit / completed / weight-sync interface."""
 
     def __init__(self, config: ServerClientConfig) -> None:
@@ -89,6 +89,7 @@ class ServerRolloutManager(RequestBook):
         self._pending: dict[str, tuple[EngineRequest, concurrent.futures.Future]] = {}
         self._orphans: list[EngineRequest] = []  # requests of given-up servers, sent again at the next look
         self._scoring: dict[str, tuple[ScoreRequest, int, concurrent.futures.Future]] = {}  # a teacher's requests
+        self._score_orphans: list[ScoreRequest] = []  # scoring requests of given-up servers (server_scoring.py)
         self._done: queue.Queue = queue.Queue()
         self._closed = False
         self._watch = EngineWatch(config.health, len(self.engines))
@@ -163,45 +164,6 @@ class ServerRolloutManager(RequestBook):
         self._check_at_once(self._live_indices())
         self._poll_pings()
         return self.num_engines_alive() + self.num_engines_restarting()
-
-    # --- scoring (a distillation teacher's servers) ------------------------------------------------------------
-    def submit_score(self, request: ScoreRequest) -> None:
-        """Score a group's responses on the least-loaded live server (`RolloutManager.submit_score`)."""
-        import dataclasses
-
-        index = self._least_loaded(index for _, index, _ in self._scoring.values())
-        if index is None:
-            raise RolloutEnginesLostError(self._lost_message(f"request {request.request_id!r} cannot be scored"))
-        future = self._caller.spawn(self.engines[index], proto.SCORE, dataclasses.asdict(request), None,
-                                    connect_timeout_s=self.config.timeout_s)
-        self._scoring[uuid.uuid4().hex] = (request, index, future)
-
-    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
-                       ) -> dict[str, ScoredGroup]:
-        """`RolloutManager.collect_scores` over HTTP: a dead server's requests are scored again on the others."""
-        wanted = set(request_ids) if request_ids is not None else {r.request_id for r, _, _ in self._scoring.values()}
-        done: dict[str, ScoredGroup] = {}
-        while wanted - done.keys():
-            keys = [key for key, (request, _, _) in self._scoring.items() if request.request_id in wanted]
-            if not keys:
-                raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
-            finished, _ = concurrent.futures.wait([self._scoring[key][2] for key in keys], timeout=timeout,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-            if not finished:
-                raise TimeoutError(f"no scoring request finished within {timeout}s; {len(keys)} outstanding")
-            for key in [key for key in keys if self._scoring[key][2].done()]:
-                request, index, future = self._scoring.pop(key)
-                try:
-                    body = future.result()
-                except RolloutServerError as err:
-                    if isinstance(err, RolloutServerAuthError) or self._health_problem(index) is None:
-                        raise
-                    self._mark_dead(index, str(err))
-                    self.submit_score(request)
-                    continue
-                done[request.request_id] = ScoredGroup(body["request_id"],
-                                                       [ScoredResponse(**r) for r in body["responses"]])
-        return done
 
     # --- weights --------------------------------------------------------------------------------------------
     def sender_spec(self, transport: str | None = None) -> ServerSenderSpec:
@@ -313,6 +275,7 @@ class ServerRolloutManager(RequestBook):
         finally:
             self._pending.clear()
             self._scoring.clear()
+            self._score_orphans.clear()
             self._caller.close()
 
     # --- internals ------------------------------------------------------------------------------------------
@@ -404,6 +367,7 @@ class ServerRolloutManager(RequestBook):
                 del self._pending[key]
                 future.cancel()
                 self._orphans.append(request)
+        self._orphan_scoring_of(index)
         self._failures.pop(index, None)
         self._failures[index] = f"server {index} ({self.engines[index]}): {cause}"
         logger.warning("rollout server %d (%s) failed: %s; %d of %d servers left (rollout/engines_alive), its %d "
@@ -417,6 +381,8 @@ class ServerRolloutManager(RequestBook):
         sent again."""
         self._watch.look(time.monotonic())
         self._poll_pings()
+        if self.config.frozen_weights:  # a teacher's server takes no push: healthy again, it serves
+            self._take_back_recovered()
         busy = sorted({request.engine_index for request, _ in self._pending.values()})
         for index in self._watch.stalled(busy, self._live_indices()):
             self._mark_dead(index, f"finished no request for actor_rollout_ref.rollout.engine_health.stall_timeout_s="
@@ -471,6 +437,13 @@ class ServerRolloutManager(RequestBook):
             except RolloutServerError as err:
                 logger.warning("rollout server %d (%s) answered /health but not /cancel (%s); not taken back yet",
                                index, self.engines[index], err)
+                continue
+            if self.config.frozen_weights:
+                self._alive[index] = True
+                self._failures.pop(index, None)
+                self._watch.forget(index)
+                self.engine_restarts += 1
+                logger.warning("server %d (%s) answers /health again and serves", index, self.engines[index])
                 continue
             self._joining.add(index)
             logger.warning("rollout server %d (%s) answers /health again: it takes this weight push, then requests",

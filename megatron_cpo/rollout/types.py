@@ -179,6 +179,7 @@ class EngineLaunchConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     enable_sleep_mode: bool = False  # vLLM's sleep mode (GPU engines only): colocated engines free memory to train
     max_logprobs: int = 20  # vLLM's cap on (prompt) log-probs per position: a distillation teacher's top-k at least
+    frozen_weights: bool = False  # a teacher's engines: never pushed to, so a restarted one serves once it is up
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model_path):

@@ -1,12 +1,21 @@
 """Engine failures with real Ray actors (restarts off; restarts: tests/trainer/test_engine_health.py): a killed
-engine's prompts move to the survivor exactly once, losing every engine raises a clear error naming the prompts,
-and an engine that cannot start says why."""
+engine's prompts and a distillation teacher's scoring requests move to the survivor exactly once, an engine that
+hangs while scores are awaited is given up within the health bound, losing every engine raises a clear error naming
+the prompts, and an engine that cannot start says why."""
+import dataclasses
 import json
+import os
+import signal
+import time
 
+import numpy as np
 import pytest
 import ray
 
 from megatron_cpo.rollout import RolloutEnginesLostError, RolloutEngineStartError, RolloutManager, SamplingParams
+from megatron_cpo.rollout.config import EngineHealthConfig
+from megatron_cpo.rollout.processes import engine_processes
+from megatron_cpo.rollout.scoring import ScoreRequest
 from tests.conditions import wait_until
 from tests.rollout.conftest import tiny_rollout_config
 
@@ -16,9 +25,17 @@ def samples_in_generation(engine) -> int:
     return ray.get(engine.__ray_call__.remote(lambda actor: actor.engine.get_num_unfinished_requests()), timeout=60)
 
 
+def score_requests(tag: str) -> list[ScoreRequest]:
+    return [ScoreRequest(f"{tag}-{i}", [1, 20 + i, 21 + i], [list(range(40, 40 + 30 + i)), [5, 6]], 3)
+            for i in range(6)]
+
+
 def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a_clear_error(ray_cluster,
                                                                                             tiny_model_dir):
-    with RolloutManager(tiny_rollout_config(tiny_model_dir, restart=False)) as manager:
+    config = tiny_rollout_config(tiny_model_dir, restart=False)
+    health = EngineHealthConfig(check_interval_s=1, timeout_s=5, restart=False)
+    config = dataclasses.replace(config, engines=dataclasses.replace(config.engines, engine_health=health))
+    with RolloutManager(config) as manager:
         params = SamplingParams(n=2, temperature=1.0, max_tokens=48, seed=3)
         ids = [f"kill-{i}" for i in range(10)]
         for i, request_id in enumerate(ids):
@@ -26,6 +43,9 @@ def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a
         on_killed_engine = {request.request_id for request in manager._requests() if request.engine_index == 0}
         assert len(on_killed_engine) == 5  # the other 5 are on engine 1
         wait_until(lambda: samples_in_generation(manager.engines[0]), 120, "engine 0 to start generating")
+        for request in score_requests("killed"):  # a teacher's requests, half of them on engine 0
+            manager.submit_score(request)
+        assert sorted(index for _, index in manager._scoring.values()) == [0, 0, 0, 1, 1, 1]
         ray.kill(manager.engines[0])
 
         groups = list(manager.completed(timeout=300))
@@ -35,9 +55,28 @@ def test_killed_engine_prompts_are_redispatched_once_and_losing_all_engines_is_a
         print(f"{len(redispatched)} of {len(on_killed_engine)} prompts of the killed engine were re-dispatched")
         assert redispatched
         assert manager.health() == [False, True]
+        scores = manager.collect_scores([r.request_id for r in score_requests("killed")], timeout=300)
+        for request in score_requests("again"):  # the same requests, all on engine 1 now
+            manager.submit_score(request)
+        again = manager.collect_scores(timeout=300)
+        assert len(scores) == len(again) == 6
+        for i in range(6):
+            for scored, expected in zip(scores[f"killed-{i}"].responses, again[f"again-{i}"].responses):
+                np.testing.assert_allclose(scored.log_probs, expected.log_probs, rtol=0, atol=1e-5)
+                np.testing.assert_allclose(scored.topk_log_probs, expected.topk_log_probs, rtol=0, atol=1e-5)
 
         manager.submit("orphan", [1, 2, 3], SamplingParams(max_tokens=400, temperature=1.0))
-        ray.kill(manager.engines[1])
+        manager.submit_score(score_requests("hung")[0])
+        [core] = [p for p in engine_processes(manager.actors.pid_dir, f"{manager.engine_names[1]}.pid")
+                  if "EngineCore" in p.name() + " ".join(p.cmdline())]
+        os.kill(core.pid, signal.SIGSTOP)  # alive and silent: only the health check finds it
+        stopped = time.monotonic()
+        with pytest.raises(RolloutEnginesLostError, match=r"all 2 rollout engines are lost.*'orphan'"):
+            manager.collect_scores(["hung-0"], timeout=300)
+        found_s = time.monotonic() - stopped
+        print(f"the stopped engine was given up {found_s:.1f} s after SIGSTOP while scores were awaited")
+        assert found_s < health.check_interval_s + health.timeout_s + 30  # + a loaded machine's slack
+        assert "did not answer a health check" in manager.last_engine_failure
         with pytest.raises(RolloutEnginesLostError, match=r"all 2 rollout engines are lost.*'orphan'"):
             list(manager.completed(timeout=300))
 

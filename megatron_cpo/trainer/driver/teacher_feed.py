@@ -91,8 +91,12 @@ class TeacherFeed:
         for teacher, ids in by_teacher.values():
             try:
                 scores.update(teacher.collect(ids, timeout=COLLECT_TIMEOUT_S))
-            except (TeacherScoreError, RolloutEnginesLostError):
+            except TeacherScoreError:
                 raise
+            except RolloutEnginesLostError as err:  # the rollout's engines are fine: this is the teacher's loss
+                raise TeacherScoreError(f"teacher {teacher.name!r} lost every engine ({err}); resume with "
+                                        "trainer.resume=auto once its engines can run (distillation.teacher_models."
+                                        f"{teacher.name})") from err
             except Exception as err:  # any other failure of a teacher ends the step, named
                 raise TeacherScoreError(f"teacher {teacher.name!r} failed to score {len(ids)} group(s) "
                                         f"({type(err).__name__}: {err}); check the teacher's engines or "
