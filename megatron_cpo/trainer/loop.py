@@ -1,19 +1,10 @@
 """The step loop, the same on every rank: `Trainer.fit()` and `Trainer.step()` over the run's typed parts.
 
-`Trainer.step()` is the numbered list of docs/architecture.md ("One RL step"), one call per item: 1 collect -> 2 the
-batch on every rank -> 3 log-probs -> 4 advantages -> 5 update -> 6 push weights -> 7 sync the reference -> 8 run
-controls (early stop, sample budget) -> 9 validate when due -> 10 log -> 11 checkpoint when due. What only rank 0 does
-(data, engines, grading, logging) and every broadcast of its decisions sit behind the driver (`driver/interface.py`:
-rank 0's `LeadDriver`, the other ranks' `FollowerDriver`), so the loop never asks which rank it is. `Trainer.fit()`
-resumes, validates before the first step and after the last, and always checkpoints the last step; the run also ends
-(checkpointed, reason logged) once the early-stop monitor or the sample budget says so. SIGTERM (SLURM preemption)
-finishes the current step, checkpoints and stops; a run that loses every rollout engine checkpoints what it trained and
-raises `RunAbortedError` (one line naming the engine and the fix), as does a non-finite reward
-(`reward.non_finite=error`) or too many optimizer steps skipped in a row for non-finite values
-(trainer/workers/update_guard.py).
-
-The composition root that builds a `Trainer` from the run's settings is `assemble.py` (`build_trainer`,
-`run_training`).
+`Trainer.step()` is docs/architecture.md's "One RL step", one call per item: collect, the batch on every rank,
+log-probs, advantages, update, push, reference sync, run controls, validation, log, checkpoint. Rank 0's work and
+every broadcast of its decisions sit behind the driver (`driver/interface.py`), so the loop never asks which rank it
+is. How a run ends (SIGTERM, lost engines, refused rewards or teacher scores, skipped updates): docs/trainer.md.
+The composition root that builds a `Trainer` is `assemble.py`.
 """
 from __future__ import annotations
 
