@@ -15,12 +15,12 @@ from megatron_cpo.models.conversion_commands import (
     add_hf_to_mcore_arguments,
     add_mcore_to_hf_arguments,
     run_hf_to_mcore,
-    run_mcore_to_hf,
 )
 from megatron_cpo.models.inference import add_generate_arguments, run_generate
 from megatron_cpo.models.lora.merge_command import add_merge_lora_arguments, run_merge_lora
 from megatron_cpo.rollout.server import add_rollout_arguments, run_rollout_command
 from megatron_cpo.trainer.command import add_train_arguments, run_train
+from megatron_cpo.trainer.run.checkpoint_conversion import run_checkpoint_to_hf
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,12 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "convert-hf-to-mcore": Command("HF model directory -> Megatron torch_dist checkpoint (run under torchrun)",
+    "convert-hf-to-mcore": Command("HF model directory -> Megatron torch_dist checkpoint (run under torchrun; a PEFT "
+                                   "adapter needs none: actor_rollout_ref.model.lora.adapter_path starts from it)",
                                    add_hf_to_mcore_arguments, run_hf_to_mcore),
-    "convert-mcore-to-hf": Command("Megatron torch_dist checkpoint -> HF model directory with config and tokenizer",
-                                   add_mcore_to_hf_arguments, run_mcore_to_hf),
+    "convert-mcore-to-hf": Command("Megatron torch_dist or training-run checkpoint -> HF model directory (a LoRA "
+                                   "run's: PEFT adapter, or merged with --merge)",
+                                   add_mcore_to_hf_arguments, run_checkpoint_to_hf),
     "merge-lora": Command("PEFT LoRA adapter + its HF base model -> HF model directory with the adapter merged in",
                           add_merge_lora_arguments, run_merge_lora),
     "train": Command("RL post-training (GRPO, DAPO, CPO) from a YAML config and dotted overrides",

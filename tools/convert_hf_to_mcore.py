@@ -4,6 +4,10 @@ Any family of megatron_cpo/models/families/ (docs/conversion.md lists them).
 
     torchrun --nproc-per-node N*M tools/convert_hf_to_mcore.py --hf DIR --out DIR --tp N --pp M [--force]
     torchrun --nproc-per-node 8 tools/convert_hf_to_mcore.py --hf DIR --out DIR --ep 8   # a mixture of experts
+
+A PEFT LoRA adapter needs no conversion: the trainer starts a LoRA actor from the base
+(`actor_rollout_ref.model.path`) and the adapter directory (`actor_rollout_ref.model.lora.adapter_path`) at any
+layout. For a checkpoint of the model with the adapter merged in, `megatron-cpo merge-lora` first (docs/lora.md).
 """
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from megatron_cpo.models.conversion_commands import add_hf_to_mcore_arguments, r
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = add_hf_to_mcore_arguments(argparse.ArgumentParser(description=__doc__.strip().splitlines()[0]))
-    run_reporting_errors(run_hf_to_mcore, parser.parse_args(argv))
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                     epilog="\n\n".join(__doc__.strip().split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_reporting_errors(run_hf_to_mcore, add_hf_to_mcore_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ rank holds an equal slice; checkpoints load whatever padding they were saved wit
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ def load_hf_config(hf_dir: str | Path) -> Any:
     from transformers import AutoConfig
 
     path = Path(hf_dir)
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise FileNotFoundError(f"{str(path)!r} is a PEFT adapter, not a model: pass its base model ({base!r}) here; "
+                                "LoRA training starts from the adapter with actor_rollout_ref.model.lora.adapter_path, "
+                                "and `megatron-cpo merge-lora` merges it into the base")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(path)!r}; pass the directory of a Hugging Face model "
                                 f"(one that AutoModelForCausalLM.from_pretrained loads)")

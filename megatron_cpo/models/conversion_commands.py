@@ -84,7 +84,7 @@ def _rank0_log(log: Callable[[str], None]) -> Callable[[str], None]:
     return lambda message: log(message) if dist.get_rank() == 0 else None
 
 
-def _staging_dir(out: Path) -> Path:
+def staging_dir(out: Path) -> Path:
     """Create a fresh `<out>.partial` on rank 0 and wait for every rank to see it."""
     staging = out.with_name(out.name + ".partial")
     if dist.get_rank() == 0:
@@ -94,7 +94,7 @@ def _staging_dir(out: Path) -> Path:
     return staging
 
 
-def _publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path) -> None:
     """Move the finished `staging` directory to `out` (replacing it), once every rank has finished writing."""
     dist.barrier()
     if dist.get_rank() == 0:
@@ -131,9 +131,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     say(f"[2/3] loading HF weights from {hf_dir}")
     load_hf_weights(model, hf_dir)
     say(f"[3/3] saving torch_dist checkpoint to {out}")
-    staging = _staging_dir(out)
+    staging = staging_dir(out)
     save_checkpoint(model, staging)
-    _publish(staging, out)
+    publish(staging, out)
     say(f"done in {time.perf_counter() - start:.1f} s: {out}")
     return out
 
@@ -236,7 +236,7 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
     from megatron_cpo.models.value_head import head_has_bias, value_model_config
 
     out = Path(out_dir)
-    staging = _staging_dir(out)
+    staging = staging_dir(out)
     files = _write_stage_shards(model, hf_config, staging, dtype, max_shard_bytes, say)
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, files)
@@ -246,13 +246,14 @@ def export_hf_model(model, hf_config, hf_source_dir: str | Path, out_dir: str | 
             f"{', '.join(_copy_non_weight_files(Path(hf_source_dir), staging))}")
         if unwrap_model(model).value_head:
             value_model_config(hf_config, head_has_bias(hf_config)).to_json_file(staging / "config.json")
-    _publish(staging, out)
+    publish(staging, out)
     return out
 
 
-def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
+def add_expert_arguments(parser: argparse.ArgumentParser, ep_default: int | None = 1) -> None:
     """--ep / --etp of both conversion commands (mixture-of-experts models)."""
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size used while converting (MoE models)")
+    parser.add_argument("--ep", type=int, default=ep_default,
+                        help="expert-parallel size used while converting (MoE models; default 1)")
     parser.add_argument("--etp", type=int, default=None,
                         help="expert-tensor-parallel size used while converting (default: --tp)")
 
@@ -273,15 +274,25 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
 def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of the Megatron -> HF command (shared by the tool and the CLI)."""
     parser.add_argument("--mcore", required=True,
-                        help="torch_dist checkpoint directory (ours, or a plain Megatron-LM/verl one of this model)")
-    parser.add_argument("--out", required=True, help="output Hugging Face model directory")
+                        help="torch_dist checkpoint directory (ours, or a plain Megatron-LM/verl one of this model), "
+                             "or a training run's checkpoint (<default_local_dir>/checkpoints/step_<k>, or the "
+                             "checkpoints directory: the step its `latest` names)")
+    parser.add_argument("--out", required=True,
+                        help="output Hugging Face model directory (a LoRA run's checkpoint: PEFT adapter directory)")
     parser.add_argument("--hf-config", required=True,
-                        help="HF directory the checkpoint came from (its config and tokenizer are copied)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size used while converting")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size used while converting")
-    add_expert_arguments(parser)
+                        help="HF directory the checkpoint came from (its config and tokenizer are copied; a run's "
+                             "checkpoint: the run's actor_rollout_ref.model.path, the base of its adapters)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel size used while converting (default 1; a run's checkpoint: its own)")
+    parser.add_argument("--pp", type=int, default=None,
+                        help="pipeline-parallel size used while converting (default 1; a run's checkpoint: its own)")
+    add_expert_arguments(parser, ep_default=None)
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run's checkpoint: write its adapters merged into the base (--hf-config) as a "
+                             "full model instead of the PEFT adapter directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="dtype of the written tensors (default: the config's dtype)")
+                        help="dtype of the written tensors (default: the config's dtype; a PEFT adapter: the "
+                             "checkpoint's)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file to write")
     parser.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     return parser
@@ -297,9 +308,10 @@ def run_hf_to_mcore(args: argparse.Namespace) -> None:
 
 
 def run_mcore_to_hf(args: argparse.Namespace) -> None:
-    """Entry for `tools/convert_mcore_to_hf.py` and `megatron-cpo convert-mcore-to-hf`."""
+    """The torch_dist side of `tools/convert_mcore_to_hf.py` and `megatron-cpo convert-mcore-to-hf` (a training run's
+    checkpoint: trainer/run/checkpoint_conversion.py)."""
     try:
-        convert_mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                            dtype=args.dtype, force=args.force, max_shard_gb=args.max_shard_gb)
+        convert_mcore_to_hf(args.mcore, args.out, args.hf_config, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
+                            etp=args.etp, dtype=args.dtype, force=args.force, max_shard_gb=args.max_shard_gb)
     finally:
         platform.destroy_distributed()

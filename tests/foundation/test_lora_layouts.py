@@ -8,7 +8,8 @@ paid once).
   it exports, and its PEFT export, equal TP=1's;
 - the trainer's actor with LoRA and a KL loss against the reference (the base with its adapters off): two updates at
   TP=2 and PP=2 log the losses, KL and gradient norm of TP=1; the base stays as loaded and only the adapters reach the
-  optimizer; PPO's critic with LoRA trains its adapters and its value head only.
+  optimizer; PPO's critic with LoRA trains its adapters and its value head only; the run's checkpoint converts, on the
+  ranks that wrote it, to its own PEFT export (and merged, to merge-lora's model).
 """
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def _all(value):
     return parts
 
 
-def _two_updates(model_dir: str, tp: int, pp: int) -> dict:
+def _two_updates(model_dir: str, tp: int, pp: int, work_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_cpo import platform
@@ -185,6 +186,7 @@ def _two_updates(model_dir: str, tp: int, pp: int) -> dict:
         log_probs = compute_log_probs(batch, actor, reference, settings, pad_token_id=0)
         advantages, metrics = compute_advantages(batch, log_probs, settings)
         history.append({**metrics, **update_policy(actor, batch, log_probs, advantages, settings).metrics})
+    run_dir = _checkpoint_and_convert(actor, model_dir, Path(work_dir) / f"run_{tp}x{pp}")
     trained = actor.ddp_model.params_with_grad  # what DDP reduces and the optimizer steps
     adapters = [p for name, p in actor.model.named_parameters() if p.requires_grad]
     result = {"history": [{key: step[key] for key in UPDATE_KEYS} for step in history],
@@ -195,9 +197,21 @@ def _two_updates(model_dir: str, tp: int, pp: int) -> dict:
               "trained_are_adapters": {id(p) for p in trained} == {id(p) for p in adapters},
               "only_adapters_trainable": all(".lora_adapter." in name for name, p in actor.model.named_parameters()
                                              if p.requires_grad),
-              "reference_shares_the_model": reference.model is actor.model}
+              "reference_shares_the_model": reference.model is actor.model, "run_dir": str(run_dir)}
     parallel_state.destroy_model_parallel()
     return result
+
+
+def _checkpoint_and_convert(actor, model_dir: str, run_dir: Path) -> Path:
+    """The trainer's checkpoint of `actor` (rank files and its PEFT export) at step 2, converted by the ranks that
+    wrote it to `run_dir/adapter` and, merged, to `run_dir/merged`."""
+    from megatron_cpo.trainer.run.checkpoint_conversion import convert_run_checkpoint
+    from megatron_cpo.trainer.run.checkpointing import CheckpointManager, hf_exporter
+
+    step = CheckpointManager(run_dir, actor, None, export_hf=hf_exporter(actor, model_dir, "float32")).save(2)
+    convert_run_checkpoint(step, run_dir / "adapter", model_dir, log=lambda message: None)
+    convert_run_checkpoint(step, run_dir / "merged", model_dir, merge=True, log=lambda message: None)
+    return run_dir
 
 
 def _critic_case(model_dir: str) -> dict:
@@ -248,7 +262,8 @@ def all_cases(rank, world_size, dense_dir, moe_dir, work_dir):
                for name, layout in DENSE_LAYOUTS.items()}
     results.update({f"moe/{name}": _model_case(moe_dir, layout, work_dir, f"moe/{name}")
                     for name, layout in MOE_LAYOUTS.items()})
-    results.update({f"update/{tp}x{pp}": _two_updates(dense_dir, tp, pp) for tp, pp in ((1, 1), (2, 1), (1, 2))})
+    results.update({f"update/{tp}x{pp}": _two_updates(dense_dir, tp, pp, work_dir)
+                    for tp, pp in ((1, 1), (2, 1), (1, 2))})
     results["critic"] = _critic_case(dense_dir)
     platform.destroy_distributed()
     return _numpy(results)
@@ -340,6 +355,28 @@ def test_lora_updates_agree_across_layouts_and_train_only_the_adapters(results):
         case = results[layout]
         assert case["base_unchanged"] and case["only_adapters_trainable"] and case["reference_shares_the_model"]
         assert case["trained_are_adapters"] and case["optimizer_params"] == case["adapter_params"] > 0
+
+
+@pytest.mark.parametrize("layout", ["update/1x1", "update/2x1", "update/1x2"])  # DP 2, TP 2, PP 2
+def test_a_lora_runs_checkpoint_converts_at_its_layout_to_its_own_export(results, layout):
+    """The checkpoint converter (trainer/run/checkpoint_conversion.py) on the ranks that wrote the checkpoint: its
+    PEFT adapter is the run's own export, and merged it is what `merge-lora` makes of that export."""
+    from safetensors.torch import load_file
+
+    from megatron_cpo.models.lora.merge_command import merge_lora
+    from megatron_cpo.models.lora.peft_format import ADAPTER_WEIGHTS
+
+    run_dir = Path(results[layout]["run_dir"])
+    export = run_dir / "step_000002" / "huggingface"
+    converted, exported = load_file(run_dir / "adapter" / ADAPTER_WEIGHTS), load_file(export / ADAPTER_WEIGHTS)
+    assert sorted(converted) == sorted(exported)
+    assert all(torch.equal(converted[name], exported[name]) for name in exported)
+    assert max(float(t.abs().max()) for name, t in exported.items() if ".lora_B." in name) > 1e-4  # trained
+    reference = merge_lora(results["dense_dir"], export, run_dir / "reference_merge", log=lambda message: None)
+    reference, merged = ({name: t for path in sorted(directory.glob("*.safetensors"))
+                          for name, t in load_file(path).items()} for directory in (reference, run_dir / "merged"))
+    assert sorted(merged) == sorted(reference)
+    assert _max_difference(reference, merged) <= 1e-6
 
 
 def test_a_lora_critic_trains_its_adapters_and_value_head_only(results):

@@ -12,17 +12,24 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny" / "model"
 TOKENS = torch.tensor([[5, 9, 33, 40, 2, 7, 8, 11]])
 
 
-def peft_adapter(base: Path, out: Path, rank: int = 4):
+def peft_adapter(base: Path, out: Path, rank: int = 4, alpha: float = 8, share_fused_a: bool = False):
+    """An adapter of the real `peft` on every linear layer of `base`, A and B random (B small, as trained), saved to
+    `out`; `share_fused_a`: k and v take q's A, up takes gate's (the adapters Megatron's fused layers hold)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+                           LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear", init_lora_weights=False))
+    params = dict(model.named_parameters())
     with torch.no_grad():  # a trained adapter's size: B random, small
-        for name, param in model.named_parameters():
+        for name, param in params.items():
             if "lora_B" in name:
                 param.mul_(0.05)
+            for first, fused in (("q_proj", ("k_proj", "v_proj")), ("gate_proj", ("up_proj",))):
+                if share_fused_a and f".{first}.lora_A." in name:
+                    for other in fused:
+                        params[name.replace(first, other)].copy_(param)
     model.save_pretrained(out)
     return model
 

@@ -1,15 +1,18 @@
 """The on-disk layout of a run's checkpoints, and how each one is verified before it is trusted.
 
-`<root>/step_<k>/`: `rank_<r>.pt` per rank, `manifest.json` (step, world size, size and SHA-256 of each rank file),
-optionally `huggingface/` and `critic_huggingface/`. Written as `step_<k>.tmp`, renamed when complete, then
-`<root>/latest` is replaced, so the newest directory without `.tmp` is whole and its manifest finds a bad file.
+`<root>/step_<k>/`: `rank_<r>.pt` per rank, `manifest.json` (step, world size, size and SHA-256 of each rank file,
+the actor's parallel layout and LoRA settings), optionally `huggingface/` and `critic_huggingface/`. Written as
+`step_<k>.tmp`, renamed when complete, then `<root>/latest` is replaced, so the newest directory without `.tmp` is
+whole and its manifest finds a bad file.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_cpo.trainer.run.errors import RunAbortedError
@@ -64,9 +67,26 @@ def file_digest(path: Path) -> dict[str, int | str]:
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def write_manifest(directory: Path, step: int, world_size: int, files: dict[str, dict]) -> None:
-    (directory / MANIFEST).write_text(json.dumps({"step": step, "world_size": world_size, "files": files},
-                                                 indent=1, sort_keys=True))
+@dataclass(frozen=True)
+class ActorRecord:
+    """What rebuilds the actor a checkpoint's rank files hold, as its manifest records it (the checkpoint converter,
+    checkpoint_conversion.py, reads it; resume does not): the parallel layout the files were written at, Megatron's
+    sizes under the trainer's names (`tensor_model_parallel_size`, ...), and the LoRA settings (`LoraConfig`'s
+    fields; None: the whole model trains)."""
+    parallel: dict[str, int]
+    lora: dict | None
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def write_manifest(directory: Path, step: int, world_size: int, files: dict[str, dict],
+                   actor: ActorRecord | None = None) -> None:
+    manifest = {"step": step, "world_size": world_size, "files": files}
+    if actor is not None:
+        manifest["actor"] = dataclasses.asdict(actor)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def verify_checkpoint(directory: Path, world_size: int, rank_file: str) -> str | None:

@@ -4,16 +4,17 @@
 the fp32 main parameters of a reduced-precision model), the schedule and the RNG states, and with PPO's critic the
 critic's shard, optimizer state and schedule beside the actor's (one file per rank, so resume restores both at the
 same step or neither); rank 0's file also holds the data position and the state of rank 0's run controls (the
-early-stop monitor), each under its name. A checkpoint is
-written into `step_<k>.tmp`, gets a manifest (sizes and SHA-256 of the rank files), is renamed into place, and only
-then does `<root>/latest` name it, so a run killed mid-save resumes from the previous one (checkpoint_files.py). On
+early-stop monitor), each under its name. A checkpoint is written into `step_<k>.tmp`, gets a manifest (sizes and
+SHA-256 of the rank files; the actor's layout and LoRA settings), is renamed into place, and only then does
+`<root>/latest` name it, so a run killed mid-save resumes from the previous one (checkpoint_files.py). On
 resume a damaged checkpoint (or `latest`) is reported and the newest intact one is used. With `hf_model` in
 `actor_rollout_ref.actor.checkpoint.save_contents` (the default) the actor is also written as a Hugging Face model
 directory, `<root>/step_<k>/huggingface` (loadable with `from_pretrained`, or convertible to a Megatron checkpoint at
 any TP/PP; a LoRA actor's is its PEFT adapter on the base model, docs/lora.md, and its rank files hold only the
 adapters); with `hf_model` in `critic.checkpoint.save_contents` the critic too, as a token-classification model with
 one label (`step_<k>/critic_huggingface`). Resuming needs the same world size and TP/PP layout; to change the
-layout, start a new run from that Hugging Face directory. No checkpoint holds a NaN or infinity: weights or optimizer
+layout, start a new run from that Hugging Face directory (or the one tools/convert_mcore_to_hf.py writes from the
+rank files later: checkpoint_conversion.py). No checkpoint holds a NaN or infinity: weights or optimizer
 state that are not finite on some rank are never written (nor exported), and on resume a checkpoint that holds one
 (written before this check existed) is passed over like a damaged one, naming it, for the newest good one.
 
@@ -22,6 +23,7 @@ Per-rank files are used instead of Megatron's distributed-checkpoint format beca
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -41,8 +43,10 @@ from megatron_cpo.trainer.run.checkpoint_files import (
     HF_DIR,
     LATEST,
     TMP_SUFFIX,
+    ActorRecord,
     CheckpointError,
     file_digest,
+    rank_file_name,
     read_latest,
     step_dir_name,
     step_dirs,
@@ -135,6 +139,20 @@ def model_state(model: Any) -> dict:
             "scheduler": model.scheduler.state_dict()}
 
 
+def actor_record(model: Any) -> ActorRecord:
+    """The manifest's record of the actor `model` (a `MegatronPolicy`): this rank's parallel layout and its LoRA
+    settings."""
+    from megatron.core import parallel_state as ps
+
+    lora = lora_of(model.model)
+    return ActorRecord({"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                        "context_parallel_size": ps.get_context_parallel_world_size(),
+                        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+                        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()},
+                       None if lora is None else dataclasses.asdict(lora))
+
+
 def load_model_state(model: Any, state: dict, where: str = "the checkpoint") -> None:
     if lora_of(model.model):
         load_trainable_state(model.model, state["model"], where)
@@ -171,7 +189,7 @@ class CheckpointManager:
         return None if self.saved_step is None else self.root / step_dir_name(self.saved_step)
 
     def _rank_name(self) -> str:
-        return f"rank_{dist.get_rank():05d}.pt"
+        return rank_file_name(dist.get_rank())
 
     def save(self, step: int) -> Path:
         """Collective: write step `step`'s checkpoint on every rank into a temporary directory, add the manifest,
@@ -197,7 +215,7 @@ class CheckpointManager:
                 export(staging / directory)
         dist.barrier()
         if dist.get_rank() == 0:
-            write_manifest(staging, step, dist.get_world_size(), dict(entries))
+            write_manifest(staging, step, dist.get_world_size(), dict(entries), actor_record(self.actor))
             if final.exists():  # written by an earlier attempt at this step that `latest` never named
                 shutil.rmtree(final)
             os.replace(staging, final)
