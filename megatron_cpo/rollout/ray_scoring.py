@@ -3,15 +3,17 @@
 Scoring requests (`VLLMEngine.score`: prompt log-probs of given responses) live apart from generation: `finished()`
 and `cancel_all()` never see them. While `collect_scores` waits it looks after the engines' health as generation
 does (`RolloutManager._look_after_engines`: pings, restarts), so a teacher engine that hangs or dies is given up
-within `engine_health.check_interval_s + timeout_s` and its requests are scored again on the others.
+within `engine_health.check_interval_s + timeout_s` and its requests are scored again on the others, or, when it
+was the last, on its restarted replacement once that is up (a teacher's engines load their own weights).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
 
+from megatron_cpo.rollout.engine_actors import EngineActors
 from megatron_cpo.rollout.scoring import ScoredGroup, ScoreRequest
-from megatron_cpo.rollout.types import RolloutEnginesLostError
+from megatron_cpo.rollout.types import EngineLaunchConfig, RolloutEnginesLostError
 
 TICK_S = 0.5  # the longest single wait on the engines between two looks at their health
 
@@ -20,12 +22,17 @@ class RayScoreBook:
     """Submit and collect scoring requests; the subclass (`RolloutManager`) brings the engines and their health."""
 
     engines: list
+    config: EngineLaunchConfig
+    actors: EngineActors
     _scoring: dict  # Ray ObjectRef -> (ScoreRequest, engine index)
     _score_orphans: list[ScoreRequest]  # requests of given-up engines, scored again at the next look
 
     def submit_score(self, request: ScoreRequest) -> None:
         """Score a group's responses on the engine with the fewest scoring requests; `collect_scores` returns it."""
         index = self._least_loaded(index for _, index in self._scoring.values())
+        if index is None and self.config.frozen_weights and self.actors.replacements:
+            self._score_orphans.append(request)  # scored once a restarted engine is up
+            return
         if index is None:
             raise RolloutEnginesLostError(f"all {len(self.engines)} teacher engines are lost (last failure: "
                                           f"{self.last_engine_failure}); request {request.request_id!r} cannot be "
@@ -47,14 +54,21 @@ class RayScoreBook:
             self._look_after_engines()
             self._resubmit_score_orphans()
             refs = [ref for ref, (request, _) in self._scoring.items() if request.request_id in wanted]
-            if not refs:
+            waiting = any(request.request_id in wanted for request in self._score_orphans)  # for a restart
+            if not refs and not waiting:
                 raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
+            ready: list = []
+            if refs:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=TICK_S)
+            else:
+                time.sleep(TICK_S)
             for ref in ready:
                 taken = self._take_score(ref)
                 if taken is not None:
                     done[taken[0]] = taken[1]
                     progressed = time.monotonic()
+            if self._score_orphans and self.actors.replacements:  # waiting for a restart (its own start timeout)
+                progressed = time.monotonic()
             if timeout is not None and time.monotonic() - progressed > timeout:
                 raise TimeoutError(f"no scoring request finished within {timeout}s; {len(refs)} outstanding")
         return done
@@ -83,6 +97,8 @@ class RayScoreBook:
             self.actors.abandon(ref)
 
     def _resubmit_score_orphans(self) -> None:
+        if self.config.frozen_weights and not self._live_indices() and self.actors.replacements:
+            return  # a restarted teacher engine takes them once it is up (within `collect_scores`' timeout)
         orphans, self._score_orphans = self._score_orphans, []
         for position, request in enumerate(orphans):
             try:

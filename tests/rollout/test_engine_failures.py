@@ -89,3 +89,24 @@ def test_engine_that_cannot_start_reports_the_cause(ray_cluster, tmp_path):
         RolloutManager(tiny_rollout_config(broken, num_engines=1))
     print(err.value)
     assert "no-such-architecture" in str(err.value)
+
+
+def test_a_teacher_engine_killed_while_scoring_is_restarted_and_scores_them(ray_cluster, tiny_model_dir):
+    """A distillation teacher's only engine (`frozen_weights`: it loads its own weights) is killed with scoring
+    requests in flight: `collect_scores` waits for its restarted replacement, which serves without a push, and
+    every request is scored once (on SmolLM2, an OOM-killed teacher engine used to end the run here)."""
+    config = dataclasses.replace(tiny_rollout_config(tiny_model_dir, num_engines=1), frozen_weights=True)
+    with RolloutManager(config) as manager:
+        for request in score_requests("before"):
+            manager.submit_score(request)
+        before = manager.collect_scores(timeout=300)
+        for request in score_requests("killed"):
+            manager.submit_score(request)
+        ray.kill(manager.engines[0])
+        after = manager.collect_scores(timeout=300)
+        assert (manager.engine_restarts, manager.num_engines_alive()) == (1, 1)
+        assert "restart1" in manager.engine_names[0]
+    assert sorted(after) == [f"killed-{i}" for i in range(6)]
+    for i in range(6):
+        for scored, expected in zip(after[f"killed-{i}"].responses, before[f"before-{i}"].responses):
+            np.testing.assert_allclose(scored.log_probs, expected.log_probs, rtol=0, atol=1e-5)
