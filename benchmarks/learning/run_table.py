@@ -6,7 +6,9 @@
 
 Tables (priority order): (a) GRPO, DAPO, CPO (`negonly_mi3`) on the shipped task; (b) GRPO, CPO and DAPO on the
 harder variant (DAPO separates CPO's shaping from the filter-groups it inherits from DAPO); (c) the CPO rule
-ablation on the shipped task; (d) the three algorithms of (a) with asynchronous training at k = 1. Within a table
+ablation on the shipped task; (d) the three algorithms of (a) with asynchronous training at k = 1; (e) verl's other
+estimators and loss modes; (f) on-policy distillation from a GRPO-trained teacher (the teacher run, 100 steps of GRPO,
+goes first when its kept model is missing: `runs/arith12/teacher/seed0/model`, not committed). Within a table
 the seeds go round-robin over the algorithms (seed 1 of every algorithm, then seed 2, ...) so a table cut short
 stays balanced. A run whose `run.json` says it finished is skipped, so re-running continues the table; `--rerun`
 runs it again.
@@ -15,7 +17,8 @@ Each run writes under `benchmarks/learning/runs/<task>/<algo>/seed<k>/`: the tra
 `train.log`, and `run.json` (command, exit code, wall and CPU time, load average). Checkpoints (the trainer always
 saves the last step) are deleted after the run. CPU time is measured twice: `getrusage(RUSAGE_CHILDREN)` (the trainer
 and every descendant it waited for) and a 1 s sampler over the live process tree (catches Ray / vLLM processes that
-are not reaped through the trainer); the larger is what the table reports.
+are not reaped through the trainer); the larger is what the table reports. The teacher run keeps its last step's
+Hugging Face export as `<out_dir>/model` before the checkpoints go.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from tasks import SEEDS, TABLES, Run, plan, write_task  # noqa: E402
+from tasks import ALGOS, SEEDS, TABLES, TEACHER_MODEL, TEACHER_RUN, Run, plan, write_task  # noqa: E402
 
 
 class TreeCpuSampler(threading.Thread):
@@ -90,6 +93,9 @@ def execute(run: Run) -> dict:
     wall = time.perf_counter() - start_wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rusage_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    exports = sorted((run.out_dir / "checkpoints").glob("step_*/huggingface"), key=lambda p: int(p.parent.name[5:]))
+    if returncode == 0 and ALGOS[run.algo].keeps_model and exports:
+        exports[-1].rename(run.out_dir / "model")  # the last step's Hugging Face export
     shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
     record = {"table": run.table, "task": run.task, "algo": run.algo, "seed": run.seed, "steps": run.steps,
               "command": " ".join(command[1:]).replace(str(REPO) + "/", ""), "returncode": returncode,
@@ -104,8 +110,9 @@ def execute(run: Run) -> dict:
 
 def finished(run: Run) -> bool:
     path = run.out_dir / "run.json"
+    kept = not ALGOS[run.algo].keeps_model or (run.out_dir / "model" / "config.json").is_file()
     return path.is_file() and json.loads(path.read_text()).get("returncode") == 0 and \
-        json.loads(path.read_text()).get("steps") == run.steps
+        json.loads(path.read_text()).get("steps") == run.steps and kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {unknown}: tables are {sorted(TABLES)}")
     steps = {table: int(value) for table, value in (entry.split("=") for entry in args.steps)}
     runs = plan(args.only, tuple(args.seeds), steps)
+    if any(ALGOS[run.algo].needs_teacher for run in runs):
+        runs.insert(0, TEACHER_RUN)  # skipped when its model is there; made first when it is not
     if args.list:
         for run in runs:
             print(" ".join(run.command()[1:]).replace(str(REPO) + "/", ""))
@@ -136,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         record = execute(run)
         print(f"    rc={record['returncode']} wall {record['wall_s']} s, cpu {record['cpu_s']} s, "
               f"load {record['loadavg_1min']}", flush=True)
+        if run is TEACHER_RUN and not finished(run):
+            sys.exit(f"the teacher run failed (rc={record['returncode']}; no {TEACHER_MODEL}): see its train.log "
+                     f"under {run.out_dir}")
     if not args.no_summary:
         from summarize import main as summarize
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 from stats import binomial_se, paired_difference, summarize, verdict  # noqa: E402
-from tasks import SEEDS, TABLES, plan  # noqa: E402
+from tasks import SEEDS, TABLES, TEACHER_RUN, plan  # noqa: E402
 
 START, END = "<!-- generated:start (summarize.py) -->", "<!-- generated:end -->"
 NEVER_SEEN = "val/megatron_cpo/arith/acc"
@@ -30,15 +30,19 @@ COMPARISONS = {"a": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
                "b": [("cpo", "grpo"), ("dapo", "grpo"), ("cpo", "dapo")],
                "c": [(rule, "cpo") for rule in TABLES["c"][1]] + [(rule, "grpo") for rule in TABLES["c"][1]],
                "d": [("grpo_k1", "grpo"), ("dapo_k1", "dapo"), ("cpo_k1", "cpo")],
-               "e": [(algo, "grpo") for algo in TABLES["e"][1]]}
+               "e": [(algo, "grpo") for algo in TABLES["e"][1]],
+               "f": [("opd", "grpo"), ("opd_task", "grpo"), ("opsd", "grpo"), ("opd_task", "opd"), ("opsd", "opd")]}
 TABLE_TITLES = {"a": "(a) the shipped task (levels 1-2), 400 held-out questions",
                 "b": "(b) the harder variant (levels 1-3), 595 held-out questions",
                 "c": "(c) CPO rule ablation on the shipped task (same seeds as (a))",
                 "d": "(d) asynchronous training at k = 1 on the shipped task (same seeds as (a))",
-                "e": "(e) verl's other estimators and loss modes on the shipped task (same seeds as (a))"}
+                "e": "(e) verl's other estimators and loss modes on the shipped task (same seeds as (a))",
+                "f": "(f) on-policy distillation from a GRPO-trained teacher on the shipped task (same seeds as (a))"}
 ALGO_NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO negonly_mi3", "grpo_k1": "GRPO k=1", "dapo_k1": "DAPO k=1",
               "cpo_k1": "CPO negonly_mi3 k=1", "ppo": "PPO (GAE + critic)", "rloo": "RLOO",
-              "reinforce_plus_plus": "REINFORCE++", "gspo": "GSPO"}
+              "reinforce_plus_plus": "REINFORCE++", "gspo": "GSPO", "opd": "OPD", "opd_task": "OPD + task",
+              "opsd": "OPSD",
+              "teacher": "the teacher (GRPO)"}
 
 
 @dataclass
@@ -129,6 +133,8 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
               "are in points of `val/acc` (last step minus before training).", "",
               "| algorithm | seeds | after (mean) | change: mean | std | 95% interval | change on the 282 never-seen "
               "level-1/2 questions (mean) | CPU s / run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if table == TEACHER_RUN.table:
+        lines[-2:-2] = teacher_lines(results)
     changes = {}
     for algo, runs in by_algo.items():
         if not runs:
@@ -167,6 +173,19 @@ def table_markdown(table: str, results: list[RunResult]) -> list[str]:
                          f"{r.record['cpu_s']:.0f} | {load_avg['mean']:.1f}, {load_avg['max']:.1f} |")
     lines += ["", "</details>", ""]
     return lines
+
+
+def teacher_lines(results: list[RunResult]) -> list[str]:
+    """The distillation table's teacher: its run and held-out accuracy at each validation."""
+    run = TEACHER_RUN
+    teacher = next((r for r in results if (r.task, r.algo, r.seed) == (run.task, run.algo, run.seed)), None)
+    if teacher is None:
+        return ["The teacher run did not finish.", ""]
+    curve = ", ".join(f"{step}: {100 * acc:.1f}%" for step, acc in sorted(teacher.val.items()))
+    return [f"Teacher: GRPO (`examples/tiny/grpo_arith.yaml`), seed {run.seed}, {run.steps} steps, its last step kept "
+            f"(`runs/{run.task}/{run.algo}/seed{run.seed}/model`, not committed); held-out `val/acc` by step: {curve} "
+            f"(never-seen questions {teacher.never_seen_change:+.1f} points); {teacher.record['cpu_s']:.0f} CPU s, "
+            f"{teacher.record['wall_s']:.0f} wall s.", ""]
 
 
 def curves(results: list[RunResult]) -> list[str]:

@@ -122,13 +122,28 @@ SEEDS = (1, 2, 3)
 STEPS = 40
 
 
+# The OPD rows' teacher: one longer GRPO run on `arith12` (seed 0, no table seed), its final policy kept as a Hugging
+# Face directory (not committed: run_table.py makes it when missing). 100 steps: table (a)'s GRPO gains ~30 points
+# in 40, so the teacher is well above the warm start the students begin from.
+TEACHER_SEED, TEACHER_STEPS = 0, 100
+TEACHER_MODEL = HERE / "runs" / "arith12" / "teacher" / f"seed{TEACHER_SEED}" / "model"
+# On-policy distillation (docs/distillation.md) as benchmarks/real_model/compare_cpo.py's OPD arms: k1 as a
+# policy-gradient reward, sampling at temperature 1 (the teacher scores at 1; the tiny examples sample at 1 anyway).
+OPD_K1 = ("distillation.enabled=true", "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=k1",
+          "distillation.distillation_loss.use_policy_gradient=true", "actor_rollout_ref.rollout.temperature=1.0")
+ENGINE_TEACHER = f"distillation.teacher_models.teacher_model.model_path={TEACHER_MODEL}"
+
+
 @dataclass(frozen=True)
 class Algo:
-    """A table column: the example config it starts from and extra overrides (the CPO rule)."""
+    """A table column: the example config it starts from and extra overrides (the CPO rule); `keeps_model`: the
+    run's final policy is kept as `<out_dir>/model` (the teacher); `needs_teacher`: it distils from that teacher."""
 
     name: str
     config: str
     overrides: tuple[str, ...] = ()
+    keeps_model: bool = False
+    needs_teacher: bool = False
 
 
 ALGOS = {
@@ -151,6 +166,18 @@ ALGOS = {
     "gspo": Algo("gspo", "examples/tiny/grpo_arith.yaml", (
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
         "actor_rollout_ref.actor.clip_ratio_high=0.0004", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")),
+    # the OPD rows' teacher (validated every 20 steps: its curve shows it did not collapse before the kept step)
+    "teacher": Algo("teacher", "examples/tiny/grpo_arith.yaml", ("trainer.test_freq=20",), keeps_model=True),
+    # on-policy distillation from the teacher's own vLLM engine, without and with the task reward, and
+    # self-distillation (the policy given the gold solution, CPO's hint context with the tiny task's instruction)
+    "opd": Algo("opd", "examples/tiny/grpo_arith.yaml",
+                (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false", ENGINE_TEACHER), needs_teacher=True),
+    "opd_task": Algo("opd_task", "examples/tiny/grpo_arith.yaml",
+                     (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true", ENGINE_TEACHER),
+                     needs_teacher=True),
+    "opsd": Algo("opsd", "examples/tiny/grpo_arith.yaml",
+                 (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false",
+                  "distillation.teacher_models.teacher_model.kind=self")),
 }
 
 # table -> (task, algorithms); priority order.
@@ -160,6 +187,7 @@ TABLES = {
     "c": ("arith12", ("cpo_naive", "cpo_mi3", "cpo_mi_clamp_unify_difficulty", "cpo_tok_kl")),
     "d": ("arith12", ("grpo_k1", "dapo_k1", "cpo_k1")),
     "e": ("arith12", ("ppo", "rloo", "reinforce_plus_plus", "gspo")),
+    "f": ("arith12", ("grpo", "opd", "opd_task", "opsd")),  # GRPO: table (a)'s runs (same directory, skipped)
 }
 
 
@@ -184,6 +212,9 @@ class Run:
                 f"trainer.total_training_steps={self.steps}", f"trainer.test_freq={self.steps}",
                 f"trainer.experiment_name={self.task}_{self.algo}_seed{self.seed}",
                 "actor_rollout_ref.rollout.ray_address=local", *algo.overrides, *task_overrides(self.task)]
+
+
+TEACHER_RUN = Run("f", "arith12", "teacher", TEACHER_SEED, TEACHER_STEPS)
 
 
 def plan(only: list[str], seeds: tuple[int, ...], steps: dict[str, int]) -> list[Run]:

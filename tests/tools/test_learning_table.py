@@ -70,3 +70,17 @@ def test_run_change_is_last_minus_first_validation(tmp_path):
     assert result.count == 400
     (run / "run.json").write_text(json.dumps({**record, "returncode": 1}))
     assert load(run) is None, "a failed run must not enter the table"
+
+
+def test_the_distillation_rows_make_their_teacher_first(capsys):
+    """Table (f): a run distilling from the engine teacher is preceded by the teacher's GRPO run (skipped when its
+    kept model exists), which keeps its final policy; self-distillation needs no teacher run."""
+    from run_table import main
+
+    main(["--list", "--only", "f:opd:1"])
+    teacher, opd = capsys.readouterr().out.splitlines()
+    assert "trainer.total_training_steps=100" in teacher and "teacher/seed0 " in teacher
+    assert "teacher_model.model_path=benchmarks/learning/runs/arith12/teacher/seed0/model " in opd + " "
+    main(["--list", "--only", "f:opsd:1"])
+    (opsd,) = capsys.readouterr().out.splitlines()
+    assert "teacher_model.kind=self" in opsd and "temperature=1.0" in opsd
