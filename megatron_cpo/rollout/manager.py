@@ -417,7 +417,8 @@ class RolloutManager(RequestBook, RayScoreBook):
                        f"serves once {'it is up' if self.config.frozen_weights else 'the next push reached it'})")
 
     def _check_replacements(self, wait: bool = False) -> None:
-        """Restarted engines that are up join the next push; a failed start is recorded as the last failure."""
+        """Restarted engines that are up join the next push (a teacher's serve at once); a failed start is recorded
+        as the last failure."""
         admitted, failures = self.actors.admit(wait)
         for index in admitted:
             self._watch.forget(index)
