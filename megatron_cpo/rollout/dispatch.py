@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
 
+TICK_S = 0.5  # the longest single wait on the engines (or servers) between two looks at their health
+
 
 @dataclass
 class EngineRequest:

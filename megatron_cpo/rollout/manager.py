@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
+from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook
 from megatron_cpo.rollout.engine_actors import EngineActors, root_cause
 from megatron_cpo.rollout.health import EngineWatch, RestartBudget
 from megatron_cpo.rollout.processes import end_processes
 from megatron_cpo.rollout.ray_cluster import connect_ray
-from megatron_cpo.rollout.ray_scoring import TICK_S, RayScoreBook
+from megatron_cpo.rollout.ray_scoring import RayScoreBook
 from megatron_cpo.rollout.types import (
     EngineLaunchConfig,
     RolloutEnginesLostError,

@@ -27,7 +27,7 @@ import torch
 
 from megatron_cpo.rollout import http_protocol as proto
 from megatron_cpo.rollout.config import EngineHealthConfig
-from megatron_cpo.rollout.dispatch import EngineRequest, RequestBook
+from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook
 from megatron_cpo.rollout.health import EngineWatch
 from megatron_cpo.rollout.http_client import (
     HttpCaller,
@@ -40,7 +40,7 @@ from megatron_cpo.rollout.http_client import (
     wait_all,
 )
 from megatron_cpo.rollout.scoring import ScoreRequest
-from megatron_cpo.rollout.server_scoring import TICK_S, ServerScoreBook
+from megatron_cpo.rollout.server_scoring import ServerScoreBook
 from megatron_cpo.rollout.types import RolloutEnginesLostError, RolloutEngineStartError, RolloutGroup
 
 logger = logging.getLogger(__name__)

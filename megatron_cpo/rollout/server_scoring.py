@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import time
 import uuid
-from collections.abc import Iterable
 
 from megatron_cpo.rollout import http_protocol as proto
+from megatron_cpo.rollout.dispatch import TICK_S
 from megatron_cpo.rollout.http_client import RolloutServerAuthError, RolloutServerError
+from megatron_cpo.rollout.score_book import ScoreBook
 from megatron_cpo.rollout.scoring import ScoredGroup, ScoredResponse, ScoreRequest
 from megatron_cpo.rollout.types import RolloutEnginesLostError
 
-TICK_S = 0.5  # the longest single wait between two looks at the servers' health
 
-
-class ServerScoreBook:
-    """Submit and collect scoring requests; the subclass (`ServerRolloutManager`) brings the servers and health."""
+class ServerScoreBook(ScoreBook):
+    """Submit scoring requests to rollout servers (`collect_scores`: score_book.py); the subclass
+    (`ServerRolloutManager`) brings the servers and their health."""
 
     engines: list
     _scoring: dict  # key -> (ScoreRequest, server index, Future)
-    _score_orphans: list[ScoreRequest]  # requests of given-up servers, scored again at the next look
 
     def submit_score(self, request: ScoreRequest) -> None:
         """Score a group's responses on the live server with the fewest scoring requests."""
@@ -38,30 +36,16 @@ class ServerScoreBook:
                                     connect_timeout_s=self.config.timeout_s)
         self._scoring[uuid.uuid4().hex] = (request, index, future)
 
-    def collect_scores(self, request_ids: Iterable[str] | None = None, timeout: float | None = None
-                       ) -> dict[str, ScoredGroup]:
-        """`RolloutManager.collect_scores` over HTTP: a given-up server's requests are scored again on the others;
-        TimeoutError after `timeout` s in which none finished."""
-        wanted = (set(request_ids) if request_ids is not None else
-                  {r.request_id for r, _, _ in self._scoring.values()} | {r.request_id for r in self._score_orphans})
-        done: dict[str, ScoredGroup] = {}
-        progressed = time.monotonic()
-        while wanted - done.keys():
-            self._look_after_servers()
-            self._resubmit_score_orphans()
-            keys = [key for key, (request, _, _) in self._scoring.items() if request.request_id in wanted]
-            if not keys:
-                raise KeyError(f"scoring requests {sorted(wanted - done.keys())[:5]} were never submitted")
-            concurrent.futures.wait([self._scoring[key][2] for key in keys], timeout=TICK_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-            for key in [key for key in keys if key in self._scoring and self._scoring[key][2].done()]:
-                taken = self._take_score(key)
-                if taken is not None:
-                    done[taken.request_id] = taken
-                    progressed = time.monotonic()
-            if timeout is not None and time.monotonic() - progressed > timeout:
-                raise TimeoutError(f"no scoring request finished within {timeout}s; {len(keys)} outstanding")
-        return done
+    def _look_after_health(self) -> None:
+        self._look_after_servers()
+
+    def _wait_scores(self, keys: list[str]) -> list[str]:
+        concurrent.futures.wait([self._scoring[key][2] for key in keys], timeout=TICK_S,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        return [key for key in keys if self._scoring[key][2].done()]
+
+    def _restart_coming(self) -> bool:
+        return False  # the trainer restarts no server
 
     def _take_score(self, key: str) -> ScoredGroup | None:
         """A finished scoring request's scores; None when its server failed (then it is scored again)."""
@@ -82,12 +66,3 @@ class ServerScoreBook:
             request, _, future = self._scoring.pop(key)
             future.cancel()
             self._score_orphans.append(request)
-
-    def _resubmit_score_orphans(self) -> None:
-        orphans, self._score_orphans = self._score_orphans, []
-        for position, request in enumerate(orphans):
-            try:
-                self.submit_score(request)
-            except RolloutEnginesLostError:
-                self._score_orphans = orphans[position:]
-                raise
