@@ -84,14 +84,21 @@ class RunLogHandler(logging.handlers.WatchedFileHandler):
         return super()._open()
 
 
-def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = None) -> Path | None:
-    """Route logging and Python warnings: filtered to `stream` (stderr), everything to `log_file` when given.
-    Replaces handlers an earlier call installed on the root logger; returns the log file's path."""
+def remove_logging() -> None:
+    """Take the handlers `setup_logging` installed off the root logger: a host that runs the CLI in its own process (a
+    notebook, the test suite) keeps no handler on a stream it has since closed."""
     root = logging.getLogger()
     while _installed_handlers:
         handler = _installed_handlers.pop()
         root.removeHandler(handler)
         handler.close()
+
+
+def setup_logging(log_file: Path | str | None = None, stream: TextIO | None = None) -> Path | None:
+    """Route logging and Python warnings: filtered to `stream` (stderr), everything to `log_file` when given.
+    Replaces handlers an earlier call installed on the root logger; returns the log file's path."""
+    root = logging.getLogger()
+    remove_logging()
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(stream if stream is not None else sys.stderr)
     console.addFilter(ConsoleFilter())

@@ -38,6 +38,21 @@ SLOW_FIXTURES = frozenset({"ray_cluster"})
 INTERPRETER_SUBPROCESS_NAMES = frozenset({"subprocess", "executable"})
 
 
+@pytest.fixture(autouse=True)
+def _cli_logging_removed():
+    """A test that runs the CLI in this process installs its console handler on pytest's capture stream and sets the
+    root logger to INFO (console.setup_logging): both are undone after it, so that later tests neither log into a
+    closed stream nor capture INFO records they did not ask for."""
+    import logging
+
+    from megatron_cpo.console import remove_logging
+
+    level = logging.getLogger().level
+    yield
+    remove_logging()
+    logging.getLogger().setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A private local Ray cluster (never another user's) for every in-process engine of the session (tests/rollout's
