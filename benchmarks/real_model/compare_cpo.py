@@ -236,7 +236,9 @@ def execute(run: Run, stop: StopRequest | None = None) -> dict:
     run.out_dir.mkdir(parents=True, exist_ok=True)
     record = read_record(run) or {"arm": run.arm, "seed": run.seed, "budget": run.budget, "attempts": []}
     command = run.command()
-    env = {**os.environ, "PYTHONPATH": str(run.code)}
+    # PYTHONSAFEPATH: `python -m` would otherwise put the working directory (this checkout) before PYTHONPATH, and
+    # the run (and every process it starts) would import this checkout's package instead of --code's
+    env = {**os.environ, "PYTHONPATH": str(run.code), "PYTHONSAFEPATH": "1"}
     env.pop("RAY_ADDRESS", None)
     started, start_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter()
     with (run.out_dir / "console.log").open("a") as log:
