@@ -84,3 +84,26 @@ def test_the_distillation_rows_make_their_teacher_first(capsys):
     main(["--list", "--only", "f:opsd:1"])
     (opsd,) = capsys.readouterr().out.splitlines()
     assert "teacher_model.kind=self" in opsd and "temperature=1.0" in opsd
+
+
+def test_the_self_teacher_check_scores_each_token_where_the_model_sampled_it():
+    """check_self_teacher.py's log-probs of a response after a prompt are the ones the model sampled the response
+    with (generate's scores at temperature 1): the scoring is aligned with the tokens, not one position off."""
+    import torch
+    from check_self_teacher import token_log_probs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = ROOT / "examples" / "tiny" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    torch.manual_seed(0)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                         top_p=1.0, max_new_tokens=12, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=tokenizer.eos_token_id)
+    response = out.sequences[0, len(prompt):].tolist()
+    sampled = torch.stack([torch.log_softmax(step[0].float(), -1)[token] for step, token in zip(out.scores, response)])
+    assert len(response) >= 2
+    torch.testing.assert_close(token_log_probs(model, prompt, response), sampled, atol=1e-4, rtol=0)
