@@ -8,12 +8,22 @@ whether anything is outstanding (the pending entries, and requests of given-up e
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from megatron_cpo.rollout.types import RolloutGroup, SamplingParams
 
 TICK_S = 0.5  # the longest single wait on the engines (or servers) between two looks at their health
+Request = TypeVar("Request")
+
+
+def send_queued(queue: list[Request], send: Callable[[Request], None]) -> None:
+    """Send the requests of `queue` (a given-up engine's, sent again) in order, each taken off once sent; when `send`
+    raises (the last engine is lost) the unsent stay queued, for a restart or the error's count."""
+    while queue:
+        send(queue[0])
+        del queue[0]
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook
+from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook, send_queued
 from megatron_cpo.rollout.engine_actors import EngineActors, root_cause
 from megatron_cpo.rollout.health import EngineWatch, RestartBudget
 from megatron_cpo.rollout.processes import end_processes
@@ -372,13 +372,7 @@ class RolloutManager(RequestBook, RayScoreBook):
                                    f"{self.health_config.stall_timeout_s:g}s while other engines finished groups")
         self._check_replacements()
         self.actors.read_abandoned()
-        orphans, self._orphans = self._orphans, []
-        for position, request in enumerate(orphans):
-            try:
-                self._dispatch(request)
-            except RolloutEnginesLostError:
-                self._orphans = orphans[position:]
-                raise
+        send_queued(self._orphans, self._dispatch)
 
     def _check_at_once(self, indices: list[int]) -> None:
         """Health-check engines `indices` at once (at most `health_timeout_s`); give up those that fail."""

@@ -13,9 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from megatron_cpo.rollout.dispatch import TICK_S
+from megatron_cpo.rollout.dispatch import TICK_S, send_queued
 from megatron_cpo.rollout.scoring import ScoredGroup, ScoreRequest
-from megatron_cpo.rollout.types import RolloutEnginesLostError
 
 
 class ScoreBook:
@@ -63,10 +62,4 @@ class ScoreBook:
     def _resubmit_score_orphans(self) -> None:
         if not self._live_indices() and self._restart_coming():
             return  # the restarted engine takes them once it is up (within `collect_scores`' timeout)
-        orphans, self._score_orphans = self._score_orphans, []
-        for position, request in enumerate(orphans):
-            try:
-                self.submit_score(request)
-            except RolloutEnginesLostError:
-                self._score_orphans = orphans[position:]
-                raise
+        send_queued(self._score_orphans, self.submit_score)

@@ -27,7 +27,7 @@ import torch
 
 from megatron_cpo.rollout import http_protocol as proto
 from megatron_cpo.rollout.config import EngineHealthConfig
-from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook
+from megatron_cpo.rollout.dispatch import TICK_S, EngineRequest, RequestBook, send_queued
 from megatron_cpo.rollout.health import EngineWatch
 from megatron_cpo.rollout.http_client import (
     HttpCaller,
@@ -387,13 +387,7 @@ class ServerRolloutManager(RequestBook, ServerScoreBook):
         for index in self._watch.stalled(busy, self._live_indices()):
             self._mark_dead(index, f"finished no request for actor_rollout_ref.rollout.engine_health.stall_timeout_s="
                                    f"{self.config.health.stall_timeout_s:g}s while other servers finished groups")
-        orphans, self._orphans = self._orphans, []
-        for position, request in enumerate(orphans):
-            try:
-                self._dispatch(request)
-            except RolloutEnginesLostError:
-                self._orphans = orphans[position:]
-                raise
+        send_queued(self._orphans, self._dispatch)
 
     def _poll_pings(self) -> None:
         """Ping the servers that are due (given-up ones too, to take them back) without waiting, note the given-up
