@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -77,13 +77,14 @@ SAMPLES_PER_STEP = 64  # train_batch_size 8 x rollout.n 8: the fewest a step gen
 
 @dataclass(frozen=True)
 class Comparison:
-    """What a comparison runs: its `arms` (arm -> example config of examples/smollm2-135m/) and where its runs go
-    (`runs`: `<arm>/seed<k>/`, the data in `data/`, the `PAUSE` file). compare_lora.py runs another one with this
-    machinery."""
+    """What a comparison runs: its `arms` (arm -> example config of examples/smollm2-135m/, with `overrides` where an
+    arm changes keys of it) and where its runs go (`runs`: `<arm>/seed<k>/`, the data in `data/`, the `PAUSE` file).
+    compare_lora.py runs another one with this machinery."""
     name: str
     arms: dict[str, str]
     runs: Path
     default_arms: tuple[str, ...] = ()  # what runs without --arms (empty: every arm)
+    overrides: dict[str, tuple[str, ...]] = field(default_factory=dict)  # arm -> its config's dotted overrides
 
     @property
     def pause(self) -> Path:
@@ -125,7 +126,8 @@ class Run:
                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
                 + (",hf_model]" if self.keep_model else "]"),
                 f"trainer.experiment_name={self.comparison.name}_{self.arm}_seed{self.seed}",
-                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local", *self.distillation()]
+                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local", *self.distillation(),
+                *self.comparison.overrides.get(self.arm, ())]
 
     def distillation(self) -> tuple[str, ...]:
         """The OPD arms' overrides (the teacher engine's path for those with one); () for the others."""

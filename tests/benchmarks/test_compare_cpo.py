@@ -1,5 +1,5 @@
 """The CPO comparison's bookkeeping: a paused and resumed run's CPU seconds per step leave its start-up out; the
-on-policy distillation arms' commands load as the configs they mean.
+on-policy distillation arms' and compare_lora.py's arms' commands load as the configs they mean.
 
 `benchmarks/real_model/compare_cpo.py` appends to a run's `step_cpu.jsonl` the process tree's CPU seconds at every
 step row the trainer logs, and at the checkpoint manager's "resumed from ... (step k)" line of a resumed attempt;
@@ -100,3 +100,23 @@ def test_the_distillation_arms_load_as_configs_with_their_teacher(tmp_path):
         assert distillation.teacher_models["teacher_model"].kind == kind
         assert configs[arm].actor_rollout_ref.rollout.temperature == 1.0 and configs[arm].trainer.resume == "auto"
     assert configs["opd"].distillation.teacher_models["teacher_model"].model_path == str(teacher)
+
+
+def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_only_the_rate():
+    """compare_lora.py's arms: rank 32 and rank 1 at 1e-4, and `lora_r32_lr3e-4` rank 32's config at 3e-4 (an
+    arm's overrides come after the comparison's own keys, so they win)."""
+    from compare_cpo import plan
+    from compare_lora import LORA
+
+    from megatron_cpo.config import load_config
+
+    configs = {}
+    for run in plan(list(LORA.arms), [1], 640, 320, 5, comparison=LORA):
+        command = run.command()
+        configs[run.arm] = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
+    assert configs["grpo"].actor_rollout_ref.model.lora.rank == 0
+    assert configs["grpo"].actor_rollout_ref.actor.optim.lr == 1e-5
+    for arm, rank, lr in (("lora_r32", 32, 1e-4), ("lora_r1", 1, 1e-4), ("lora_r32_lr3e-4", 32, 3e-4)):
+        assert configs[arm].actor_rollout_ref.model.lora.rank == rank, arm
+        assert configs[arm].actor_rollout_ref.actor.optim.lr == lr, arm
+    assert configs["lora_r32_lr3e-4"].trainer.seed == configs["lora_r32"].trainer.seed == 1
