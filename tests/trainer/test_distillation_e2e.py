@@ -1,5 +1,5 @@
 """On-policy distillation trained end to end on CPU (real Megatron, the session's vLLM engine, the grading pool):
-two or three steps of each teacher kind and signal form on the tiny model.
+two or three steps of each teacher kind and signal form on the tiny model (the self teacher with top-k too).
 
 The engine teacher is the session's engine itself, which serves the student's pushed weights: at temperature 1 the
 teacher then agrees with the student up to float noise, so a signal near 0 says that the teacher's log-probs (and
@@ -113,12 +113,14 @@ def test_top_k_forward_kl_from_an_engine_teacher_on_the_fused_lm_head(make_confi
         assert 0 < row["actor/distillation/overlap_ratio"] <= 1
 
 
-def test_self_teacher_k3_loss_with_the_task_reward_resumes(make_config, rollout_manager, tmp_path):
-    """On-policy self-distillation: the policy given the gold solution (the hint context) as its own teacher, k3 as
-    a loss added to GRPO's; the hint changes the log-probs, so the signal is not 0. Resumed for a third step, the run
-    logs every step once."""
+def test_self_teacher_top_k_forward_kl_with_the_task_reward_resumes(make_config, rollout_manager, tmp_path):
+    """On-policy self-distillation: the policy given the gold solution (the hint context) as its own teacher, top-k
+    forward KL (the teacher's top-k from the trainer's hinted pass) as a loss added to GRPO's; the hint changes the
+    distribution, so the signal is not 0 and the two top-k sets differ somewhere. Resumed for a third step, the run
+    logs every step once. (k3 as a loss: test_a_teacher_that_raises_ends_the_run_named.)"""
     overrides = ("distillation.enabled=true", "distillation.teacher_models.teacher_model.kind=self",
-                 "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=k3",
+                 "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                 "distillation.distillation_loss.topk=4", "distillation.distillation_loss.use_task_rewards=true",
                  "distillation.distillation_loss.distillation_loss_coef=0.5", "trainer.resume=auto",
                  f"trainer.default_local_dir={tmp_path / 'run'}")
     run_training(make_config(*overrides, "trainer.total_training_steps=2"), rollout_manager)
@@ -126,8 +128,14 @@ def test_self_teacher_k3_loss_with_the_task_reward_resumes(make_config, rollout_
     metrics = read_metrics(tmp_path / "run")
     for row in (metrics[1], metrics[2], metrics[3]):
         _finite_distillation(row)
-        assert row["actor/distillation/loss_max"] > NOISE and "actor/pg_loss" in row
+        # measured: loss_max 6.8e-3, 3.7e-3, 8.9e-4 at steps 1-3 (the top-4 hold ~6% of the tiny model's mass, and
+        # the loss pulls the two together), overlap 0.82-0.93; without the hint the teacher's pass would be the
+        # student's own: 0 and 1
+        assert row["actor/distillation/loss_max"] > 1e-4 and "actor/pg_loss" in row
+        assert 0 < row["actor/distillation/overlap_ratio"] < 0.99
         assert row["timing/teacher_log_prob_s"] > 0 and "distillation/teacher_seconds" not in row
+        assert 0 < row["actor/distillation/teacher_mass"] <= 1 + NOISE
+        assert 0 < row["actor/distillation/student_mass"] <= 1 + NOISE
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["step"] for line in lines if "actor/distillation/loss" in json.loads(line)]
     assert logged == [1, 2, 3]
