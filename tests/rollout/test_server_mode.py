@@ -103,11 +103,14 @@ def test_two_trainers_one_after_the_other_train_against_one_server_and_it_serves
     assert ray.is_initialized() == ray_was_running, "server mode must not start Ray"
 
 
-def test_multi_turn_episodes_train_against_a_server(servers, tmp_path, restore_environment):
+def test_multi_turn_episodes_train_against_a_server_distilled_from_the_other(servers, tmp_path, restore_environment):
     """Multi-turn in server mode: verl's GSM8K-with-tools rows (tests/fixtures/multi_turn, `agent_name: tool_agent`)
     run as episodes with the fixtures' tool YAML and verl-style interaction, on the server's random model (its turns
     rarely end before the per-turn cap, which ends the episode; the warm-started model's two-turn episodes with the
-    same fixtures run in Ray mode, tests/trainer/test_multi_turn_e2e.py)."""
+    same fixtures run in Ray mode, tests/trainer/test_multi_turn_e2e.py). Server b is an on-policy distillation
+    teacher (`kind=server`, k1 as a reward beside the task's) holding the student's own starting weights, so at the
+    first step the signal is float noise: the teacher's log-probs line up with the episode's sampled tokens across
+    its tool observations (which carry none)."""
     from megatron_cpo.config import load_config
     from megatron_cpo.trainer.assemble import run_training
 
@@ -126,9 +129,18 @@ def test_multi_turn_episodes_train_against_a_server(servers, tmp_path, restore_e
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={fixtures / 'tool_config.yaml'}",
         f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={fixtures / 'interaction_config.yaml'}",
         "trainer.total_training_steps=1", "trainer.test_freq=-1", f"trainer.default_local_dir={out}",
-        "trainer.logger=[jsonl]"])
+        "trainer.logger=[jsonl]", "distillation.enabled=true", "distillation.nnodes=0",
+        "distillation.teacher_models.teacher_model.kind=server",
+        f"distillation.teacher_models.teacher_model.server_urls=[{servers['urls']['b']}]",
+        f"distillation.teacher_models.teacher_model.server_token_file={servers['token_file']}",
+        "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=true",
+        "distillation.distillation_loss.use_task_rewards=true"])
     metrics = run_training(config)
     assert metrics["rollout/engines_alive"] == 1.0 and "val/acc" in metrics
+    print(f"server teacher on the student's own weights: |D| mean {metrics['actor/distillation/abs_loss']:.1e}, max "
+          f"{metrics['actor/distillation/loss_max']:.1e}, scoring {metrics['distillation/teacher_seconds']:.2f}s")
+    assert metrics["distillation/teacher_seconds"] > 0
+    assert metrics["actor/distillation/abs_loss"] < 1e-3 and metrics["actor/distillation/loss_max"] < 1e-2
     assert sum(value for key, value in metrics.items() if key.startswith("multi_turn/stop/")) == 4  # 2 prompts x 2
     assert metrics["multi_turn/turns_mean"] >= 1 and metrics["val/multi_turn/turns_mean"] >= 1
 
@@ -190,8 +202,12 @@ def test_a_url_that_never_answers_is_an_error_naming_it_within_the_timeout(tmp_p
 def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_to_the_other(servers):
     """Server b is stopped (SIGSTOP) while it holds prompts: it is given up within the health check's interval +
     timeout and a serves them; continued, it answers /health again, and the next weight push takes it back before it
-    gets prompts. Then b is stopped holding prompts again and killed: a serves them, and a client of b alone names
-    the URL and the prompt it could not serve."""
+    gets prompts. Then b is stopped again while it holds prompts and a distillation teacher's scoring requests: the
+    teacher's client (`kind: server`) gives it up as generation's does and has a score them, with the log-probs a
+    gives them directly; b is killed: a serves the prompts, and a client of b alone names the URL and the prompt it
+    could not serve. (A teacher's server is not continued here: after SIGCONT a server stopped while it held scoring
+    requests did not answer /health again within 60 s in 2 of 5 runs here, its engine core waiting on its
+    worker; not understood, see docs/distillation.md.)"""
     from transformers import AutoModelForCausalLM
 
     from megatron_cpo.rollout.config import EngineHealthConfig
@@ -201,6 +217,8 @@ def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_
     both = ServerRolloutManager(ServerClientConfig(urls=(urls["a"], urls["b"]), token=TOKEN, timeout_s=5,
                                                    health=health))
     only_b = ServerRolloutManager(ServerClientConfig(urls=(urls["b"],), token=TOKEN, timeout_s=5, health=health))
+    teacher = ServerRolloutManager(ServerClientConfig(urls=(urls["a"], urls["b"]), token=TOKEN, timeout_s=5,
+                                                      health=health, frozen_weights=True))
     params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3)
 
     def served(prefix: str) -> list:
@@ -209,6 +227,7 @@ def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_
         assert sum(request.engine_index == 1 for request in both._requests()) == 3
         return list(both.completed(timeout=120))
 
+    base = AutoModelForCausalLM.from_pretrained(servers["model"]).state_dict()
     try:
         process_b.send_signal(signal.SIGSTOP)
         started = time.monotonic()
@@ -219,11 +238,13 @@ def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_
         assert "did not answer /health within" in both.last_engine_failure and urls["b"] in both.last_engine_failure
         process_b.send_signal(signal.SIGCONT)
         wait_until(lambda: both.check_engines() == 2, 60, "server b answering /health again")
-        both.sync_weights(AutoModelForCausalLM.from_pretrained(servers["model"]).state_dict().items())
+        both.sync_weights(base.items())  # earlier tests trained a's weights: now both servers hold the same
         assert (both.rejoined, both.num_engines_alive(), both.engine_restarts) == ((1,), 2, 1)
         assert both.last_engine_failure is None
 
         process_b.send_signal(signal.SIGSTOP)  # so that it surely holds prompts when it is killed
+        held_by_b = scored_on(teacher, "hung-score", on_b=3)  # b is given up while they wait
+        assert teacher.num_engines_alive() == 1 and "did not answer /health within" in teacher.last_engine_failure
         only_b.submit("lonely", [1, 40, 41, 42], params)
         for index in range(6):
             both.submit(f"p{index}", [1, 40 + index, 41, 42], params)
@@ -236,9 +257,25 @@ def test_a_hung_server_is_given_up_then_taken_back_and_a_killed_ones_prompts_go_
         with pytest.raises(RolloutEnginesLostError, match=f"all 1 rollout servers are dead \\({urls['b']}[;,]") as lost:
             list(only_b.completed(timeout=120))
         assert "'lonely'" in str(lost.value)
+        direct = scored_on(teacher, "score", on_b=0)
+        for index in range(6):
+            for served_then, served_now in zip(held_by_b[f"hung-score{index}"].responses,
+                                               direct[f"score{index}"].responses):
+                assert max(map(abs, (x - y for x, y in zip(served_then.log_probs, served_now.log_probs)))) < 1e-5
     finally:
         both.shutdown()
         only_b.shutdown()
+        teacher.shutdown()
+
+
+def scored_on(client, prefix: str, on_b: int) -> dict:
+    """Six scoring requests, `on_b` of them sent to server b, collected."""
+    from megatron_cpo.rollout.scoring import ScoreRequest
+
+    for index in range(6):
+        client.submit_score(ScoreRequest(f"{prefix}{index}", [1, 40 + index, 41, 42], [[50, 51, 52, 53]], 2))
+    assert sum(server == 1 for _, server, _ in client._scoring.values()) == on_b
+    return client.collect_scores(timeout=120)
 
 
 def test_a_push_with_groups_in_flight_leaves_greedy_samples_unchanged_on_a_server(servers):
