@@ -130,8 +130,8 @@ def test_self_teacher_top_k_forward_kl_with_the_task_reward_resumes(make_config,
         _finite_distillation(row)
         # measured: loss_max 6.8e-3, 3.7e-3, 8.9e-4 at steps 1-3 (the top-4 hold ~6% of the tiny model's mass, and
         # the loss pulls the two together), overlap 0.82-0.93; without the hint the teacher's pass would be the
-        # student's own: 0 and 1
-        assert row["actor/distillation/loss_max"] > 1e-4 and "actor/pg_loss" in row
+        # student's own: 0 and 1 (the bounds leave room for another CPU's dtype and samples)
+        assert row["actor/distillation/loss_max"] > 1e-5 and "actor/pg_loss" in row
         assert 0 < row["actor/distillation/overlap_ratio"] < 0.99
         assert row["timing/teacher_log_prob_s"] > 0 and "distillation/teacher_seconds" not in row
         assert 0 < row["actor/distillation/teacher_mass"] <= 1 + NOISE
