@@ -11,10 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from typing import Any
 
 from megatron_cpo.rollout import http_protocol as proto
 from megatron_cpo.rollout.dispatch import send_queued
-from megatron_cpo.rollout.http_client import RolloutServerError, health_problem
+from megatron_cpo.rollout.health import EngineWatch
+from megatron_cpo.rollout.http_client import HttpCaller, RolloutServerError, health_problem
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,10 @@ class ServerHealthBook:
     servers, their requests and the transport."""
 
     engines: list
+    config: Any  # ServerClientConfig (server_client.py, which imports this module): timeouts, health, frozen_weights
+    engine_restarts: int
+    _caller: HttpCaller
+    _watch: EngineWatch
     _alive: list[bool]
     _pending: dict  # key -> (EngineRequest, Future)
     _orphans: list  # requests of given-up servers, sent again at the next look
