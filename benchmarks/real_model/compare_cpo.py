@@ -91,7 +91,13 @@ class Comparison:
         return self.runs / "PAUSE"  # while it exists, no run starts
 
 
-CPO = Comparison("compare_cpo", ARMS, RUNS, CPO_ARMS)
+CPO = Comparison("compare_cpo", ARMS, RUNS, CPO_ARMS, overrides=OPD_ARMS)
+
+
+def needs_teacher(overrides: tuple[str, ...]) -> bool:
+    """Whether an arm's overrides distil from a teacher model (an engine), not from the policy itself."""
+    return "distillation.enabled=true" in overrides and "distillation.teacher_models.teacher_model.kind=self" not in \
+        overrides
 
 
 @dataclass(frozen=True)
@@ -126,13 +132,13 @@ class Run:
                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra"
                 + (",hf_model]" if self.keep_model else "]"),
                 f"trainer.experiment_name={self.comparison.name}_{self.arm}_seed{self.seed}",
-                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local", *self.distillation(),
-                *self.comparison.overrides.get(self.arm, ())]
+                "trainer.logger=[console,jsonl]", "actor_rollout_ref.rollout.ray_address=local", *self.overrides()]
 
-    def distillation(self) -> tuple[str, ...]:
-        """The OPD arms' overrides (the teacher engine's path for those with one); () for the others."""
-        overrides = OPD_ARMS.get(self.arm, ())
-        if overrides and "kind=self" not in " ".join(overrides):
+    def overrides(self) -> tuple[str, ...]:
+        """The arm's own overrides (`Comparison.overrides`), with the teacher engine's path for a distillation arm
+        that has one."""
+        overrides = self.comparison.overrides.get(self.arm, ())
+        if needs_teacher(overrides):
             overrides = (*overrides, f"distillation.teacher_models.teacher_model.model_path={self.teacher}")
         return overrides
 
@@ -328,7 +334,8 @@ def main(argv: list[str] | None = None, comparison: Comparison = CPO, descriptio
         return 0
     if not (args.model / "config.json").is_file():
         sys.exit(f"error: no model at {args.model}; fetch it once with python tools/fetch_smollm2.py")
-    if any(OPD_ARMS.get(arm) and arm != "opsd" for arm in args.arms) and not (args.teacher / "config.json").is_file():
+    if any(needs_teacher(comparison.overrides.get(arm, ())) for arm in args.arms) and not (
+            args.teacher / "config.json").is_file():
         sys.exit(f"error: no teacher at {args.teacher}; make it with python benchmarks/real_model/compare_cpo.py "
                  "--arms grpo --seeds 1 --keep-model, or pass --teacher <HF dir>")
     if not (args.code / "megatron_cpo" / "__init__.py").is_file():
