@@ -103,8 +103,8 @@ def test_the_distillation_arms_load_as_configs_with_their_teacher(tmp_path):
 
 
 def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_only_the_rate():
-    """compare_lora.py's arms: rank 32 and rank 1 at 1e-4, and `lora_r32_lr3e-4` rank 32's config at 3e-4 (an
-    arm's overrides come after the comparison's own keys, so they win)."""
+    """compare_lora.py's arms: rank 32 and rank 1 at 1e-4, and `lora_r32_lr3e-4` / `lora_r1_lr3e-4` their configs at
+    3e-4 (an arm's overrides come after the comparison's own keys, so they win)."""
     from compare_cpo import plan
     from compare_lora import LORA
 
@@ -116,7 +116,8 @@ def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_onl
         configs[run.arm] = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
     assert configs["grpo"].actor_rollout_ref.model.lora.rank == 0
     assert configs["grpo"].actor_rollout_ref.actor.optim.lr == 1e-5
-    for arm, rank, lr in (("lora_r32", 32, 1e-4), ("lora_r1", 1, 1e-4), ("lora_r32_lr3e-4", 32, 3e-4)):
+    for arm, rank, lr in (("lora_r32", 32, 1e-4), ("lora_r1", 1, 1e-4), ("lora_r32_lr3e-4", 32, 3e-4),
+                             ("lora_r1_lr3e-4", 1, 3e-4)):
         assert configs[arm].actor_rollout_ref.model.lora.rank == rank, arm
         assert configs[arm].actor_rollout_ref.actor.optim.lr == lr, arm
-    assert configs["lora_r32_lr3e-4"].trainer.seed == configs["lora_r32"].trainer.seed == 1
+    assert configs["lora_r32_lr3e-4"].trainer.seed == configs["lora_r1_lr3e-4"].trainer.seed == 1
