@@ -1,5 +1,6 @@
 """The CPO comparison's bookkeeping: a paused and resumed run's CPU seconds per step leave its start-up out; the
-on-policy distillation arms' and compare_lora.py's arms' commands load as the configs they mean.
+on-policy distillation arms' and compare_lora.py's arms' commands load as the configs they mean; the distillation
+report's samples to 90% of the teacher.
 
 `benchmarks/real_model/compare_cpo.py` appends to a run's `step_cpu.jsonl` the process tree's CPU seconds at every
 step row the trainer logs, and at the checkpoint manager's "resumed from ... (step k)" line of a resumed attempt;
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "real_model"))
@@ -121,3 +124,26 @@ def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_onl
         assert configs[arm].actor_rollout_ref.model.lora.rank == rank, arm
         assert configs[arm].actor_rollout_ref.actor.optim.lr == lr, arm
     assert configs["lora_r32_lr3e-4"].trainer.seed == configs["lora_r1_lr3e-4"].trainer.seed == 1
+
+
+def test_the_opd_report_finds_the_samples_to_90_percent_of_the_teacher_by_seed_and_bounds_a_grpo_that_never_got_there():
+    from compare_cpo_report import RunData
+    from compare_opd_report import crossing, report
+
+    assert crossing([(0, 20.0), (320, 43.0), (640, 65.5), (960, 70.0)], 66.15) == pytest.approx(640 + 320 * 0.65 / 4.5)
+    assert crossing([(0, 20.0), (320, 50.0)], 20.0) == 0 and crossing([(0, 20.0), (320, 50.0)], 60.0) is None
+
+    def run(arm, seed, accuracies):  # one validation every 320 samples, 10 CPU s a step
+        rows = {0: {"val/acc": accuracies[0] / 100}}
+        rows.update({step: {"val/acc": acc / 100, "train/generated_samples": 320.0 * step}
+                     for step, acc in enumerate(accuracies[1:], start=1)})
+        return RunData(arm, seed, True, rows, {step: 10.0 * step for step in rows if step})
+
+    runs = [run("grpo", 1, [20, 40, 60, 80]), run("grpo", 2, [20, 30, 40, 50]),
+            run("opd", 1, [20, 80, 80, 80]), run("opd", 2, [20, 70, 90, 90])]
+    text = report(runs, teacher=80.0)  # 90% of it: 72%
+    assert "| opd | 1,2 | 20.0 | 75.0 | 85.0 | 85.0 |" in text
+    # GRPO seed 1 crosses 72% at 640 + 320 * 12 / 20 = 832; OPD seed 1 at 320 * 52 / 60 = 277, 0.33x; seed 2 at
+    # 320 + 320 * 2 / 20 = 352, and GRPO seed 2 never crosses by 960: below 352 / 960 = 0.37x
+    assert "| grpo | 832 | > 960 |" in text
+    assert "| opd | 277 (0.33x) | 352 (< 0.37x) |" in text
