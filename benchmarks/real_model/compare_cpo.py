@@ -3,12 +3,12 @@
     nohup python benchmarks/real_model/compare_cpo.py > runs/compare_cpo/runner.log 2>&1 &   # all runs, in order
     python benchmarks/real_model/compare_cpo.py --list                                        # the commands only
     python benchmarks/real_model/compare_cpo_report.py                                        # curves, tables, docs
-    python benchmarks/real_model/compare_cpo.py --arms opd opd_task opsd                      # on-policy distillation
+    python benchmarks/real_model/compare_cpo.py --arms opd opd_task opsd opsd_task            # on-policy distillation
 
-The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget:
-`opd` (k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task
-reward), `opsd` (the policy given the gold solution as its own teacher); the teacher is `--teacher`, by default GRPO
-seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
+The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget: `opd`
+(k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task reward), `opsd`
+(the policy given the gold solution as its own teacher), `opsd_task` (plus the task reward); the teacher is `--teacher`,
+by default GRPO seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
 
 Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
 run ends after the step at which it has generated `--budget` samples (`trainer.total_rollout_samples`; every sample
@@ -54,13 +54,14 @@ from run_table import TreeCpuSampler  # noqa: E402
 RUNS = REPO / "runs" / "compare_cpo"
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml",
-        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml"}
+        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml", "opsd_task": "grpo.yaml"}
 CPO_ARMS = ("grpo", "dapo", "cpo", "cpo_grpo")  # the default: the CPO comparison (docs/cpo.md)
 TEACHER = RUNS / "grpo" / "seed1" / "model"  # the OPD arms' teacher: GRPO seed 1's final policy (--keep-model)
 HINT_INSTRUCTION = "Please refer to the above solution and end your answer with the sum."  # cpo_grpo.yaml's
 # On-policy distillation (docs/distillation.md) on GRPO's config, sampling at temperature 1 (the teacher scores at 1,
 # so D is the reverse KL of the sampled distributions): OPD from the teacher's engine (k1 as a reward, verl's
-# script), the same plus the task reward, and on-policy self-distillation (the policy given the gold solution).
+# script), the same plus the task reward, and on-policy self-distillation (the policy given the gold solution), with
+# and without the task reward.
 OPD_K1 = ("distillation.enabled=true", "distillation.nnodes=0", "distillation.distillation_loss.loss_mode=k1",
           "distillation.distillation_loss.use_policy_gradient=true", "actor_rollout_ref.rollout.temperature=1.0")
 OPD_ARMS = {
@@ -68,6 +69,8 @@ OPD_ARMS = {
     "opd_task": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true"),
     "opsd": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=false",
              "distillation.teacher_models.teacher_model.kind=self", f"data.hint_instruction={HINT_INSTRUCTION}"),
+    "opsd_task": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true",
+                  "distillation.teacher_models.teacher_model.kind=self", f"data.hint_instruction={HINT_INSTRUCTION}"),
 }
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5

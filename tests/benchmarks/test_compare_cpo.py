@@ -85,18 +85,19 @@ def test_the_curve_table_pairs_seeds_at_each_sample_count_interpolating_off_grid
 
 def test_the_distillation_arms_load_as_configs_with_their_teacher(tmp_path):
     """The OPD arms' commands are GRPO's config with distillation on: opd from the teacher's engine without the task
-    reward, opd_task with it, opsd the policy given the gold solution."""
+    reward, opd_task with it, opsd the policy given the gold solution, opsd_task with the task reward."""
     from compare_cpo import plan
 
     from megatron_cpo.config import load_config
 
     teacher = tmp_path / "teacher"
     configs = {}
-    for run in plan(["opd", "opd_task", "opsd", "grpo"], [2], 640, 320, 5, teacher=teacher):
+    for run in plan(["opd", "opd_task", "opsd", "opsd_task", "grpo"], [2], 640, 320, 5, teacher=teacher):
         command = run.command()
         configs[run.arm] = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
     assert not configs["grpo"].distillation.enabled
-    for arm, task_reward, kind in (("opd", False, "engines"), ("opd_task", True, "engines"), ("opsd", False, "self")):
+    for arm, task_reward, kind in (("opd", False, "engines"), ("opd_task", True, "engines"), ("opsd", False, "self"),
+                                     ("opsd_task", True, "self")):
         distillation = configs[arm].distillation
         assert distillation.enabled and distillation.distillation_loss.use_policy_gradient
         assert distillation.distillation_loss.use_task_rewards is task_reward
