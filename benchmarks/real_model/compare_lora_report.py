@@ -49,9 +49,17 @@ def validations(path: Path) -> dict[float, float]:
             for step, row in read_rows(path / "metrics.jsonl").items() if "val/acc" in row}
 
 
-def peak_gib(path: Path) -> float:
+def peak_gib(path: Path) -> float | None:
+    """The trainer's peak resident memory over a run; None for a run made before the runner recorded it."""
     rows = [json.loads(line) for line in (path / "step_cpu.jsonl").read_text().splitlines() if line.strip()]
-    return max(row["trainer_peak_rss_gib"] for row in rows if row.get("trainer_peak_rss_gib") is not None)
+    return max((row["trainer_peak_rss_gib"] for row in rows if row.get("trainer_peak_rss_gib") is not None),
+               default=None)
+
+
+def mean_peak_gib(paths: list[Path]) -> float | None:
+    """The mean over the runs that recorded their peak (None if none did)."""
+    peaks = [peak for peak in map(peak_gib, paths) if peak is not None]
+    return summarize(peaks).mean if peaks else None
 
 
 def median_metric(paths: list[Path], key: str) -> float:
@@ -73,7 +81,7 @@ def report(runs: Path) -> str:
         lines.append(f"| {arm} ({len(curves[arm])} seeds) | " + " | ".join(f"{m:.1f}" for m in means) + " |")
     end = budget[-1]
     lines += ["", f"At {int(end):,} samples, difference from full fine-tuning (points, 95% t interval):"]
-    full_peak = summarize([peak_gib(path) for path in found[FULL].values()]).mean
+    full_peak = mean_peak_gib(list(found[FULL].values()))
     for arm in arms:
         if arm != FULL:
             difference, seeds = paired_difference({s: c[end] for s, c in curves[arm].items()},
@@ -84,8 +92,9 @@ def report(runs: Path) -> str:
               "| --- | --- | --- | --- | --- |"]
     for arm in arms:
         paths = list(found[arm].values())
-        peak = summarize([peak_gib(path) for path in paths]).mean
-        lines.append(f"| {arm} | {peak:.2f} | {100 * peak / full_peak:.0f}% | "
+        peak = mean_peak_gib(paths)
+        share = f"{100 * peak / full_peak:.0f}%" if peak is not None and full_peak is not None else "-"
+        lines.append(f"| {arm} | {'not recorded' if peak is None else f'{peak:.2f}'} | {share} | "
                      f"{median_metric(paths, 'timing/update_actor_s'):.1f} | "
                      f"{median_metric(paths, 'timing/weight_sync_s'):.2f} |")
     return "\n".join(lines)
