@@ -33,16 +33,19 @@ SHARE = 0.9  # of the teacher's accuracy: the issue's "reaches the teacher"
 
 
 def load(directories: list[Path]) -> list[RunData]:
-    """The finished runs of ARMS, the first directory that has an arm/seed winning; unfinished ones are named."""
+    """The finished runs of ARMS; an arm/seed found in an earlier directory wins. Unfinished runs not found finished
+    elsewhere are named."""
     found: dict[tuple[str, int], RunData] = {}
     for directory in directories:
         for arm in ARMS:
             for path in sorted((directory / arm).glob("seed*")):
                 seed = int(path.name.removeprefix("seed"))
                 record = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+                if (arm, seed) in found:
+                    continue
                 if not record.get("finished"):
                     print(f"{path}: not finished, left out")
-                elif (arm, seed) not in found:
+                else:
                     found[arm, seed] = RunData(arm, seed, True, read_rows(path / "metrics.jsonl"),
                                                step_cpu(path / "step_cpu.jsonl"))
     return [found[key] for key in sorted(found, key=lambda key: (ARMS.index(key[0]), key[1]))]
