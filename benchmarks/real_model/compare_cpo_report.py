@@ -102,10 +102,11 @@ def step_cpu(path: Path) -> dict[int, float]:
     return cumulative
 
 
-def load_runs() -> list[RunData]:
+def load_runs(runs_dir: Path = RUNS, arms=ARMS) -> list[RunData]:
+    """Every run of `arms` under `runs_dir`, finished or not (its run.json says which)."""
     runs = []
-    for arm in ARMS:
-        for directory in sorted((RUNS / arm).glob("seed*")):
+    for arm in arms:
+        for directory in sorted((runs_dir / arm).glob("seed*")):
             record_path = directory / "run.json"
             record = json.loads(record_path.read_text()) if record_path.is_file() else {}
             runs.append(RunData(arm, int(directory.name[4:]), bool(record.get("finished")),

@@ -15,7 +15,6 @@ every finished run reached.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ sys.path.insert(0, str(HERE.parents[1] / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
 from compare_cpo import RUNS, TEACHER, read_rows  # noqa: E402
-from compare_cpo_report import RunData, step_cpu  # noqa: E402
+from compare_cpo_report import RunData, load_runs  # noqa: E402
 from stats import summarize  # noqa: E402
 
 ARMS = ("grpo", "cpo_grpo", "opd", "opd_task", "opsd", "opsd_task")
@@ -37,17 +36,13 @@ def load(directories: list[Path]) -> list[RunData]:
     elsewhere are named."""
     found: dict[tuple[str, int], RunData] = {}
     for directory in directories:
-        for arm in ARMS:
-            for path in sorted((directory / arm).glob("seed*")):
-                seed = int(path.name.removeprefix("seed"))
-                record = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
-                if (arm, seed) in found:
-                    continue
-                if not record.get("finished"):
-                    print(f"{path}: not finished, left out")
-                else:
-                    found[arm, seed] = RunData(arm, seed, True, read_rows(path / "metrics.jsonl"),
-                                               step_cpu(path / "step_cpu.jsonl"))
+        for run in load_runs(directory, ARMS):
+            if (run.arm, run.seed) in found:
+                continue
+            if run.finished:
+                found[run.arm, run.seed] = run
+            else:
+                print(f"{directory / run.arm / f'seed{run.seed}'}: not finished, left out")
     return [found[key] for key in sorted(found, key=lambda key: (ARMS.index(key[0]), key[1]))]
 
 
@@ -74,20 +69,21 @@ def report(runs: list[RunData], teacher: float) -> str:
         cells = [f"{statistics.mean(dict(r.points('samples'))[x] for r in mine):.1f}" for x in grid]
         lines.append(f"| {arm} | {','.join(str(r.seed) for r in mine)} | " + " | ".join(cells) + " |")
     threshold = SHARE * teacher
+    seeds = sorted({r.seed for r in runs})
     lines += ["", f"Samples to {SHARE:.0%} of the teacher's {teacher:.1f}% ({threshold:.1f}%), by seed; the ratio "
-              "to GRPO's same seed:", "", "| arm | " + " | ".join(f"seed {s}" for s in sorted({r.seed for r in runs}))
-              + " |", "| --- |" + " --- |" * len({r.seed for r in runs})]
-    grpo = {r.seed: r for r in runs if r.arm == "grpo"}
+              "to GRPO's same seed:", "", "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "| --- |" + " --- |" * len(seeds)]
+    by_key = {(r.arm, r.seed): r for r in runs}
+    reached = {key: crossing(r.points("samples"), threshold) for key, r in by_key.items()}
     for arm in arms:
         cells = []
-        for seed in sorted({r.seed for r in runs}):
-            run = next((r for r in runs if r.arm == arm and r.seed == seed), None)
-            at = crossing(run.points("samples"), threshold) if run else None
+        for seed in seeds:
+            run, at, grpo = by_key.get((arm, seed)), reached.get((arm, seed)), by_key.get(("grpo", seed))
             cells.append("-" if run is None else f"{at:,.0f}" if at is not None else f"> {run.last('samples'):,.0f}")
-            if arm != "grpo" and at is not None and seed in grpo:
-                base = crossing(grpo[seed].points("samples"), threshold)
+            if arm != "grpo" and at is not None and grpo is not None:
+                base = reached["grpo", seed]
                 # GRPO never crossed: it needs more than its last count, so the ratio is below at / that count
-                cells[-1] += f" ({at / base:.2f}x)" if base else f" (< {at / grpo[seed].last('samples'):.2f}x)"
+                cells[-1] += f" ({at / base:.2f}x)" if base else f" (< {at / grpo.last('samples'):.2f}x)"
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     common = min(r.last("cpu") for r in runs)
     lines += ["", f"At equal CPU seconds of the process tree ({common:,.0f} s, the fewest any run reached): accuracy "
