@@ -3,17 +3,17 @@
     python benchmarks/real_model/compare_cpo_report.py            # print the report, write the three PNGs
     python benchmarks/real_model/compare_cpo_report.py --write    # also regenerate the docs' generated blocks
 
-Reads whatever runs have finished under `runs/compare_cpo/<arm>/seed<k>/` (a run still going, or stopped, is listed
-as such and left out of the numbers). Held-out accuracy is greedy, on the same 200 questions. Curves against generated
-samples, update steps and CPU seconds of the run's whole process tree (`step_cpu.jsonl`; the start-up and the
-validation before training left out, the validations during training kept: every arm makes the same number), one
-PNG per axis. The final table: each arm's mean over seeds with one standard error; paired differences by seed with
-95% t intervals (`benchmarks/learning/stats.py`) at the equal sample budget (the last validation), at an equal number
-of steps and at equal CPU seconds (accuracy interpolated linearly between validations, at the fewest steps / CPU
-seconds either arm's runs reached). Then what the step cost (generation batches, the actor's passes) and the MI
-signal: the share of responses scored under a hint and of tokens shaped, the MI's quantiles on right and wrong
-responses (`cpo/*`), beside the start model's on the captured batch with every response scored under its hint
-(`cpo_step_results.jsonl`) and the tiny model's learning-table runs.
+Reads whatever runs of the CPO comparison's arms (`CPO_ARMS`; the distillation arms have compare_opd_report.py) have
+finished under `runs/compare_cpo/<arm>/seed<k>/` (a run still going, or stopped, is listed as such and left out of the
+numbers). Held-out accuracy is greedy, on the same 200 questions. Curves against generated samples, update steps and CPU
+seconds of the run's whole process tree (`step_cpu.jsonl`; the start-up and the validation before training left out, the
+validations during training kept: every arm makes the same number), one PNG per axis. The final table: each arm's mean
+over seeds with one standard error; paired differences by seed with 95% t intervals (`benchmarks/learning/stats.py`) at
+the equal sample budget (the last validation), at an equal number of steps and at equal CPU seconds (accuracy
+interpolated linearly between validations, at the fewest steps / CPU seconds either arm's runs reached). Then what the
+step cost (generation batches, the actor's passes) and the MI signal: the share of responses scored under a hint and of
+tokens shaped, the MI's quantiles on right and wrong responses (`cpo/*`), beside the start model's on the captured batch
+with every response scored under its hint (`cpo_step_results.jsonl`) and the tiny model's learning-table runs.
 
 `--write` replaces the blocks between the `<!-- compare_cpo:... -->` markers of docs/cpo.md ("When CPO pays") and
 docs/status.md (the SmolLM2 rows of its learning section).
@@ -34,7 +34,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
-from compare_cpo import ARMS, BUDGET, RUNS, VAL_EVERY, read_rows  # noqa: E402
+from compare_cpo import BUDGET, CPO_ARMS, RUNS, VAL_EVERY, read_rows  # noqa: E402
 from stats import Summary, paired_difference, summarize, verdict  # noqa: E402
 
 NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO on DAPO (cpo.yaml)", "cpo_grpo": "CPO on GRPO (cpo_grpo.yaml)"}
@@ -102,7 +102,7 @@ def step_cpu(path: Path) -> dict[int, float]:
     return cumulative
 
 
-def load_runs(runs_dir: Path = RUNS, arms=ARMS) -> list[RunData]:
+def load_runs(runs_dir: Path = RUNS, arms=CPO_ARMS) -> list[RunData]:
     """Every run of `arms` under `runs_dir`, finished or not (its run.json says which)."""
     runs = []
     for arm in arms:
@@ -125,7 +125,7 @@ def _cell(summary: Summary | None, digits: int = 1, unit: str = "") -> str:
 def final_table(done: list[RunData]) -> list[str]:
     lines = ["| arm | seeds | start | at the budget's end | change | steps | CPU s (tree) | CPU s / step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for arm in ARMS:
+    for arm in CPO_ARMS:
         runs = [r for r in done if r.arm == arm]
         if not runs:
             lines.append(f"| {NAMES[arm]} | 0 | - | - | - | - | - | - |")
@@ -198,7 +198,7 @@ def curve_table(done: list[RunData], every: int = VAL_EVERY) -> list[str]:
 def cost_table(done: list[RunData]) -> list[str]:
     names = [key.split("/")[-1] for key in TIMINGS]
     lines = ["| arm | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    for arm in ARMS:
+    for arm in CPO_ARMS:
         runs = [r for r in done if r.arm == arm]
         if runs:
             cells = []
@@ -246,10 +246,10 @@ def plot(done: list[RunData], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    colors = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    colors = dict(zip(CPO_ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     for axis, label in AXES.items():
         figure, ax = plt.subplots(figsize=(7, 4.5))
-        for arm in ARMS:
+        for arm in CPO_ARMS:
             runs = [r for r in done if r.arm == arm]
             for index, run in enumerate(runs):
                 xs, ys = zip(*run.points(axis))
