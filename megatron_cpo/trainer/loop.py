@@ -250,7 +250,7 @@ class Trainer:
         """Checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError` on every rank."""
         saved = self._checkpoint_before_abort(step)
         raise RunAbortedError(engines_lost_message(self.driver.engine_failure(), self.driver.engine_counts(), step,
-                                                   saved))
+                                                   saved, last_step=step >= self.settings.total_steps))
 
     def _checkpoint_before_abort(self, step: int) -> Path | None:
         """The checkpoint of the `step` trained steps (written now unless it exists); None before any step."""

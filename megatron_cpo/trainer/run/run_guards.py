@@ -116,18 +116,24 @@ class StartupSignal:
             self._previous = None
 
 
-def engines_lost_message(failure: str | None, engines: tuple[int, int], step: int, checkpoint: Path | None) -> str:
-    """One line: which engine died, what was kept, how to go on. `engines`: (alive, started)."""
+def engines_lost_message(failure: str | None, engines: tuple[int, int], step: int, checkpoint: Path | None,
+                         last_step: bool = False) -> str:
+    """One line: which engine died, what was kept, how to go on. `engines`: (alive, started); `last_step`: `step` was
+    the run's last, so what is lost is its final validation (the push after it serves that), and resuming has nothing
+    left to train."""
     alive, started = engines
     state = ("no rollout engine is left" if alive == 0 else
              f"a rollout engine died during the weight sync ({alive} of {started} left hold a partial update)")
     kept = (f"the {step} trained steps are in checkpoint {checkpoint}" if checkpoint is not None
             else "no step had been trained, nothing was written")
-    return (f"{state} ({started} started; last failure: {failure or 'unknown'}), so step {step + 1} cannot be "
-            f"generated; {kept}. Find the cause in that engine's log (often out of memory: lower "
-            "actor_rollout_ref.rollout.kv_cache_gib or data.max_response_length, or run more engines with "
-            "actor_rollout_ref.rollout.num_engines; actor_rollout_ref.rollout.engine_health sets how hung engines are "
-            "found and how often they are restarted), then continue with trainer.resume=auto")
+    lost, then = (("the run's final validation cannot run", "then validate that checkpoint with megatron-cpo eval "
+                   "(after megatron-cpo convert-mcore-to-hf)") if last_step else
+                  (f"step {step + 1} cannot be generated", "then continue with trainer.resume=auto"))
+    return (f"{state} ({started} started; last failure: {failure or 'unknown'}), so {lost}; {kept}. Find the cause in "
+            "that engine's log (often out of memory: lower actor_rollout_ref.rollout.kv_cache_gib or "
+            "data.max_response_length, or run more engines with actor_rollout_ref.rollout.num_engines; "
+            "actor_rollout_ref.rollout.engine_health sets how hung engines are found and how often they are "
+            f"restarted), {then}")
 
 
 def rewards_refused_message(refused: str, step: int, checkpoint: Path | None) -> str:
