@@ -150,7 +150,7 @@ class Trainer:
         due = healthy and (controls.validation_due or self._validation_due(step, last))
         validation = self.validate() if due else {}  # 9; the last step's row carries the final validation
         metrics = driver.log_step(step, {**metrics, **validation}, collected, time.perf_counter() - started)  # 10
-        self.abort_if_push_failed(step, pushed)
+        self.abort_if_push_failed(step, pushed, last)
         self.abort_if_updates_skipped(step)
         # 11: metrics are logged before the checkpoint: a kill in between redoes the step (its rows are cut on resume),
         # while the other order would lose its metrics; the last step is saved by `fit`
@@ -216,9 +216,10 @@ class Trainer:
         self.abort_if_push_failed(step, pushed)
         return pushed
 
-    def abort_if_push_failed(self, step: int, pushed: PushOutcome) -> None:
+    def abort_if_push_failed(self, step: int, pushed: PushOutcome, last: bool = False) -> None:
+        """`last`: `step` ends the run (its last step, an early stop or the spent sample budget)."""
         if pushed.lost is not None:
-            self.abort_engines_lost(step)
+            self.abort_engines_lost(step, last)
         if pushed.trainer_not_finite:  # no checkpoint may hold these weights: the last one written is the last good one
             raise RunAbortedError(weights_not_finite_message(pushed.out_of_sync, self.checkpoints.saved_path))
         if pushed.out_of_sync is not None:
@@ -246,11 +247,12 @@ class Trainer:
         if self.reference is not None and every > 0 and step % every == 0:
             self.actor.mix_into(self.reference, self.settings.reference_sync_alpha)
 
-    def abort_engines_lost(self, step: int) -> None:
-        """Checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError` on every rank."""
+    def abort_engines_lost(self, step: int, last: bool = False) -> None:
+        """Checkpoint the `step` trained steps (unless already saved) and raise `RunAbortedError` on every rank;
+        `last`: nothing is left to train after `step`, so its final validation is what is lost."""
         saved = self._checkpoint_before_abort(step)
         raise RunAbortedError(engines_lost_message(self.driver.engine_failure(), self.driver.engine_counts(), step,
-                                                   saved, last_step=step >= self.settings.total_steps))
+                                                   saved, last_step=last))
 
     def _checkpoint_before_abort(self, step: int) -> Path | None:
         """The checkpoint of the `step` trained steps (written now unless it exists); None before any step."""
