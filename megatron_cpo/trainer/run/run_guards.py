@@ -118,9 +118,9 @@ class StartupSignal:
 
 def engines_lost_message(failure: str | None, engines: tuple[int, int], step: int, checkpoint: Path | None,
                          last_step: bool = False) -> str:
-    """One line: which engine died, what was kept, how to go on. `engines`: (alive, started); `last_step`: `step` was
-    the run's last, so what is lost is its final validation (the push after it serves that), and resuming has nothing
-    left to train."""
+    """One line: which engine died, what was kept, how to go on. `engines`: (alive, started); `last_step`: `step` ended
+    the run (its last step, an early stop or the spent sample budget), so what is lost is its final validation (the
+    push after it serves that), and resuming has nothing left to train."""
     alive, started = engines
     state = ("no rollout engine is left" if alive == 0 else
              f"a rollout engine died during the weight sync ({alive} of {started} left hold a partial update)")
