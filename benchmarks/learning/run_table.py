@@ -14,11 +14,11 @@ stays balanced. A run whose `run.json` says it finished is skipped, so re-runnin
 runs it again.
 
 Each run writes under `benchmarks/learning/runs/<task>/<algo>/seed<k>/`: the trainer's `metrics.jsonl` and
-`train.log`, and `run.json` (command, exit code, wall and CPU time, load average). Checkpoints (the trainer always
-saves the last step) are deleted after the run. CPU time is measured twice: `getrusage(RUSAGE_CHILDREN)` (the trainer
-and every descendant it waited for) and a 1 s sampler over the live process tree (catches Ray / vLLM processes that
-are not reaped through the trainer); the larger is what the table reports. The teacher run keeps its last step's
-Hugging Face export as `<out_dir>/model` before the checkpoints go.
+`train.log`, and `run.json` (command, exit code, wall and CPU time, load average, the CPU: `machine`). Checkpoints
+(the trainer always saves the last step) are deleted after the run. CPU time is measured twice:
+`getrusage(RUSAGE_CHILDREN)` (the trainer and every descendant it waited for) and a 1 s sampler over the live
+process tree (catches Ray / vLLM processes that are not reaped through the trainer); the larger is what the table
+reports. The teacher run keeps its last step's Hugging Face export as `<out_dir>/model` before the checkpoints go.
 """
 from __future__ import annotations
 
@@ -72,6 +72,25 @@ class TreeCpuSampler(threading.Thread):
         return sum(self.per_pid.values())
 
 
+# the flags that decide what a CPU computes fast: float32 width (avx2 / avx512f) and native bf16 (`params_dtype: auto`)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def machine_record() -> dict:
+    """The CPU a run's timings come from: its model name, the flags of `CPU_FLAGS` it has, its core count, and the
+    oneDNN ISA cap (which turns native bf16 off, so `auto` computes in float32 on a bf16 CPU too)."""
+    model, flags = "", set()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else ():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags], "cores": os.cpu_count(),
+            "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}
+
+
 def execute(run: Run) -> dict:
     """Run one training process to completion; returns (and writes) its run.json record."""
     if run.out_dir.exists():
@@ -98,7 +117,8 @@ def execute(run: Run) -> dict:
         exports[-1].rename(run.out_dir / "model")  # the last step's Hugging Face export
     shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
     record = {"table": run.table, "task": run.task, "algo": run.algo, "seed": run.seed, "steps": run.steps,
-              "command": " ".join(command[1:]).replace(str(REPO) + "/", ""), "returncode": returncode,
+              "machine": machine_record(), "command": " ".join(command[1:]).replace(str(REPO) + "/", ""),
+              "returncode": returncode,
               "started": started, "wall_s": round(wall, 1), "cpu_s_rusage_children": round(rusage_cpu, 1),
               "cpu_s_tree_sampled": round(sampler.cpu_s, 1), "cpu_s": round(max(rusage_cpu, sampler.cpu_s), 1),
               "loadavg_1min": {"min": min(sampler.loads, default=0), "max": max(sampler.loads, default=0),

@@ -19,8 +19,10 @@ over the arms (seed 1 of every arm first), so a comparison cut short stays balan
 runner loses at most the steps since then: run the same command again. To pause the comparison, send the runner
 SIGTERM (`kill <runner pid>`, or Ctrl-C): its trainer finishes the current step and checkpoints it, and no other run
 starts; or create `runs/compare_cpo/PAUSE`: the runner finishes the run under way and starts no other (delete the
-file before running the command again). A run whose `run.json` says it finished is
-read, not repeated; its checkpoints are deleted then.
+file before running the command again). A run whose `run.json` says it finished is read, not repeated; its
+checkpoints are deleted then, and its `run.json`, `metrics.jsonl` and `step_cpu.jsonl` are copied to
+`benchmarks/real_model/results/<comparison><budget>/<arm>/seed<k>/` (committed: the reports read it as a runs
+directory, so seeds run on different machines and in different sessions pair up).
 
 `--code DIR` runs the package and the example configs of DIR instead of this checkout's (a frozen copy, e.g.
 `git archive HEAD | tar -x -C DIR`), so a comparison that takes a day runs one version of the code while the
@@ -28,7 +30,7 @@ checkout moves on; the model, the data and the runs stay here. Each run's direct
 holds the trainer's `metrics.jsonl` and `train.log`,
 `console.log`, `step_cpu.jsonl` (per logged step: the CPU seconds of the whole process tree so far in that attempt,
 trainer, Ray, vLLM engine and grading workers, sampled every second, and the wall seconds) and `run.json` (the
-command, each attempt's exit code, wall and CPU seconds and load average).
+command, each attempt's exit code, wall and CPU seconds, load average and CPU: `machine`).
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 
-from run_table import TreeCpuSampler  # noqa: E402
+from run_table import TreeCpuSampler, machine_record  # noqa: E402
 
 RUNS = REPO / "runs" / "compare_cpo"
+# finished runs' records, committed: `runs/` is not, and a new machine starts without it (see `archive`)
+RESULTS = HERE / "results"
+ARCHIVED = ("run.json", "metrics.jsonl", "step_cpu.jsonl")
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml",
         "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml", "opsd_task": "grpo.yaml"}
@@ -274,19 +279,32 @@ def execute(run: Run, stop: StopRequest | None = None) -> dict:
     record["attempts"].append({"started": started, "returncode": returncode,
                                "wall_s": round(time.perf_counter() - start_wall, 1),
                                "cpu_s_tree_sampled": round(sampler.cpu_s, 1), "last_step": last.get("step"),
-                               "generated_samples": generated,
+                               "generated_samples": generated, "machine": machine_record(),
                                "loadavg_1min": {"min": min(sampler.loads, default=0),
                                                 "max": max(sampler.loads, default=0),
                                                 "mean": round(sum(sampler.loads) / max(1, len(sampler.loads)), 2)}})
     record["finished"] = returncode == 0 and generated >= run.budget and "val/acc" in last
     (run.out_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     if record["finished"]:
+        archive(run)
         exports = sorted((run.out_dir / "checkpoints").glob("step_*/huggingface"))
         if run.keep_model and exports:
             shutil.rmtree(run.out_dir / "model", ignore_errors=True)
             exports[-1].rename(run.out_dir / "model")
         shutil.rmtree(run.out_dir / "checkpoints", ignore_errors=True)
     return record
+
+
+def archive(run: Run, results: Path = RESULTS) -> Path:
+    """Copy a finished run's record, metrics and per-step CPU (`ARCHIVED`, a few KB each) to
+    `<results>/<comparison><budget>/<arm>/seed<k>/`, committed with the docs that quote them, so that the reports can
+    pair seeds measured on different machines (each attempt's `machine` says which CPU) after `runs/` is gone."""
+    target = results / f"{run.comparison.name}{run.budget}" / run.arm / f"seed{run.seed}"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED:
+        if (run.out_dir / name).is_file():
+            shutil.copyfile(run.out_dir / name, target / name)
+    return target
 
 
 def read_rows(path: Path) -> dict[int, dict]:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
 from compare_cpo import BUDGET, CPO_ARMS, RUNS, VAL_EVERY, read_rows  # noqa: E402
+from run_table import CPU_FLAGS  # noqa: E402
 from stats import Summary, paired_difference, summarize, verdict  # noqa: E402
 
 NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO on DAPO (cpo.yaml)", "cpo_grpo": "CPO on GRPO (cpo_grpo.yaml)"}
@@ -56,6 +57,8 @@ class RunData:
     finished: bool
     rows: dict[int, dict]
     cpu: dict[int, float] = field(default_factory=dict)  # step -> cumulative CPU seconds after it
+    peak_gib: float | None = None  # the trainer's peak resident memory (None: a run made before the runner kept it)
+    machine: str = "not recorded"  # the CPU of its last attempt (compare_cpo.machine_record), for its timings
 
     def points(self, axis: str) -> list[tuple[float, float]]:
         """(x, held-out accuracy in %) at every validation, x on `axis`."""
@@ -102,6 +105,13 @@ def step_cpu(path: Path) -> dict[int, float]:
     return cumulative
 
 
+def peak_gib(path: Path) -> float | None:
+    """The largest `trainer_peak_rss_gib` of a run's `step_cpu.jsonl` (None where no row has it)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return max((row["trainer_peak_rss_gib"] for row in rows if row.get("trainer_peak_rss_gib") is not None),
+               default=None)
+
+
 def load_runs(runs_dir: Path = RUNS, arms=CPO_ARMS) -> list[RunData]:
     """Every run of `arms` under `runs_dir`, finished or not (its run.json says which)."""
     runs = []
@@ -110,8 +120,37 @@ def load_runs(runs_dir: Path = RUNS, arms=CPO_ARMS) -> list[RunData]:
             record_path = directory / "run.json"
             record = json.loads(record_path.read_text()) if record_path.is_file() else {}
             runs.append(RunData(arm, int(directory.name[4:]), bool(record.get("finished")),
-                                read_rows(directory / "metrics.jsonl"), step_cpu(directory / "step_cpu.jsonl")))
+                                read_rows(directory / "metrics.jsonl"), step_cpu(directory / "step_cpu.jsonl"),
+                                peak_gib(directory / "step_cpu.jsonl"), describe_machine(record)))
     return runs
+
+
+def describe_machine(record: dict) -> str:
+    """'<CPU> (<flags>, <cores> cores[, oneDNN cap])' of a run.json's last attempt; 'not recorded' before the runner
+    kept it."""
+    machine = (record.get("attempts") or [{}])[-1].get("machine")
+    if not machine:
+        return "not recorded"
+    cap = f", ONEDNN_MAX_CPU_ISA={machine['ONEDNN_MAX_CPU_ISA']}" if machine.get("ONEDNN_MAX_CPU_ISA") else ""
+    return f"{machine['cpu']} ({' '.join(machine['cpu_flags']) or 'none of ' + '/'.join(CPU_FLAGS)}, " \
+           f"{machine['cores']} cores{cap})"
+
+
+def load_finished(directories: list[Path], arms) -> list[RunData]:
+    """The finished runs of `arms` in arm then seed order; an arm/seed found in an earlier directory wins (a live runs
+    directory before the committed results). Unfinished runs not found finished elsewhere are named."""
+    found: dict[tuple[str, int], RunData] = {}
+    unfinished = []
+    for directory in directories:
+        for run in load_runs(directory, arms):
+            if run.finished:
+                found.setdefault((run.arm, run.seed), run)
+            else:
+                unfinished.append((run.arm, run.seed, directory))
+    for arm, seed, directory in unfinished:
+        if (arm, seed) not in found:
+            print(f"{directory / arm / f'seed{seed}'}: not finished, left out")
+    return [found[key] for key in sorted(found, key=lambda key: (list(arms).index(key[0]), key[1]))]
 
 
 def _cell(summary: Summary | None, digits: int = 1, unit: str = "") -> str:

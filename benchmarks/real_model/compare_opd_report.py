@@ -24,26 +24,11 @@ sys.path.insert(0, str(HERE.parents[1] / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
 from compare_cpo import RUNS, TEACHER, read_rows  # noqa: E402
-from compare_cpo_report import RunData, load_runs  # noqa: E402
+from compare_cpo_report import RunData, load_finished  # noqa: E402
 from stats import summarize  # noqa: E402
 
 ARMS = ("grpo", "cpo_grpo", "opd", "opd_task", "opsd", "opsd_task")
 SHARE = 0.9  # of the teacher's accuracy: the issue's "reaches the teacher"
-
-
-def load(directories: list[Path]) -> list[RunData]:
-    """The finished runs of ARMS; an arm/seed found in an earlier directory wins. Unfinished runs not found finished
-    elsewhere are named."""
-    found: dict[tuple[str, int], RunData] = {}
-    for directory in directories:
-        for run in load_runs(directory, ARMS):
-            if (run.arm, run.seed) in found:
-                continue
-            if run.finished:
-                found[run.arm, run.seed] = run
-            else:
-                print(f"{directory / run.arm / f'seed{run.seed}'}: not finished, left out")
-    return [found[key] for key in sorted(found, key=lambda key: (ARMS.index(key[0]), key[1]))]
 
 
 def crossing(points: list[tuple[float, float]], threshold: float) -> float | None:
@@ -104,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-run", type=Path, default=TEACHER.parent,
                         help="the run whose final policy is the teacher (its last validation is the teacher's)")
     args = parser.parse_args(argv)
-    runs = load([args.runs, *args.also])
+    runs = load_finished([args.runs, *args.also], ARMS)
     if not runs:
         print(f"no finished run of {', '.join(ARMS)} under {args.runs}")
         return 1

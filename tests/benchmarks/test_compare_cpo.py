@@ -148,3 +148,55 @@ def test_the_opd_report_finds_the_samples_to_90_percent_of_the_teacher_by_seed_a
     # 320 + 320 * 2 / 20 = 352, and GRPO seed 2 never crosses by 960: below 352 / 960 = 0.37x
     assert "| grpo | 832 | > 960 |" in text
     assert "| opd | 277 (0.33x) | 352 (< 0.37x) |" in text
+
+
+def write_run(directory: Path, accuracies: list[float], *, finished: bool = True, peak: float | None = None,
+              update_s: float = 60.0, machine: dict | None = None) -> None:
+    """A run directory as compare_cpo.execute leaves it: one validation every 320 samples (step k has generated
+    320 k), 10 CPU s a step, the trainer's peak on every step row, the attempt's machine."""
+    directory.mkdir(parents=True)
+    rows = [{"step": 0, "val/acc": accuracies[0] / 100}]
+    rows += [{"step": step, "val/acc": acc / 100, "train/generated_samples": 320.0 * step,
+              "timing/update_actor_s": update_s, "timing/weight_sync_s": 2.5}
+             for step, acc in enumerate(accuracies[1:], start=1)]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (directory / "step_cpu.jsonl").write_text("".join(
+        json.dumps({"step": row["step"], "attempt": 0, "tree_cpu_s": 10.0 * row["step"], "trainer_peak_rss_gib": peak})
+        + "\n" for row in rows))
+    attempt = {"returncode": 0 if finished else -15, **({"machine": machine} if machine else {})}
+    (directory / "run.json").write_text(json.dumps({"finished": finished, "budget": 640, "attempts": [attempt]}))
+
+
+def test_a_finished_run_is_archived_and_the_lora_report_pairs_it_with_seeds_archived_on_another_machine(tmp_path):
+    """A finished run's record, metrics and per-step CPU are copied to `results/<comparison><budget>/<arm>/seed<k>/`;
+    the LoRA report reads the live runs first and the archive after, so a seed measured by an earlier session (on
+    another CPU) pairs with one measured now, and says which CPU each run's timings come from."""
+    from dataclasses import replace
+
+    from compare_cpo import ARCHIVED, archive, plan
+    from compare_lora import LORA
+    from compare_lora_report import report
+    from run_table import CPU_FLAGS, machine_record
+
+    here = machine_record()
+    assert set(here["cpu_flags"]) <= set(CPU_FLAGS) and here["cores"] >= 1
+    lora = replace(LORA, runs=tmp_path / "runs")
+    [full_now] = plan(["grpo"], [3], 640, 320, 5, comparison=lora)
+    write_run(full_now.out_dir, [20.0, 40.0, 60.0], peak=6.0, update_s=90.0, machine=here)
+    archived = archive(full_now, results=tmp_path / "results")
+    assert archived == tmp_path / "results" / "compare_lora640" / "grpo" / "seed3"
+    assert all((archived / name).read_bytes() == (full_now.out_dir / name).read_bytes() for name in ARCHIVED)
+
+    avx2 = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"], "cores": 2, "ONEDNN_MAX_CPU_ISA": ""}
+    results = tmp_path / "results" / "compare_lora640"
+    write_run(results / "lora_r32_lr3e-4" / "seed3", [20.0, 45.0, 63.0], peak=4.5, update_s=70.0, machine=avx2)
+    write_run(results / "grpo" / "seed2", [20.0, 30.0, 50.0], peak=6.2, machine=avx2)
+    write_run(results / "lora_r32_lr3e-4" / "seed2", [20.0, 35.0, 56.0], peak=4.9, machine=avx2)
+    # a stopped run in the live directory does not hide the archived, finished one of the same seed
+    write_run(lora.runs / "lora_r32_lr3e-4" / "seed2", [20.0, 99.0], finished=False)
+    text = report([lora.runs, results])
+    assert "| grpo (2 seeds) | 20.0 | 35.0 | 55.0 |" in text
+    assert "| lora_r32_lr3e-4 (2 seeds) | 20.0 | 40.0 | 59.5 |" in text
+    assert "- lora_r32_lr3e-4 - grpo: +4.5 " in text and "over seeds [2, 3]" in text
+    assert "| lora_r32_lr3e-4 | 4.70 | 77% |" in text  # 4.70 of 6.10 GiB
+    assert "grpo/seed2 AMD EPYC (avx2, 2 cores)" in text and f"grpo/seed3 {here['cpu']}" in text
