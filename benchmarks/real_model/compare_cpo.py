@@ -7,7 +7,8 @@
 
 The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget: `opd`
 (k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task reward), `opsd`
-(the policy given the gold solution as its own teacher), `opsd_task` (plus the task reward); the teacher is `--teacher`,
+(the policy given the gold solution as its own teacher), `opsd_task` (plus the task reward), `opsd_task_c0.1_t0.7` (that
+at GRPO's temperature 0.7 with the self teacher's term weighed 0.1); the teacher is `--teacher`,
 by default GRPO seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
 
 Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
@@ -59,7 +60,8 @@ RESULTS = HERE / "results"
 ARCHIVED = ("run.json", "metrics.jsonl", "step_cpu.jsonl")
 MODEL = REPO / "examples" / "smollm2-135m" / "model"
 ARMS = {"grpo": "grpo.yaml", "dapo": "dapo.yaml", "cpo": "cpo.yaml", "cpo_grpo": "cpo_grpo.yaml",
-        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml", "opsd_task": "grpo.yaml"}
+        "opd": "grpo.yaml", "opd_task": "grpo.yaml", "opsd": "grpo.yaml", "opsd_task": "grpo.yaml",
+        "opsd_task_c0.1_t0.7": "grpo.yaml"}
 CPO_ARMS = ("grpo", "dapo", "cpo", "cpo_grpo")  # the default: the CPO comparison (docs/cpo.md)
 TEACHER = RUNS / "grpo" / "seed1" / "model"  # the OPD arms' teacher: GRPO seed 1's final policy (--keep-model)
 HINT_INSTRUCTION = "Please refer to the above solution and end your answer with the sum."  # cpo_grpo.yaml's
@@ -77,6 +79,12 @@ OPD_ARMS = {
     "opsd_task": (*OPD_K1, "distillation.distillation_loss.use_task_rewards=true",
                   "distillation.teacher_models.teacher_model.kind=self", f"data.hint_instruction={HINT_INSTRUCTION}"),
 }
+# opsd_task stalled at 640 samples (docs/distillation.md): at temperature 1 the base model gets almost no training
+# question right, so the self teacher's reward was the step's signal. This arm keeps GRPO's temperature 0.7 (where the
+# task reward has right answers to work with) and weighs the self teacher's term at 0.1 of the task's.
+OPD_ARMS["opsd_task_c0.1_t0.7"] = (
+    *(override for override in OPD_ARMS["opsd_task"] if "rollout.temperature=" not in override),
+    "actor_rollout_ref.rollout.temperature=0.7", "distillation.distillation_loss.distillation_loss_coef=0.1")
 SEEDS = (1, 2, 3)
 BUDGET, VAL_EVERY, VAL_QUESTIONS, SAVE_FREQ = 2560, 320, 200, 5
 RESUMED = re.compile(r"resumed from .* \(step (\d+)\)")  # the checkpoint manager's line

@@ -104,6 +104,13 @@ def test_the_distillation_arms_load_as_configs_with_their_teacher(tmp_path):
         assert distillation.teacher_models["teacher_model"].kind == kind
         assert configs[arm].actor_rollout_ref.rollout.temperature == 1.0 and configs[arm].trainer.resume == "auto"
     assert configs["opd"].distillation.teacher_models["teacher_model"].model_path == str(teacher)
+    [variant] = plan(["opsd_task_c0.1_t0.7"], [2], 640, 320, 5, teacher=teacher)
+    command = variant.command()
+    config = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
+    assert config.actor_rollout_ref.rollout.temperature == 0.7  # GRPO's, where opsd_task samples at 1
+    assert config.distillation.distillation_loss.distillation_loss_coef == 0.1
+    assert config.distillation.teacher_models["teacher_model"].kind == "self"
+    assert config.distillation.distillation_loss.use_task_rewards and config.data.hint_instruction
 
 
 def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_only_the_rate():
