@@ -8,8 +8,8 @@
 The on-policy distillation arms (docs/distillation.md) train the base model towards a teacher at the same budget: `opd`
 (k1 as a reward from the teacher's vLLM engine, verl's OPD script's signal), `opd_task` (plus the task reward), `opsd`
 (the policy given the gold solution as its own teacher), `opsd_task` (plus the task reward), `opsd_task_c0.1_t0.7` (that
-at GRPO's temperature 0.7 with the self teacher's term weighed 0.1); the teacher is `--teacher`,
-by default GRPO seed 1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
+at GRPO's temperature 0.7 with the self teacher's term weighed 0.1); the teacher is `--teacher`, by default GRPO seed
+1's final policy (`--arms grpo --seeds 1 --keep-model` makes it).
 
 Every run is the example's config (`examples/smollm2-135m/{grpo,dapo,cpo,cpo_grpo}.yaml`) with the same budget: the
 run ends after the step at which it has generated `--budget` samples (`trainer.total_rollout_samples`; every sample

@@ -3,14 +3,17 @@ seconds, and the samples each arm needs to reach 90% of the teacher's accuracy (
 
     python benchmarks/real_model/compare_opd_report.py                           # runs/compare_cpo
     python benchmarks/real_model/compare_opd_report.py --runs runs/compare_opd640 --also runs/compare_cpo
+    R=benchmarks/real_model/results                                               # the committed records
+    python benchmarks/real_model/compare_opd_report.py --runs $R/compare_cpo640 --also $R/compare_lora640 \
+        $R/compare_cpo2560 --teacher-run $R/compare_cpo2560/grpo/seed1
 
 Reads the finished runs of the arms `grpo`, `cpo_grpo`, `opd`, `opd_task`, `opsd`, `opsd_task` and
 `opsd_task_c0.1_t0.7` under `--runs` and then under each `--also` directory for the arm/seed pairs not found yet (GRPO's
-seed 1 is the teacher's own run, made once in runs/compare_cpo at 2,560 samples). The teacher's accuracy is the last validation of `--teacher-run` (the run
-whose final policy is the teacher, default runs/compare_cpo/grpo/seed1). The samples to a threshold are interpolated
-linearly between the two validations around the first crossing; a run that never crosses says "> its last count".
-Accuracy at equal CPU seconds is interpolated at the fewest CPU seconds (process tree, compare_cpo_report.step_cpu)
-every finished run reached.
+seed 1 is the teacher's own run, made once in runs/compare_cpo at 2,560 samples). The teacher's accuracy is the last
+validation of `--teacher-run` (the run whose final policy is the teacher, default runs/compare_cpo/grpo/seed1). The
+samples to a threshold are interpolated linearly between the two validations around the first crossing; a run that
+never crosses says "> its last count". Accuracy at equal CPU seconds is interpolated at the fewest CPU seconds (process
+tree, compare_cpo_report.step_cpu) every finished run reached.
 """
 from __future__ import annotations
 
