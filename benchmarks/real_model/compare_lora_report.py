@@ -66,6 +66,10 @@ def report(directories: list[Path]) -> str:
     full_peak = mean_peak_gib(list(found[FULL].values()))
     for arm in arms:
         if arm != FULL:
+            if not set(curves[arm]) & set(curves[FULL]):
+                lines.append(f"- {arm} - {FULL}: no seed in common ({arm}: {sorted(curves[arm])}, {FULL}: "
+                             f"{sorted(curves[FULL])})")
+                continue
             difference, seeds = paired_difference({s: c[end] for s, c in curves[arm].items()},
                                                   {s: c[end] for s, c in curves[FULL].items()})
             interval = f"[{difference.low:+.1f}, {difference.high:+.1f}]" if difference.n > 1 else "(no interval)"

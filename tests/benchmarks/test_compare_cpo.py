@@ -201,9 +201,11 @@ def test_a_finished_run_is_archived_and_the_lora_report_pairs_it_with_seeds_arch
     write_run(results / "lora_r32_lr3e-4" / "seed2", [20.0, 35.0, 56.0], peak=4.9, machine=avx2)
     # a stopped run in the live directory does not hide the archived, finished one of the same seed
     write_run(lora.runs / "lora_r32_lr3e-4" / "seed2", [20.0, 99.0], finished=False)
+    write_run(results / "lora_r1_lr3e-4" / "seed4", [20.0, 30.0, 50.0], peak=4.4)  # no full fine-tuning seed 4
     text = report([lora.runs, results])
     assert "| grpo (2 seeds) | 20.0 | 35.0 | 55.0 |" in text
     assert "| lora_r32_lr3e-4 (2 seeds) | 20.0 | 40.0 | 59.5 |" in text
     assert "- lora_r32_lr3e-4 - grpo: +4.5 " in text and "over seeds [2, 3]" in text
     assert "| lora_r32_lr3e-4 | 4.70 | 77% |" in text  # 4.70 of 6.10 GiB
+    assert "- lora_r1_lr3e-4 - grpo: no seed in common (lora_r1_lr3e-4: [4], grpo: [2, 3])" in text
     assert "grpo/seed2 AMD EPYC (avx2, 2 cores)" in text and f"grpo/seed3 {here['cpu']}" in text
