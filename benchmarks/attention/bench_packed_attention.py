@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "learning"))
+
+from machine import machine_record  # noqa: E402
 
 MODEL = ROOT / "examples/smollm2-135m/model"
 # name: (token budget of the micro-batch, prompt length, response lengths drawn evenly from this range)
@@ -41,12 +44,9 @@ WAYS = ("local_rows", "fused_rows_mask", "fused_one_row_mask", "fused_per_sequen
 
 def cpu_name() -> str:
     """The CPU's model name and vector extensions that matter to torch's kernels."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 host.processor() or "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    extensions = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{model} ({', '.join(extensions) or 'no AVX2'}), {os.cpu_count()} cores"
+    machine = machine_record()
+    return (f"{machine['cpu'] or host.processor() or 'unknown'} ({', '.join(machine['cpu_flags']) or 'no AVX2'}), "
+            f"{machine['cores']} cores")
 
 
 def cpu_seconds() -> float:

@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+from machine import machine_record  # noqa: E402
 from tasks import ALGOS, SEEDS, TABLES, TEACHER_MODEL, TEACHER_RUN, Run, plan, write_task  # noqa: E402
 
 
@@ -70,25 +71,6 @@ class TreeCpuSampler(threading.Thread):
     @property
     def cpu_s(self) -> float:
         return sum(self.per_pid.values())
-
-
-# the flags that decide what a CPU computes fast: float32 width (avx2 / avx512f) and native bf16 (`params_dtype: auto`)
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def machine_record() -> dict:
-    """The CPU a run's timings come from: its model name, the flags of `CPU_FLAGS` it has, its core count, and the
-    oneDNN ISA cap (which turns native bf16 off, so `auto` computes in float32 on a bf16 CPU too)."""
-    model, flags = "", set()
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else ():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not model:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags], "cores": os.cpu_count(),
-            "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}
 
 
 def execute(run: Run) -> dict:

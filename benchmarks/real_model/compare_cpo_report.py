@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
 from compare_cpo import BUDGET, CPO_ARMS, RUNS, VAL_EVERY, read_rows  # noqa: E402
-from run_table import CPU_FLAGS  # noqa: E402
+from machine import describe_machine  # noqa: E402
 from stats import Summary, paired_difference, summarize, verdict  # noqa: E402
 
 NAMES = {"grpo": "GRPO", "dapo": "DAPO", "cpo": "CPO on DAPO (cpo.yaml)", "cpo_grpo": "CPO on GRPO (cpo_grpo.yaml)"}
@@ -58,7 +58,7 @@ class RunData:
     rows: dict[int, dict]
     cpu: dict[int, float] = field(default_factory=dict)  # step -> cumulative CPU seconds after it
     peak_gib: float | None = None  # the trainer's peak resident memory (None: a run made before the runner kept it)
-    machine: str = "not recorded"  # the CPU of its last attempt (compare_cpo.machine_record), for its timings
+    machine: str = "not recorded"  # the CPU of its last attempt (machine.describe_machine), for its timings
 
     def points(self, axis: str) -> list[tuple[float, float]]:
         """(x, held-out accuracy in %) at every validation, x on `axis`."""
@@ -86,18 +86,26 @@ class RunData:
         return statistics.mean(values) if values else None
 
 
+def read_step_cpu(path: Path) -> list[dict]:
+    """The entries of a run's `step_cpu.jsonl` ([] without the file)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def step_cpu(path: Path) -> dict[int, float]:
+    """`cpu_by_step` of a run's `step_cpu.jsonl`."""
+    return cpu_by_step(read_step_cpu(path))
+
+
+def cpu_by_step(entries: list[dict]) -> dict[int, float]:
     """Cumulative CPU seconds after each step: each step's own (its tree CPU minus the previous row's in the same
     attempt, a resumed attempt's "resumed" row included, so its start-up is not counted; the last attempt's when a
     resume redid the step), summed from step 1."""
     own: dict[int, float] = {}
-    if path.is_file():
-        previous: dict[int, float] = {}
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            if "step" in entry:
-                own[entry["step"]] = entry["tree_cpu_s"] - previous.get(entry["attempt"], 0.0)
-            previous[entry["attempt"]] = entry["tree_cpu_s"]
+    previous: dict[int, float] = {}
+    for entry in entries:
+        if "step" in entry:
+            own[entry["step"]] = entry["tree_cpu_s"] - previous.get(entry["attempt"], 0.0)
+        previous[entry["attempt"]] = entry["tree_cpu_s"]
     total, cumulative = 0.0, {}
     for step in sorted(s for s in own if s > 0):
         total += own[step]
@@ -105,10 +113,9 @@ def step_cpu(path: Path) -> dict[int, float]:
     return cumulative
 
 
-def peak_gib(path: Path) -> float | None:
-    """The largest `trainer_peak_rss_gib` of a run's `step_cpu.jsonl` (None where no row has it)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return max((row["trainer_peak_rss_gib"] for row in rows if row.get("trainer_peak_rss_gib") is not None),
+def peak_gib(entries: list[dict]) -> float | None:
+    """The largest `trainer_peak_rss_gib` of a run's `step_cpu.jsonl` entries (None where no entry has it)."""
+    return max((entry["trainer_peak_rss_gib"] for entry in entries if entry.get("trainer_peak_rss_gib") is not None),
                default=None)
 
 
@@ -119,21 +126,11 @@ def load_runs(runs_dir: Path = RUNS, arms=CPO_ARMS) -> list[RunData]:
         for directory in sorted((runs_dir / arm).glob("seed*")):
             record_path = directory / "run.json"
             record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+            entries = read_step_cpu(directory / "step_cpu.jsonl")
             runs.append(RunData(arm, int(directory.name[4:]), bool(record.get("finished")),
-                                read_rows(directory / "metrics.jsonl"), step_cpu(directory / "step_cpu.jsonl"),
-                                peak_gib(directory / "step_cpu.jsonl"), describe_machine(record)))
+                                read_rows(directory / "metrics.jsonl"), cpu_by_step(entries),
+                                peak_gib(entries), describe_machine(record)))
     return runs
-
-
-def describe_machine(record: dict) -> str:
-    """'<CPU> (<flags>, <cores> cores[, oneDNN cap])' of a run.json's last attempt; 'not recorded' before the runner
-    kept it."""
-    machine = (record.get("attempts") or [{}])[-1].get("machine")
-    if not machine:
-        return "not recorded"
-    cap = f", ONEDNN_MAX_CPU_ISA={machine['ONEDNN_MAX_CPU_ISA']}" if machine.get("ONEDNN_MAX_CPU_ISA") else ""
-    return f"{machine['cpu']} ({' '.join(machine['cpu_flags']) or 'none of ' + '/'.join(CPU_FLAGS)}, " \
-           f"{machine['cores']} cores{cap})"
 
 
 def load_finished(directories: list[Path], arms) -> list[RunData]:

@@ -183,7 +183,7 @@ def test_a_finished_run_is_archived_and_the_lora_report_pairs_it_with_seeds_arch
     from compare_cpo import ARCHIVED, archive, plan
     from compare_lora import LORA
     from compare_lora_report import report
-    from run_table import CPU_FLAGS, machine_record
+    from machine import CPU_FLAGS, machine_record
 
     here = machine_record()
     assert set(here["cpu_flags"]) <= set(CPU_FLAGS) and here["cores"] >= 1
