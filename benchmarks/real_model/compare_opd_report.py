@@ -12,8 +12,9 @@ Reads the finished runs of the arms `grpo`, `cpo_grpo`, `opd`, `opd_task`, `opsd
 seed 1 is the teacher's own run, made once in runs/compare_cpo at 2,560 samples). The teacher's accuracy is the last
 validation of `--teacher-run` (the run whose final policy is the teacher, default runs/compare_cpo/grpo/seed1). The
 samples to a threshold are interpolated linearly between the two validations around the first crossing; a run that
-never crosses says "> its last count". Accuracy at equal CPU seconds is interpolated at the fewest CPU seconds (process
-tree, compare_cpo_report.step_cpu) every finished run reached.
+never crosses says "> its last count". Each arm minus GRPO is paired by seed at the counts every run validated at.
+Accuracy at equal CPU seconds is interpolated at the fewest CPU seconds (process tree, compare_cpo_report.step_cpu)
+every finished run reached.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from compare_cpo import RUNS, TEACHER, read_rows  # noqa: E402
 from compare_cpo_report import RunData, load_finished  # noqa: E402
-from stats import summarize  # noqa: E402
+from stats import paired_difference, summarize  # noqa: E402
 
 ARMS = ("grpo", "cpo_grpo", "opd", "opd_task", "opsd", "opsd_task", "opsd_task_c0.1_t0.7")
 SHARE = 0.9  # of the teacher's accuracy: the issue's "reaches the teacher"
@@ -73,6 +74,21 @@ def report(runs: list[RunData], teacher: float) -> str:
                 # GRPO never crossed: it needs more than its last count, so the ratio is below at / that count
                 cells[-1] += f" ({at / base:.2f}x)" if base else f" (< {at / grpo.last('samples'):.2f}x)"
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Each arm minus GRPO, paired by seed (points; 95% t interval over the seeds both finished):", "",
+              "| arm | seeds | " + " | ".join(f"{x:,.0f}" for x in grid[1:]) + " |",
+              "| --- | --- |" + " --- |" * len(grid[1:])]
+    grpo = {r.seed: dict(r.points("samples")) for r in runs if r.arm == "grpo"}
+    for arm in [arm for arm in arms if arm != "grpo"] if grpo else []:
+        mine = {r.seed: dict(r.points("samples")) for r in runs if r.arm == arm}
+        if not set(mine) & set(grpo):
+            lines.append(f"| {arm} | no seed in common with GRPO |" + " |" * len(grid[1:]))
+            continue
+        cells = []
+        for x in grid[1:]:
+            diff, common_seeds = paired_difference({s: v[x] for s, v in mine.items()},
+                                                   {s: v[x] for s, v in grpo.items()})
+            cells.append(f"{diff.mean:+.1f}" + (f" [{diff.low:+.1f}, {diff.high:+.1f}]" if diff.n >= 2 else ""))
+        lines.append(f"| {arm} | {','.join(map(str, common_seeds))} | " + " | ".join(cells) + " |")
     common = min(r.last("cpu") for r in runs)
     lines += ["", f"At equal CPU seconds of the process tree ({common:,.0f} s, the fewest any run reached): accuracy "
               "(%), and CPU seconds per step (mean over seeds):", "", "| arm | accuracy | CPU s / step |",

@@ -134,7 +134,7 @@ def test_the_lora_arms_load_as_their_configs_and_the_higher_rate_arm_changes_onl
     assert configs["lora_r32_lr3e-4"].trainer.seed == configs["lora_r1_lr3e-4"].trainer.seed == 1
 
 
-def test_the_opd_report_finds_the_samples_to_90_percent_of_the_teacher_by_seed_and_bounds_a_grpo_that_never_got_there():
+def test_the_opd_report_finds_the_samples_to_90_percent_of_the_teacher_bounds_a_grpo_that_never_got_there_and_pairs():
     from compare_cpo_report import RunData
     from compare_opd_report import crossing, report
 
@@ -155,6 +155,9 @@ def test_the_opd_report_finds_the_samples_to_90_percent_of_the_teacher_by_seed_a
     # 320 + 320 * 2 / 20 = 352, and GRPO seed 2 never crosses by 960: below 352 / 960 = 0.37x
     assert "| grpo | 832 | > 960 |" in text
     assert "| opd | 277 (0.33x) | 352 (< 0.37x) |" in text
+    # minus GRPO by seed: +40 and +40 at 320, +20 and +50 at 640, 0 and +40 at 960 (t_{0.975,1} = 12.706)
+    assert "| opd | 1,2 | +40.0 [+40.0, +40.0] | +35.0 [-155.6, +225.6] | +20.0 [-234.1, +274.1] |" in text
+    assert "| opd | no seed in common with GRPO |" in report([runs[0], run("opd", 2, [20, 70, 90, 90])], 80.0)
 
 
 def write_run(directory: Path, accuracies: list[float], *, finished: bool = True, peak: float | None = None,
