@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parents[1] / "benchmarks" / "learning"))
 sys.path.insert(0, str(HERE))
 
 from compare_cpo import RUNS, TEACHER, read_rows  # noqa: E402
-from compare_cpo_report import RunData, load_finished  # noqa: E402
+from compare_cpo_report import RunData, load_finished, paired_runs  # noqa: E402
 from stats import paired_difference, summarize  # noqa: E402
 
 ARMS = ("grpo", "cpo_grpo", "opd", "opd_task", "opsd", "opsd_task", "opsd_task_c0.1_t0.7")
@@ -77,18 +77,17 @@ def report(runs: list[RunData], teacher: float) -> str:
     lines += ["", "Each arm minus GRPO, paired by seed (points; 95% t interval over the seeds both finished):", "",
               "| arm | seeds | " + " | ".join(f"{x:,.0f}" for x in grid[1:]) + " |",
               "| --- | --- |" + " --- |" * len(grid[1:])]
-    grpo = {r.seed: dict(r.points("samples")) for r in runs if r.arm == "grpo"}
-    for arm in [arm for arm in arms if arm != "grpo"] if grpo else []:
-        mine = {r.seed: dict(r.points("samples")) for r in runs if r.arm == arm}
-        if not set(mine) & set(grpo):
+    for arm in [arm for arm in arms if arm != "grpo"] if "grpo" in arms else []:
+        mine, grpo, seeds = paired_runs(runs, arm, "grpo")
+        if not seeds:
             lines.append(f"| {arm} | no seed in common with GRPO |" + " |" * len(grid[1:]))
             continue
         cells = []
         for x in grid[1:]:
-            diff, common_seeds = paired_difference({s: v[x] for s, v in mine.items()},
-                                                   {s: v[x] for s, v in grpo.items()})
+            diff, _ = paired_difference({s: mine[s].at("samples", x) for s in seeds},
+                                        {s: grpo[s].at("samples", x) for s in seeds})
             cells.append(f"{diff.mean:+.1f}" + (f" [{diff.low:+.1f}, {diff.high:+.1f}]" if diff.n >= 2 else ""))
-        lines.append(f"| {arm} | {','.join(map(str, common_seeds))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {arm} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
     common = min(r.last("cpu") for r in runs)
     lines += ["", f"At equal CPU seconds of the process tree ({common:,.0f} s, the fewest any run reached): accuracy "
               "(%), and CPU seconds per step (mean over seeds):", "", "| arm | accuracy | CPU s / step |",
