@@ -1,13 +1,26 @@
 """Real graders for trainer tests on an untrained tiny model (which never writes a correct arithmetic answer).
 
-They are ordinary custom reward functions (`reward.custom_reward_function`), run by the real grading pool. Their
-outcomes depend only on the sampled text, so groups are mixed or uniform at rates the tests can rely on.
+They are ordinary custom reward functions (`reward.custom_reward_function`), run by the real grading pool. Most
+depend only on the sampled text, so groups are mixed or uniform at rates the tests can rely on; `mixed_on_even_rows`
+makes them mixed or uniform by construction, for tests on the session's shared engine, whose weights are whatever the
+last test pushed.
 """
+import itertools
+
+_calls_in_this_worker = itertools.count()
 
 
 def even_first_character(data_source, solution_str, ground_truth, extra_info=None):
     """Correct when the response starts with a character whose code point is even (about half of the samples)."""
     correct = bool(solution_str) and ord(solution_str[0]) % 2 == 0
+    return {"score": 1.0 if correct else 0.0, "acc": correct}
+
+
+def mixed_on_even_rows(data_source, solution_str, ground_truth, extra_info=None):
+    """Wrong on rows with an odd `extra_info.index`, so their groups are uniform; on the other rows correct on every
+    other call of this grading worker, so with one worker (`reward.num_workers=1`), which grades a group's samples one
+    after another, their groups are mixed whatever the engine samples."""
+    correct = (extra_info or {}).get("index", 1) % 2 == 0 and next(_calls_in_this_worker) % 2 == 0
     return {"score": 1.0 if correct else 0.0, "acc": correct}
 
 

@@ -24,8 +24,12 @@ def side_for(rollout_manager, tiny_model):
         side.close()
 
 
+MIXED_ON_EVEN_ROWS = "reward.custom_reward_function=tests.trainer.graders:mixed_on_even_rows"
+
+
 def test_filter_groups_drops_uniform_groups_and_fills_an_exact_batch(make_config, side_for):
-    side = side_for(make_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8"))
+    side = side_for(make_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=8",
+                                MIXED_ON_EVEN_ROWS))
     collected = side.controller.collect(step=1)
     metrics = collected.metrics
     assert collected.full and len(collected.groups) == 4
@@ -46,10 +50,10 @@ def test_limit_reached_raises_with_the_fix(make_config, side_for):
 
 def test_limit_reached_trains_on_the_partial_batch(make_config, side_for):
     side = side_for(make_config("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
-                                "algorithm.filter_groups.on_limit=use_partial"))
+                                "algorithm.filter_groups.on_limit=use_partial", MIXED_ON_EVEN_ROWS))
     collected = side.controller.collect(step=1)
     assert not collected.full and not collected.data_exhausted
-    assert 0 < len(collected.groups) < 4
+    assert len(collected.groups) == 2  # the stream's first four rows are 34, 28, 23 and 1 (seed 1)
     assert collected.metrics["filter/num_gen_batches"] == 1
     assert collected.metrics["timing/requested_prompts"] == 4
 
