@@ -178,7 +178,9 @@ def finished(run: Run) -> bool:
 
 
 class NewLines:
-    """The complete lines a growing file has gained since the last call (none before the file exists)."""
+    """The complete lines a growing file has gained since the last call (none before the file exists). A file found
+    shorter than what was read is read on from its new end: a resumed trainer rewrites `metrics.jsonl` without the
+    rows an earlier attempt logged past the checkpoint, at start-up, a step before it logs a new row."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.offset = path, path.stat().st_size if path.is_file() else 0
@@ -186,6 +188,7 @@ class NewLines:
     def read(self) -> list[str]:
         if not self.path.is_file():
             return []
+        self.offset = min(self.offset, self.path.stat().st_size)
         with self.path.open("rb") as file:
             file.seek(self.offset)
             data = file.read()

@@ -37,6 +37,25 @@ def test_new_lines_returns_each_complete_line_once(tmp_path):
     assert NewLines(tmp_path / "absent.log").read() == []
 
 
+def test_new_lines_reads_on_after_the_file_is_rewritten_shorter(tmp_path):
+    """A resumed trainer drops the rows logged past its checkpoint from metrics.jsonl, then logs the steps again;
+    reading on from the old offset would start mid-line (how GRPO seed 2's CPU log stopped at its resume)."""
+    from megatron_cpo.trainer.driver.loggers import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (1, 2, 3, 4):
+        sink.log({"val/acc": 0.5}, step)
+    sink.close()
+    rows = NewLines(path)
+    sink = JsonlSink(path, resume_step=2)  # the resumed attempt's logger at start-up
+    assert rows.read() == []
+    for step in (3, 4, 5):
+        sink.log({"val/acc": 0.25, "timing/step_s": 61.0}, step)
+    sink.close()
+    assert [json.loads(line)["step"] for line in rows.read()] == [3, 4, 5]
+
+
 def test_the_checkpoint_managers_resume_line_is_recognised():
     from megatron_cpo.trainer.run import checkpointing
 
