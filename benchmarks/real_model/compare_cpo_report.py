@@ -99,17 +99,19 @@ def step_cpu(path: Path) -> dict[int, float]:
 def cpu_by_step(entries: list[dict]) -> dict[int, float]:
     """Cumulative CPU seconds after each step: each step's own (its tree CPU minus the previous row's in the same
     attempt, a resumed attempt's "resumed" row included, so its start-up is not counted; the last attempt's when a
-    resume redid the step), summed from step 1."""
+    resume redid the step), summed from step 1 up to the first step without a row (the sum past a gap would be too
+    low)."""
     own: dict[int, float] = {}
     previous: dict[int, float] = {}
     for entry in entries:
         if "step" in entry:
             own[entry["step"]] = entry["tree_cpu_s"] - previous.get(entry["attempt"], 0.0)
         previous[entry["attempt"]] = entry["tree_cpu_s"]
-    total, cumulative = 0.0, {}
-    for step in sorted(s for s in own if s > 0):
+    total, cumulative, step = 0.0, {}, 1
+    while step in own:
         total += own[step]
         cumulative[step] = total
+        step += 1
     return cumulative
 
 

@@ -74,6 +74,11 @@ def test_a_resumed_attempts_start_up_is_not_a_steps_cpu(tmp_path):
     path = tmp_path / "step_cpu.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert step_cpu(path) == {1: 60.0, 2: 125.0, 3: 185.0}
+    # an attempt whose log missed steps 4-5 (GRPO seed 2's, before the runner read on after a rewrite): no sum past 3
+    with path.open("a") as file:
+        for row in ({"resumed": 5, "attempt": 2, "tree_cpu_s": 40.0}, {"step": 6, "attempt": 2, "tree_cpu_s": 100.0}):
+            file.write(json.dumps(row) + "\n")
+    assert step_cpu(path) == {1: 60.0, 2: 125.0, 3: 185.0}
 
 
 def test_the_curve_table_pairs_seeds_at_each_sample_count_interpolating_off_grid_validations():
