@@ -4,8 +4,8 @@ seconds, and the samples each arm needs to reach 90% of the teacher's accuracy (
     python benchmarks/real_model/compare_opd_report.py                           # runs/compare_cpo
     python benchmarks/real_model/compare_opd_report.py --runs runs/compare_opd640 --also runs/compare_cpo
     R=benchmarks/real_model/results                                               # the committed records
-    python benchmarks/real_model/compare_opd_report.py --runs $R/compare_cpo640 --also $R/compare_lora640 \
-        $R/compare_cpo2560 --teacher-run $R/compare_cpo2560/grpo/seed1
+    python benchmarks/real_model/compare_opd_report.py --runs $R/compare_cpo640 --also $R/compare_cpo2560 \
+        $R/compare_lora640 --teacher-run $R/compare_cpo2560/grpo/seed1
 
 Reads the finished runs of the arms `grpo`, `cpo_grpo`, `opd`, `opd_task`, `opsd`, `opsd_task` and
 `opsd_task_c0.1_t0.7` under `--runs` and then under each `--also` directory for the arm/seed pairs not found yet (GRPO's
