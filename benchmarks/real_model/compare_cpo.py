@@ -188,8 +188,8 @@ class NewLines:
     def read(self) -> list[str]:
         if not self.path.is_file():
             return []
-        self.offset = min(self.offset, self.path.stat().st_size)
         with self.path.open("rb") as file:
+            self.offset = min(self.offset, os.fstat(file.fileno()).st_size)  # the file opened, not a later one
             file.seek(self.offset)
             data = file.read()
         complete = data[: data.rfind(b"\n") + 1]
